@@ -1,0 +1,61 @@
+//! Errors of the kernel layer.
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a kernel or its host twin rejects, before anything runs.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An argument is out of range; names the argument, the value and the limit.
+    #[error("invalid argument `{arg}` = {value}: {limit}")]
+    InvalidArgument {
+        /// The argument's name.
+        arg: &'static str,
+        /// The offending value.
+        value: String,
+        /// What it must satisfy.
+        limit: String,
+    },
+    /// A slice has the wrong length.
+    #[error("length mismatch for `{arg}`: expected {expected}, got {got}")]
+    Length {
+        /// The argument's name.
+        arg: &'static str,
+        /// Expected number of elements.
+        expected: usize,
+        /// Given number of elements.
+        got: usize,
+    },
+    /// A CUDA driver call failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] cudarc::driver::DriverError),
+    /// A kernel reported that a peer never signalled within the timeout.
+    #[error("timed out waiting for rank {rank} in kernel `{kernel}`")]
+    PeerTimeout {
+        /// The rank that did not signal.
+        rank: usize,
+        /// The kernel that waited.
+        kernel: &'static str,
+    },
+}
+
+impl Error {
+    /// Builds an [`Error::InvalidArgument`].
+    pub fn invalid(arg: &'static str, value: impl std::fmt::Display, limit: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            arg,
+            value: value.to_string(),
+            limit: limit.into(),
+        }
+    }
+
+    /// Checks `got == expected` for the slice `arg`.
+    pub fn check_len(arg: &'static str, expected: usize, got: usize) -> Result<()> {
+        if expected == got {
+            Ok(())
+        } else {
+            Err(Self::Length { arg, expected, got })
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! Expert-parallel MoE kernels.
+//!
+//! Every kernel exists twice: a CUDA kernel (`src/<mode>/*.cu`, behind the `cuda` feature,
+//! launched through typed Rust functions) and a pure-Rust **host twin** over plain slices with
+//! the same inputs and outputs. The host twins are the CPU backend of `ep-runtime` and the
+//! reference the CUDA kernels are tested against, element by element.
+//!
+//! Modules follow the data path and DeepEP's split by mode:
+//! - [`layout`]: per-rank / per-node / per-expert token counts and `is_token_in_rank`;
+//! - [`fp8`]: per-token 1x128 fp8 e4m3 quantisation (optionally UE8M0 scales) and back;
+//! - [`intranode`]: the normal (high-throughput) mode: notify (prefix matrices, receive
+//!   counts), the dispatch receive order, and the combine reduction;
+//! - [`low_latency`]: the decode mode: fixed per-(expert, source) slots, pack/unpack and the
+//!   weighted combine.
+
+pub mod error;
+pub mod fp8;
+pub mod intranode;
+pub mod layout;
+pub mod low_latency;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+pub use error::{Error, Result};
+
+/// Largest number of ranks a kernel supports (sizes of on-chip per-rank arrays).
+pub const MAX_RANKS: usize = 1024;
+/// Number of hidden channels sharing one fp8 scale.
+pub const FP8_GROUP: usize = 128;

@@ -1,0 +1,18 @@
+//! Low-latency (decode) mode: send without asking, into fixed per-(expert, source) slots.
+//!
+//! Every rank reserves, for each of its `L` local experts and each of the `R` source ranks,
+//! `M = max_tokens_per_rank` message slots. A source writes the (token, expert) pair `(t, k)`
+//! into slot [`send_slots`]`[t, k]` of expert `topk_idx[t, k]`'s region for this source: the
+//! number of earlier tokens of the same source routed to the same expert, so slots are
+//! deterministic. The receiver packs the regions of expert `l` by source rank into
+//! `recv_x[l, offset(l, s) .. offset(l, s) + count(l, s)]`, with
+//! `offset(l, s) = sum_{s' < s} count(l, s')`.
+
+pub mod host;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::*;
+
+pub use host::*;

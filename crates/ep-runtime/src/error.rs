@@ -1,0 +1,144 @@
+//! The runtime's error type.
+
+use std::time::Duration;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the EP runtime.
+///
+/// Messages name the argument, the value and the limit (bad input), or the rank and what was
+/// awaited (communication), so a failure in a 64-rank job points at its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An argument is out of range or inconsistent; nothing was sent.
+    #[error("invalid argument `{arg}` = {value}: {limit}")]
+    InvalidArgument {
+        /// The argument's name.
+        arg: &'static str,
+        /// The offending value, printed.
+        value: String,
+        /// What it must satisfy.
+        limit: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error("shape mismatch for `{arg}`: expected {expected}, got {got:?}")]
+    Shape {
+        /// The argument's name.
+        arg: &'static str,
+        /// The expected shape, in words (e.g. `[num_tokens, 7168]`).
+        expected: String,
+        /// The shape given.
+        got: Vec<usize>,
+    },
+    /// A tensor has the wrong dtype.
+    #[error("dtype mismatch for `{arg}`: expected {expected}, got {got:?}")]
+    DType {
+        /// The argument's name.
+        arg: &'static str,
+        /// The accepted dtypes, in words.
+        expected: &'static str,
+        /// The dtype given.
+        got: candle_core::DType,
+    },
+    /// A handle was passed to an op it does not belong to.
+    #[error("handle mismatch: {0}")]
+    HandleMismatch(String),
+    /// A peer did not answer in time.
+    #[error("timed out after {waited:?} waiting for rank {rank} ({what})")]
+    Timeout {
+        /// The rank that did not answer.
+        rank: usize,
+        /// What was awaited.
+        what: String,
+        /// How long we waited.
+        waited: Duration,
+    },
+    /// A peer's connection closed (the process or thread is gone).
+    #[error("rank {rank} is gone: {what}")]
+    PeerLost {
+        /// The rank that is gone.
+        rank: usize,
+        /// What we were doing when we noticed.
+        what: String,
+    },
+    /// Some ranks were masked out of a low-latency op (timed out now or earlier); the op
+    /// completed with their contributions treated as zero.
+    #[error("ranks {ranks:?} are inactive (masked); their contributions were treated as zero")]
+    RanksMasked {
+        /// The inactive ranks.
+        ranks: Vec<usize>,
+    },
+    /// The bootstrap store failed.
+    #[error("bootstrap store: {0}")]
+    Store(String),
+    /// A socket or file operation failed.
+    #[error("i/o error ({context}): {source}")]
+    Io {
+        /// What we were doing.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A message from a peer could not be decoded.
+    #[error("protocol error from rank {rank}: {what}")]
+    Protocol {
+        /// The peer.
+        rank: usize,
+        /// What was wrong.
+        what: String,
+    },
+    /// A candle operation failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A kernel-level error.
+    #[error(transparent)]
+    Kernel(#[from] ep_kernels::Error),
+    /// A CUDA driver call failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] cudarc::driver::DriverError),
+    /// The requested operation is not available on this backend.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+impl Error {
+    /// Builds an [`Error::InvalidArgument`].
+    pub fn invalid(arg: &'static str, value: impl std::fmt::Display, limit: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            arg,
+            value: value.to_string(),
+            limit: limit.into(),
+        }
+    }
+
+    /// Builds an [`Error::Io`].
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The rank this error blames, if any.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Self::Timeout { rank, .. } | Self::PeerLost { rank, .. } | Self::Protocol { rank, .. } => {
+                Some(*rank)
+            }
+            Self::RanksMasked { ranks } => ranks.first().copied(),
+            _ => None,
+        }
+    }
+}
+
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(c) => c,
+            other => candle_core::Error::Msg(other.to_string()),
+        }
+    }
+}

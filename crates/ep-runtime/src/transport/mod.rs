@@ -1,0 +1,32 @@
+//! Point-to-point byte transports between the ranks of the host backend.
+//!
+//! The host backend moves every payload through a [`Transport`]: ranks that are threads of one
+//! process use [`LocalTransport`] (channels), ranks that are processes use [`TcpTransport`]
+//! (a TCP mesh whose addresses are swapped through the bootstrap store). Messages carry a
+//! tag (the op's sequence number) so that a late message of a timed-out op is never mistaken
+//! for the next op's.
+
+mod local;
+mod tcp;
+
+pub use local::LocalTransport;
+pub use tcp::TcpTransport;
+
+use crate::error::Result;
+use std::time::Instant;
+
+/// Ordered, tagged, reliable byte messages between ranks.
+pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn num_ranks(&self) -> usize;
+    /// Sends `data` to `peer` under `tag`. Never blocks for long: delivery is buffered.
+    /// Sending to oneself is allowed and lands in one's own inbox.
+    fn send(&self, peer: usize, tag: u64, data: Vec<u8>) -> Result<()>;
+    /// Receives the message `peer` sent under `tag`, waiting until `deadline`.
+    /// Errors name `peer`: [`crate::Error::Timeout`] when the deadline passes,
+    /// [`crate::Error::PeerLost`] when its connection is gone. Messages with a smaller tag
+    /// that were never received are dropped.
+    fn recv(&self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
+}
