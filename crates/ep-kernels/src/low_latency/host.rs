@@ -76,6 +76,7 @@ impl RecvLayout {
 /// `out[t] = bf16(sum over k with topk_idx[t, k] >= 0 and rank(topk_idx[t, k]) active,
 /// in k order, of w[t, k] * f32(y(t, k)))` where `y(t, k)` is the expert output row of
 /// `(t, k)`, obtained from `row(t, k)`.
+#[allow(clippy::too_many_arguments)] // mirrors the kernel's argument list
 pub fn combine<'a>(
     topk_idx: &[i64],
     topk_weights: &[f32],

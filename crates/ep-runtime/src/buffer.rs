@@ -1,0 +1,326 @@
+//! [`Buffer`]: one rank's communication state, and the collectives the ops are built from.
+
+use crate::bootstrap::Store;
+use crate::config::BufferConfig;
+use crate::error::{Error, Result};
+use crate::topology::Topology;
+use crate::transport::{LocalTransport, TcpTransport, Transport};
+use candle_core::{DType, Device, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_STORE_GROUP: AtomicU64 = AtomicU64::new(0);
+
+/// One rank's expert-parallel communication buffer, in the shape of DeepEP's `Buffer`.
+///
+/// It owns the rank's view of the group (its [`Topology`] and transport), the tuning and
+/// sizing in [`BufferConfig`], the low-latency active-ranks mask, and the op sequence that
+/// keeps the ranks' messages apart. The ops are
+/// [`get_dispatch_layout`](Buffer::get_dispatch_layout), [`dispatch`](Buffer::dispatch),
+/// [`combine`](Buffer::combine), [`low_latency_dispatch`](Buffer::low_latency_dispatch) and
+/// [`low_latency_combine`](Buffer::low_latency_combine). Every rank must call the same ops in
+/// the same order (they are collectives).
+///
+/// Tensors on the CPU go through the host backend: payloads are moved by the transport
+/// (channels between threads, or TCP between processes).
+pub struct Buffer {
+    pub(crate) topology: Topology,
+    pub(crate) config: BufferConfig,
+    pub(crate) id: u64,
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) device: Device,
+    seq: AtomicU64,
+    active: Mutex<Vec<bool>>,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("topology", &self.topology)
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// A buffer over an existing transport. The transport's rank and size must match
+    /// `topology`.
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        topology: Topology,
+        config: BufferConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        config.validate()?;
+        if transport.rank() != topology.rank || transport.num_ranks() != topology.num_ranks {
+            return Err(Error::invalid(
+                "transport",
+                format!("rank {} of {}", transport.rank(), transport.num_ranks()),
+                format!("must match topology rank {} of {}", topology.rank, topology.num_ranks),
+            ));
+        }
+        if !device.is_cpu() {
+            return Err(Error::Unsupported(format!(
+                "device {device:?}: this build's buffers move CPU tensors only \
+                 (build with the `cuda` feature for GPU buffers)"
+            )));
+        }
+        Ok(Self {
+            topology,
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+            transport,
+            device: device.clone(),
+            seq: AtomicU64::new(0),
+            active: Mutex::new(vec![true; topology.num_ranks]),
+            config,
+        })
+    }
+
+    /// `num_ranks` CPU ranks as threads of this process: element `i` is rank `i`'s buffer
+    /// (move each into its own thread).
+    pub fn local_group(num_ranks: usize, gpus_per_node: usize, config: BufferConfig) -> Result<Vec<Self>> {
+        Topology::new(0, num_ranks, gpus_per_node)?;
+        LocalTransport::group(num_ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let topology = Topology::new(rank, num_ranks, gpus_per_node)?;
+                Self::new(Arc::new(t), topology, config.clone(), &Device::Cpu)
+            })
+            .collect()
+    }
+
+    /// One process per rank: connects this rank to its peers through the bootstrap store
+    /// (a TCP mesh for the host backend). Every rank must create its buffers in the same
+    /// order.
+    pub fn from_store(store: &Store, topology: Topology, config: BufferConfig, device: &Device) -> Result<Self> {
+        if store.rank() != topology.rank || store.world_size() != topology.num_ranks {
+            return Err(Error::invalid(
+                "store",
+                format!("rank {} of {}", store.rank(), store.world_size()),
+                format!("must match topology rank {} of {}", topology.rank, topology.num_ranks),
+            ));
+        }
+        let group = format!("ep-buffer-{}", NEXT_STORE_GROUP.fetch_add(1, Ordering::Relaxed));
+        let transport = TcpTransport::connect(store, &group, config.timeout)?;
+        Self::new(Arc::new(transport), topology, config, device)
+    }
+
+    /// This rank's place in the group.
+    pub fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    /// The configuration the buffer was built with.
+    pub fn config(&self) -> &BufferConfig {
+        &self.config
+    }
+
+    /// The device whose tensors this buffer moves.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Which ranks take part in low-latency ops (`false` = masked: timed out or masked on
+    /// purpose; their contributions are treated as zero).
+    pub fn active_ranks(&self) -> Vec<bool> {
+        self.active.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Masks `rank` out of the low-latency ops on purpose.
+    pub fn mask_rank(&self, rank: usize) -> Result<()> {
+        self.check_rank(rank)?;
+        if rank == self.topology.rank {
+            return Err(Error::invalid("rank", rank, "a rank cannot mask itself"));
+        }
+        self.active.lock().unwrap_or_else(|e| e.into_inner())[rank] = false;
+        Ok(())
+    }
+
+    /// Marks every rank active again.
+    pub fn reset_active_ranks(&self) {
+        self.active
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+            .for_each(|a| *a = true);
+    }
+
+    fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.topology.num_ranks {
+            return Err(Error::invalid(
+                "rank",
+                rank,
+                format!("must be < num_ranks = {}", self.topology.num_ranks),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Gathers a small control message from every rank (index = rank), e.g. a serving
+    /// loop's per-step batch sizes. A collective: every rank must call it.
+    pub fn host_all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let n = self.topology.num_ranks;
+        let got = self.exchange("all_gather", (0..n).map(|_| Some(data.to_vec())).collect(), None)?;
+        Ok(got.into_iter().map(|m| m.unwrap_or_default()).collect())
+    }
+
+    /// The largest `value` over all ranks (a collective), e.g. to pick one mode for a step.
+    pub fn max_over_ranks(&self, value: u64) -> Result<u64> {
+        let all = self.host_all_gather(&value.to_le_bytes())?;
+        all.iter()
+            .enumerate()
+            .map(|(r, b)| {
+                b.as_slice()
+                    .try_into()
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| Error::Protocol {
+                        rank: r,
+                        what: format!("expected 8 bytes, got {}", b.len()),
+                    })
+            })
+            .try_fold(0u64, |m, v| Ok(m.max(v?)))
+    }
+
+    /// One round of point-to-point messages: `send[p]` goes to rank `p` (`None`: nothing),
+    /// and every other rank's message is received. With `masking` (low-latency ops),
+    /// inactive ranks are neither sent to nor waited for, and a peer that fails is marked
+    /// inactive and its slot left `None`; the failures are pushed to `masking`'s vector
+    /// instead of being returned. Otherwise the first failure (in rank order) is the error.
+    pub(crate) fn exchange(
+        &self,
+        what: &str,
+        send: Vec<Option<Vec<u8>>>,
+        mut masking: Option<&mut Vec<Error>>,
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let posted = self.post(what, send, masking.as_deref_mut())?;
+        self.complete(posted, masking)
+    }
+
+    /// The send half of [`Buffer::exchange`].
+    pub(crate) fn post(
+        &self,
+        what: &str,
+        send: Vec<Option<Vec<u8>>>,
+        mut masking: Option<&mut Vec<Error>>,
+    ) -> Result<Posted> {
+        let n = self.topology.num_ranks;
+        let me = self.topology.rank;
+        let tag = self.seq.fetch_add(1, Ordering::Relaxed);
+        let mut own = None;
+        for (p, msg) in send.into_iter().enumerate() {
+            let Some(msg) = msg else { continue };
+            if p == me {
+                own = Some(msg);
+            } else if masking.is_none() || self.active_ranks()[p] {
+                if let Err(e) = self.transport.send(p, tag, msg) {
+                    match masking.as_deref_mut() {
+                        Some(fails) => {
+                            self.active.lock().unwrap_or_else(|e| e.into_inner())[p] = false;
+                            fails.push(e);
+                        }
+                        None => return Err(e),
+                    }
+                }
+            }
+        }
+        debug_assert!(n > me);
+        Ok(Posted {
+            tag,
+            own,
+            what: what.to_string(),
+        })
+    }
+
+    /// The receive half of [`Buffer::exchange`].
+    pub(crate) fn complete(
+        &self,
+        posted: Posted,
+        mut masking: Option<&mut Vec<Error>>,
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let n = self.topology.num_ranks;
+        let me = self.topology.rank;
+        let mut out: Vec<Option<Vec<u8>>> = vec![None; n];
+        out[me] = posted.own;
+        let deadline = Instant::now() + self.config.timeout;
+        for p in (0..n).filter(|&p| p != me) {
+            if masking.is_some() && !self.active_ranks()[p] {
+                continue;
+            }
+            match self.transport.recv(p, posted.tag, deadline) {
+                Ok(m) => out[p] = Some(m),
+                Err(e) => match masking.as_deref_mut() {
+                    Some(fails) => {
+                        tracing::warn!(rank = p, op = %posted.what, "peer failed; masking it: {e}");
+                        self.active.lock().unwrap_or_else(|e| e.into_inner())[p] = false;
+                        fails.push(e);
+                    }
+                    None => {
+                        tracing::error!(rank = p, op = %posted.what, "peer failed: {e}");
+                        return Err(e);
+                    }
+                },
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks that `t` lives on this buffer's device.
+    pub(crate) fn check_device(&self, arg: &'static str, t: &Tensor) -> Result<()> {
+        if !t.device().same_device(&self.device) {
+            return Err(Error::invalid(
+                arg,
+                format!("a tensor on {:?}", t.device()),
+                format!("must be on the buffer's device {:?}", self.device),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Messages of one exchange that were sent but not yet received.
+#[derive(Debug)]
+pub(crate) struct Posted {
+    tag: u64,
+    own: Option<Vec<u8>>,
+    what: String,
+}
+
+/// Checks a tensor's shape against `expected` (`None` = any size in that dimension).
+pub(crate) fn check_shape(arg: &'static str, t: &Tensor, expected: &[Option<usize>]) -> Result<()> {
+    let dims = t.dims();
+    let ok = dims.len() == expected.len()
+        && dims
+            .iter()
+            .zip(expected)
+            .all(|(d, e)| e.is_none_or(|e| e == *d));
+    if ok {
+        Ok(())
+    } else {
+        let words: Vec<String> = expected
+            .iter()
+            .map(|e| e.map_or("_".to_string(), |v| v.to_string()))
+            .collect();
+        Err(Error::Shape {
+            arg,
+            expected: format!("[{}]", words.join(", ")),
+            got: dims.to_vec(),
+        })
+    }
+}
+
+/// Checks a tensor's dtype.
+pub(crate) fn check_dtype(arg: &'static str, t: &Tensor, ok: &[DType], expected: &'static str) -> Result<()> {
+    if ok.contains(&t.dtype()) {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            arg,
+            expected,
+            got: t.dtype(),
+        })
+    }
+}

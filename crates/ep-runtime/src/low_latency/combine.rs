@@ -1,0 +1,209 @@
+//! Low-latency combine.
+
+use super::{LowLatencyHandle, RecvHook};
+use crate::buffer::{check_dtype, check_shape, Buffer, Posted};
+use crate::codec::{pack, tensor_bytes, tensor_from_bytes, unpack};
+use crate::error::{Error, Result};
+use crate::event::EventOverlap;
+use candle_core::{DType, Tensor};
+
+/// The inputs of [`Buffer::low_latency_combine`].
+#[derive(Debug, Clone)]
+pub struct LowLatencyCombineArgs<'a> {
+    /// `[L, R * M, H]` expert outputs, row for row the dispatch's `recv_x` (bf16; f16/f32
+    /// also on the host backend).
+    pub x: &'a Tensor,
+    /// `[T, K]` i64: the routing given to the dispatch.
+    pub topk_idx: &'a Tensor,
+    /// `[T, K]` f32 gate weights.
+    pub topk_weights: &'a Tensor,
+    /// The dispatch's handle.
+    pub handle: &'a LowLatencyHandle,
+    /// Write the result into this `[T, H]` tensor (same dtype as `x`) instead of a new one.
+    pub out: Option<&'a Tensor>,
+    /// Return before the work is done (GPU buffers).
+    pub async_finish: bool,
+}
+
+impl<'a> LowLatencyCombineArgs<'a> {
+    /// Combine of `x` for the tokens routed by `topk_idx` / `topk_weights`.
+    pub fn new(x: &'a Tensor, topk_idx: &'a Tensor, topk_weights: &'a Tensor, handle: &'a LowLatencyHandle) -> Self {
+        Self {
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            out: None,
+            async_finish: false,
+        }
+    }
+
+    /// Writes into `out`.
+    pub fn out(mut self, out: &'a Tensor) -> Self {
+        self.out = Some(out);
+        self
+    }
+}
+
+/// What [`Buffer::low_latency_combine`] returns.
+#[derive(Debug, Clone)]
+pub struct LowLatencyCombineOutput {
+    /// `[T, H]`: `sum_k w_k * y_k` in f32, in `x`'s dtype (the `out` tensor if one was given).
+    pub combined_x: Tensor,
+    /// Completion of the combine.
+    pub event: EventOverlap,
+}
+
+pub(crate) struct LlCombinePlan {
+    handle: LowLatencyHandle,
+    weights: Vec<f32>,
+    dtype: DType,
+    out: Option<Tensor>,
+}
+
+impl Buffer {
+    /// Low-latency combine: every expert output row goes back to its token's home rank,
+    /// which computes the weighted sum. Masked ranks contribute zero.
+    pub fn low_latency_combine(&self, args: &LowLatencyCombineArgs<'_>) -> Result<LowLatencyCombineOutput> {
+        self.low_latency_combine_send(args)?.recv()
+    }
+
+    /// The send phase of [`Buffer::low_latency_combine`]; the returned hook receives.
+    pub fn low_latency_combine_send<'b>(
+        &'b self,
+        args: &LowLatencyCombineArgs<'_>,
+    ) -> Result<RecvHook<'b, LowLatencyCombineOutput>> {
+        let h = &args.handle.inner;
+        if h.buffer_id != self.id {
+            return Err(Error::HandleMismatch(format!(
+                "the low-latency handle was made by another buffer (id {}, this buffer is {})",
+                h.buffer_id, self.id
+            )));
+        }
+        let r = self.topology.num_ranks;
+        let l = h.placement.experts_per_rank();
+        let (t, k, m, hid) = (h.num_tokens, h.num_topk, h.max_tokens, h.hidden);
+        self.check_device("x", args.x)?;
+        check_shape("x", args.x, &[Some(l), Some(r * m), Some(hid)])?;
+        check_dtype("x", args.x, &[DType::BF16, DType::F16, DType::F32], "bf16, f16 or f32")?;
+        self.check_device("topk_idx", args.topk_idx)?;
+        check_shape("topk_idx", args.topk_idx, &[Some(t), Some(k)])?;
+        check_dtype("topk_idx", args.topk_idx, &[DType::I64], "i64")?;
+        if args.topk_idx.flatten_all()?.to_vec1::<i64>()? != h.topk_idx {
+            return Err(Error::HandleMismatch(
+                "topk_idx differs from the routing of the dispatch that made the handle".into(),
+            ));
+        }
+        self.check_device("topk_weights", args.topk_weights)?;
+        check_shape("topk_weights", args.topk_weights, &[Some(t), Some(k)])?;
+        check_dtype("topk_weights", args.topk_weights, &[DType::F32], "f32")?;
+        if let Some(o) = args.out {
+            self.check_device("out", o)?;
+            check_shape("out", o, &[Some(t), Some(hid)])?;
+            check_dtype("out", o, &[args.x.dtype()], "the dtype of x")?;
+        }
+        let weights = args.topk_weights.flatten_all()?.to_vec1::<f32>()?;
+        let xb = tensor_bytes(args.x)?;
+        let row = hid * args.x.dtype().size_in_bytes();
+        // To each source: for each local expert, its rows of that source, in slot order.
+        let msgs = (0..r)
+            .map(|s| {
+                let mut rows = Vec::new();
+                for le in 0..l {
+                    let off = h.layout.offsets[le * r + s] as usize;
+                    let c = h.layout.counts[le * r + s] as usize;
+                    let base = le * r * m;
+                    rows.extend_from_slice(&xb[(base + off) * row..(base + off + c) * row]);
+                }
+                Some(pack(&[&rows]))
+            })
+            .collect();
+        let mut fails = Vec::new();
+        let posted = self.post("low_latency_combine", msgs, Some(&mut fails))?;
+        let plan = LlCombinePlan {
+            handle: args.handle.clone(),
+            weights,
+            dtype: args.x.dtype(),
+            out: args.out.cloned(),
+        };
+        Ok(RecvHook {
+            finish: Box::new(move || self.ll_combine_finish(plan, posted, fails)),
+        })
+    }
+
+    fn ll_combine_finish(&self, plan: LlCombinePlan, posted: Posted, mut fails: Vec<Error>) -> Result<LowLatencyCombineOutput> {
+        let got = self.complete(posted, Some(&mut fails))?;
+        let h = &plan.handle.inner;
+        let r = self.topology.num_ranks;
+        let l = h.placement.experts_per_rank();
+        let (t, k, hid) = (h.num_tokens, h.num_topk, h.hidden);
+        let row = hid * plan.dtype.size_in_bytes();
+        // rows[d]: f32 rows from expert rank d, per local expert in slot order.
+        let mut rows: Vec<Option<Vec<f32>>> = Vec::with_capacity(r);
+        let mut block_start = vec![0usize; r * l];
+        for (d, msg) in got.iter().enumerate() {
+            let Some(msg) = msg else {
+                rows.push(None);
+                continue;
+            };
+            let parts = unpack(msg, 1, d)?;
+            let mut acc = 0;
+            for le in 0..l {
+                block_start[d * l + le] = acc;
+                acc += h.send_counts[d * l + le] as usize;
+            }
+            if parts[0].len() != acc * row {
+                return Err(Error::Protocol {
+                    rank: d,
+                    what: format!(
+                        "low-latency combine sent {} bytes, expected {acc} rows of {row} bytes",
+                        parts[0].len()
+                    ),
+                });
+            }
+            let v = tensor_from_bytes(parts[0], plan.dtype, &[acc, hid])?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            rows.push(Some(v));
+        }
+        let active: Vec<bool> = (0..r).map(|d| rows[d].is_some()).collect();
+        let mut out = vec![0f32; t * hid];
+        for ti in 0..t {
+            let acc = &mut out[ti * hid..(ti + 1) * hid];
+            for kk in 0..k {
+                let e = h.topk_idx[ti * k + kk];
+                if e < 0 {
+                    continue;
+                }
+                let e = e as usize;
+                let d = h.placement.rank_of(e);
+                if !active[d] {
+                    continue;
+                }
+                let Some(rs) = &rows[d] else { continue };
+                let j = block_start[e] + h.slots[ti * k + kk] as usize;
+                let w = plan.weights[ti * k + kk];
+                for (a, v) in acc.iter_mut().zip(&rs[j * hid..(j + 1) * hid]) {
+                    *a += w * v;
+                }
+            }
+        }
+        let combined = Tensor::from_vec(out, (t, hid), &self.device)?.to_dtype(plan.dtype)?;
+        let combined_x = match plan.out {
+            Some(o) => {
+                o.slice_set(&combined, 0, 0)?;
+                o
+            }
+            None => combined,
+        };
+        let out = LowLatencyCombineOutput {
+            combined_x,
+            event: EventOverlap::complete(),
+        };
+        match fails.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! Normal (high-throughput) mode: ask, then send.
+//!
+//! [`Buffer::dispatch`](crate::Buffer::dispatch) first exchanges the layout counts (the
+//! notify step), so every receiver knows exactly how many tokens each source sends, then
+//! moves the tokens into exactly-sized outputs ordered by source rank, then token order.
+//! [`Buffer::combine`](crate::Buffer::combine) sends rows back along the same path, using
+//! the [`Handle`] of the dispatch, and sums them on the tokens' home ranks.
+
+mod combine;
+mod dispatch;
+mod handle;
+
+pub use combine::{CombineArgs, CombineOutput};
+pub use dispatch::{DispatchArgs, DispatchOutput};
+pub use handle::Handle;
