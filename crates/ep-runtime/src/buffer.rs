@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
-static NEXT_STORE_GROUP: AtomicU64 = AtomicU64::new(0);
 
 /// One rank's expert-parallel communication buffer, in the shape of DeepEP's `Buffer`.
 ///
@@ -104,8 +103,9 @@ impl Buffer {
                 format!("must match topology rank {} of {}", topology.rank, topology.num_ranks),
             ));
         }
-        let group = format!("ep-buffer-{}", NEXT_STORE_GROUP.fetch_add(1, Ordering::Relaxed));
-        let transport = TcpTransport::connect(store, &group, config.timeout)?;
+        // The store counts the all-gathers behind each connect, so buffers created in the
+        // same order on every rank pair up under one group name.
+        let transport = TcpTransport::connect(store, "ep-buffer", config.timeout)?;
         Self::new(Arc::new(transport), topology, config, device)
     }
 
