@@ -42,7 +42,11 @@ pub enum Error {
 
 impl Error {
     /// Builds an [`Error::InvalidArgument`].
-    pub fn invalid(arg: &'static str, value: impl std::fmt::Display, limit: impl Into<String>) -> Self {
+    pub fn invalid(
+        arg: &'static str,
+        value: impl std::fmt::Display,
+        limit: impl Into<String>,
+    ) -> Self {
         Self::InvalidArgument {
             arg,
             value: value.to_string(),

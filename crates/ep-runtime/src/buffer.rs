@@ -58,7 +58,10 @@ impl Buffer {
             return Err(Error::invalid(
                 "transport",
                 format!("rank {} of {}", transport.rank(), transport.num_ranks()),
-                format!("must match topology rank {} of {}", topology.rank, topology.num_ranks),
+                format!(
+                    "must match topology rank {} of {}",
+                    topology.rank, topology.num_ranks
+                ),
             ));
         }
         if !device.is_cpu() {
@@ -80,7 +83,11 @@ impl Buffer {
 
     /// `num_ranks` CPU ranks as threads of this process: element `i` is rank `i`'s buffer
     /// (move each into its own thread).
-    pub fn local_group(num_ranks: usize, gpus_per_node: usize, config: BufferConfig) -> Result<Vec<Self>> {
+    pub fn local_group(
+        num_ranks: usize,
+        gpus_per_node: usize,
+        config: BufferConfig,
+    ) -> Result<Vec<Self>> {
         Topology::new(0, num_ranks, gpus_per_node)?;
         LocalTransport::group(num_ranks)
             .into_iter()
@@ -95,12 +102,20 @@ impl Buffer {
     /// One process per rank: connects this rank to its peers through the bootstrap store
     /// (a TCP mesh for the host backend). Every rank must create its buffers in the same
     /// order.
-    pub fn from_store(store: &Store, topology: Topology, config: BufferConfig, device: &Device) -> Result<Self> {
+    pub fn from_store(
+        store: &Store,
+        topology: Topology,
+        config: BufferConfig,
+        device: &Device,
+    ) -> Result<Self> {
         if store.rank() != topology.rank || store.world_size() != topology.num_ranks {
             return Err(Error::invalid(
                 "store",
                 format!("rank {} of {}", store.rank(), store.world_size()),
-                format!("must match topology rank {} of {}", topology.rank, topology.num_ranks),
+                format!(
+                    "must match topology rank {} of {}",
+                    topology.rank, topology.num_ranks
+                ),
             ));
         }
         // The store counts the all-gathers behind each connect, so buffers created in the
@@ -127,7 +142,10 @@ impl Buffer {
     /// Which ranks take part in low-latency ops (`false` = masked: timed out or masked on
     /// purpose; their contributions are treated as zero).
     pub fn active_ranks(&self) -> Vec<bool> {
-        self.active.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.active
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Masks `rank` out of the low-latency ops on purpose.
@@ -164,7 +182,11 @@ impl Buffer {
     /// loop's per-step batch sizes. A collective: every rank must call it.
     pub fn host_all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let n = self.topology.num_ranks;
-        let got = self.exchange("all_gather", (0..n).map(|_| Some(data.to_vec())).collect(), None)?;
+        let got = self.exchange(
+            "all_gather",
+            (0..n).map(|_| Some(data.to_vec())).collect(),
+            None,
+        )?;
         Ok(got.into_iter().map(|m| m.unwrap_or_default()).collect())
     }
 
@@ -313,7 +335,12 @@ pub(crate) fn check_shape(arg: &'static str, t: &Tensor, expected: &[Option<usiz
 }
 
 /// Checks a tensor's dtype.
-pub(crate) fn check_dtype(arg: &'static str, t: &Tensor, ok: &[DType], expected: &'static str) -> Result<()> {
+pub(crate) fn check_dtype(
+    arg: &'static str,
+    t: &Tensor,
+    ok: &[DType],
+    expected: &'static str,
+) -> Result<()> {
     if ok.contains(&t.dtype()) {
         Ok(())
     } else {

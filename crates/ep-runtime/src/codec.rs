@@ -60,7 +60,8 @@ pub(crate) fn unpack(msg: &[u8], expected: usize, from: usize) -> Result<Vec<&[u
     let mut off = header;
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let len = u64::from_le_bytes(msg[4 + 8 * i..12 + 8 * i].try_into().expect("8 bytes")) as usize;
+        let len =
+            u64::from_le_bytes(msg[4 + 8 * i..12 + 8 * i].try_into().expect("8 bytes")) as usize;
         let end = off
             .checked_add(len)
             .filter(|&e| e <= msg.len())

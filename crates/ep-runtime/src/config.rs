@@ -32,7 +32,11 @@ impl Config {
     /// Checks the invariants.
     pub fn validate(&self) -> Result<()> {
         if self.num_sms < 2 || self.num_sms % 2 != 0 {
-            return Err(Error::invalid("num_sms", self.num_sms, "must be even and >= 2"));
+            return Err(Error::invalid(
+                "num_sms",
+                self.num_sms,
+                "must be even and >= 2",
+            ));
         }
         if self.num_max_send_tokens == 0 {
             return Err(Error::invalid("num_max_send_tokens", 0, "must be >= 1"));
@@ -41,7 +45,10 @@ impl Config {
             return Err(Error::invalid(
                 "num_max_recv_tokens",
                 self.num_max_recv_tokens,
-                format!("must be >= num_max_send_tokens = {}", self.num_max_send_tokens),
+                format!(
+                    "must be >= num_max_send_tokens = {}",
+                    self.num_max_send_tokens
+                ),
             ));
         }
         Ok(())
@@ -87,7 +94,12 @@ impl Default for BufferConfig {
 
 impl BufferConfig {
     /// Enables the low-latency ops for up to `max_tokens_per_rank` tokens per rank.
-    pub fn with_low_latency(mut self, max_tokens_per_rank: usize, hidden: usize, num_experts: usize) -> Self {
+    pub fn with_low_latency(
+        mut self,
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        num_experts: usize,
+    ) -> Self {
         self.low_latency = Some(LowLatencySizing {
             max_tokens_per_rank,
             hidden,

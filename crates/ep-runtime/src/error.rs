@@ -106,7 +106,11 @@ pub enum Error {
 
 impl Error {
     /// Builds an [`Error::InvalidArgument`].
-    pub fn invalid(arg: &'static str, value: impl std::fmt::Display, limit: impl Into<String>) -> Self {
+    pub fn invalid(
+        arg: &'static str,
+        value: impl std::fmt::Display,
+        limit: impl Into<String>,
+    ) -> Self {
         Self::InvalidArgument {
             arg,
             value: value.to_string(),
@@ -125,9 +129,9 @@ impl Error {
     /// The rank this error blames, if any.
     pub fn rank(&self) -> Option<usize> {
         match self {
-            Self::Timeout { rank, .. } | Self::PeerLost { rank, .. } | Self::Protocol { rank, .. } => {
-                Some(*rank)
-            }
+            Self::Timeout { rank, .. }
+            | Self::PeerLost { rank, .. }
+            | Self::Protocol { rank, .. } => Some(*rank),
             Self::RanksMasked { ranks } => ranks.first().copied(),
             _ => None,
         }

@@ -37,7 +37,10 @@ impl DispatchLayout {
 }
 
 /// Host copy of a `[T, K]` i64 `topk_idx`, validated against `num_experts`.
-pub(crate) fn read_topk_idx(topk_idx: &Tensor, placement: &ExpertPlacement) -> Result<(Vec<i64>, usize, usize)> {
+pub(crate) fn read_topk_idx(
+    topk_idx: &Tensor,
+    placement: &ExpertPlacement,
+) -> Result<(Vec<i64>, usize, usize)> {
     check_shape("topk_idx", topk_idx, &[None, None])?;
     check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
     let (t, k) = topk_idx.dims2()?;
@@ -58,7 +61,11 @@ impl Buffer {
 
     /// Computes the dispatch layout of `topk_idx: [T, K]` (i64, `-1` = no expert) for
     /// `num_experts` routed experts spread evenly over the ranks. No communication.
-    pub fn get_dispatch_layout(&self, topk_idx: &Tensor, num_experts: usize) -> Result<DispatchLayout> {
+    pub fn get_dispatch_layout(
+        &self,
+        topk_idx: &Tensor,
+        num_experts: usize,
+    ) -> Result<DispatchLayout> {
         self.check_device("topk_idx", topk_idx)?;
         if num_experts % self.topology.num_ranks != 0 || num_experts == 0 {
             return Err(Error::invalid(
@@ -79,11 +86,19 @@ impl Buffer {
         Ok(DispatchLayout {
             num_tokens_per_rank: Tensor::from_slice(&host.num_tokens_per_rank, r, dev)?,
             num_tokens_per_node: if placement.num_nodes() > 1 {
-                Some(Tensor::from_slice(&host.num_tokens_per_node, placement.num_nodes(), dev)?)
+                Some(Tensor::from_slice(
+                    &host.num_tokens_per_node,
+                    placement.num_nodes(),
+                    dev,
+                )?)
             } else {
                 None
             },
-            num_tokens_per_expert: Tensor::from_slice(&host.num_tokens_per_expert, num_experts, dev)?,
+            num_tokens_per_expert: Tensor::from_slice(
+                &host.num_tokens_per_expert,
+                num_experts,
+                dev,
+            )?,
             is_token_in_rank: Tensor::from_vec(in_rank, (t, r), dev)?,
             event: EventOverlap::complete(),
             host,

@@ -44,6 +44,7 @@
 
 pub mod bootstrap;
 mod buffer;
+pub mod cast;
 mod codec;
 pub mod config;
 pub mod error;
@@ -61,8 +62,8 @@ pub use error::{Error, Result};
 pub use event::EventOverlap;
 pub use layout::DispatchLayout;
 pub use low_latency::{
-    LowLatencyCombineArgs, LowLatencyCombineOutput, LowLatencyDispatchArgs, LowLatencyDispatchOutput,
-    LowLatencyHandle, RecvHook,
+    LowLatencyCombineArgs, LowLatencyCombineOutput, LowLatencyDispatchArgs,
+    LowLatencyDispatchOutput, LowLatencyHandle, RecvHook,
 };
 pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 pub use topology::Topology;

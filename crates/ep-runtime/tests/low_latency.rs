@@ -1,4 +1,5 @@
 //! Low-latency dispatch and combine on the host backend, against a naive reference.
+#![allow(clippy::needless_range_loop)] // reference code indexes ranks, tokens and channels
 
 mod common;
 
@@ -19,18 +20,35 @@ struct Inputs {
 fn inputs(seed: u64, tokens: &[usize], k: usize, e: usize, h: usize, style: Style) -> Inputs {
     let r = tokens.len();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut inp = Inputs { x: vec![], idx: vec![], w: vec![] };
+    let mut inp = Inputs {
+        x: vec![],
+        idx: vec![],
+        w: vec![],
+    };
     for &t in tokens {
-        inp.x.push((0..t * h).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect());
+        inp.x.push(
+            (0..t * h)
+                .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+                .collect(),
+        );
         inp.idx.push(routing(&mut rng, t, k, e, r, style));
-        inp.w.push((0..t * k).map(|_| rng.random_range(0.0f32..1.0)).collect());
+        inp.w
+            .push((0..t * k).map(|_| rng.random_range(0.0f32..1.0)).collect());
     }
     inp
 }
 
 /// Dispatch, check against the naive packing, run "experts" y = 2x + rank, combine, check the
 /// weighted sum.
-fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool, style: Style, hook: bool) {
+fn check_round_trip(
+    tokens: Vec<usize>,
+    m: usize,
+    k: usize,
+    e: usize,
+    fp8: bool,
+    style: Style,
+    hook: bool,
+) {
     let r = tokens.len();
     let h = 128;
     let k = k.min(e);
@@ -56,9 +74,25 @@ fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool,
             buf.low_latency_dispatch(&args).unwrap()
         };
         assert_eq!(out.recv_x.dims(), &[l, r * m, h]);
-        let recv: Vec<f32> = out.recv_x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let scales: Option<Vec<f32>> = out.recv_x_scales.as_ref().map(|s| s.flatten_all().unwrap().to_vec1().unwrap());
-        let src_info: Vec<i32> = out.handle.src_info().flatten_all().unwrap().to_vec1().unwrap();
+        let recv: Vec<f32> = out
+            .recv_x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let scales: Option<Vec<f32>> = out
+            .recv_x_scales
+            .as_ref()
+            .map(|s| s.flatten_all().unwrap().to_vec1().unwrap());
+        let src_info: Vec<i32> = out
+            .handle
+            .src_info()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let counts: Vec<i32> = out.recv_count.to_vec1().unwrap();
         for le in 0..l {
             let ge = (me * l + le) as i64;
@@ -73,9 +107,15 @@ fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool,
                         assert_eq!(src_info[p], ti as i32, "expert {le} row {row}");
                         for c in 0..h {
                             let want = inp.x[s][ti * h + c].to_f32();
-                            let got = recv[p * h + c] * scales.as_ref().map_or(1.0, |sc| sc[p * (h / 128) + c / 128]);
+                            let got = recv[p * h + c]
+                                * scales
+                                    .as_ref()
+                                    .map_or(1.0, |sc| sc[p * (h / 128) + c / 128]);
                             if fp8 {
-                                assert!((want - got).abs() <= want.abs() / 16.0 + 2.0 / 448.0 * 2.0, "{want} vs {got}");
+                                assert!(
+                                    (want - got).abs() <= want.abs() / 16.0 + 2.0 / 448.0 * 2.0,
+                                    "{want} vs {got}"
+                                );
                             } else {
                                 assert_eq!(want, got);
                             }
@@ -90,15 +130,29 @@ fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool,
         // Expert: y = x (dequantised) * 2 + rank, bf16.
         let xin = match &out.recv_x_scales {
             Some(s) => {
-                let xf = out.recv_x.to_dtype(DType::F32).unwrap().reshape((l, r * m, h / 128, 128)).unwrap();
-                xf.broadcast_mul(&s.unsqueeze(3).unwrap()).unwrap().reshape((l, r * m, h)).unwrap()
+                let xf = out
+                    .recv_x
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .reshape((l, r * m, h / 128, 128))
+                    .unwrap();
+                xf.broadcast_mul(&s.unsqueeze(3).unwrap())
+                    .unwrap()
+                    .reshape((l, r * m, h))
+                    .unwrap()
             }
             None => out.recv_x.to_dtype(DType::F32).unwrap(),
         };
-        let y = ((xin * 2.0).unwrap() + me as f64).unwrap().to_dtype(DType::BF16).unwrap();
+        let y = ((xin * 2.0).unwrap() + me as f64)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
         let combine_args = LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle);
         let comb = if hook {
-            buf.low_latency_combine_send(&combine_args).unwrap().recv().unwrap()
+            buf.low_latency_combine_send(&combine_args)
+                .unwrap()
+                .recv()
+                .unwrap()
         } else {
             buf.low_latency_combine(&combine_args).unwrap()
         };
@@ -115,7 +169,13 @@ fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool,
                     }
                     let d = ge as usize / l;
                     let xv = if fp8 {
-                        let (q, s) = ep_kernels::fp8::quantize(&inp.x[me][ti * h..(ti + 1) * h], 1, h, ep_kernels::fp8::ScaleFormat::Float).unwrap();
+                        let (q, s) = ep_kernels::fp8::quantize(
+                            &inp.x[me][ti * h..(ti + 1) * h],
+                            1,
+                            h,
+                            ep_kernels::fp8::ScaleFormat::Float,
+                        )
+                        .unwrap();
                         q[c].to_f32() * s[c / 128]
                     } else {
                         inp.x[me][ti * h + c].to_f32()
@@ -123,7 +183,11 @@ fn check_round_trip(tokens: Vec<usize>, m: usize, k: usize, e: usize, fp8: bool,
                     let yv = bf16::from_f32(xv * 2.0 + d as f32).to_f32();
                     acc += inp.w[me][ti * k + kk] * yv;
                 }
-                assert_eq!(got[ti * h + c], bf16::from_f32(acc), "rank {me} token {ti} ch {c}");
+                assert_eq!(
+                    got[ti * h + c],
+                    bf16::from_f32(acc),
+                    "rank {me} token {ti} ch {c}"
+                );
             }
         }
     });
@@ -148,62 +212,126 @@ fn fp8_round_trip_and_hooks() {
 #[test]
 fn many_consecutive_ops() {
     let (r, m, h, e, k) = (4usize, 8usize, 128usize, 8usize, 2usize);
-    run_ranks(r, 2, BufferConfig::default().with_low_latency(m, h, e), move |buf| {
-        let mut rng = rand::rng();
-        for _ in 0..30 {
-            let t = rng.random_range(0..=m);
-            let x = tensor((0..t * h).map(|_| bf16::from_f32(rng.random())).collect(), &[t, h]);
-            let idx = tensor(routing(&mut rng, t, k, e, r, Style::Random), &[t, k]);
-            let w = tensor(vec![1f32; t * k], &[t, k]);
-            let out = buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e)).unwrap();
-            let y = out.recv_x.clone();
-            let c = buf.low_latency_combine(&LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle)).unwrap();
-            assert_eq!(c.combined_x.dims(), &[t, h]);
-        }
-    });
+    run_ranks(
+        r,
+        2,
+        BufferConfig::default().with_low_latency(m, h, e),
+        move |buf| {
+            let mut rng = rand::rng();
+            for _ in 0..30 {
+                let t = rng.random_range(0..=m);
+                let x = tensor(
+                    (0..t * h).map(|_| bf16::from_f32(rng.random())).collect(),
+                    &[t, h],
+                );
+                let idx = tensor(routing(&mut rng, t, k, e, r, Style::Random), &[t, k]);
+                let w = tensor(vec![1f32; t * k], &[t, k]);
+                let out = buf
+                    .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e))
+                    .unwrap();
+                let y = out.recv_x.clone();
+                let c = buf
+                    .low_latency_combine(&LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle))
+                    .unwrap();
+                assert_eq!(c.combined_x.dims(), &[t, h]);
+            }
+        },
+    );
 }
 
 #[test]
 fn combine_writes_into_a_given_output() {
-    run_ranks(2, 2, BufferConfig::default().with_low_latency(4, 128, 4), |buf| {
-        let x = tensor(vec![bf16::from_f32(1.5); 2 * 128], &[2, 128]);
-        let idx = tensor(vec![0i64, 3, 1, -1], &[2, 2]);
-        let w = tensor(vec![0.5f32, 0.25, 1.0, 1.0], &[2, 2]);
-        let out = buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 4)).unwrap();
-        let dst = tensor(vec![bf16::from_f32(-7.0); 2 * 128], &[2, 128]);
-        let c = buf
-            .low_latency_combine(&LowLatencyCombineArgs::new(&out.recv_x, &idx, &w, &out.handle).out(&dst))
-            .unwrap();
-        let v: Vec<bf16> = dst.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(v[..128].iter().all(|&a| a == bf16::from_f32(1.5 * 0.75)));
-        assert!(v[128..].iter().all(|&a| a == bf16::from_f32(1.5)));
-        assert_eq!(c.combined_x.flatten_all().unwrap().to_vec1::<bf16>().unwrap(), v);
-    });
+    run_ranks(
+        2,
+        2,
+        BufferConfig::default().with_low_latency(4, 128, 4),
+        |buf| {
+            let x = tensor(vec![bf16::from_f32(1.5); 2 * 128], &[2, 128]);
+            let idx = tensor(vec![0i64, 3, 1, -1], &[2, 2]);
+            let w = tensor(vec![0.5f32, 0.25, 1.0, 1.0], &[2, 2]);
+            let out = buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 4))
+                .unwrap();
+            let dst = tensor(vec![bf16::from_f32(-7.0); 2 * 128], &[2, 128]);
+            let c = buf
+                .low_latency_combine(
+                    &LowLatencyCombineArgs::new(&out.recv_x, &idx, &w, &out.handle).out(&dst),
+                )
+                .unwrap();
+            let v: Vec<bf16> = dst.flatten_all().unwrap().to_vec1().unwrap();
+            assert!(v[..128].iter().all(|&a| a == bf16::from_f32(1.5 * 0.75)));
+            assert!(v[128..].iter().all(|&a| a == bf16::from_f32(1.5)));
+            assert_eq!(
+                c.combined_x
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<bf16>()
+                    .unwrap(),
+                v
+            );
+        },
+    );
 }
 
 #[test]
 fn bad_low_latency_inputs() {
-    let errs = run_ranks(2, 2, BufferConfig::default().with_low_latency(4, 128, 8), |buf| {
-        let x = tensor(vec![bf16::ONE; 5 * 128], &[5, 128]);
-        let idx = tensor(vec![0i64; 5], &[5, 1]);
-        let mut m = vec![buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 8)).unwrap_err().to_string()];
-        m.push(buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 8, 8)).unwrap_err().to_string());
-        let x3 = tensor(vec![bf16::ONE; 3 * 96], &[3, 96]);
-        let idx3 = tensor(vec![0i64; 3], &[3, 1]);
-        m.push(buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x3, &idx3, 4, 8).fp8(false)).unwrap_err().to_string());
-        m.push(buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x3, &idx3, 4, 7)).unwrap_err().to_string());
-        m
-    });
+    let errs = run_ranks(
+        2,
+        2,
+        BufferConfig::default().with_low_latency(4, 128, 8),
+        |buf| {
+            let x = tensor(vec![bf16::ONE; 5 * 128], &[5, 128]);
+            let idx = tensor(vec![0i64; 5], &[5, 1]);
+            let mut m = vec![buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 8))
+                .unwrap_err()
+                .to_string()];
+            m.push(
+                buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 8, 8))
+                    .unwrap_err()
+                    .to_string(),
+            );
+            let x3 = tensor(vec![bf16::ONE; 3 * 96], &[3, 96]);
+            let idx3 = tensor(vec![0i64; 3], &[3, 1]);
+            m.push(
+                buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x3, &idx3, 4, 8).fp8(false))
+                    .unwrap_err()
+                    .to_string(),
+            );
+            m.push(
+                buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x3, &idx3, 4, 7))
+                    .unwrap_err()
+                    .to_string(),
+            );
+            m
+        },
+    );
     for m in errs {
         assert!(m[0].contains("5 tokens") && m[0].contains('4'), "{}", m[0]);
-        assert!(m[1].contains("num_max_dispatch_tokens_per_rank") && m[1].contains('8') && m[1].contains("[1, 4]"), "{}", m[1]);
-        assert!(m[2].contains("hidden") && m[2].contains("96") && m[2].contains("128"), "{}", m[2]);
-        assert!(m[3].contains("num_experts") && m[3].contains('7'), "{}", m[3]);
+        assert!(
+            m[1].contains("num_max_dispatch_tokens_per_rank")
+                && m[1].contains('8')
+                && m[1].contains("[1, 4]"),
+            "{}",
+            m[1]
+        );
+        assert!(
+            m[2].contains("hidden") && m[2].contains("96") && m[2].contains("128"),
+            "{}",
+            m[2]
+        );
+        assert!(
+            m[3].contains("num_experts") && m[3].contains('7'),
+            "{}",
+            m[3]
+        );
     }
     let no_ll = ep_runtime::Buffer::local_group(1, 1, BufferConfig::default()).unwrap();
     let x = tensor(vec![bf16::ONE; 128], &[1, 128]);
     let idx = tensor(vec![0i64], &[1, 1]);
-    let e = no_ll[0].low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 1, 1)).unwrap_err();
+    let e = no_ll[0]
+        .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 1, 1))
+        .unwrap_err();
     assert!(e.to_string().contains("with_low_latency"), "{e}");
 }
 
@@ -233,11 +361,25 @@ fn a_silent_rank_is_masked_and_named() {
         assert!(started.elapsed() < Duration::from_secs(2));
         assert_eq!(err.rank(), Some(2), "{err}");
         // Now masked: ops complete without waiting and without error.
-        let out = buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e)).unwrap();
-        let c = buf
-            .low_latency_combine(&LowLatencyCombineArgs::new(&out.recv_x, &idx, &w, &out.handle))
+        let out = buf
+            .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e))
             .unwrap();
-        let v: Vec<f32> = c.combined_x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let c = buf
+            .low_latency_combine(&LowLatencyCombineArgs::new(
+                &out.recv_x,
+                &idx,
+                &w,
+                &out.handle,
+            ))
+            .unwrap();
+        let v: Vec<f32> = c
+            .combined_x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         (me, Some(v), vec![err.to_string()], buf.active_ranks())
     });
     for (me, v, errs, active) in res {
@@ -256,19 +398,43 @@ fn a_silent_rank_is_masked_and_named() {
 #[test]
 fn masking_a_rank_on_purpose() {
     let (r, m, h, e) = (2usize, 4usize, 128usize, 4usize);
-    let res = run_ranks(r, r, BufferConfig::default().with_low_latency(m, h, e), move |buf| {
-        let me = buf.topology().rank;
-        buf.mask_rank(1 - me).unwrap();
-        assert!(matches!(buf.mask_rank(me), Err(Error::InvalidArgument { .. })));
-        let x = tensor(vec![bf16::ONE; h], &[1, h]);
-        let idx = tensor(vec![0i64, 2], &[1, 2]);
-        let w = tensor(vec![1f32, 1.0], &[1, 2]);
-        let out = buf.low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e)).unwrap();
-        let c = buf.low_latency_combine(&LowLatencyCombineArgs::new(&out.recv_x, &idx, &w, &out.handle)).unwrap();
-        let v: Vec<f32> = c.combined_x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        buf.reset_active_ranks();
-        (v[0], buf.active_ranks())
-    });
+    let res = run_ranks(
+        r,
+        r,
+        BufferConfig::default().with_low_latency(m, h, e),
+        move |buf| {
+            let me = buf.topology().rank;
+            buf.mask_rank(1 - me).unwrap();
+            assert!(matches!(
+                buf.mask_rank(me),
+                Err(Error::InvalidArgument { .. })
+            ));
+            let x = tensor(vec![bf16::ONE; h], &[1, h]);
+            let idx = tensor(vec![0i64, 2], &[1, 2]);
+            let w = tensor(vec![1f32, 1.0], &[1, 2]);
+            let out = buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e))
+                .unwrap();
+            let c = buf
+                .low_latency_combine(&LowLatencyCombineArgs::new(
+                    &out.recv_x,
+                    &idx,
+                    &w,
+                    &out.handle,
+                ))
+                .unwrap();
+            let v: Vec<f32> = c
+                .combined_x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            buf.reset_active_ranks();
+            (v[0], buf.active_ranks())
+        },
+    );
     for (v, active) in res {
         assert_eq!(v, 1.0); // only the own rank's expert contributes
         assert_eq!(active, vec![true, true]);

@@ -1,4 +1,5 @@
 //! Normal-mode dispatch and combine on the host backend, against a naive reference.
+#![allow(clippy::needless_range_loop)] // reference code indexes ranks, tokens and channels
 
 mod common;
 
@@ -16,7 +17,15 @@ struct Inputs {
     w: Vec<Vec<f32>>,
 }
 
-fn inputs(seed: u64, r: usize, tokens: &[usize], k: usize, e: usize, h: usize, style: Style) -> Inputs {
+fn inputs(
+    seed: u64,
+    r: usize,
+    tokens: &[usize],
+    k: usize,
+    e: usize,
+    h: usize,
+    style: Style,
+) -> Inputs {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut x = Vec::new();
     let mut idx = Vec::new();
@@ -90,38 +99,76 @@ fn check_dispatch(
         }
         let n = ex_src.len();
         assert_eq!(out.recv_x.dims(), &[n, h]);
-        assert_eq!(out.recv_x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), ex_x);
+        assert_eq!(
+            out.recv_x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            ex_x
+        );
         assert_eq!(out.recv_src_idx.to_vec1::<i32>().unwrap(), ex_src);
         let ri = out.recv_topk_idx.as_ref().unwrap();
         assert_eq!(ri.flatten_all().unwrap().to_vec1::<i64>().unwrap(), ex_idx);
         let rw = out.recv_topk_weights.as_ref().unwrap();
         assert_eq!(rw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), ex_w);
-        let aligned: Vec<usize> = per_expert.iter().map(|c| c.div_ceil(alignment) * alignment).collect();
+        let aligned: Vec<usize> = per_expert
+            .iter()
+            .map(|c| c.div_ceil(alignment) * alignment)
+            .collect();
         assert_eq!(out.num_recv_tokens_per_expert, aligned);
         assert_eq!(out.handle.num_recv_tokens(), n);
 
         // Cached dispatch of other data along the same routing: same rows, same order.
         let x2 = (&x * 2.0).unwrap();
-        let again = buf.dispatch(&DispatchArgs::new(&x2).cached(&out.handle)).unwrap();
+        let again = buf
+            .dispatch(&DispatchArgs::new(&x2).cached(&out.handle))
+            .unwrap();
         let doubled: Vec<f32> = ex_x.iter().map(|v| v * 2.0).collect();
-        assert_eq!(again.recv_x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), doubled);
+        assert_eq!(
+            again
+                .recv_x
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            doubled
+        );
 
         // Combine of the received rows: each token comes back once per rank it went to.
         let back = buf
             .combine(&CombineArgs::new(&out.recv_x, &out.handle).topk_weights(rw))
             .unwrap();
-        let got = back.combined_x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let gw = back.combined_topk_weights.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let got = back
+            .combined_x
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let gw = back
+            .combined_topk_weights
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         for ti in 0..t {
             let row = &inp.idx[me][ti * k..(ti + 1) * k];
-            let ranks: std::collections::BTreeSet<usize> =
-                row.iter().filter(|&&v| v >= 0).map(|&v| v as usize / l).collect();
+            let ranks: std::collections::BTreeSet<usize> = row
+                .iter()
+                .filter(|&&v| v >= 0)
+                .map(|&v| v as usize / l)
+                .collect();
             for c in 0..h {
                 let v = inp.x[me][ti * h + c];
-                assert_eq!(got[ti * h + c], v * ranks.len() as f32, "token {ti} channel {c}");
+                assert_eq!(
+                    got[ti * h + c],
+                    v * ranks.len() as f32,
+                    "token {ti} channel {c}"
+                );
             }
             for kk in 0..k {
-                let ew = if row[kk] >= 0 { inp.w[me][ti * k + kk] } else { 0.0 };
+                let ew = if row[kk] >= 0 {
+                    inp.w[me][ti * k + kk]
+                } else {
+                    0.0
+                };
                 assert_eq!(gw[ti * k + kk], ew);
             }
         }
@@ -172,9 +219,13 @@ fn identity_experts_round_trip_exactly_in_bf16() {
         run_ranks(r, 2.min(r), BufferConfig::default(), move |buf| {
             let me = buf.topology().rank;
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ me as u64 ^ (r as u64) << 8);
-            let xs: Vec<f32> = (0..t * h).map(|_| rng.random_range(-15i32..=15) as f32).collect();
+            let xs: Vec<f32> = (0..t * h)
+                .map(|_| rng.random_range(-15i32..=15) as f32)
+                .collect();
             let idx = routing(&mut rng, t, k.min(e), e, r, Style::Random);
-            let ws: Vec<f32> = (0..t * k).map(|_| if rng.random_bool(0.5) { 0.25 } else { 0.5 }).collect();
+            let ws: Vec<f32> = (0..t * k)
+                .map(|_| if rng.random_bool(0.5) { 0.25 } else { 0.5 })
+                .collect();
             let x = tensor(xs.clone(), &[t, h]).to_dtype(DType::BF16).unwrap();
             let idx_t = tensor(idx.clone(), &[t, k]);
             let w_t = tensor(ws.clone(), &[t, k]);
@@ -182,7 +233,12 @@ fn identity_experts_round_trip_exactly_in_bf16() {
                 .dispatch(&DispatchArgs::new(&x).topk(&idx_t, &w_t).num_experts(e))
                 .unwrap();
             // identity expert per received token: x * (sum of local weights), in f32 -> bf16
-            let wsum = out.recv_topk_weights.as_ref().unwrap().sum_keepdim(1).unwrap();
+            let wsum = out
+                .recv_topk_weights
+                .as_ref()
+                .unwrap()
+                .sum_keepdim(1)
+                .unwrap();
             let y = out
                 .recv_x
                 .to_dtype(DType::F32)
@@ -194,7 +250,10 @@ fn identity_experts_round_trip_exactly_in_bf16() {
             let back = buf.combine(&CombineArgs::new(&y, &out.handle)).unwrap();
             let got: Vec<bf16> = back.combined_x.flatten_all().unwrap().to_vec1().unwrap();
             for ti in 0..t {
-                let sw: f32 = (0..k).filter(|&kk| idx[ti * k + kk] >= 0).map(|kk| ws[ti * k + kk]).sum();
+                let sw: f32 = (0..k)
+                    .filter(|&kk| idx[ti * k + kk] >= 0)
+                    .map(|kk| ws[ti * k + kk])
+                    .sum();
                 for c in 0..h {
                     let want = bf16::from_f32(xs[ti * h + c] * sw);
                     assert_eq!(got[ti * h + c], want, "rank {me} token {ti} channel {c}");
@@ -211,14 +270,22 @@ fn fp8_dispatch_moves_bytes_and_scales_exactly() {
     run_ranks(r, 2, BufferConfig::default(), move |buf| {
         let me = buf.topology().rank;
         let mut rng = rand::rng();
-        let xs: Vec<bf16> = (0..t * h).map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0))).collect();
-        let (q, s) = ep_kernels::fp8::quantize(&xs, t, h, ep_kernels::fp8::ScaleFormat::Float).unwrap();
+        let xs: Vec<bf16> = (0..t * h)
+            .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
+            .collect();
+        let (q, s) =
+            ep_kernels::fp8::quantize(&xs, t, h, ep_kernels::fp8::ScaleFormat::Float).unwrap();
         let xq = tensor(q.clone(), &[t, h]);
         let xs_t = tensor(s.clone(), &[t, h / 128]);
         let idx = routing(&mut rng, t, k, e, r, Style::Random);
         let idx_t = tensor(idx, &[t, k]);
         let out = buf
-            .dispatch(&DispatchArgs::new(&xq).x_scales(&xs_t).topk(&idx_t, &tensor(vec![1f32; t * k], &[t, k])).num_experts(e))
+            .dispatch(
+                &DispatchArgs::new(&xq)
+                    .x_scales(&xs_t)
+                    .topk(&idx_t, &tensor(vec![1f32; t * k], &[t, k]))
+                    .num_experts(e),
+            )
             .unwrap();
         assert_eq!(out.recv_x.dtype(), DType::F8E4M3);
         // Send our own q/scales through a cached dispatch of the src indices to check bytes:
@@ -226,10 +293,18 @@ fn fp8_dispatch_moves_bytes_and_scales_exactly() {
         // rank itself are checked directly.
         let src = out.recv_src_idx.to_vec1::<i32>().unwrap();
         let rq: Vec<float8::F8E4M3> = out.recv_x.flatten_all().unwrap().to_vec1().unwrap();
-        let rs: Vec<f32> = out.recv_x_scales.unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let rs: Vec<f32> = out
+            .recv_x_scales
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let counts = {
             let p = out.handle.rank_prefix_matrix().to_vec2::<i32>().unwrap();
-            (0..r).map(|s| p[s][me] - if s == 0 { 0 } else { p[s - 1][me] }).collect::<Vec<_>>()
+            (0..r)
+                .map(|s| p[s][me] - if s == 0 { 0 } else { p[s - 1][me] })
+                .collect::<Vec<_>>()
         };
         let own_start: i32 = counts[..me].iter().sum();
         for j in 0..counts[me] as usize {
@@ -258,30 +333,87 @@ fn bad_inputs_are_rejected_before_anything_moves() {
         let w = tensor(vec![1f32; 4 * 2], &[4, 2]);
         let mut msgs = Vec::new();
         let bad_idx = tensor(vec![0i64, 1, 2, 9, -1, -1, 0, 0], &[4, 2]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&x).topk(&bad_idx, &w).num_experts(8)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(&DispatchArgs::new(&x).topk(&bad_idx, &w).num_experts(8))
+                .unwrap_err()
+                .to_string(),
+        );
         let neg = tensor(vec![0i64, -2, 0, 0, 0, 0, 0, 0], &[4, 2]);
         msgs.push(buf.get_dispatch_layout(&neg, 8).unwrap_err().to_string());
         let idx = tensor(vec![0i64, 1, 2, 3, -1, -1, 0, 5], &[4, 2]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(7)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(7))
+                .unwrap_err()
+                .to_string(),
+        );
         let short_w = tensor(vec![1f32; 3 * 2], &[3, 2]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &short_w).num_experts(8)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &short_w).num_experts(8))
+                .unwrap_err()
+                .to_string(),
+        );
         let xi = tensor(vec![1i64; 4 * 8], &[4, 8]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&xi).topk(&idx, &w).num_experts(8)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(&DispatchArgs::new(&xi).topk(&idx, &w).num_experts(8))
+                .unwrap_err()
+                .to_string(),
+        );
         let xq = x.to_dtype(DType::F8E4M3).unwrap();
         let sc = tensor(vec![1f32; 4], &[4, 1]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&xq).x_scales(&sc).topk(&idx, &w).num_experts(8)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(
+                &DispatchArgs::new(&xq)
+                    .x_scales(&sc)
+                    .topk(&idx, &w)
+                    .num_experts(8),
+            )
+            .unwrap_err()
+            .to_string(),
+        );
         let wi = tensor(vec![1i64; 4 * 2], &[4, 2]);
-        msgs.push(buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &wi).num_experts(8)).unwrap_err().to_string());
+        msgs.push(
+            buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &wi).num_experts(8))
+                .unwrap_err()
+                .to_string(),
+        );
         msgs
     });
     for msgs in errs {
-        assert!(msgs[0].contains("topk_idx") && msgs[0].contains('9') && msgs[0].contains("[-1, 8)"), "{}", msgs[0]);
+        assert!(
+            msgs[0].contains("topk_idx") && msgs[0].contains('9') && msgs[0].contains("[-1, 8)"),
+            "{}",
+            msgs[0]
+        );
         assert!(msgs[1].contains("-2"), "{}", msgs[1]);
-        assert!(msgs[2].contains("num_experts") && msgs[2].contains('7') && msgs[2].contains("multiple"), "{}", msgs[2]);
-        assert!(msgs[3].contains("topk_weights") && msgs[3].contains("[4, 2]") && msgs[3].contains("[3, 2]"), "{}", msgs[3]);
-        assert!(msgs[4].contains("`x`") && msgs[4].contains("I64"), "{}", msgs[4]);
-        assert!(msgs[5].contains("hidden") && msgs[5].contains('8') && msgs[5].contains("128"), "{}", msgs[5]);
-        assert!(msgs[6].contains("topk_weights") && msgs[6].contains("f32"), "{}", msgs[6]);
+        assert!(
+            msgs[2].contains("num_experts")
+                && msgs[2].contains('7')
+                && msgs[2].contains("multiple"),
+            "{}",
+            msgs[2]
+        );
+        assert!(
+            msgs[3].contains("topk_weights")
+                && msgs[3].contains("[4, 2]")
+                && msgs[3].contains("[3, 2]"),
+            "{}",
+            msgs[3]
+        );
+        assert!(
+            msgs[4].contains("`x`") && msgs[4].contains("I64"),
+            "{}",
+            msgs[4]
+        );
+        assert!(
+            msgs[5].contains("hidden") && msgs[5].contains('8') && msgs[5].contains("128"),
+            "{}",
+            msgs[5]
+        );
+        assert!(
+            msgs[6].contains("topk_weights") && msgs[6].contains("f32"),
+            "{}",
+            msgs[6]
+        );
     }
 }
 
@@ -293,16 +425,26 @@ fn handles_from_other_buffers_or_layouts_are_rejected() {
     let x = tensor(vec![1f32; 3 * 4], &[3, 4]);
     let idx = tensor(vec![0i64, 1, 1], &[3, 1]);
     let w = tensor(vec![1f32; 3], &[3, 1]);
-    let out = a[0].dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(2)).unwrap();
-    let e = b[0].combine(&CombineArgs::new(&out.recv_x, &out.handle)).unwrap_err();
+    let out = a[0]
+        .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(2))
+        .unwrap();
+    let e = b[0]
+        .combine(&CombineArgs::new(&out.recv_x, &out.handle))
+        .unwrap_err();
     assert!(matches!(e, Error::HandleMismatch(_)), "{e}");
-    let e = b[0].dispatch(&DispatchArgs::new(&x).cached(&out.handle)).unwrap_err();
+    let e = b[0]
+        .dispatch(&DispatchArgs::new(&x).cached(&out.handle))
+        .unwrap_err();
     assert!(matches!(e, Error::HandleMismatch(_)), "{e}");
     // Right buffer, wrong shape of x for the handle.
     let x5 = tensor(vec![1f32; 5 * 4], &[5, 4]);
-    let e = a[0].dispatch(&DispatchArgs::new(&x5).cached(&out.handle)).unwrap_err();
+    let e = a[0]
+        .dispatch(&DispatchArgs::new(&x5).cached(&out.handle))
+        .unwrap_err();
     assert!(e.to_string().contains("5 tokens"), "{e}");
-    let e = a[0].combine(&CombineArgs::new(&x5, &out.handle)).unwrap_err();
+    let e = a[0]
+        .combine(&CombineArgs::new(&x5, &out.handle))
+        .unwrap_err();
     assert!(e.to_string().contains("[3, _]"), "{e}");
 }
 
@@ -315,13 +457,17 @@ fn a_dead_rank_is_named_within_the_timeout() {
         let x = tensor(vec![1f32; 4 * 8], &[4, 8]);
         let idx = tensor(vec![0i64, 1, 2, 0], &[4, 1]);
         let w = tensor(vec![1f32; 4], &[4, 1]);
-        let first = buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(3)).map(|_| ());
+        let first = buf
+            .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(3))
+            .map(|_| ());
         if me == 2 {
             // Rank 2 "dies": it drops its buffer (its transport) before the second op.
             drop(buf);
             return (first, Ok(()), None);
         }
-        let second = buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(3)).map(|_| ());
+        let second = buf
+            .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(3))
+            .map(|_| ());
         // Keep the survivors' buffers alive until every rank is done.
         (first, second, Some(buf))
     });
@@ -347,8 +493,12 @@ fn a_stuck_rank_times_out_naming_it() {
         }
         let x = tensor(vec![1f32; 2 * 4], &[2, 4]);
         let idx = tensor(vec![0i64, 1], &[2, 1]);
-        buf.dispatch(&DispatchArgs::new(&x).topk(&idx, &tensor(vec![1f32; 2], &[2, 1])).num_experts(2))
-            .map(|_| ())
+        buf.dispatch(
+            &DispatchArgs::new(&x)
+                .topk(&idx, &tensor(vec![1f32; 2], &[2, 1]))
+                .num_experts(2),
+        )
+        .map(|_| ())
     });
     let e = res[0].as_ref().unwrap_err();
     assert!(matches!(e, Error::Timeout { rank: 1, .. }), "{e}");

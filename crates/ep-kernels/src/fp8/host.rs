@@ -66,9 +66,7 @@ pub fn quantize(
     let mut q = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(num_tokens * groups);
     for chunk in x.chunks_exact(FP8_GROUP) {
-        let amax = chunk
-            .iter()
-            .fold(0f32, |m, v| m.max(v.to_f32().abs()));
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
         let scale = group_scale(amax, format);
         scales.push(scale);
         q.extend(chunk.iter().map(|v| F8E4M3::from_f32(v.to_f32() / scale)));
@@ -77,7 +75,12 @@ pub fn quantize(
 }
 
 /// Dequantises `q: [num_tokens, hidden]` with `scales: [num_tokens, hidden / 128]` into bf16.
-pub fn dequantize(q: &[F8E4M3], scales: &[f32], num_tokens: usize, hidden: usize) -> Result<Vec<bf16>> {
+pub fn dequantize(
+    q: &[F8E4M3],
+    scales: &[f32],
+    num_tokens: usize,
+    hidden: usize,
+) -> Result<Vec<bf16>> {
     check_hidden(hidden)?;
     Error::check_len("x", num_tokens * hidden, q.len())?;
     Error::check_len("scales", num_tokens * (hidden / FP8_GROUP), scales.len())?;
@@ -105,7 +108,9 @@ mod tests {
         let mut rng = rand::rng();
         let (t, h) = (7, 256);
         let x: Vec<bf16> = (0..t * h)
-            .map(|_| bf16::from_f32(rng.random_range(-3.0f32..3.0) * 10f32.powi(rng.random_range(-2..2))))
+            .map(|_| {
+                bf16::from_f32(rng.random_range(-3.0f32..3.0) * 10f32.powi(rng.random_range(-2..2)))
+            })
             .collect();
         for format in [ScaleFormat::Float, ScaleFormat::Ue8m0] {
             let (q, s) = quantize(&x, t, h, format).unwrap();
@@ -129,6 +134,9 @@ mod tests {
         let e = quantize(&[bf16::ONE; 100], 1, 100, ScaleFormat::Float)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("hidden") && e.contains("100") && e.contains("128"), "{e}");
+        assert!(
+            e.contains("hidden") && e.contains("100") && e.contains("128"),
+            "{e}"
+        );
     }
 }

@@ -22,7 +22,11 @@ pub fn channel_prefix_matrix(
     num_ranks: usize,
     num_channels: usize,
 ) -> Result<Vec<i32>> {
-    Error::check_len("is_token_in_rank", num_tokens * num_ranks, is_token_in_rank.len())?;
+    Error::check_len(
+        "is_token_in_rank",
+        num_tokens * num_ranks,
+        is_token_in_rank.len(),
+    )?;
     if num_channels == 0 {
         return Err(Error::invalid("num_channels", 0, "must be at least 1"));
     }
@@ -66,10 +70,22 @@ pub fn notify(
     let r = placement.num_ranks;
     let e = placement.num_experts;
     let l = placement.experts_per_rank();
-    Error::check_len("num_tokens_per_rank_all", r * r, num_tokens_per_rank_all.len())?;
-    Error::check_len("num_tokens_per_expert_all", r * e, num_tokens_per_expert_all.len())?;
+    Error::check_len(
+        "num_tokens_per_rank_all",
+        r * r,
+        num_tokens_per_rank_all.len(),
+    )?;
+    Error::check_len(
+        "num_tokens_per_expert_all",
+        r * e,
+        num_tokens_per_expert_all.len(),
+    )?;
     if rank >= r {
-        return Err(Error::invalid("rank", rank, format!("must be < num_ranks = {r}")));
+        return Err(Error::invalid(
+            "rank",
+            rank,
+            format!("must be < num_ranks = {r}"),
+        ));
     }
     if expert_alignment == 0 {
         return Err(Error::invalid("expert_alignment", 0, "must be at least 1"));
@@ -106,10 +122,24 @@ pub fn send_slots(
     rank_prefix_matrix: &[i32],
     num_ranks: usize,
 ) -> Result<Vec<i32>> {
-    Error::check_len("is_token_in_rank", num_tokens * num_ranks, is_token_in_rank.len())?;
-    Error::check_len("rank_prefix_matrix", num_ranks * num_ranks, rank_prefix_matrix.len())?;
+    Error::check_len(
+        "is_token_in_rank",
+        num_tokens * num_ranks,
+        is_token_in_rank.len(),
+    )?;
+    Error::check_len(
+        "rank_prefix_matrix",
+        num_ranks * num_ranks,
+        rank_prefix_matrix.len(),
+    )?;
     let mut next: Vec<i32> = (0..num_ranks)
-        .map(|d| if src == 0 { 0 } else { rank_prefix_matrix[(src - 1) * num_ranks + d] })
+        .map(|d| {
+            if src == 0 {
+                0
+            } else {
+                rank_prefix_matrix[(src - 1) * num_ranks + d]
+            }
+        })
         .collect();
     let mut slots = vec![-1i32; num_tokens * num_ranks];
     for t in 0..num_tokens {
@@ -149,7 +179,11 @@ pub fn localize_topk(
 
 /// The combine reduction for one token: the f32 sum, in rank order, of the rows the ranks
 /// holding it return, rounded to bf16. `rows` yields those rows in rank order.
-pub fn combine_token<'a>(rows: impl Iterator<Item = &'a [bf16]>, out: &mut [bf16], acc: &mut [f32]) {
+pub fn combine_token<'a>(
+    rows: impl Iterator<Item = &'a [bf16]>,
+    out: &mut [bf16],
+    acc: &mut [f32],
+) {
     acc.iter_mut().for_each(|a| *a = 0.0);
     for row in rows {
         for (a, v) in acc.iter_mut().zip(row) {

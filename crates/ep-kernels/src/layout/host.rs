@@ -65,11 +65,7 @@ impl ExpertPlacement {
     /// Checks that every entry of `topk_idx` is in `[-1, E)`.
     pub fn check_topk_idx(&self, topk_idx: &[i64]) -> Result<()> {
         let e = self.num_experts as i64;
-        if let Some((i, &v)) = topk_idx
-            .iter()
-            .enumerate()
-            .find(|(_, &v)| v < -1 || v >= e)
-        {
+        if let Some((i, &v)) = topk_idx.iter().enumerate().find(|(_, &v)| v < -1 || v >= e) {
             return Err(Error::invalid(
                 "topk_idx",
                 format!("{v} (at flat index {i})"),
@@ -143,7 +139,9 @@ mod tests {
     fn counts_once_per_rank_and_node() {
         // 8 experts on 4 ranks (2 per rank), 2 nodes of 2 ranks.
         let p = ExpertPlacement::new(8, 4, 2).unwrap();
-        let topk = [0, 1, 2, -1, /* t1 */ 7, 6, -1, -1, /* t2 */ -1, -1, -1, -1];
+        let topk = [
+            0, 1, 2, -1, /* t1 */ 7, 6, -1, -1, /* t2 */ -1, -1, -1, -1,
+        ];
         let l = get_dispatch_layout(&topk, 3, 4, &p).unwrap();
         assert_eq!(l.num_tokens_per_rank, vec![1, 1, 0, 1]);
         assert_eq!(l.num_tokens_per_node, vec![1, 1]);
@@ -157,8 +155,13 @@ mod tests {
     #[test]
     fn rejects_out_of_range_experts() {
         let p = ExpertPlacement::new(8, 4, 4).unwrap();
-        let e = get_dispatch_layout(&[0, 8], 1, 2, &p).unwrap_err().to_string();
-        assert!(e.contains("topk_idx") && e.contains('8') && e.contains("[-1, 8)"), "{e}");
+        let e = get_dispatch_layout(&[0, 8], 1, 2, &p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("topk_idx") && e.contains('8') && e.contains("[-1, 8)"),
+            "{e}"
+        );
         assert!(get_dispatch_layout(&[-2, 0], 1, 2, &p).is_err());
         assert!(ExpertPlacement::new(6, 4, 4).is_err());
         assert!(ExpertPlacement::new(8, 4, 3).is_err());

@@ -27,7 +27,12 @@ pub struct LowLatencyCombineArgs<'a> {
 
 impl<'a> LowLatencyCombineArgs<'a> {
     /// Combine of `x` for the tokens routed by `topk_idx` / `topk_weights`.
-    pub fn new(x: &'a Tensor, topk_idx: &'a Tensor, topk_weights: &'a Tensor, handle: &'a LowLatencyHandle) -> Self {
+    pub fn new(
+        x: &'a Tensor,
+        topk_idx: &'a Tensor,
+        topk_weights: &'a Tensor,
+        handle: &'a LowLatencyHandle,
+    ) -> Self {
         Self {
             x,
             topk_idx,
@@ -64,7 +69,10 @@ pub(crate) struct LlCombinePlan {
 impl Buffer {
     /// Low-latency combine: every expert output row goes back to its token's home rank,
     /// which computes the weighted sum. Masked ranks contribute zero.
-    pub fn low_latency_combine(&self, args: &LowLatencyCombineArgs<'_>) -> Result<LowLatencyCombineOutput> {
+    pub fn low_latency_combine(
+        &self,
+        args: &LowLatencyCombineArgs<'_>,
+    ) -> Result<LowLatencyCombineOutput> {
         self.low_latency_combine_send(args)?.recv()
     }
 
@@ -85,7 +93,12 @@ impl Buffer {
         let (t, k, m, hid) = (h.num_tokens, h.num_topk, h.max_tokens, h.hidden);
         self.check_device("x", args.x)?;
         check_shape("x", args.x, &[Some(l), Some(r * m), Some(hid)])?;
-        check_dtype("x", args.x, &[DType::BF16, DType::F16, DType::F32], "bf16, f16 or f32")?;
+        check_dtype(
+            "x",
+            args.x,
+            &[DType::BF16, DType::F16, DType::F32],
+            "bf16, f16 or f32",
+        )?;
         self.check_device("topk_idx", args.topk_idx)?;
         check_shape("topk_idx", args.topk_idx, &[Some(t), Some(k)])?;
         check_dtype("topk_idx", args.topk_idx, &[DType::I64], "i64")?;
@@ -131,7 +144,12 @@ impl Buffer {
         })
     }
 
-    fn ll_combine_finish(&self, plan: LlCombinePlan, posted: Posted, mut fails: Vec<Error>) -> Result<LowLatencyCombineOutput> {
+    fn ll_combine_finish(
+        &self,
+        plan: LlCombinePlan,
+        posted: Posted,
+        mut fails: Vec<Error>,
+    ) -> Result<LowLatencyCombineOutput> {
         let got = self.complete(posted, Some(&mut fails))?;
         let h = &plan.handle.inner;
         let r = self.topology.num_ranks;

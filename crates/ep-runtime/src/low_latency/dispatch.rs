@@ -34,7 +34,12 @@ pub struct LowLatencyDispatchArgs<'a> {
 
 impl<'a> LowLatencyDispatchArgs<'a> {
     /// bf16 dispatch of `x` routed by `topk_idx`.
-    pub fn new(x: &'a Tensor, topk_idx: &'a Tensor, num_max_dispatch_tokens_per_rank: usize, num_experts: usize) -> Self {
+    pub fn new(
+        x: &'a Tensor,
+        topk_idx: &'a Tensor,
+        num_max_dispatch_tokens_per_rank: usize,
+        num_experts: usize,
+    ) -> Self {
         Self {
             x,
             topk_idx,
@@ -129,7 +134,12 @@ pub(crate) struct LlDispatchPlan {
 }
 
 impl Buffer {
-    pub(crate) fn check_low_latency_sizing(&self, max_tokens: usize, hidden: usize, num_experts: usize) -> Result<()> {
+    pub(crate) fn check_low_latency_sizing(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+    ) -> Result<()> {
         let Some(ll) = self.config.low_latency else {
             return Err(Error::invalid(
                 "low_latency",
@@ -141,7 +151,10 @@ impl Buffer {
             return Err(Error::invalid(
                 "num_max_dispatch_tokens_per_rank",
                 max_tokens,
-                format!("must be in [1, {}] (the buffer's low-latency sizing)", ll.max_tokens_per_rank),
+                format!(
+                    "must be in [1, {}] (the buffer's low-latency sizing)",
+                    ll.max_tokens_per_rank
+                ),
             ));
         }
         if hidden > ll.hidden {
@@ -155,7 +168,10 @@ impl Buffer {
             return Err(Error::invalid(
                 "num_experts",
                 num_experts,
-                format!("must be <= {} (the buffer's low-latency sizing)", ll.num_experts),
+                format!(
+                    "must be <= {} (the buffer's low-latency sizing)",
+                    ll.num_experts
+                ),
             ));
         }
         Ok(())
@@ -163,7 +179,10 @@ impl Buffer {
 
     /// Low-latency dispatch: sends, waits for every active peer, and returns the packed
     /// per-expert tokens. See [`crate::low_latency`] for the layout and the masking rules.
-    pub fn low_latency_dispatch(&self, args: &LowLatencyDispatchArgs<'_>) -> Result<LowLatencyDispatchOutput> {
+    pub fn low_latency_dispatch(
+        &self,
+        args: &LowLatencyDispatchArgs<'_>,
+    ) -> Result<LowLatencyDispatchOutput> {
         self.low_latency_dispatch_send(args)?.recv()
     }
 
@@ -180,7 +199,10 @@ impl Buffer {
         })
     }
 
-    fn ll_dispatch_prepare(&self, args: &LowLatencyDispatchArgs<'_>) -> Result<(LlDispatchPlan, Vec<Option<Vec<u8>>>)> {
+    fn ll_dispatch_prepare(
+        &self,
+        args: &LowLatencyDispatchArgs<'_>,
+    ) -> Result<(LlDispatchPlan, Vec<Option<Vec<u8>>>)> {
         let x = args.x;
         self.check_device("x", x)?;
         check_shape("x", x, &[None, None])?;
@@ -205,10 +227,18 @@ impl Buffer {
             ));
         }
         if args.use_fp8 && h % FP8_GROUP != 0 {
-            return Err(Error::invalid("hidden", h, format!("fp8 needs a multiple of {FP8_GROUP}")));
+            return Err(Error::invalid(
+                "hidden",
+                h,
+                format!("fp8 needs a multiple of {FP8_GROUP}"),
+            ));
         }
         if args.use_ue8m0 && !args.use_fp8 {
-            return Err(Error::invalid("use_ue8m0", true, "only meaningful with use_fp8"));
+            return Err(Error::invalid(
+                "use_ue8m0",
+                true,
+                "only meaningful with use_fp8",
+            ));
         }
         self.check_device("topk_idx", args.topk_idx)?;
         check_shape("topk_idx", args.topk_idx, &[Some(t), None])?;
@@ -218,12 +248,24 @@ impl Buffer {
 
         // Payload rows: fp8 bytes + scales, or the tokens in their own dtype.
         let (payload, scales, row, out_dtype) = if args.use_fp8 {
-            let xb = x.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?;
-            let format = if args.use_ue8m0 { ScaleFormat::Ue8m0 } else { ScaleFormat::Float };
+            let xb = x
+                .to_dtype(DType::BF16)?
+                .flatten_all()?
+                .to_vec1::<half::bf16>()?;
+            let format = if args.use_ue8m0 {
+                ScaleFormat::Ue8m0
+            } else {
+                ScaleFormat::Float
+            };
             let (q, s) = fp8::quantize(&xb, t, h, format)?;
             (bytemuck::cast_slice(&q).to_vec(), s, h, DType::F8E4M3)
         } else {
-            (crate::codec::tensor_bytes(x)?, Vec::new(), h * x.dtype().size_in_bytes(), x.dtype())
+            (
+                crate::codec::tensor_bytes(x)?,
+                Vec::new(),
+                h * x.dtype().size_in_bytes(),
+                x.dtype(),
+            )
         };
         let groups = if args.use_fp8 { h / FP8_GROUP } else { 0 };
         let l = placement.experts_per_rank();
@@ -269,7 +311,12 @@ impl Buffer {
         ))
     }
 
-    fn ll_dispatch_finish(&self, plan: LlDispatchPlan, posted: Posted, mut fails: Vec<Error>) -> Result<LowLatencyDispatchOutput> {
+    fn ll_dispatch_finish(
+        &self,
+        plan: LlDispatchPlan,
+        posted: Posted,
+        mut fails: Vec<Error>,
+    ) -> Result<LowLatencyDispatchOutput> {
         let got = self.complete(posted, Some(&mut fails))?;
         let r = self.topology.num_ranks;
         let l = plan.placement.experts_per_rank();
@@ -319,7 +366,8 @@ impl Buffer {
             for le in 0..l {
                 for slot in 0..layout.counts[le * r + s] as usize {
                     let dst = le * r * m + layout.packed_row(le, s, slot);
-                    recv[dst * row..(dst + 1) * row].copy_from_slice(&parts[2][j * row..(j + 1) * row]);
+                    recv[dst * row..(dst + 1) * row]
+                        .copy_from_slice(&parts[2][j * row..(j + 1) * row]);
                     recv_scales[dst * groups..(dst + 1) * groups]
                         .copy_from_slice(&sc[j * groups..(j + 1) * groups]);
                     src_info[dst] = src[j];

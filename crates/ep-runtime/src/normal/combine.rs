@@ -75,7 +75,12 @@ impl Buffer {
         let hi = &h.inner;
         self.check_device("x", args.x)?;
         check_shape("x", args.x, &[Some(hi.num_recv_tokens), None])?;
-        check_dtype("x", args.x, &[DType::BF16, DType::F16, DType::F32], "bf16, f16 or f32")?;
+        check_dtype(
+            "x",
+            args.x,
+            &[DType::BF16, DType::F16, DType::F32],
+            "bf16, f16 or f32",
+        )?;
         let hidden = args.x.dims2()?.1;
         let k = match args.topk_weights {
             Some(w) => {
@@ -144,7 +149,10 @@ impl Buffer {
                 }
                 if kk > 0 {
                     let ws = &parts[1][j * wrow..(j + 1) * wrow];
-                    for (a, c) in wacc[i * kk..(i + 1) * kk].iter_mut().zip(ws.chunks_exact(4)) {
+                    for (a, c) in wacc[i * kk..(i + 1) * kk]
+                        .iter_mut()
+                        .zip(ws.chunks_exact(4))
+                    {
                         *a += f32::from_le_bytes(c.try_into().expect("4 bytes"));
                     }
                 }

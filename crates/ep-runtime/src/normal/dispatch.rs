@@ -303,8 +303,20 @@ impl Buffer {
             per_rank_all.extend_from_slice(&v[..r]);
             per_expert_all.extend_from_slice(&v[r..]);
         }
-        let notify = ki::notify(me, &per_rank_all, &per_expert_all, &placement, args.expert_alignment)?;
-        let send_slots = ki::send_slots(me, &layout.is_token_in_rank, t, &notify.rank_prefix_matrix, r)?;
+        let notify = ki::notify(
+            me,
+            &per_rank_all,
+            &per_expert_all,
+            &placement,
+            args.expert_alignment,
+        )?;
+        let send_slots = ki::send_slots(
+            me,
+            &layout.is_token_in_rank,
+            t,
+            &notify.rank_prefix_matrix,
+            r,
+        )?;
         let channel_prefix = ki::channel_prefix_matrix(
             &layout.is_token_in_rank,
             t,
@@ -325,7 +337,9 @@ impl Buffer {
         let mut local_idx = vec![0i64; k];
         let mut local_w = vec![0f32; k];
         for d in 0..r {
-            let tokens: Vec<usize> = (0..t).filter(|&i| layout.is_token_in_rank[i * r + d]).collect();
+            let tokens: Vec<usize> = (0..t)
+                .filter(|&i| layout.is_token_in_rank[i * r + d])
+                .collect();
             let mut xs = Vec::with_capacity(tokens.len() * row);
             let mut ss = Vec::with_capacity(tokens.len() * srow);
             let mut src = Vec::with_capacity(tokens.len());
@@ -339,8 +353,17 @@ impl Buffer {
                 src.push(i as i32);
                 if let Some((idx, _)) = &topk {
                     let zeros = vec![0f32; k];
-                    let w = weights.as_ref().map_or(&zeros[..], |w| &w[i * k..(i + 1) * k]);
-                    ki::localize_topk(&idx[i * k..(i + 1) * k], w, d, &placement, &mut local_idx, &mut local_w);
+                    let w = weights
+                        .as_ref()
+                        .map_or(&zeros[..], |w| &w[i * k..(i + 1) * k]);
+                    ki::localize_topk(
+                        &idx[i * k..(i + 1) * k],
+                        w,
+                        d,
+                        &placement,
+                        &mut local_idx,
+                        &mut local_w,
+                    );
                     ids.extend_from_slice(&local_idx);
                     ws.extend_from_slice(&local_w);
                 }
@@ -358,7 +381,11 @@ impl Buffer {
         let recv_counts: Vec<usize> = (0..r)
             .map(|s| {
                 let hi = notify.rank_prefix_matrix[s * r + me];
-                let lo = if s == 0 { 0 } else { notify.rank_prefix_matrix[(s - 1) * r + me] };
+                let lo = if s == 0 {
+                    0
+                } else {
+                    notify.rank_prefix_matrix[(s - 1) * r + me]
+                };
                 (hi - lo) as usize
             })
             .collect();
@@ -384,13 +411,25 @@ impl Buffer {
             rx.extend_from_slice(parts[0]);
             rs.extend_from_slice(parts[1]);
             rsrc.extend(i32s(parts[2]));
-            rids.extend(parts[3].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))));
-            rws.extend(parts[4].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))));
+            rids.extend(
+                parts[3]
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8"))),
+            );
+            rws.extend(
+                parts[4]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4"))),
+            );
         }
         let dev = &self.device;
         let recv_x = tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?;
         let recv_x_scales = if cx.fp8 {
-            Some(tensor_from_bytes(&rs, DType::F32, &[n, cx.hidden / FP8_GROUP])?)
+            Some(tensor_from_bytes(
+                &rs,
+                DType::F32,
+                &[n, cx.hidden / FP8_GROUP],
+            )?)
         } else {
             None
         };
@@ -450,7 +489,12 @@ impl Buffer {
         Ok(())
     }
 
-    fn dispatch_cached(&self, args: &DispatchArgs<'_>, cx: &CheckedX, h: &Handle) -> Result<DispatchOutput> {
+    fn dispatch_cached(
+        &self,
+        args: &DispatchArgs<'_>,
+        cx: &CheckedX,
+        h: &Handle,
+    ) -> Result<DispatchOutput> {
         self.check_handle(h)?;
         if args.topk_idx.is_some() || args.topk_weights.is_some() || args.layout.is_some() {
             return Err(Error::invalid(
@@ -513,7 +557,11 @@ impl Buffer {
         Ok(DispatchOutput {
             recv_x: tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
             recv_x_scales: if cx.fp8 {
-                Some(tensor_from_bytes(&rs, DType::F32, &[n, cx.hidden / FP8_GROUP])?)
+                Some(tensor_from_bytes(
+                    &rs,
+                    DType::F32,
+                    &[n, cx.hidden / FP8_GROUP],
+                )?)
             } else {
                 None
             },

@@ -39,8 +39,9 @@ impl LocalTransport {
     pub fn group(num_ranks: usize) -> Vec<LocalTransport> {
         // channels[src][dst]
         let mut txs: Vec<Vec<Option<Sender<Message>>>> = Vec::with_capacity(num_ranks);
-        let mut rxs: Vec<Vec<Option<Receiver<Message>>>> =
-            (0..num_ranks).map(|_| (0..num_ranks).map(|_| None).collect()).collect();
+        let mut rxs: Vec<Vec<Option<Receiver<Message>>>> = (0..num_ranks)
+            .map(|_| (0..num_ranks).map(|_| None).collect())
+            .collect();
         for src in 0..num_ranks {
             let mut row = Vec::with_capacity(num_ranks);
             for rx_row in rxs.iter_mut() {
@@ -167,7 +168,9 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, Error::Timeout { rank: 1, .. }), "{e}");
         drop(c);
-        let e = b.recv(2, 0, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        let e = b
+            .recv(2, 0, Instant::now() + Duration::from_secs(5))
+            .unwrap_err();
         assert!(matches!(e, Error::PeerLost { rank: 2, .. }), "{e}");
     }
 }

@@ -24,7 +24,9 @@ pub fn run_ranks<T: Send + 'static>(
             std::thread::spawn(move || f(b))
         })
         .collect();
-    hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    hs.into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
 }
 
 /// Routing styles exercised by the tests.
@@ -39,7 +41,14 @@ pub enum Style {
 }
 
 /// A random `[t, k]` routing over `e` experts of `r` ranks.
-pub fn routing(rng: &mut impl Rng, t: usize, k: usize, e: usize, r: usize, style: Style) -> Vec<i64> {
+pub fn routing(
+    rng: &mut impl Rng,
+    t: usize,
+    k: usize,
+    e: usize,
+    r: usize,
+    style: Style,
+) -> Vec<i64> {
     let per_rank = e / r;
     let mut out = Vec::with_capacity(t * k);
     for _ in 0..t {

@@ -1,0 +1,397 @@
+//! Build script of `ep-kernels`.
+//!
+//! Without the `cuda` feature it does nothing. With it, every `src/**/*.cu` is compiled by
+//! nvcc into one sm_90a cubin (`-I csrc`), and `$OUT_DIR/cubins.rs` is generated: a static
+//! table `CUBINS: &[(&str, &[u8])]` of `("<path under src without .cu>", include_bytes!(..))`,
+//! e.g. `("layout/layout", ..)`, which `src/cuda/` loads at run time.
+//!
+//! Files that include an NVSHMEM header (`#include <nvshmem...>`) are compiled with
+//! `-rdc=true` and device-linked with `libnvshmem_device.a` (from `NVSHMEM_HOME`, else
+//! `$CUDA_ROOT/nvshmem`) into the cubin.
+//!
+//! Environment: `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH` (else `nvcc` on `PATH`) locate the
+//! toolchain (`scripts/cuda-toolchain.sh` prints them); `EP_NVCC_FLAGS` adds flags (e.g. `-G`,
+//! `-DEP_DEBUG`). ptxas resource usage (`-Xptxas -v`) is written to the build log
+//! (`target/*/build/ep-kernels-*/output`); spills and compiler warnings become cargo warnings.
+
+use std::collections::hash_map::DefaultHasher;
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const CUDA_ROOT_VARS: [&str; 3] = ["CUDA_ROOT", "CUDA_HOME", "CUDA_PATH"];
+const BASE_FLAGS: [&str; 6] = [
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++17",
+    "-lineinfo",
+    "-Xptxas",
+    "-v",
+];
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    for var in CUDA_ROOT_VARS
+        .iter()
+        .chain(&["EP_NVCC_FLAGS", "NVSHMEM_HOME"])
+    {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    if let Err(msg) = build() {
+        // A panic message is what cargo shows for a failed build script.
+        panic!("ep-kernels build.rs: {msg}");
+    }
+}
+
+/// One `.cu` file to compile.
+struct Source {
+    /// Path under `src/` without the extension, with `/` separators: the table key.
+    key: String,
+    path: PathBuf,
+    uses_nvshmem: bool,
+}
+
+fn build() -> Result<(), String> {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+    let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    let nvcc = find_nvcc()?;
+    let cuda_root = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .ok_or_else(|| {
+            format!(
+                "cannot derive the CUDA root from nvcc at {}",
+                nvcc.display()
+            )
+        })?;
+    let csrc = manifest.join("csrc");
+    println!("cargo:rerun-if-changed={}", csrc.display());
+    for header in list_files(&csrc, &["cuh", "h"])? {
+        println!("cargo:rerun-if-changed={}", header.display());
+    }
+
+    let src = manifest.join("src");
+    let mut sources = Vec::new();
+    for path in list_files(&src, &["cu"])? {
+        println!("cargo:rerun-if-changed={}", path.display());
+        let rel = path
+            .strip_prefix(&src)
+            .map_err(|e| e.to_string())?
+            .with_extension("");
+        let key = rel
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join("/");
+        let text = fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let uses_nvshmem = text.lines().any(|l| {
+            let l = l.trim_start();
+            l.starts_with("#include") && l.contains("nvshmem")
+        });
+        sources.push(Source {
+            key,
+            path,
+            uses_nvshmem,
+        });
+    }
+    // Watch `src/` too (cargo scans it recursively), so that a new .cu file is picked up. Any
+    // Rust edit then reruns this script, which is why unchanged cubins come from the cache.
+    println!("cargo:rerun-if-changed={}", src.display());
+    let mut headers_text = String::new();
+    for header in list_files(&csrc, &["cuh", "h"])? {
+        headers_text.push_str(
+            &fs::read_to_string(&header)
+                .map_err(|e| format!("cannot read {}: {e}", header.display()))?,
+        );
+    }
+
+    let extra: Vec<String> = env::var("EP_NVCC_FLAGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let mut include_flags = vec![format!("-I{}", csrc.display())];
+    let cccl = cuda_root.join("include").join("cccl");
+    if cccl.is_dir() {
+        include_flags.push(format!("-I{}", cccl.display()));
+    }
+    let ctx = Ctx {
+        headers_text: &headers_text,
+        nvcc: &nvcc,
+        cuda_root: &cuda_root,
+        out_dir: &out_dir,
+        include_flags: &include_flags,
+        extra: &extra,
+    };
+
+    // Compile in parallel, as many at once as cargo allows for this build.
+    let jobs = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|j| j.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let mut results: Vec<Result<(PathBuf, String), String>> = Vec::with_capacity(sources.len());
+    for chunk in sources.chunks(jobs) {
+        let chunk_results: Vec<Result<(PathBuf, String), String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|source| s.spawn(|| ctx.compile(source)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("nvcc worker thread panicked".into()))
+                })
+                .collect()
+        });
+        results.extend(chunk_results);
+    }
+
+    let mut table = String::from(
+        "/// Every embedded cubin: (path under `src/` without `.cu`, sm_90a cubin bytes).\n\
+         pub(crate) static CUBINS: &[(&str, &[u8])] = &[\n",
+    );
+    let mut errors = Vec::new();
+    for (source, result) in sources.iter().zip(results) {
+        match result {
+            Ok((cubin, log)) => {
+                println!("== nvcc {}", source.key);
+                report(&source.key, &log);
+                writeln!(
+                    table,
+                    "    ({:?}, include_bytes!({:?})),",
+                    source.key,
+                    cubin.display().to_string()
+                )
+                .map_err(|e| e.to_string())?;
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors.join("\n\n"));
+    }
+    table.push_str("];\n");
+    fs::write(out_dir.join("cubins.rs"), table).map_err(|e| format!("cannot write cubins.rs: {e}"))
+}
+
+/// What every compilation shares.
+struct Ctx<'a> {
+    /// All shared headers, concatenated (part of every cache key).
+    headers_text: &'a str,
+    nvcc: &'a Path,
+    cuda_root: &'a Path,
+    out_dir: &'a Path,
+    include_flags: &'a [String],
+    extra: &'a [String],
+}
+
+impl Ctx<'_> {
+    /// Compiles one source into `$OUT_DIR/<key with / -> __>.cubin`; returns the cubin path
+    /// and the compiler log.
+    ///
+    /// A cubin whose inputs (source, shared headers, nvcc path and flags) hash to the value
+    /// stored beside it is reused, and its saved compiler log replayed.
+    fn compile(&self, source: &Source) -> Result<(PathBuf, String), String> {
+        let stem = source.key.replace('/', "__");
+        let cubin = self.out_dir.join(format!("{stem}.cubin"));
+        let stamp = self.out_dir.join(format!("{stem}.cubin.key"));
+        let log_path = self.out_dir.join(format!("{stem}.cubin.log"));
+        let text = fs::read_to_string(&source.path)
+            .map_err(|e| format!("cannot read {}: {e}", source.path.display()))?;
+        let key = {
+            let mut h = DefaultHasher::new();
+            (
+                text.as_str(),
+                self.headers_text,
+                self.nvcc,
+                self.include_flags,
+                self.extra,
+            )
+                .hash(&mut h);
+            BASE_FLAGS.hash(&mut h);
+            format!("{:016x}", h.finish())
+        };
+        if cubin.is_file() && fs::read_to_string(&stamp).is_ok_and(|k| k == key) {
+            let log = fs::read_to_string(&log_path).unwrap_or_default();
+            return Ok((cubin, format!("(cached)\n{log}")));
+        }
+        let _ = fs::remove_file(&stamp);
+        let mut log = String::new();
+        let mut cmd = Command::new(self.nvcc);
+        cmd.args(BASE_FLAGS)
+            .args(self.include_flags)
+            .args(self.extra);
+        let mut link = None;
+        if source.uses_nvshmem {
+            let nvshmem = find_nvshmem(self.cuda_root)?;
+            let obj = self.out_dir.join(format!("{stem}.o"));
+            cmd.arg("-rdc=true")
+                .arg(format!("-I{}", nvshmem.join("include").display()))
+                .arg("-c")
+                .arg("-o")
+                .arg(&obj);
+            link = Some((obj, nvshmem));
+        } else {
+            cmd.arg("-cubin").arg("-o").arg(&cubin);
+        }
+        cmd.arg(&source.path);
+        log.push_str(&self.run(&source.key, cmd)?);
+        if let Some((obj, nvshmem)) = link {
+            // Device link with NVSHMEM's device library into one loadable cubin.
+            let mut cmd = Command::new(self.nvcc);
+            cmd.arg("-gencode=arch=compute_90a,code=sm_90a")
+                .arg("-dlink")
+                .arg("-cubin")
+                .arg("-o")
+                .arg(&cubin)
+                .arg(&obj)
+                .arg(format!("-L{}", nvshmem.join("lib").display()))
+                .arg("-lnvshmem_device");
+            log.push_str(&self.run(&format!("{} (device link)", source.key), cmd)?);
+        }
+        fs::write(&log_path, &log)
+            .map_err(|e| format!("cannot write {}: {e}", log_path.display()))?;
+        fs::write(&stamp, &key).map_err(|e| format!("cannot write {}: {e}", stamp.display()))?;
+        Ok((cubin, log))
+    }
+
+    /// Runs one nvcc command; returns its output (the command line first).
+    fn run(&self, what: &str, mut cmd: Command) -> Result<String, String> {
+        let shown = format!("{cmd:?}");
+        let out = cmd
+            .output()
+            .map_err(|e| format!("cannot run nvcc at {}: {e}", self.nvcc.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            return Err(format!(
+                "nvcc failed on {what} ({}):\n{shown}\n{stdout}{stderr}",
+                out.status
+            ));
+        }
+        Ok(format!("$ {shown}\n{stdout}{stderr}"))
+    }
+}
+
+/// Writes a compiler log to the build log (non-`cargo:` lines) and turns register spills and
+/// compiler warnings into cargo warnings.
+fn report(what: &str, log: &str) {
+    let mut function = String::new();
+    for line in log.lines() {
+        println!("   {line}");
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            function = rest.trim().to_owned();
+        }
+        if line.contains("spill stores") && has_spills(line) {
+            println!(
+                "cargo:warning={what}: `{function}` spills registers: {}",
+                line.trim()
+            );
+        }
+        if line.contains("warning") && !line.starts_with("ptxas info") && !line.starts_with('$') {
+            println!("cargo:warning={what}: {}", line.trim());
+        }
+    }
+}
+
+/// True when a ptxas line `N bytes stack frame, S bytes spill stores, L bytes spill loads`
+/// reports a non-zero spill.
+fn has_spills(line: &str) -> bool {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words.windows(3).any(|w| {
+        w[1] == "bytes" && w[2] == "spill" && w[0].parse::<u64>().map(|n| n > 0).unwrap_or(false)
+    })
+}
+
+/// nvcc from `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH`, else from `PATH`.
+fn find_nvcc() -> Result<PathBuf, String> {
+    let mut tried = Vec::new();
+    for var in CUDA_ROOT_VARS {
+        if let Some(root) = env::var_os(var) {
+            let nvcc = PathBuf::from(root).join("bin").join("nvcc");
+            if nvcc.is_file() {
+                return Ok(nvcc);
+            }
+            tried.push(format!("${var}/bin/nvcc = {} (missing)", nvcc.display()));
+        } else {
+            tried.push(format!("${var} (unset)"));
+        }
+    }
+    if let Some(path) = env::var_os("PATH") {
+        for dir in env::split_paths(&path) {
+            let nvcc = dir.join("nvcc");
+            if nvcc.is_file() {
+                return Ok(nvcc);
+            }
+        }
+        tried.push("nvcc on $PATH (not found)".into());
+    } else {
+        tried.push("$PATH (unset)".into());
+    }
+    Err(format!(
+        "the `cuda` feature needs nvcc, not found; tried: {}. \
+         Run `eval \"$(scripts/cuda-toolchain.sh)\"` to install CUDA 13.0 and set CUDA_ROOT.",
+        tried.join(", ")
+    ))
+}
+
+/// NVSHMEM's prefix (with `include/` and `lib/libnvshmem_device.a`).
+fn find_nvshmem(cuda_root: &Path) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = env::var_os("NVSHMEM_HOME")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([cuda_root.join("nvshmem")])
+        .collect();
+    candidates
+        .iter()
+        .find(|p| p.join("lib").join("libnvshmem_device.a").is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "a .cu file includes NVSHMEM but libnvshmem_device.a was not found under {:?}; \
+                 set NVSHMEM_HOME",
+                candidates
+            )
+        })
+}
+
+/// Files under `dir` (recursively) with one of `exts`, sorted.
+fn list_files(dir: &Path, exts: &[&str]) -> Result<Vec<PathBuf>, String> {
+    let mut out = Vec::new();
+    walk(dir, &mut |p| {
+        if p.is_file()
+            && p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| exts.contains(&e))
+        {
+            out.push(p.to_path_buf());
+        }
+    })?;
+    out.sort();
+    Ok(out)
+}
+
+fn walk(dir: &Path, f: &mut dyn FnMut(&Path)) -> Result<(), String> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let entries = fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    for entry in entries {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        f(&path);
+        if path.is_dir() {
+            walk(&path, f)?;
+        }
+    }
+    Ok(())
+}

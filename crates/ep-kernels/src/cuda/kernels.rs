@@ -1,0 +1,201 @@
+//! Per-context cache of loaded modules and functions, and device properties.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::embedded::CUBINS;
+use super::launch::Kernel;
+use crate::error::{Error, Result};
+
+/// The compute capability the embedded cubins are built for (`sm_90a`).
+const REQUIRED_CC: (i32, i32) = (9, 0);
+
+/// The embedded cubin of `file` (path under `src/` without `.cu`, e.g. `"layout/layout"`).
+pub fn cubin(file: &str) -> Option<&'static [u8]> {
+    CUBINS.iter().find(|(k, _)| *k == file).map(|(_, b)| *b)
+}
+
+/// The names of every embedded cubin, sorted.
+pub fn cubin_names() -> Vec<&'static str> {
+    CUBINS.iter().map(|(k, _)| *k).collect()
+}
+
+/// Device properties the launchers size their grids with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceProps {
+    /// The device ordinal.
+    pub ordinal: usize,
+    /// Number of streaming multiprocessors.
+    pub sm_count: u32,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Largest block, in threads.
+    pub max_threads_per_block: u32,
+    /// Largest dynamic + static shared memory per block after opting in, in bytes.
+    pub max_smem_per_block_optin: u32,
+    /// L2 cache size in bytes.
+    pub l2_cache_bytes: u32,
+    /// Whether cooperative (grid-synchronising) launches are supported.
+    pub cooperative_launch: bool,
+}
+
+impl DeviceProps {
+    fn query(ctx: &CudaContext) -> Result<Self> {
+        let attr = |a: CUdevice_attribute| -> Result<u32> {
+            let v = ctx.attribute(a)?;
+            Ok(u32::try_from(v).unwrap_or(0))
+        };
+        Ok(Self {
+            ordinal: ctx.ordinal(),
+            sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            compute_capability: ctx.compute_capability()?,
+            max_threads_per_block: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+            )?,
+            max_smem_per_block_optin: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?,
+            l2_cache_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            cooperative_launch: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)?
+                != 0,
+        })
+    }
+}
+
+/// Modules and functions of one CUDA context, loaded on first use.
+///
+/// Obtain it with [`Kernels::get`] (or [`Kernels::for_stream`]); it is shared by every user of
+/// the same context and keeps that context alive.
+#[derive(Debug)]
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    props: DeviceProps,
+    /// file -> loaded module.
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// file -> kernel name -> function.
+    kernels: Mutex<HashMap<String, HashMap<String, Arc<Kernel>>>>,
+}
+
+/// Every context's cache, keyed by the raw `CUcontext` (stable while we hold the context).
+type Registry = Vec<(usize, Arc<Kernels>)>;
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Kernels {
+    /// The cache of `ctx`, created (device properties queried, device checked) on first call.
+    ///
+    /// Fails if the device is not compute capability 9.0 (the cubins are `sm_90a` only).
+    pub fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
+        let key = ctx.cu_ctx() as usize;
+        let mut reg = registry();
+        if let Some((_, k)) = reg.iter().find(|(k, _)| *k == key) {
+            return Ok(k.clone());
+        }
+        let props = DeviceProps::query(ctx)?;
+        if props.compute_capability != REQUIRED_CC {
+            let (major, minor) = props.compute_capability;
+            return Err(Error::invalid(
+                "device",
+                format!(
+                    "ordinal {} with compute capability {major}.{minor}",
+                    props.ordinal
+                ),
+                "ep-kernels embeds sm_90a cubins only: needs compute capability 9.0 (H100/H200)",
+            ));
+        }
+        let kernels = Arc::new(Self {
+            ctx: ctx.clone(),
+            props,
+            modules: Mutex::new(HashMap::new()),
+            kernels: Mutex::new(HashMap::new()),
+        });
+        reg.push((key, kernels.clone()));
+        Ok(kernels)
+    }
+
+    /// The cache of `stream`'s context.
+    pub fn for_stream(stream: &CudaStream) -> Result<Arc<Self>> {
+        Self::get(stream.context())
+    }
+
+    /// Drops the registry's reference to `ctx`'s cache (modules unload once every [`Kernel`]
+    /// handed out is dropped too). Returns whether there was one.
+    pub fn evict(ctx: &Arc<CudaContext>) -> bool {
+        let key = ctx.cu_ctx() as usize;
+        let mut reg = registry();
+        let before = reg.len();
+        reg.retain(|(k, _)| *k != key);
+        reg.len() != before
+    }
+
+    /// The context this cache belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The device's properties.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+
+    /// The module of the embedded cubin `file`, loaded on first use.
+    pub fn module(&self, file: &str) -> Result<Arc<CudaModule>> {
+        let mut modules = lock(&self.modules);
+        if let Some(m) = modules.get(file) {
+            return Ok(m.clone());
+        }
+        let bytes = cubin(file).ok_or_else(|| {
+            Error::invalid(
+                "file",
+                format!("{file:?}"),
+                format!("must name an embedded cubin: one of {:?}", cubin_names()),
+            )
+        })?;
+        let module = self.ctx.load_module(Ptx::from_binary(bytes.to_vec()))?;
+        modules.insert(file.to_owned(), module.clone());
+        Ok(module)
+    }
+
+    /// The kernel `name` (its `extern "C"` symbol) of the cubin `file`, cached.
+    pub fn kernel(&self, file: &str, name: &str) -> Result<Arc<Kernel>> {
+        if let Some(k) = lock(&self.kernels).get(file).and_then(|m| m.get(name)) {
+            return Ok(k.clone());
+        }
+        let module = self.module(file)?;
+        let function = module.load_function(name).map_err(|e| {
+            Error::invalid(
+                "kernel",
+                format!("{name:?}"),
+                format!("must be an extern \"C\" __global__ function of {file}.cu ({e})"),
+            )
+        })?;
+        let kernel = Arc::new(Kernel::new(
+            file,
+            name,
+            function,
+            self.ctx.clone(),
+            self.props,
+        ));
+        let mut kernels = lock(&self.kernels);
+        let entry = kernels
+            .entry(file.to_owned())
+            .or_default()
+            .entry(name.to_owned())
+            .or_insert(kernel);
+        Ok(entry.clone())
+    }
+}

@@ -1,0 +1,228 @@
+//! Launching one kernel with one by-value `#[repr(C)]` parameter struct.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::kernels::DeviceProps;
+use crate::error::{Error, Result};
+
+/// Dynamic shared memory a block may use without opting in, in bytes.
+pub const DEFAULT_DYNAMIC_SMEM_LIMIT: u32 = 48 * 1024;
+
+/// A `#[repr(C)]` struct that a kernel takes as its only parameter, by value.
+///
+/// # Safety
+///
+/// The implementor must be `#[repr(C)]` with exactly the layout of the `.cu` side's params
+/// struct (same field order, types and size; device pointers as [`CUdeviceptr`] / `u64`), and
+/// must hold no Rust references or other non-plain-data fields.
+pub unsafe trait KernelParams: Copy + Send + Sync + 'static {}
+
+/// The params struct as a kernel argument: `cuLaunchKernel` copies `size_of::<P>()` bytes from
+/// its address, which is what the kernel's by-value parameter expects.
+#[repr(transparent)]
+struct ByValue<P>(P);
+
+// SAFETY: `ByValue<P>` is `repr(transparent)` over a `KernelParams` type, whose implementor
+// guarantees a plain-data `repr(C)` layout identical to the kernel's parameter.
+unsafe impl<P: KernelParams> DeviceRepr for ByValue<P> {}
+
+/// One loaded kernel: a function of an embedded cubin, bound to one context.
+#[derive(Debug)]
+pub struct Kernel {
+    file: String,
+    name: String,
+    function: CudaFunction,
+    ctx: Arc<CudaContext>,
+    props: DeviceProps,
+    /// The dynamic shared-memory limit set on the function so far (starts at the default).
+    smem_limit: AtomicU32,
+}
+
+impl Kernel {
+    pub(super) fn new(
+        file: &str,
+        name: &str,
+        function: CudaFunction,
+        ctx: Arc<CudaContext>,
+        props: DeviceProps,
+    ) -> Self {
+        Self {
+            file: file.to_owned(),
+            name: name.to_owned(),
+            function,
+            ctx,
+            props,
+            smem_limit: AtomicU32::new(DEFAULT_DYNAMIC_SMEM_LIMIT),
+        }
+    }
+
+    /// The cubin this kernel comes from (e.g. `"layout/layout"`).
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The kernel's symbol.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The underlying cudarc function (for occupancy queries and attributes).
+    pub fn function(&self) -> &CudaFunction {
+        &self.function
+    }
+
+    /// Properties of the device this kernel is loaded on.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+
+    /// Allows launches with up to `bytes` of dynamic shared memory (a no-op below the current
+    /// limit). Fails if `bytes` exceeds the device's opt-in maximum.
+    pub fn reserve_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        if bytes <= self.smem_limit.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if bytes > self.props.max_smem_per_block_optin {
+            return Err(Error::invalid(
+                "shared_mem_bytes",
+                bytes,
+                format!(
+                    "kernel `{}` may use at most {} bytes of shared memory per block on device {}",
+                    self.name, self.props.max_smem_per_block_optin, self.props.ordinal
+                ),
+            ));
+        }
+        self.ctx.bind_to_thread()?;
+        let value = i32::try_from(bytes).unwrap_or(i32::MAX);
+        self.function.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            value,
+        )?;
+        self.smem_limit.fetch_max(bytes, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Checks a launch shape against the device limits and this kernel's context.
+    fn check(&self, stream: &CudaStream, cfg: &LaunchConfig) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::invalid(
+                "stream",
+                format!("a stream of device {}", stream.context().ordinal()),
+                format!(
+                    "kernel `{}` is loaded on device {}: launch it on a stream of that context",
+                    self.name, self.props.ordinal
+                ),
+            ));
+        }
+        let (gx, gy, gz) = cfg.grid_dim;
+        if gx == 0 || gy == 0 || gz == 0 || gx > i32::MAX as u32 || gy > 65_535 || gz > 65_535 {
+            return Err(Error::invalid(
+                "grid_dim",
+                format!("{:?}", cfg.grid_dim),
+                "each dimension must be >= 1; x <= 2^31 - 1, y and z <= 65535",
+            ));
+        }
+        let (bx, by, bz) = cfg.block_dim;
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if threads == 0 || threads > u64::from(self.props.max_threads_per_block) {
+            return Err(Error::invalid(
+                "block_dim",
+                format!("{:?}", cfg.block_dim),
+                format!(
+                    "a block must have 1 to {} threads",
+                    self.props.max_threads_per_block
+                ),
+            ));
+        }
+        self.reserve_dynamic_smem(cfg.shared_mem_bytes)
+    }
+
+    /// Launches the kernel on `stream` with `params` as its single by-value parameter.
+    ///
+    /// # Safety
+    ///
+    /// `P` must be the params type of this kernel, and every device pointer in `params` must
+    /// point into allocations of this context that stay alive, and are not accessed by the
+    /// host or other streams in a conflicting way, until the kernel has finished on `stream`,
+    /// with at least as many elements as the kernel reads or writes through it.
+    pub unsafe fn launch<P: KernelParams>(
+        &self,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        params: P,
+    ) -> Result<()> {
+        self.check(stream, &cfg)?;
+        let arg = ByValue(params);
+        let mut builder = stream.launch_builder(&self.function);
+        builder.arg(&arg);
+        // SAFETY: the caller guarantees that `params` matches the kernel's parameter and that
+        // its pointers are valid for the launch; `arg` outlives the call, which copies it.
+        unsafe { builder.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Like [`Kernel::launch`], as a cooperative launch (`cuLaunchCooperativeKernel`): every
+    /// block is resident at once, so the kernel may synchronise the whole grid. The grid must
+    /// fit on the device (see [`CudaFunction::occupancy_max_active_blocks_per_multiprocessor`]).
+    ///
+    /// # Safety
+    ///
+    /// As for [`Kernel::launch`].
+    pub unsafe fn launch_cooperative<P: KernelParams>(
+        &self,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        params: P,
+    ) -> Result<()> {
+        if !self.props.cooperative_launch {
+            return Err(Error::invalid(
+                "launch",
+                "cooperative",
+                format!(
+                    "device {} does not support cooperative launches",
+                    self.props.ordinal
+                ),
+            ));
+        }
+        self.check(stream, &cfg)?;
+        let arg = ByValue(params);
+        let mut builder = stream.launch_builder(&self.function);
+        builder.arg(&arg);
+        // SAFETY: as in `launch`; the grid size is checked by the driver, which fails the
+        // launch (no hang) if the blocks cannot all be resident.
+        unsafe { builder.launch_cooperative(cfg) }?;
+        Ok(())
+    }
+}
+
+/// Checks that the device pointer of argument `arg` is aligned to `align` bytes (vectorised
+/// kernels need it; views at odd offsets break it).
+pub fn check_align(arg: &'static str, ptr: CUdeviceptr, align: u64) -> Result<()> {
+    if align != 0 && ptr % align != 0 {
+        return Err(Error::invalid(
+            arg,
+            format!("device pointer {ptr:#x}"),
+            format!("must be {align}-byte aligned"),
+        ));
+    }
+    Ok(())
+}
+
+/// Number of blocks for `work_items` items at `items_per_block` each, capped at
+/// `blocks_per_sm * sm_count` (grid-stride kernels loop over the rest); at least 1.
+pub fn grid_for(
+    work_items: u64,
+    items_per_block: u64,
+    props: &DeviceProps,
+    blocks_per_sm: u32,
+) -> u32 {
+    let needed = work_items.div_ceil(items_per_block.max(1));
+    let cap = u64::from(props.sm_count.max(1)) * u64::from(blocks_per_sm.max(1));
+    u32::try_from(needed.clamp(1, cap)).unwrap_or(u32::MAX)
+}

@@ -1,0 +1,892 @@
+// Normal-mode (high-throughput) expert-parallel kernels inside one NVLink node.
+// Host twins: `src/intranode/host.rs`; launchers: `src/intranode/cuda.rs`.
+//
+// Kernels (each takes ONE by-value params struct mirrored in cuda.rs):
+//   * intranode_notify_dispatch: exchange per-rank / per-expert counts with every peer, compute
+//     `rank_prefix_matrix [R, R]`, the totals (written to host-mapped counters) and this rank's
+//     `channel_prefix_matrix [R, C]`; also resets the channel counters for the next kernel;
+//   * intranode_cached_notify: barrier + counter reset + barrier (before a cached dispatch, and
+//     before every combine);
+//   * intranode_dispatch: every rank streams its tokens to their destination ranks through
+//     per-(channel, source) ring buffers in the receivers' NVLink buffers;
+//   * intranode_combine: the reverse path; the home rank sums the returned rows in rank order.
+//
+// ---------------------------------------------------------------------------------------------
+// NVLink buffer layout (one buffer per rank, on that rank's GPU, mapped into every peer; all
+// offsets in bytes from the buffer base; `kMax*` below):
+//
+//   [0, 128)            barrier signals: int32[kMaxRanks]; signal[i] is this rank's counter
+//                       for its barrier with rank i. Never reset by the kernels (balanced: +T by
+//                       self, -T by the peer per barrier); zero it only when (re)creating the
+//                       buffer or after a timeout.
+//   [1024, 17408)       channel counters, four int32 arrays [kMaxChannels][kMaxRanks]:
+//                         start[c][src] (-v-1 encoded: 0 = not yet written) first index of
+//                                        source `src`'s channel-`c` tokens within its block;
+//                         end[c][src]   (-v-1 encoded) one past the last one;
+//                         tail[c][src]  tokens the sender `src` has published into ring (c, src);
+//                         head[c][dst]  tokens the receiver `dst` has consumed from the ring
+//                                        (c, me) that lives in *dst's* buffer (written by dst).
+//                       Reset to zero by notify_dispatch / cached_notify (between two barriers).
+//   [20480, 53248)      notify counts: int32[kMaxRanks][kMaxRanks] tokens per destination rank
+//                       written by each source (row = source), then
+//                       int32[kMaxRanks][kMaxLocalExperts] tokens per local expert (row = source).
+//   [65536, ...)        rings: for channel c and peer p, ring (c, p) at
+//                       kRingBase + (c * R + p) * ring_bytes; ring (c, p) of rank `r` receives
+//                       from rank `p` (dispatch: p sends its tokens; combine: p returns rows).
+//                       Each ring holds Q = num_max_recv_tokens slots, as arrays (16-byte
+//                       aligned, in this order):
+//                         dispatch: x [Q][row_bytes], src_idx i32 [Q], topk_idx i32 [Q][K],
+//                                   topk_weights f32 [Q][K], scales f32 [Q][S];
+//                         combine:  x [Q][row_bytes] (bf16), topk_weights f32 [Q][K].
+//                       ring_bytes is the larger of the two for the op (see `ring_bytes` here
+//                       and `buffer_size_hint` in cuda.rs).
+//
+// Flow control: the sender of ring (c, s -> d) waits until `Q - (sent - head) >= chunk`, copies
+// up to `num_max_send_tokens` tokens (warps of its group in parallel), group barrier, then
+// publishes `tail = sent` with a system-scope release store. The receiver polls `tail` with
+// acquire loads (its own memory), copies slots [head, tail) out, group barrier, then publishes
+// `head` with a release store into the sender's buffer. Counters never wrap within one kernel.
+//
+// Ordering between ops: notify_dispatch starts with a barrier (every peer has finished its
+// previous kernels, so nothing touches this buffer any more), resets the counters, writes the
+// counts, and barriers again; cached_notify does barrier / reset / barrier. The caller runs
+// cached_notify before every combine and before a cached (handle-reusing) dispatch.
+//
+// Timeouts: every device-side wait gives up after `timeout_ns` (0 = never) of no progress, on
+// the `%globaltimer` clock. The waiter then writes an error record {1, awaited rank, kernel id,
+// site} with one 16-byte store to `error_info` (host-mapped or device memory, int32[4], zeroed
+// by the host before the op), prints one line, and its warp group / block leaves its loop and
+// *exits cleanly* (no trap: the context stays usable). Peers waiting on it then time out too.
+// Outputs are garbage after a timeout; the barrier signals are unbalanced, so the runtime must
+// re-zero the buffers' signal regions on all ranks (after a global sync) before reusing them.
+// ---------------------------------------------------------------------------------------------
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxChannels = 128;
+constexpr int kMaxLocalExperts = 1024;
+
+constexpr size_t kSignalOffset = 0;
+constexpr size_t kCounterOffset = 1024;
+constexpr size_t kCounterArrayBytes = sizeof(int) * kMaxChannels * kMaxRanks;  // 4 KiB
+constexpr size_t kNotifyOffset = 20480;
+constexpr size_t kRingBase = 65536;
+static_assert(kCounterOffset + 4 * kCounterArrayBytes <= kNotifyOffset, "counter region");
+static_assert(kNotifyOffset + sizeof(int) * kMaxRanks * (kMaxRanks + kMaxLocalExperts) <=
+                  kRingBase,
+              "notify region");
+
+enum CounterArray : int { kStart = 0, kEnd = 1, kTail = 2, kHead = 3 };
+
+// Kernel ids in error records (Rust: `KERNEL_NAMES` in cuda.rs).
+enum KernelId : int { kNotifyKernel = 1, kCachedNotifyKernel = 2, kDispatchKernel = 3, kCombineKernel = 4 };
+
+// Wait sites in error records.
+enum Site : int {
+    kSiteBarrier = 1,
+    kSiteDispatchSendHead = 2,
+    kSiteDispatchRecvMeta = 3,
+    kSiteDispatchRecvTail = 4,
+    kSiteCombineSendHead = 5,
+    kSiteCombineRecvTail = 6,
+};
+
+constexpr int kBarrierTag = 1 << 20;
+
+constexpr int kNotifyThreads = 256;
+constexpr int kDispatchThreads = 768;  // 24 warps, split into R groups on both sides
+constexpr int kDispatchWarps = kDispatchThreads / ep::kWarpSize;
+constexpr int kCombineThreads = 768;
+constexpr int kCombineWarps = kCombineThreads / ep::kWarpSize;
+
+EP_DEVICE char* buf(const uint64_t* ptrs, int r) { return reinterpret_cast<char*>(ptrs[r]); }
+
+EP_DEVICE int* signals(char* base) { return reinterpret_cast<int*>(base + kSignalOffset); }
+
+EP_DEVICE int* counter(char* base, CounterArray array, int channel, int peer) {
+    return reinterpret_cast<int*>(base + kCounterOffset + array * kCounterArrayBytes) +
+           channel * kMaxRanks + peer;
+}
+
+EP_DEVICE int* notify_rank_counts(char* base) { return reinterpret_cast<int*>(base + kNotifyOffset); }
+
+EP_DEVICE int* notify_expert_counts(char* base) {
+    return reinterpret_cast<int*>(base + kNotifyOffset) + kMaxRanks * kMaxRanks;
+}
+
+EP_HOST_DEVICE size_t align16(size_t v) { return (v + 15) & ~size_t{15}; }
+
+// Byte offsets of the arrays inside one ring (mirrored by `RingLayout` in cuda.rs).
+struct RingLayout {
+    size_t src_idx;
+    size_t topk_idx;
+    size_t topk_weights;
+    size_t scales;
+    size_t bytes;
+
+    EP_HOST_DEVICE static RingLayout dispatch(int q, int row_bytes, int topk, int scales) {
+        RingLayout l;
+        l.src_idx = align16(size_t(q) * row_bytes);
+        l.topk_idx = l.src_idx + align16(size_t(q) * 4);
+        l.topk_weights = l.topk_idx + align16(size_t(q) * topk * 4);
+        l.scales = l.topk_weights + align16(size_t(q) * topk * 4);
+        l.bytes = l.scales + align16(size_t(q) * scales * 4);
+        return l;
+    }
+
+    EP_HOST_DEVICE static RingLayout combine(int q, int row_bytes, int topk) {
+        RingLayout l;
+        l.src_idx = 0;
+        l.topk_idx = 0;
+        l.topk_weights = align16(size_t(q) * row_bytes);
+        l.scales = 0;
+        l.bytes = l.topk_weights + align16(size_t(q) * topk * 4);
+        return l;
+    }
+};
+
+EP_DEVICE char* ring(char* base, size_t ring_bytes, int channel, int num_ranks, int peer) {
+    return base + kRingBase + (size_t(channel) * num_ranks + peer) * ring_bytes;
+}
+
+// Records a timeout (one 16-byte store, so a record is never torn) and prints it.
+EP_DEVICE void report_timeout(int* error_info, int kernel, int self_rank, int awaited, int site) {
+    printf("ep-kernels: rank %d kernel %d timed out waiting for rank %d (site %d, block %d)\n",
+           self_rank, kernel, awaited, site, static_cast<int>(blockIdx.x));
+    if (error_info != nullptr) {
+        const int4 rec = make_int4(1, awaited, kernel, site);
+        asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(error_info),
+                     "r"(rec.x), "r"(rec.y), "r"(rec.z), "r"(rec.w)
+                     : "memory");
+        __threadfence_system();
+    }
+}
+
+// Non-allocating weak load of data another GPU wrote (ordered by a prior acquire + barrier).
+EP_DEVICE int4 ld_ring(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+EP_DEVICE void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Warp copy of `n` int4 from `src` to `dst`, `kUnroll` loads in flight per lane.
+// kSrcReadOnly: `src` is not written during the kernel (non-coherent path allowed).
+template <bool kSrcReadOnly, int kUnroll = 4>
+EP_DEVICE void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    for (int base = lane; base < n; base += ep::kWarpSize * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * ep::kWarpSize;
+            if (i < n) {
+                v[u] = kSrcReadOnly ? ep::ld_nc_no_alloc(src + i) : ld_ring(src + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * ep::kWarpSize;
+            if (i < n) {
+                ep::st_no_alloc(dst + i, v[u]);
+            }
+        }
+    }
+}
+
+// Barrier of the whole node, run by one block (threads [0, R) talk to the peers). Every
+// write of the block before the call is visible to every peer after it. Returns false (and
+// records the error) on timeout; all threads of the block get the same answer.
+__device__ bool barrier_block(const uint64_t* buffer_ptrs, int rank, int num_ranks,
+                              uint64_t timeout_ns, int* error_info, int kernel) {
+    __shared__ int s_failed;
+    if (threadIdx.x == 0) {
+        s_failed = 0;
+    }
+    __syncthreads();
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < num_ranks) {
+        ep::fence_acq_rel_sys();
+        int* mine = signals(buf(buffer_ptrs, rank)) + i;
+        int* theirs = signals(buf(buffer_ptrs, i)) + rank;
+        ep::atomic_add_release_sys(mine, kBarrierTag);
+        ep::atomic_add_release_sys(theirs, -kBarrierTag);
+        const ep::Deadline deadline = ep::Deadline::after(timeout_ns);
+        bool timed_out = false;
+        ep::wait_flag_sys(mine, [](int v) { return v <= 0; }, deadline, &timed_out);
+        if (timed_out) {
+            report_timeout(error_info, kernel, rank, i, kSiteBarrier);
+            atomicExch(&s_failed, 1);
+        }
+    }
+    __syncthreads();
+    return s_failed == 0;
+}
+
+// Zeroes this rank's channel counters (start, end, tail, head).
+__device__ void reset_counters(char* my_buf) {
+    int* c = counter(my_buf, kStart, 0, 0);
+    for (int i = threadIdx.x; i < 4 * kMaxChannels * kMaxRanks; i += blockDim.x) {
+        c[i] = 0;
+    }
+}
+
+EP_DEVICE void channel_range(int num_tokens, int num_channels, int channel, int* begin, int* end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    *begin = min(per * channel, num_tokens);
+    *end = min(per * (channel + 1), num_tokens);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// notify_dispatch
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `NotifyParams` in src/intranode/cuda.rs.
+struct NotifyParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int* num_tokens_per_rank;    // [R]
+    const int* num_tokens_per_expert;  // [E]
+    const uint8_t* is_token_in_rank;   // [T, R]
+    int* rank_prefix_matrix;           // [R, R] out
+    int* channel_prefix_matrix;        // [R, C] out
+    int* moe_recv_counter;             // mapped [1] out
+    int* moe_recv_expert_counter;      // mapped [L] out
+    int* error_info;                   // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int num_experts;
+    int num_channels;
+    int expert_alignment;
+};
+EP_CHECK_PARAMS_SIZE(NotifyParams, 160);
+
+// Grid: 1 + R blocks of kNotifyThreads. Block 0 exchanges counts; block 1 + d computes row d of
+// channel_prefix_matrix.
+EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_notify_dispatch(const NotifyParams p) {
+    const int R = p.num_ranks;
+    if (blockIdx.x == 0) {
+        const int L = p.num_experts / R;
+        char* my_buf = buf(p.buffer_ptrs, p.rank);
+        // 1. Everybody has finished with the buffers (previous op).
+        if (!barrier_block(p.buffer_ptrs, p.rank, R, p.timeout_ns, p.error_info, kNotifyKernel)) {
+            return;
+        }
+        // 2. Reset our counters; send our counts to every peer (row `rank` of their tables).
+        reset_counters(my_buf);
+        for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+            const int d = i / R;
+            const int j = i % R;
+            notify_rank_counts(buf(p.buffer_ptrs, d))[p.rank * kMaxRanks + j] = p.num_tokens_per_rank[j];
+        }
+        for (int i = threadIdx.x; i < R * L; i += blockDim.x) {
+            const int d = i / L;
+            const int le = i % L;
+            notify_expert_counts(buf(p.buffer_ptrs, d))[p.rank * kMaxLocalExperts + le] =
+                p.num_tokens_per_expert[d * L + le];
+        }
+        // 3. Every count has arrived, every counter is reset.
+        if (!barrier_block(p.buffer_ptrs, p.rank, R, p.timeout_ns, p.error_info, kNotifyKernel)) {
+            return;
+        }
+        // 4. Prefix matrix and totals.
+        const int* counts = notify_rank_counts(my_buf);
+        for (int j = threadIdx.x; j < R; j += blockDim.x) {
+            int acc = 0;
+            for (int i = 0; i < R; ++i) {
+                acc += ep::ld_volatile(counts + i * kMaxRanks + j);
+                p.rank_prefix_matrix[i * R + j] = acc;
+            }
+        }
+        const int* ecounts = notify_expert_counts(my_buf);
+        for (int le = threadIdx.x; le < L; le += blockDim.x) {
+            int n = 0;
+            for (int s = 0; s < R; ++s) {
+                n += ep::ld_volatile(ecounts + s * kMaxLocalExperts + le);
+            }
+            const int a = p.expert_alignment;
+            ep::st_release_sys(p.moe_recv_expert_counter + le, (n + a - 1) / a * a);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int i = 0; i < R; ++i) {
+                total += ep::ld_volatile(counts + i * kMaxRanks + p.rank);
+            }
+            ep::fence_acq_rel_sys();
+            ep::st_release_sys(p.moe_recv_counter, total);
+        }
+        return;
+    }
+
+    // channel_prefix_matrix row d: warp w counts channels w, w + 8, ...
+    __shared__ int s_counts[kMaxChannels];
+    const int d = static_cast<int>(blockIdx.x) - 1;
+    const int C = p.num_channels;
+    const int lane = ep::lane_id();
+    for (int c = ep::warp_id(); c < C; c += kNotifyThreads / ep::kWarpSize) {
+        int begin, end;
+        channel_range(p.num_tokens, C, c, &begin, &end);
+        int n = 0;
+        for (int t = begin + lane; t < end; t += ep::kWarpSize) {
+            n += p.is_token_in_rank[static_cast<int64_t>(t) * R + d] != 0;
+        }
+        n = ep::warp_reduce_sum(n);
+        if (lane == 0) {
+            s_counts[c] = n;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int c = 0; c < C; ++c) {
+            acc += s_counts[c];
+            p.channel_prefix_matrix[d * C + c] = acc;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cached_notify: barrier, reset counters, barrier
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `CachedNotifyParams` in src/intranode/cuda.rs.
+struct CachedNotifyParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    int* error_info;  // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+};
+EP_CHECK_PARAMS_SIZE(CachedNotifyParams, 88);
+
+// Grid: 1 block of kNotifyThreads.
+EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_cached_notify(const CachedNotifyParams p) {
+    if (!barrier_block(p.buffer_ptrs, p.rank, p.num_ranks, p.timeout_ns, p.error_info,
+                       kCachedNotifyKernel)) {
+        return;
+    }
+    reset_counters(buf(p.buffer_ptrs, p.rank));
+    barrier_block(p.buffer_ptrs, p.rank, p.num_ranks, p.timeout_ns, p.error_info,
+                  kCachedNotifyKernel);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dispatch
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `DispatchParams` in src/intranode/cuda.rs.
+struct DispatchParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                      // [T, hidden_int4]
+    const float* x_scales;              // [T, S] or null (S == 0)
+    const int64_t* topk_idx;            // [T, K] or null (K == 0)
+    const float* topk_weights;          // [T, K] or null (K == 0)
+    const uint8_t* is_token_in_rank;    // [T, R]
+    const int* rank_prefix_matrix;      // [R, R]
+    const int* channel_prefix_matrix;   // [R, C] (this rank's)
+    int4* recv_x;                       // [N, hidden_int4]
+    float* recv_x_scales;               // [N, S]
+    int* recv_src_idx;                  // [N]
+    int64_t* recv_topk_idx;             // [N, K]
+    float* recv_topk_weights;           // [N, K]
+    int* recv_channel_offset;           // [R, C] out
+    int* send_head;                     // [T, R] out
+    int* error_info;                    // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int hidden_int4;  // row bytes / 16
+    int num_scales;   // S
+    int num_topk;     // K
+    int experts_per_rank;
+    int num_channels;
+    int num_max_send_tokens;
+    int num_max_recv_tokens;
+};
+EP_CHECK_PARAMS_SIZE(DispatchParams, 232);
+
+namespace {
+
+// One token into slot `slot` of a dispatch ring, by one warp.
+EP_DEVICE void dispatch_send_token(const DispatchParams& p, char* ring_base, const RingLayout& lay,
+                                   int token, int slot, int dst, int lane) {
+    const int hi = p.hidden_int4;
+    warp_copy<true>(reinterpret_cast<int4*>(ring_base) + static_cast<int64_t>(slot) * hi,
+                    p.x + static_cast<int64_t>(token) * hi, hi, lane);
+    if (lane == 0) {
+        reinterpret_cast<int*>(ring_base + lay.src_idx)[slot] = token;
+    }
+    const int K = p.num_topk;
+    if (K > 0) {
+        const int64_t lo = static_cast<int64_t>(dst) * p.experts_per_rank;
+        const int64_t hi_e = lo + p.experts_per_rank;
+        int* ridx = reinterpret_cast<int*>(ring_base + lay.topk_idx) + static_cast<int64_t>(slot) * K;
+        float* rw = reinterpret_cast<float*>(ring_base + lay.topk_weights) + static_cast<int64_t>(slot) * K;
+        for (int k = lane; k < K; k += ep::kWarpSize) {
+            const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(token) * K + k);
+            const bool local = e >= lo && e < hi_e;
+            ridx[k] = local ? static_cast<int>(e - lo) : -1;
+            rw[k] = local ? __ldg(p.topk_weights + static_cast<int64_t>(token) * K + k) : 0.0f;
+        }
+    }
+    const int S = p.num_scales;
+    if (S > 0) {
+        float* rs = reinterpret_cast<float*>(ring_base + lay.scales) + static_cast<int64_t>(slot) * S;
+        for (int i = lane; i < S; i += ep::kWarpSize) {
+            rs[i] = __ldg(p.x_scales + static_cast<int64_t>(token) * S + i);
+        }
+    }
+}
+
+// Slot `slot` of a dispatch ring into row `out` of the outputs, by one warp.
+EP_DEVICE void dispatch_recv_token(const DispatchParams& p, const char* ring_base,
+                                   const RingLayout& lay, int slot, int64_t out, int lane) {
+    const int hi = p.hidden_int4;
+    warp_copy<false>(p.recv_x + out * hi,
+                     reinterpret_cast<const int4*>(ring_base) + static_cast<int64_t>(slot) * hi, hi,
+                     lane);
+    if (lane == 0) {
+        p.recv_src_idx[out] = reinterpret_cast<const int*>(ring_base + lay.src_idx)[slot];
+    }
+    const int K = p.num_topk;
+    if (K > 0) {
+        const int* ridx = reinterpret_cast<const int*>(ring_base + lay.topk_idx) + static_cast<int64_t>(slot) * K;
+        const float* rw = reinterpret_cast<const float*>(ring_base + lay.topk_weights) + static_cast<int64_t>(slot) * K;
+        for (int k = lane; k < K; k += ep::kWarpSize) {
+            p.recv_topk_idx[out * K + k] = static_cast<int64_t>(ridx[k]);
+            p.recv_topk_weights[out * K + k] = rw[k];
+        }
+    }
+    const int S = p.num_scales;
+    if (S > 0) {
+        const float* rs = reinterpret_cast<const float*>(ring_base + lay.scales) + static_cast<int64_t>(slot) * S;
+        for (int i = lane; i < S; i += ep::kWarpSize) {
+            p.recv_x_scales[out * S + i] = rs[i];
+        }
+    }
+}
+
+}  // namespace
+
+// Grid: 2 * C blocks of kDispatchThreads. Block 2c sends channel c, block 2c + 1 receives it.
+// In both, warp group g (kDispatchWarps / R warps, named barrier g + 1) serves peer g.
+EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const DispatchParams p) {
+    __shared__ int s_value[kMaxRanks][2];
+    __shared__ int s_tail[kMaxRanks];
+    __shared__ int s_abort[kMaxRanks];
+
+    const int R = p.num_ranks;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const int lane = ep::lane_id();
+    const int warps_per_group = kDispatchWarps / R;
+    const int g = ep::warp_id() / warps_per_group;
+    if (g >= R) {
+        return;  // spare warps (R does not divide 24)
+    }
+    const int gw = ep::warp_id() % warps_per_group;
+    const int group_threads = warps_per_group * ep::kWarpSize;
+    const int bar_id = g + 1;
+    const bool leader = gw == 0 && lane == 0;
+    const RingLayout lay = RingLayout::dispatch(Q, p.hidden_int4 * 16, p.num_topk, p.num_scales);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    int t_begin, t_end;
+    channel_range(p.num_tokens, C, c, &t_begin, &t_end);
+
+    if (is_sender) {
+        const int d = g;
+        char* dst_buf = buf(p.buffer_ptrs, d);
+        const int first = c > 0 ? p.channel_prefix_matrix[d * C + c - 1] : 0;
+        const int last = p.channel_prefix_matrix[d * C + c];
+        const int n_total = last - first;
+        if (leader) {
+            ep::st_release_sys(counter(dst_buf, kStart, c, p.rank), -first - 1);
+            ep::st_release_sys(counter(dst_buf, kEnd, c, p.rank), -last - 1);
+        }
+        char* ring_base = ring(dst_buf, lay.bytes, c, R, p.rank);
+        int* tail_ptr = counter(dst_buf, kTail, c, p.rank);
+        const int* head_ptr = counter(my_buf, kHead, c, d);
+        const int chunk = p.num_max_send_tokens;
+        int sent = 0;
+        int t = t_begin;
+        bool aborted = false;
+        while (sent < n_total) {
+            const int k = min(chunk, n_total - sent);
+            if (leader) {
+                bool timed_out = false;
+                ep::wait_flag_sys(head_ptr, [&](int head) { return Q - (sent - head) >= k; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kDispatchKernel, p.rank, d, kSiteDispatchSendHead);
+                }
+                s_abort[g] = timed_out;
+            }
+            named_barrier(bar_id, group_threads);
+            if (s_abort[g]) {
+                aborted = true;
+                break;
+            }
+            // Scan the channel's tokens 32 at a time for the next k bound to d.
+            int filled = 0;
+            while (filled < k) {
+                EP_DEVICE_ASSERT(t < t_end);  // channel_prefix_matrix disagrees with is_token_in_rank
+                const int tok = t + lane;
+                const bool flag = tok < t_end && p.is_token_in_rank[static_cast<int64_t>(tok) * R + d] != 0;
+                unsigned mask = __ballot_sync(ep::kFullMask, flag);
+                const int need = k - filled;
+                int window = min(ep::kWarpSize, t_end - t);
+                if (__popc(mask) > need) {
+                    unsigned m = mask;
+                    for (int i = 1; i < need; ++i) {
+                        m &= m - 1;
+                    }
+                    window = __ffs(m);  // position of the need-th set bit, plus one
+                    mask &= window == 32 ? ep::kFullMask : ((1u << window) - 1u);
+                }
+                const int j0 = sent + filled;
+                if (gw == 0 && lane < window) {
+                    const bool taken = (mask >> lane) & 1u;
+                    p.send_head[static_cast<int64_t>(tok) * R + d] =
+                        taken ? j0 + __popc(mask & ((1u << lane) - 1u)) : -1;
+                }
+                unsigned m = mask;
+                for (int r = 0; m != 0; ++r) {
+                    const int b = __ffs(m) - 1;
+                    m &= m - 1;
+                    const int j = j0 + r;
+                    if (j % warps_per_group == gw) {
+                        dispatch_send_token(p, ring_base, lay, t + b, j % Q, d, lane);
+                    }
+                }
+                filled += __popc(mask);
+                t += window;
+            }
+            named_barrier(bar_id, group_threads);
+            sent += k;
+            if (leader) {
+                ep::st_release_sys(tail_ptr, sent);
+            }
+        }
+        // Tokens after the last one sent to d.
+        if (!aborted && gw == 0) {
+            for (int tok = t + lane; tok < t_end; tok += ep::kWarpSize) {
+                p.send_head[static_cast<int64_t>(tok) * R + d] = -1;
+            }
+        }
+        return;
+    }
+
+    // Receiver of channel c from source s = g.
+    const int s = g;
+    char* src_buf = buf(p.buffer_ptrs, s);
+    if (leader) {
+        const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
+        bool timed_out = false;
+        const int start = ep::wait_flag_sys(counter(my_buf, kStart, c, s), [](int v) { return v != 0; },
+                                            deadline, &timed_out);
+        int end = 0;
+        if (!timed_out) {
+            end = ep::wait_flag_sys(counter(my_buf, kEnd, c, s), [](int v) { return v != 0; },
+                                    deadline, &timed_out);
+        }
+        if (timed_out) {
+            report_timeout(p.error_info, kDispatchKernel, p.rank, s, kSiteDispatchRecvMeta);
+        }
+        s_abort[g] = timed_out;
+        s_value[g][0] = -start - 1;
+        s_value[g][1] = -end - 1;
+    }
+    named_barrier(bar_id, group_threads);
+    if (s_abort[g]) {
+        return;
+    }
+    const int start = s_value[g][0];
+    const int n = s_value[g][1] - start;
+    const int64_t base = (s > 0 ? p.rank_prefix_matrix[(s - 1) * R + p.rank] : 0) + start;
+    if (leader) {
+        p.recv_channel_offset[s * C + c] = static_cast<int>(base);
+    }
+    const char* ring_base = ring(my_buf, lay.bytes, c, R, s);
+    const int* tail_ptr = counter(my_buf, kTail, c, s);
+    int* head_ptr = counter(src_buf, kHead, c, p.rank);
+    int head = 0;
+    while (head < n) {
+        if (leader) {
+            bool timed_out = false;
+            const int tail = ep::wait_flag_sys(tail_ptr, [&](int v) { return v > head; },
+                                               ep::Deadline::after(p.timeout_ns), &timed_out);
+            if (timed_out) {
+                report_timeout(p.error_info, kDispatchKernel, p.rank, s, kSiteDispatchRecvTail);
+            }
+            s_abort[g] = timed_out;
+            s_tail[g] = tail;
+        }
+        named_barrier(bar_id, group_threads);
+        if (s_abort[g]) {
+            return;
+        }
+        const int tail = s_tail[g];
+        for (int j = head + gw; j < tail; j += warps_per_group) {
+            dispatch_recv_token(p, ring_base, lay, j % Q, base + j, lane);
+        }
+        named_barrier(bar_id, group_threads);
+        head = tail;
+        if (leader) {
+            ep::st_release_sys(head_ptr, head);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// combine
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `CombineParams` in src/intranode/cuda.rs.
+struct CombineParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                    // [N, hidden_int4] bf16 rows in receive order
+    const float* topk_weights;        // [N, K] or null (K == 0)
+    const int* rank_prefix_matrix;    // [R, R]
+    const int* recv_channel_offset;   // [R, C]
+    const int* send_head;             // [T, R]
+    int4* combined_x;                 // [T, hidden_int4] out
+    float* combined_topk_weights;     // [T, K] out, or null
+    int* error_info;                  // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int num_recv_tokens;
+    int hidden_int4;
+    int num_topk;
+    int num_channels;
+    int num_max_send_tokens;
+    int num_max_recv_tokens;
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CombineParams, 176);
+
+namespace {
+
+// The home side of combine for channel c with R == kR ranks (compile-time, so the per-rank
+// slots and loads stay in registers).
+template <int kR>
+__device__ void combine_home(const CombineParams& p, int c, int* s_abort) {
+    const int R = kR;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int K = p.num_topk;
+    const int hi = p.hidden_int4;
+    const int lane = ep::lane_id();
+    const int warp = ep::warp_id();
+    const RingLayout lay = RingLayout::combine(Q, hi * 16, K);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    int t_begin, t_end;
+    channel_range(p.num_tokens, C, c, &t_begin, &t_end);
+    for (int round = t_begin; round < t_end; round += kCombineWarps) {
+        __syncthreads();
+        if (*s_abort) {
+            break;
+        }
+        const int t = round + warp;
+        if (t < t_end) {
+            const int my_slot = lane < R ? p.send_head[static_cast<int64_t>(t) * R + lane] : -1;
+            bool timed_out = false;
+            if (my_slot >= 0) {
+                ep::wait_flag_sys(counter(my_buf, kTail, c, lane), [&](int v) { return v > my_slot; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCombineKernel, p.rank, lane, kSiteCombineRecvTail);
+                    *s_abort = 1;
+                }
+            }
+            if (!__any_sync(ep::kFullMask, timed_out)) {
+                // Per rank: the int4 offset of this token's row in ring (c, d), or -1.
+                int row[kR];
+#pragma unroll
+                for (int d = 0; d < kR; ++d) {
+                    const int sl = __shfl_sync(ep::kFullMask, my_slot, d);
+                    row[d] = sl >= 0 ? (sl % Q) * hi : -1;
+                }
+                const char* ring0 = ring(my_buf, lay.bytes, c, R, 0);
+                int4* out = p.combined_x + static_cast<int64_t>(t) * hi;
+                for (int i = lane; i < hi; i += ep::kWarpSize) {
+                    float acc[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[e] = 0.0f;
+                    }
+                    // Up to 4 rows in flight, then summed in rank order.
+                    constexpr int kBatch = kR < 4 ? kR : 4;
+#pragma unroll
+                    for (int d0 = 0; d0 < kR; d0 += kBatch) {
+                        int4 v[kBatch];
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            if (d0 + b < kR && row[d0 + b] >= 0) {
+                                v[b] = ld_ring(reinterpret_cast<const int4*>(ring0 + (d0 + b) * lay.bytes) + row[d0 + b] + i);
+                            }
+                        }
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            if (d0 + b < kR && row[d0 + b] >= 0) {
+                                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b]);
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const float2 f = __bfloat1622float2(h[e]);
+                                    acc[2 * e] += f.x;
+                                    acc[2 * e + 1] += f.y;
+                                }
+                            }
+                        }
+                    }
+                    int4 o;
+                    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        oh[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+                    }
+                    ep::st_no_alloc(out + i, o);
+                }
+                if (p.combined_topk_weights != nullptr) {
+                    for (int kk = lane; kk < K; kk += ep::kWarpSize) {
+                        float acc = 0.0f;
+#pragma unroll
+                        for (int d = 0; d < kR; ++d) {
+                            if (row[d] >= 0) {
+                                const float* w = reinterpret_cast<const float*>(
+                                    ring0 + d * lay.bytes + lay.topk_weights);
+                                acc += w[static_cast<int64_t>(row[d] / hi) * K + kk];
+                            }
+                        }
+                        p.combined_topk_weights[static_cast<int64_t>(t) * K + kk] = acc;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // Free the slots this round consumed.
+        if (warp == 0 && lane < R && !*s_abort) {
+            int last = -1;
+            for (int w = 0; w < kCombineWarps && round + w < t_end; ++w) {
+                last = max(last, p.send_head[static_cast<int64_t>(round + w) * R + lane]);
+            }
+            if (last >= 0) {
+                ep::st_release_sys(counter(buf(p.buffer_ptrs, lane), kHead, c, p.rank), last + 1);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// Grid: 2 * C blocks of kCombineThreads. Block 2c: warp group g returns to home rank g the rows
+// of channel c it received from g. Block 2c + 1: the home side of channel c, one token per warp
+// per round, summing the rows of every rank in rank order.
+template <int kR>
+__device__ __forceinline__ void combine_impl(const CombineParams& p) {
+    __shared__ int s_abort_group[kMaxRanks];
+    __shared__ int s_abort;
+
+    const int R = kR;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int K = p.num_topk;
+    const int hi = p.hidden_int4;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const int lane = ep::lane_id();
+    const int warp = ep::warp_id();
+    const RingLayout lay = RingLayout::combine(Q, hi * 16, K);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+
+    if (is_sender) {
+        const int warps_per_group = kCombineWarps / R;
+        const int g = warp / warps_per_group;
+        if (g >= R) {
+            return;
+        }
+        const int gw = warp % warps_per_group;
+        const int group_threads = warps_per_group * ep::kWarpSize;
+        const int bar_id = g + 1;
+        const bool leader = gw == 0 && lane == 0;
+        const int s = g;
+        char* home_buf = buf(p.buffer_ptrs, s);
+        const int off = p.recv_channel_offset[s * C + c];
+        const int end = c + 1 < C ? p.recv_channel_offset[s * C + c + 1] : p.rank_prefix_matrix[s * R + p.rank];
+        const int n = end - off;
+        char* ring_base = ring(home_buf, lay.bytes, c, R, p.rank);
+        int4* ring_x = reinterpret_cast<int4*>(ring_base);
+        float* ring_w = reinterpret_cast<float*>(ring_base + lay.topk_weights);
+        int* tail_ptr = counter(home_buf, kTail, c, p.rank);
+        const int* head_ptr = counter(my_buf, kHead, c, s);
+        int sent = 0;
+        while (sent < n) {
+            const int k = min(p.num_max_send_tokens, n - sent);
+            if (leader) {
+                bool timed_out = false;
+                ep::wait_flag_sys(head_ptr, [&](int head) { return Q - (sent - head) >= k; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCombineKernel, p.rank, s, kSiteCombineSendHead);
+                }
+                s_abort_group[g] = timed_out;
+            }
+            named_barrier(bar_id, group_threads);
+            if (s_abort_group[g]) {
+                return;
+            }
+            for (int j = sent + gw; j < sent + k; j += warps_per_group) {
+                const int slot = j % Q;
+                const int64_t row = static_cast<int64_t>(off) + j;
+                warp_copy<true>(ring_x + static_cast<int64_t>(slot) * hi, p.x + row * hi, hi, lane);
+                for (int kk = lane; kk < K; kk += ep::kWarpSize) {
+                    ring_w[static_cast<int64_t>(slot) * K + kk] = __ldg(p.topk_weights + row * K + kk);
+                }
+            }
+            named_barrier(bar_id, group_threads);
+            sent += k;
+            if (leader) {
+                ep::st_release_sys(tail_ptr, sent);
+            }
+        }
+        return;
+    }
+
+    // Home side.
+    if (threadIdx.x == 0) {
+        s_abort = 0;
+    }
+    combine_home<kR>(p, c, &s_abort);
+}
+
+// One kernel per rank count (the home side keeps per-rank state in registers):
+// intranode_combine_<R> for R in 1..=8.
+#define EP_COMBINE_KERNEL(n)                                                                     \
+    EP_KERNEL void __launch_bounds__(kCombineThreads, 1) intranode_combine_##n(const CombineParams p) { \
+        combine_impl<n>(p);                                                                      \
+    }
+EP_COMBINE_KERNEL(1)
+EP_COMBINE_KERNEL(2)
+EP_COMBINE_KERNEL(3)
+EP_COMBINE_KERNEL(4)
+EP_COMBINE_KERNEL(5)
+EP_COMBINE_KERNEL(6)
+EP_COMBINE_KERNEL(7)
+EP_COMBINE_KERNEL(8)
+#undef EP_COMBINE_KERNEL

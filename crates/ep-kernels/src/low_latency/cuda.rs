@@ -1,0 +1,509 @@
+//! Typed launchers of the low-latency kernels (`low_latency.cu`); host twins: [`super::host`]
+//! (slots, receive layout, combine) and [`crate::fp8`] (the cast fused into the dispatch).
+//!
+//! Protocol in short (details and the buffer layout: `low_latency.cu`, [`LowLatencyLayout`]):
+//! - **dispatch**: every `(t, k)` of a source becomes one message written straight into slot
+//!   [`super::send_slots`]`[t, k]` of expert `topk_idx[t, k]`'s region for this source on the
+//!   expert's rank (NVLink stores, fp8 1x128 cast fused in); then per expert the count `n`
+//!   goes out as a signal. The receiver waits for the `R` signals of each local expert and
+//!   packs the messages source-major ([`super::RecvLayout`]) into [`LowLatencyRecv`].
+//! - **combine**: each expert output row goes back into row `(t, k)` of its source token on
+//!   the home rank, then a flag per (expert, home); the home waits for every expert's flag and
+//!   reduces `sum_k w[t, k] * y(t, k)` in f32, in k order, like [`super::combine`].
+//! - Both take a [`Phases`]: `Both` in one launch, or `Send` now and `Recv` later (a receive
+//!   hook; at most two sends of one kind may be pending).
+//! - Nothing needs the host between ops: the buffer set (op parity) and the signal tags come
+//!   from a device-side op counter, so dispatch + combine can be captured in a CUDA graph and
+//!   replayed. Every rank must run the same sequence of ops. After other kernels used the
+//!   buffer's memory, or after a timeout, run [`clean_buffer_cuda`] on every rank (with a
+//!   barrier before and after).
+//! - Waits time out after [`LowLatencyBuffer::timeout`]; the waiting rank then marks the peer
+//!   inactive in its `active_ranks` mask ([`LowLatencyBuffer::active_ranks`]) and treats its
+//!   contribution as zero. Inactive ranks are neither waited for nor written to.
+//!
+//! No launcher synchronises the stream. Launch on a stream of the buffer's context; with
+//! cudarc's event tracking on, slices used across streams add event waits, so disable it
+//! (`CudaContext::disable_event_tracking`) before capturing graphs.
+
+mod buffer;
+mod layout;
+
+pub use buffer::{LowLatencyBuffer, DEFAULT_TIMEOUT};
+pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use buffer::LlBuffer;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig};
+use float8::F8E4M3;
+use half::bf16;
+
+use crate::cuda::{check_align, KernelParams, Kernels};
+use crate::error::{Error, Result};
+use crate::fp8::ScaleFormat;
+use crate::FP8_GROUP;
+
+/// The cubin of `low_latency.cu`.
+const FILE: &str = "low_latency/low_latency";
+/// Threads per block (`kThreads` in `low_latency.cu`).
+const THREADS: u32 = 1024;
+
+/// What a dispatch sends per hidden channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LowLatencyFormat {
+    /// bf16 as given: `recv_x` holds bf16.
+    Bf16,
+    /// fp8 e4m3 with one f32 scale per 128 channels, cast on the fly exactly as
+    /// [`crate::fp8::quantize`]: `recv_x` holds fp8 and `recv_x_scales` the scales.
+    #[default]
+    Fp8,
+    /// As [`LowLatencyFormat::Fp8`] with UE8M0 (power-of-two) scales.
+    Fp8Ue8m0,
+}
+
+impl LowLatencyFormat {
+    /// Bytes per hidden channel in `recv_x`.
+    pub fn bytes_per_channel(self) -> usize {
+        match self {
+            Self::Bf16 => 2,
+            Self::Fp8 | Self::Fp8Ue8m0 => 1,
+        }
+    }
+
+    /// Whether the payload is fp8.
+    pub fn is_fp8(self) -> bool {
+        !matches!(self, Self::Bf16)
+    }
+
+    /// The fp8 scale format (`Float` for bf16, where it is unused).
+    pub fn scale_format(self) -> ScaleFormat {
+        match self {
+            Self::Fp8Ue8m0 => ScaleFormat::Ue8m0,
+            _ => ScaleFormat::Float,
+        }
+    }
+}
+
+/// Which phases a launch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u32)]
+pub enum Phases {
+    /// Only send (returns at once once the data is on its way); a later `Recv` launch of the
+    /// same kind completes the op.
+    Send = 1,
+    /// Only receive: completes the oldest pending `Send` of the same kind.
+    Recv = 2,
+    /// Send and receive in one launch.
+    #[default]
+    Both = 3,
+}
+
+/// The outputs of a low-latency dispatch on one rank, and the handle its combine needs.
+///
+/// Rows of expert `l` from source `s` are packed at
+/// `recv_layout_range[l, s, 0] .. + recv_layout_range[l, s, 1]`; rows past `recv_count[l]`
+/// are not written.
+#[derive(Debug)]
+pub struct LowLatencyRecv {
+    /// The payload format these buffers are sized for.
+    pub format: LowLatencyFormat,
+    /// `[L, R*M, H]` fp8 bytes or bf16 (see [`Self::recv_x_bf16`], [`Self::recv_x_fp8`]).
+    pub recv_x: CudaSlice<u8>,
+    /// `[L, R*M, H / 128]` f32 scales (fp8 only).
+    pub recv_x_scales: CudaSlice<f32>,
+    /// `[L]` tokens received per local expert.
+    pub recv_count: CudaSlice<i32>,
+    /// `[L, R*M]` the source token index of each packed row.
+    pub recv_src_info: CudaSlice<i32>,
+    /// `[L, R*M]` the top-k position `k` of each packed row at its source.
+    pub recv_src_topk: CudaSlice<i32>,
+    /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
+    pub recv_layout_range: CudaSlice<i32>,
+}
+
+impl LowLatencyRecv {
+    /// Allocates the outputs for `layout` and `format` on `stream` (zeroed).
+    pub fn alloc(
+        stream: &Arc<CudaStream>,
+        layout: &LowLatencyLayout,
+        format: LowLatencyFormat,
+    ) -> Result<Self> {
+        let (l, rows) = (layout.num_local_experts(), layout.recv_rows_per_expert());
+        let h = layout.hidden;
+        Ok(Self {
+            format,
+            recv_x: stream.alloc_zeros(l * rows * h * format.bytes_per_channel())?,
+            recv_x_scales: stream.alloc_zeros(l * rows * (h / FP8_GROUP))?,
+            recv_count: stream.alloc_zeros(l)?,
+            recv_src_info: stream.alloc_zeros(l * rows)?,
+            recv_src_topk: stream.alloc_zeros(l * rows)?,
+            recv_layout_range: stream.alloc_zeros(l * layout.num_ranks * 2)?,
+        })
+    }
+
+    fn check(&self, layout: &LowLatencyLayout) -> Result<()> {
+        let (l, rows) = (layout.num_local_experts(), layout.recv_rows_per_expert());
+        let h = layout.hidden;
+        Error::check_len(
+            "recv_x",
+            l * rows * h * self.format.bytes_per_channel(),
+            self.recv_x.len(),
+        )?;
+        Error::check_len(
+            "recv_x_scales",
+            l * rows * (h / FP8_GROUP),
+            self.recv_x_scales.len(),
+        )?;
+        Error::check_len("recv_count", l, self.recv_count.len())?;
+        Error::check_len("recv_src_info", l * rows, self.recv_src_info.len())?;
+        Error::check_len("recv_src_topk", l * rows, self.recv_src_topk.len())?;
+        Error::check_len(
+            "recv_layout_range",
+            l * layout.num_ranks * 2,
+            self.recv_layout_range.len(),
+        )
+    }
+
+    /// `recv_x` as bf16 (format [`LowLatencyFormat::Bf16`]).
+    pub fn recv_x_bf16(&self) -> Result<CudaView<'_, bf16>> {
+        if self.format != LowLatencyFormat::Bf16 {
+            return Err(Error::invalid(
+                "format",
+                format!("{:?}", self.format),
+                "must be Bf16",
+            ));
+        }
+        // SAFETY: the bytes were allocated (2 per channel) for bf16 rows; every bit pattern is
+        // a valid bf16; the length is the byte length / 2 and the allocation is 256-aligned.
+        unsafe { self.recv_x.transmute::<bf16>(self.recv_x.len() / 2) }
+            .ok_or_else(|| Error::invalid("recv_x", self.recv_x.len(), "too short for bf16"))
+    }
+
+    /// `recv_x` as fp8 e4m3 (formats [`LowLatencyFormat::Fp8`], `Fp8Ue8m0`).
+    pub fn recv_x_fp8(&self) -> Result<CudaView<'_, F8E4M3>> {
+        if !self.format.is_fp8() {
+            return Err(Error::invalid(
+                "format",
+                format!("{:?}", self.format),
+                "must be fp8",
+            ));
+        }
+        // SAFETY: one byte per channel; every bit pattern is a valid F8E4M3.
+        unsafe { self.recv_x.transmute::<F8E4M3>(self.recv_x.len()) }
+            .ok_or_else(|| Error::invalid("recv_x", self.recv_x.len(), "too short for fp8"))
+    }
+}
+
+/// Mirror of `struct DispatchParams` in `low_latency.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DispatchParams {
+    buf: LlBuffer,
+    x: CUdeviceptr,
+    topk_idx: CUdeviceptr,
+    recv_x: CUdeviceptr,
+    recv_scales: CUdeviceptr,
+    recv_count: CUdeviceptr,
+    recv_src_info: CUdeviceptr,
+    recv_src_topk: CUdeviceptr,
+    recv_layout_range: CUdeviceptr,
+    num_tokens: i32,
+    num_topk: i32,
+    fp8: u32,
+    scale_format: u32,
+    phases: u32,
+    reserved: u32,
+}
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 208);
+// SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
+unsafe impl KernelParams for DispatchParams {}
+
+/// Mirror of `struct CombineParams` in `low_latency.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CombineParams {
+    buf: LlBuffer,
+    x: CUdeviceptr,
+    src_info: CUdeviceptr,
+    src_topk: CUdeviceptr,
+    layout_range: CUdeviceptr,
+    topk_idx: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    out: CUdeviceptr,
+    num_tokens: i32,
+    num_topk: i32,
+    phases: u32,
+    reserved: u32,
+}
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 192);
+// SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
+unsafe impl KernelParams for CombineParams {}
+
+/// Mirror of `struct CleanParams` in `low_latency.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CleanParams {
+    buf: LlBuffer,
+    reset_active: u32,
+    reserved: u32,
+}
+const _: () = assert!(std::mem::size_of::<CleanParams>() == 128);
+// SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
+unsafe impl KernelParams for CleanParams {}
+
+/// Mirror of `struct SpinParams` in `low_latency.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SpinParams {
+    ns: u64,
+}
+const _: () = assert!(std::mem::size_of::<SpinParams>() == 8);
+// SAFETY: `repr(C)` plain data mirroring `SpinParams` (size asserted on both sides).
+unsafe impl KernelParams for SpinParams {}
+
+fn align16(v: usize) -> usize {
+    v.div_ceil(16) * 16
+}
+
+/// Dynamic shared memory of `ll_dispatch` (see the kernel's comment).
+fn dispatch_smem_bytes(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -> usize {
+    layout.msg_stride
+        + LL_MAX_TOPK * 8
+        + align16(8 * (layout.num_ranks + 1))
+        + align16(4 * num_tokens * num_topk)
+}
+
+/// One block per SM: the kernels' blocks wait for each other, so all must be resident.
+fn comm_config(kernels: &Kernels, smem: usize) -> Result<LaunchConfig> {
+    let shared_mem_bytes = u32::try_from(smem)
+        .map_err(|_| Error::invalid("shared_mem_bytes", smem, "must fit in u32"))?;
+    Ok(LaunchConfig {
+        grid_dim: (kernels.props().sm_count.max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes,
+    })
+}
+
+fn check_tokens(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -> Result<()> {
+    if num_tokens > layout.max_tokens_per_rank {
+        return Err(Error::invalid(
+            "num_tokens",
+            num_tokens,
+            format!(
+                "must be <= max_tokens_per_rank = {}",
+                layout.max_tokens_per_rank
+            ),
+        ));
+    }
+    if num_topk == 0 || num_topk > LL_MAX_TOPK {
+        return Err(Error::invalid(
+            "num_topk",
+            num_topk,
+            format!("must be in [1, {LL_MAX_TOPK}]"),
+        ));
+    }
+    Ok(())
+}
+
+/// Low-latency dispatch of this rank's `x: [num_tokens, H]` bf16 routed by
+/// `topk_idx: [num_tokens, num_topk]` (i64, `-1` = none) into every expert's rank; receives
+/// into `out`. `x` and `topk_idx` are read by the send phase only; `out` is written by the
+/// receive phase only. Every rank must launch the same phases in the same order.
+#[allow(clippy::too_many_arguments)]
+pub fn dispatch_cuda(
+    stream: &CudaStream,
+    buffer: &LowLatencyBuffer,
+    x: &impl DevicePtr<bf16>,
+    topk_idx: &impl DevicePtr<i64>,
+    num_tokens: usize,
+    num_topk: usize,
+    format: LowLatencyFormat,
+    phases: Phases,
+    out: &mut LowLatencyRecv,
+) -> Result<()> {
+    let layout = buffer.layout();
+    check_tokens(layout, num_tokens, num_topk)?;
+    Error::check_len("x", num_tokens * layout.hidden, x.len())?;
+    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
+    if out.format != format {
+        return Err(Error::invalid(
+            "out",
+            format!("allocated for {:?}", out.format),
+            format!("must be allocated for {format:?}"),
+        ));
+    }
+    out.check(layout)?;
+    let buf = buffer.desc(stream)?;
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "ll_dispatch")?;
+    let cfg = comm_config(&kernels, dispatch_smem_bytes(layout, num_tokens, num_topk))?;
+    let (x_ptr, _gx) = x.device_ptr(stream);
+    let (t_ptr, _gt) = topk_idx.device_ptr(stream);
+    let (rx, _g0) = out.recv_x.device_ptr_mut(stream);
+    let (rs, _g1) = out.recv_x_scales.device_ptr_mut(stream);
+    let (rc, _g2) = out.recv_count.device_ptr_mut(stream);
+    let (ri, _g3) = out.recv_src_info.device_ptr_mut(stream);
+    let (rk, _g4) = out.recv_src_topk.device_ptr_mut(stream);
+    let (rl, _g5) = out.recv_layout_range.device_ptr_mut(stream);
+    check_align("x", x_ptr, 16)?;
+    check_align("topk_idx", t_ptr, 8)?;
+    check_align("recv_x", rx, 16)?;
+    let params = DispatchParams {
+        buf,
+        x: x_ptr,
+        topk_idx: t_ptr,
+        recv_x: rx,
+        recv_scales: rs,
+        recv_count: rc,
+        recv_src_info: ri,
+        recv_src_topk: rk,
+        recv_layout_range: rl,
+        num_tokens: num_tokens as i32,
+        num_topk: num_topk as i32,
+        fp8: u32::from(format.is_fp8()),
+        scale_format: format.scale_format() as u32,
+        phases: phases as u32,
+        reserved: 0,
+    };
+    // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16 and topk_idx T*K i64, the
+    // outputs are sized for the buffer's layout and format (checked above), all 16-byte
+    // aligned where the kernel uses vectors; the buffer and its peer table outlive the launch
+    // because the buffer synchronises its context before freeing; the guards keep cudarc's
+    // stream ordering until the launch is queued.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
+
+/// Low-latency combine: sends the expert outputs `x: [L, R*M, H]` bf16 (rows in the order of
+/// `handle`, the [`LowLatencyRecv`] of the matching dispatch) back to their home ranks, and
+/// on this (home) rank reduces the rows of its `num_tokens` tokens into
+/// `out: [num_tokens, H]` bf16 with `topk_idx`, `topk_weights: [num_tokens, num_topk]`
+/// exactly as [`super::combine`] (inactive ranks contribute nothing). The send phase reads
+/// `x` and `handle`; the receive phase reads `topk_idx` and `topk_weights` and writes `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_cuda(
+    stream: &CudaStream,
+    buffer: &LowLatencyBuffer,
+    x: &impl DevicePtr<bf16>,
+    handle: &LowLatencyRecv,
+    topk_idx: &impl DevicePtr<i64>,
+    topk_weights: &impl DevicePtr<f32>,
+    num_tokens: usize,
+    num_topk: usize,
+    phases: Phases,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let layout = buffer.layout();
+    check_tokens(layout, num_tokens, num_topk)?;
+    let rows = layout.num_local_experts() * layout.recv_rows_per_expert();
+    Error::check_len("x", rows * layout.hidden, x.len())?;
+    handle.check(layout)?;
+    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
+    Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
+    Error::check_len("out", num_tokens * layout.hidden, out.len())?;
+    let buf = buffer.desc(stream)?;
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "ll_combine")?;
+    let cfg = comm_config(&kernels, LL_MAX_TOPK * 8 + 4 * layout.num_ranks)?;
+    let (x_ptr, _gx) = x.device_ptr(stream);
+    let (si, _g0) = handle.recv_src_info.device_ptr(stream);
+    let (sk, _g1) = handle.recv_src_topk.device_ptr(stream);
+    let (lr, _g2) = handle.recv_layout_range.device_ptr(stream);
+    let (t_ptr, _g3) = topk_idx.device_ptr(stream);
+    let (w_ptr, _g4) = topk_weights.device_ptr(stream);
+    let (o_ptr, _g5) = out.device_ptr_mut(stream);
+    check_align("x", x_ptr, 16)?;
+    check_align("out", o_ptr, 16)?;
+    let params = CombineParams {
+        buf,
+        x: x_ptr,
+        src_info: si,
+        src_topk: sk,
+        layout_range: lr,
+        topk_idx: t_ptr,
+        topk_weights: w_ptr,
+        out: o_ptr,
+        num_tokens: num_tokens as i32,
+        num_topk: num_topk as i32,
+        phases: phases as u32,
+        reserved: 0,
+    };
+    // SAFETY: `params` matches `CombineParams`; every slice has the length the kernel uses
+    // (checked above) and the vector-accessed ones are 16-byte aligned; the buffer outlives
+    // the launch (it synchronises its context before freeing); the guards keep cudarc's
+    // stream ordering until the launch is queued.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
+
+/// Resets the buffer's op sequencing, send counters, and the signals and flags of both sets
+/// (after other kernels used the memory, or after a timeout); with `reset_active`, also marks
+/// every rank active. Run it on every rank, with a barrier before (no op in flight anywhere)
+/// and after (before the next op).
+pub fn clean_buffer_cuda(
+    stream: &CudaStream,
+    buffer: &LowLatencyBuffer,
+    reset_active: bool,
+) -> Result<()> {
+    let buf = buffer.desc(stream)?;
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "ll_clean")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let params = CleanParams {
+        buf,
+        reset_active: u32::from(reset_active),
+        reserved: 0,
+    };
+    // SAFETY: `params` matches `CleanParams`; the kernel writes only inside the buffer's own
+    // allocation, at offsets of its layout.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
+
+/// Keeps `stream` busy for `duration` with a one-thread kernel (benchmarks and tests use it
+/// to stand for work done between a send and a receive phase).
+pub fn delay_cuda(stream: &CudaStream, duration: Duration) -> Result<()> {
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "ll_spin")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let params = SpinParams {
+        ns: u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX),
+    };
+    // SAFETY: `params` matches `SpinParams`; the kernel touches no memory.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
+
+/// Lets kernels of `ctx` access memory of `peer` (one process driving several GPUs: the
+/// peer pointers of [`LowLatencyBuffer::connect`]). Enabling twice is not an error.
+pub fn enable_peer_access(
+    ctx: &cudarc::driver::CudaContext,
+    peer: &cudarc::driver::CudaContext,
+) -> Result<()> {
+    use cudarc::driver::sys::{cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, CUresult};
+    if ctx.cu_ctx() == peer.cu_ctx() {
+        return Ok(());
+    }
+    ctx.bind_to_thread()?;
+    let mut can = 0i32;
+    // SAFETY: both devices are valid handles of live contexts; `can` outlives the call.
+    unsafe { cuDeviceCanAccessPeer(&mut can, ctx.cu_device(), peer.cu_device()) }.result()?;
+    if can == 0 {
+        return Err(Error::invalid(
+            "peer",
+            format!("device {}", peer.ordinal()),
+            format!("is not peer-accessible from device {}", ctx.ordinal()),
+        ));
+    }
+    // SAFETY: `ctx` is current on this thread and `peer` is a live context.
+    match unsafe { cuCtxEnablePeerAccess(peer.cu_ctx(), 0) } {
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        e => Err(e.result().unwrap_err().into()),
+    }
+}

@@ -1,0 +1,267 @@
+//! The low-latency buffer of one rank: device memory that peers write into, its peer table,
+//! the active-ranks mask and the timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use super::layout::LowLatencyLayout;
+use crate::error::{Error, Result};
+
+/// Default time any device wait of the low-latency kernels may take before the peer it waits
+/// for is marked inactive.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One rank's low-latency buffer (layout: [`LowLatencyLayout`]).
+///
+/// The memory comes from `cuMemAlloc` (not a stream-ordered pool), so that peers can reach it
+/// through peer access or CUDA IPC. Lifecycle: [`LowLatencyBuffer::new`] on every rank, share
+/// [`LowLatencyBuffer::base_ptr`] (as a peer pointer or an IPC handle), then
+/// [`LowLatencyBuffer::connect`] with every rank's base address as this GPU sees it.
+#[derive(Debug)]
+pub struct LowLatencyBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: CUdeviceptr,
+    layout: LowLatencyLayout,
+    rank: usize,
+    peers: CudaSlice<u64>,
+    connected: bool,
+    timeout: Duration,
+}
+
+// SAFETY: the raw allocation is owned by this value and only touched through the CUDA driver,
+// which is thread-safe; nothing in it is tied to the creating thread.
+unsafe impl Send for LowLatencyBuffer {}
+// SAFETY: as above; `&self` methods only enqueue driver calls.
+unsafe impl Sync for LowLatencyBuffer {}
+
+impl LowLatencyBuffer {
+    /// Allocates and zeroes the buffer of `rank` on `stream`'s device (every rank active, no
+    /// peers yet). Synchronises `stream`.
+    pub fn new(stream: &Arc<CudaStream>, layout: LowLatencyLayout, rank: usize) -> Result<Self> {
+        if rank >= layout.num_ranks {
+            return Err(Error::invalid(
+                "rank",
+                rank,
+                format!("must be < num_ranks = {}", layout.num_ranks),
+            ));
+        }
+        let ctx = stream.context().clone();
+        ctx.bind_to_thread()?;
+        let mut table = vec![0u64; layout.num_ranks];
+        let mut peers = stream.alloc_zeros::<u64>(layout.num_ranks)?;
+        // SAFETY: a plain allocation of `total_bytes`; it is zeroed below before any use and
+        // freed exactly once in `Drop` (the value owning it is built right away).
+        let ptr = unsafe { result::malloc_sync(layout.total_bytes) }?;
+        table[rank] = ptr;
+        stream.memcpy_htod(&table, &mut peers)?;
+        let buffer = Self {
+            ctx,
+            ptr,
+            layout,
+            rank,
+            peers,
+            connected: false,
+            timeout: DEFAULT_TIMEOUT,
+        };
+        // SAFETY: `ptr` holds `total_bytes` bytes of this context; the memset is ordered on
+        // `stream` and completes before `set_active_ranks` synchronises it.
+        unsafe { result::memset_d8_async(ptr, 0, layout.total_bytes, stream.cu_stream()) }?;
+        buffer.set_active_ranks(stream, &vec![true; layout.num_ranks])?;
+        Ok(buffer)
+    }
+
+    /// The device address of this rank's buffer (what peers map).
+    pub fn base_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &LowLatencyLayout {
+        &self.layout
+    }
+
+    /// This buffer's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The context the buffer lives in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Whether [`LowLatencyBuffer::connect`] has been called.
+    pub fn is_connected(&self) -> bool {
+        self.connected
+    }
+
+    /// Sets every rank's buffer address as this GPU addresses it (`peer_bases[r]`; a peer
+    /// pointer or an opened IPC handle); `peer_bases[rank]` must be [`Self::base_ptr`].
+    /// Synchronises `stream`.
+    pub fn connect(&mut self, stream: &Arc<CudaStream>, peer_bases: &[u64]) -> Result<()> {
+        Error::check_len("peer_bases", self.layout.num_ranks, peer_bases.len())?;
+        if peer_bases[self.rank] != self.ptr {
+            return Err(Error::invalid(
+                "peer_bases",
+                format!("[{}] = {:#x}", self.rank, peer_bases[self.rank]),
+                format!("this rank's own entry must be its base_ptr {:#x}", self.ptr),
+            ));
+        }
+        if let Some(r) = peer_bases.iter().position(|&b| b == 0 || b % 256 != 0) {
+            return Err(Error::invalid(
+                "peer_bases",
+                format!("[{r}] = {:#x}", peer_bases[r]),
+                "every rank's base must be a 256-byte aligned NVLink-reachable address",
+            ));
+        }
+        stream.memcpy_htod(peer_bases, &mut self.peers)?;
+        stream.synchronize()?;
+        self.connected = true;
+        Ok(())
+    }
+
+    /// How long any device wait may take before the awaited peer is marked inactive.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets the timeout of later launches (0 = wait forever).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Reads the active-ranks mask (`true` = active). Synchronises `stream`.
+    pub fn active_ranks(&self, stream: &Arc<CudaStream>) -> Result<Vec<bool>> {
+        let mut raw = vec![0i32; self.layout.num_ranks];
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the mask holds `num_ranks` i32 inside this allocation; the copy is ordered
+        // on `stream` and `raw` outlives it (synchronised before return).
+        unsafe {
+            result::memcpy_dtoh_async(
+                &mut raw,
+                self.ptr + self.layout.off_active as u64,
+                stream.cu_stream(),
+            )
+        }?;
+        stream.synchronize()?;
+        Ok(raw.into_iter().map(|v| v != 0).collect())
+    }
+
+    /// Overwrites the active-ranks mask (mask a rank on purpose, or mark all active again).
+    /// Ordered on `stream`; synchronises it.
+    pub fn set_active_ranks(&self, stream: &Arc<CudaStream>, active: &[bool]) -> Result<()> {
+        Error::check_len("active", self.layout.num_ranks, active.len())?;
+        let raw: Vec<i32> = active.iter().map(|&a| i32::from(a)).collect();
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the mask holds `num_ranks` i32 inside this allocation; `raw` outlives the
+        // copy (the stream is synchronised before return).
+        unsafe {
+            result::memcpy_htod_async(
+                self.ptr + self.layout.off_active as u64,
+                &raw,
+                stream.cu_stream(),
+            )
+        }?;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Marks every rank active again. Synchronises `stream`.
+    pub fn reset_active_ranks(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.set_active_ranks(stream, &vec![true; self.layout.num_ranks])
+    }
+
+    /// Reads the mask and fails with [`Error::PeerTimeout`] naming the first inactive rank.
+    /// Synchronises `stream`.
+    pub fn check_active_ranks(&self, stream: &Arc<CudaStream>, kernel: &'static str) -> Result<()> {
+        match self.active_ranks(stream)?.iter().position(|a| !a) {
+            Some(rank) => Err(Error::PeerTimeout { rank, kernel }),
+            None => Ok(()),
+        }
+    }
+
+    /// The kernels' view of the buffer, with the peer table's address on `stream`.
+    pub(super) fn desc(&self, stream: &CudaStream) -> Result<LlBuffer> {
+        if !self.connected {
+            return Err(Error::invalid(
+                "buffer",
+                "not connected",
+                "call LowLatencyBuffer::connect with every rank's base address first",
+            ));
+        }
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::invalid(
+                "stream",
+                format!("a stream of device {}", stream.context().ordinal()),
+                format!("the buffer lives on device {}", self.ctx.ordinal()),
+            ));
+        }
+        let (peers, _guard) = self.peers.device_ptr(stream);
+        let l = &self.layout;
+        let to_i32 = |arg: &'static str, v: usize| {
+            i32::try_from(v).map_err(|_| Error::invalid(arg, v, "must fit in i32"))
+        };
+        Ok(LlBuffer {
+            local: self.ptr,
+            peers,
+            set_bytes: l.set_bytes as u64,
+            sets_offset: l.sets_offset as u64,
+            off_signals: l.off_signals as u64,
+            off_flags: l.off_flags as u64,
+            off_msgs: l.off_msgs as u64,
+            off_rows: l.off_rows as u64,
+            off_active: l.off_active as u64,
+            off_send_done: l.off_send_done as u64,
+            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
+            num_ranks: to_i32("num_ranks", l.num_ranks)?,
+            rank: to_i32("rank", self.rank)?,
+            num_experts: to_i32("num_experts", l.num_experts)?,
+            max_tokens: to_i32("max_tokens_per_rank", l.max_tokens_per_rank)?,
+            hidden: to_i32("hidden", l.hidden)?,
+            max_topk: to_i32("max_topk", super::layout::LL_MAX_TOPK)?,
+            msg_stride: to_i32("msg_stride", l.msg_stride)?,
+            reserved: 0,
+        })
+    }
+}
+
+impl Drop for LowLatencyBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // Kernels using the buffer must be done before it is freed.
+            let _ = self.ctx.synchronize();
+            // SAFETY: `ptr` came from `malloc_sync` in `new` and is freed only here; the
+            // context has been synchronised, so no kernel still uses it.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Mirror of `struct LlBuffer` in `low_latency.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LlBuffer {
+    pub local: CUdeviceptr,
+    pub peers: CUdeviceptr,
+    pub set_bytes: u64,
+    pub sets_offset: u64,
+    pub off_signals: u64,
+    pub off_flags: u64,
+    pub off_msgs: u64,
+    pub off_rows: u64,
+    pub off_active: u64,
+    pub off_send_done: u64,
+    pub timeout_ns: u64,
+    pub num_ranks: i32,
+    pub rank: i32,
+    pub num_experts: i32,
+    pub max_tokens: i32,
+    pub hidden: i32,
+    pub max_topk: i32,
+    pub msg_stride: i32,
+    pub reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<LlBuffer>() == 120);

@@ -1,0 +1,195 @@
+//! The byte layout of one rank's low-latency buffer (the same on every rank).
+//!
+//! ```text
+//! control   u32 words [13] (op sequence, launch arrival counters, hook FIFOs), padded to 256
+//!           active_ranks i32 [R]          (1 = active; cleared by a kernel on a timeout)
+//!           send_done    i32 [E]          (local per-expert send counters; balance to 0)
+//! set 0, 1  signals u64 [L][R]            dispatch counts: (tag << 32) | u32(-n - 1)
+//!           flags   i32 [E]               combine: tag once expert e's rows have arrived
+//!           msgs    [L][R][M] x msg_stride {i32 src_token, i32 topk_pos, 0, 0 |
+//!                                          payload: fp8 H bytes or bf16 2H bytes |
+//!                                          f32 scales [H / 128] (fp8 only)}
+//!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows, one per (token, k) of the home rank
+//! ```
+//!
+//! Every region starts at a multiple of 256 bytes. `L = E / R` local experts,
+//! `M = max_tokens_per_rank`. `tag = (op sequence mod 2^31) + 1` is never 0, so zeroed
+//! signals and flags never look written.
+
+use crate::error::{Error, Result};
+use crate::FP8_GROUP;
+
+/// Largest top-k the low-latency kernels support (`kMaxTopk` in `low_latency.cu`): the combine
+/// region holds this many rows per token.
+pub const LL_MAX_TOPK: usize = 16;
+
+/// Bytes of the control words at the start of the buffer (13 used, padded).
+const CONTROL_WORDS_BYTES: usize = 256;
+/// Alignment of every region.
+const REGION_ALIGN: usize = 256;
+
+fn align(v: usize, a: usize) -> usize {
+    v.div_ceil(a) * a
+}
+
+/// Sizes and offsets of a low-latency buffer; build it with [`LowLatencyLayout::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LowLatencyLayout {
+    /// `M`: most tokens a rank dispatches in one op.
+    pub max_tokens_per_rank: usize,
+    /// `H`: hidden size (a multiple of 128).
+    pub hidden: usize,
+    /// `R`: number of ranks.
+    pub num_ranks: usize,
+    /// `E`: number of routed experts (a multiple of `R`).
+    pub num_experts: usize,
+    /// Bytes per dispatch message slot: `16 + 2H` (holds the bf16 and the fp8 form).
+    pub msg_stride: usize,
+    /// Offset of `active_ranks` (in the control area).
+    pub off_active: usize,
+    /// Offset of `send_done` (in the control area).
+    pub off_send_done: usize,
+    /// Offset of buffer set 0; set 1 starts `set_bytes` later.
+    pub sets_offset: usize,
+    /// Bytes of one buffer set.
+    pub set_bytes: usize,
+    /// Offset of the dispatch count signals within a set.
+    pub off_signals: usize,
+    /// Offset of the combine flags within a set.
+    pub off_flags: usize,
+    /// Offset of the dispatch messages within a set.
+    pub off_msgs: usize,
+    /// Offset of the combine rows within a set.
+    pub off_rows: usize,
+    /// Total bytes of the buffer.
+    pub total_bytes: usize,
+}
+
+impl LowLatencyLayout {
+    /// Checks the sizes and computes the layout.
+    pub fn new(
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        num_ranks: usize,
+        num_experts: usize,
+    ) -> Result<Self> {
+        let (m, h, r, e) = (max_tokens_per_rank, hidden, num_ranks, num_experts);
+        if m == 0 || m > i32::MAX as usize / LL_MAX_TOPK {
+            return Err(Error::invalid(
+                "max_tokens_per_rank",
+                m,
+                format!("must be in [1, {}]", i32::MAX as usize / LL_MAX_TOPK),
+            ));
+        }
+        if h == 0 || h % FP8_GROUP != 0 || h > 1 << 20 {
+            return Err(Error::invalid(
+                "hidden",
+                h,
+                format!("must be a positive multiple of {FP8_GROUP}, at most 2^20"),
+            ));
+        }
+        if r == 0 || r > crate::MAX_RANKS {
+            return Err(Error::invalid(
+                "num_ranks",
+                r,
+                format!("must be in [1, {}]", crate::MAX_RANKS),
+            ));
+        }
+        if e == 0 || e % r != 0 || e > i32::MAX as usize {
+            return Err(Error::invalid(
+                "num_experts",
+                e,
+                format!("must be a positive multiple of num_ranks = {r}"),
+            ));
+        }
+        let l = e / r;
+        let msg_stride = 16 + 2 * h;
+        let off_active = CONTROL_WORDS_BYTES;
+        let off_send_done = off_active + align(4 * r, REGION_ALIGN);
+        let sets_offset = off_send_done + align(4 * e, REGION_ALIGN);
+        let off_signals = 0;
+        let off_flags = off_signals + align(8 * l * r, REGION_ALIGN);
+        let off_msgs = off_flags + align(4 * e, REGION_ALIGN);
+        let msgs_bytes = l
+            .checked_mul(r)
+            .and_then(|v| v.checked_mul(m))
+            .and_then(|v| v.checked_mul(msg_stride))
+            .ok_or_else(|| Error::invalid("max_tokens_per_rank", m, "buffer size overflows"))?;
+        let off_rows = off_msgs + align(msgs_bytes, REGION_ALIGN);
+        let rows_bytes = m * LL_MAX_TOPK * 2 * h;
+        let set_bytes = off_rows + align(rows_bytes, REGION_ALIGN);
+        let total_bytes = sets_offset + 2 * set_bytes;
+        Ok(Self {
+            max_tokens_per_rank: m,
+            hidden: h,
+            num_ranks: r,
+            num_experts: e,
+            msg_stride,
+            off_active,
+            off_send_done,
+            sets_offset,
+            set_bytes,
+            off_signals,
+            off_flags,
+            off_msgs,
+            off_rows,
+            total_bytes,
+        })
+    }
+
+    /// `L = E / R`: experts per rank.
+    pub fn num_local_experts(&self) -> usize {
+        self.num_experts / self.num_ranks
+    }
+
+    /// Rows of `recv_x` per local expert: `R * M`.
+    pub fn recv_rows_per_expert(&self) -> usize {
+        self.num_ranks * self.max_tokens_per_rank
+    }
+}
+
+/// Bytes of the low-latency buffer each rank needs for up to `max_tokens_per_rank` tokens of
+/// hidden size `hidden`, `num_ranks` ranks and `num_experts` experts (top-k up to
+/// [`LL_MAX_TOPK`]); two buffer sets included.
+pub fn buffer_size_hint(
+    max_tokens_per_rank: usize,
+    hidden: usize,
+    num_ranks: usize,
+    num_experts: usize,
+) -> Result<usize> {
+    Ok(LowLatencyLayout::new(max_tokens_per_rank, hidden, num_ranks, num_experts)?.total_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_aligned_and_disjoint() {
+        let l = LowLatencyLayout::new(128, 7168, 4, 288).unwrap();
+        for off in [
+            l.off_active,
+            l.off_send_done,
+            l.sets_offset,
+            l.off_flags,
+            l.off_msgs,
+            l.off_rows,
+        ] {
+            assert_eq!(off % 256, 0);
+        }
+        assert!(l.off_send_done >= l.off_active + 4 * 4);
+        assert!(l.sets_offset >= l.off_send_done + 4 * 288);
+        assert!(l.off_msgs >= l.off_flags + 4 * 288);
+        assert_eq!(l.off_rows - l.off_msgs, 72 * 4 * 128 * (16 + 2 * 7168));
+        assert_eq!(l.total_bytes, l.sets_offset + 2 * l.set_bytes);
+        assert_eq!(buffer_size_hint(128, 7168, 4, 288).unwrap(), l.total_bytes);
+    }
+
+    #[test]
+    fn rejects_bad_sizes() {
+        assert!(LowLatencyLayout::new(0, 128, 2, 4).is_err());
+        assert!(LowLatencyLayout::new(8, 100, 2, 4).is_err());
+        assert!(LowLatencyLayout::new(8, 128, 3, 4).is_err());
+        assert!(LowLatencyLayout::new(8, 128, 0, 4).is_err());
+    }
+}

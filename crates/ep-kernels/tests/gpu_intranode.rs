@@ -1,0 +1,820 @@
+//! GPU tests of the intranode kernels (notify, dispatch, cached dispatch, combine) against
+//! their host twins, on every visible GPU of one node (R = 2 and 4 where available, R = 1 on a
+//! single GPU). One host thread per rank; outputs are poisoned before each launch.
+//!
+//! Run: `gpu_intranode [filter]`; `gpu_intranode small` is the case for compute-sanitizer.
+
+#[path = "../benches/common/mod.rs"]
+mod node;
+
+mod common;
+
+use std::time::Duration;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use ep_kernels::intranode::{
+    self, buffer_size_hint, cached_notify_cuda, combine_cuda, dispatch_cuda, notify_dispatch_cuda,
+    CombineArgs, Config, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
+    TopK,
+};
+use ep_kernels::layout::{get_dispatch_layout, ExpertPlacement};
+use ep_kernels::{Error, FP8_GROUP};
+use float8::F8E4M3;
+use half::bf16;
+use node::{BoxError, Node};
+use rand::rngs::StdRng;
+use rand::seq::index::sample;
+use rand::Rng;
+
+use common::{compare, compare_bits, CaseResult, Poison, Runner};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Routing {
+    /// K distinct random experts per token, each replaced by -1 with probability 0.1.
+    Random,
+    /// As `Random`, but no expert of this rank is ever chosen.
+    EmptyRank(usize),
+    /// Every token goes to expert 0 only.
+    HotExpert,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    tokens: Vec<usize>,
+    hidden: usize,
+    num_topk: usize,
+    num_experts: usize,
+    fp8: bool,
+    with_topk: bool,
+    cached: bool,
+    routing: Routing,
+    alignment: usize,
+    dispatch: Config,
+    combine: Config,
+}
+
+/// One rank's inputs and the host twins' outputs for it.
+struct RankData {
+    topk_idx: Vec<i64>,
+    topk_weights: Vec<f32>,
+    x_bf16: Vec<bf16>,
+    x_fp8: Vec<F8E4M3>,
+    x_scales: Vec<f32>,
+    per_rank: Vec<i32>,
+    per_expert: Vec<i32>,
+    in_rank: Vec<u8>,
+    // expected
+    num_recv: usize,
+    recv_per_expert: Vec<i32>,
+    channel_prefix: Vec<i32>,
+    send_head: Vec<i32>,
+    recv_channel_offset: Vec<i32>,
+    recv_x_bf16: Vec<bf16>,
+    recv_x_fp8: Vec<F8E4M3>,
+    recv_scales: Vec<f32>,
+    recv_src_idx: Vec<i32>,
+    recv_topk_idx: Vec<i64>,
+    recv_topk_weights: Vec<f32>,
+    combine_x: Vec<bf16>,
+    combined: Vec<bf16>,
+    combined_weights: Vec<f32>,
+}
+
+/// What one rank's GPU produced.
+#[derive(Default)]
+struct RankOut {
+    rank_prefix: Vec<i32>,
+    channel_prefix: Vec<i32>,
+    num_recv: i32,
+    recv_per_expert: Vec<i32>,
+    /// One per dispatch (fresh, then cached if asked).
+    dispatches: Vec<DispatchOut>,
+    combined: Vec<bf16>,
+    combined_weights: Vec<f32>,
+}
+
+#[derive(Default)]
+struct DispatchOut {
+    recv_x_bf16: Vec<bf16>,
+    recv_x_fp8: Vec<F8E4M3>,
+    recv_scales: Vec<f32>,
+    recv_src_idx: Vec<i32>,
+    recv_topk_idx: Vec<i64>,
+    recv_topk_weights: Vec<f32>,
+    recv_channel_offset: Vec<i32>,
+    send_head: Vec<i32>,
+}
+
+fn gen_topk(rng: &mut StdRng, case: &Case, r: usize, t: usize) -> Vec<i64> {
+    let k = case.num_topk;
+    let e = case.num_experts;
+    let l = e / r;
+    let mut out = vec![-1i64; t * k];
+    for tok in 0..t {
+        let row = &mut out[tok * k..(tok + 1) * k];
+        match case.routing {
+            Routing::HotExpert => row[0] = 0,
+            Routing::Random | Routing::EmptyRank(_) => {
+                let (pool, skip): (usize, Option<usize>) = match case.routing {
+                    Routing::EmptyRank(x) => (e - l, Some(x)),
+                    _ => (e, None),
+                };
+                for (slot, idx) in sample(rng, pool, k.min(pool)).into_iter().enumerate() {
+                    let mut ex = idx;
+                    if let Some(x) = skip {
+                        if ex >= x * l {
+                            ex += l;
+                        }
+                    }
+                    row[slot] = if rng.random_bool(0.1) { -1 } else { ex as i64 };
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Builds inputs for every rank and the expected outputs from the host twins.
+fn build(rng: &mut StdRng, case: &Case) -> Result<Vec<RankData>, BoxError> {
+    let r = case.tokens.len();
+    let (h, k, e) = (case.hidden, case.num_topk, case.num_experts);
+    let placement = ExpertPlacement::new(e, r, r)?;
+    let c = case.dispatch.num_channels();
+    let mut data: Vec<RankData> = Vec::new();
+    for (s, &t) in case.tokens.iter().enumerate() {
+        let topk_idx = gen_topk(rng, case, r, t);
+        let topk_weights: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        // Element 0 of every row encodes (source rank, token); the rest is random.
+        let x_bf16: Vec<bf16> = (0..t * h)
+            .map(|i| {
+                if i % h == 0 {
+                    bf16::from_bits(((s as u16) << 12) | (i / h) as u16 & 0xfff)
+                } else {
+                    bf16::from_bits(rng.random())
+                }
+            })
+            .collect();
+        let x_fp8: Vec<F8E4M3> = (0..t * h)
+            .map(|i| {
+                if i % h == 0 {
+                    F8E4M3::from_bits(((s as u8) << 6) ^ (i / h) as u8)
+                } else {
+                    F8E4M3::from_bits(rng.random())
+                }
+            })
+            .collect();
+        let x_scales: Vec<f32> = (0..t * (h / FP8_GROUP))
+            .map(|i| (s * 100_000 + i) as f32 + 0.5)
+            .collect();
+        let layout = get_dispatch_layout(&topk_idx, t, k, &placement)?;
+        data.push(RankData {
+            topk_idx,
+            topk_weights,
+            x_bf16,
+            x_fp8,
+            x_scales,
+            per_rank: layout.num_tokens_per_rank.clone(),
+            per_expert: layout.num_tokens_per_expert.clone(),
+            in_rank: layout.is_token_in_rank.iter().map(|&b| b as u8).collect(),
+            num_recv: 0,
+            recv_per_expert: vec![],
+            channel_prefix: intranode::channel_prefix_matrix(&layout.is_token_in_rank, t, r, c)?,
+            send_head: vec![-1; t * r],
+            recv_channel_offset: vec![0; r * c],
+            recv_x_bf16: vec![],
+            recv_x_fp8: vec![],
+            recv_scales: vec![],
+            recv_src_idx: vec![],
+            recv_topk_idx: vec![],
+            recv_topk_weights: vec![],
+            combine_x: vec![],
+            combined: vec![],
+            combined_weights: vec![],
+        });
+    }
+    let per_rank_all: Vec<i32> = data.iter().flat_map(|d| d.per_rank.clone()).collect();
+    let per_expert_all: Vec<i32> = data.iter().flat_map(|d| d.per_expert.clone()).collect();
+    let notified: Vec<_> = (0..r)
+        .map(|d| {
+            intranode::notify(
+                d,
+                &per_rank_all,
+                &per_expert_all,
+                &placement,
+                case.alignment,
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let prefix = notified[0].rank_prefix_matrix.clone();
+    for d in 0..r {
+        let n = notified[d].num_recv_tokens;
+        let rd = &mut data[d];
+        rd.num_recv = n;
+        rd.recv_per_expert = notified[d].num_recv_tokens_per_expert.clone();
+        rd.recv_x_bf16 = vec![bf16::ZERO; n * h];
+        rd.recv_x_fp8 = vec![F8E4M3::from_bits(0); n * h];
+        rd.recv_scales = vec![0.0; n * (h / FP8_GROUP)];
+        rd.recv_src_idx = vec![0; n];
+        rd.recv_topk_idx = vec![0; n * k];
+        rd.recv_topk_weights = vec![0.0; n * k];
+        rd.combine_x = (0..n * h)
+            .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
+            .collect();
+    }
+    let mut slots_all = Vec::new();
+    for s in 0..r {
+        let t = case.tokens[s];
+        let in_rank: Vec<bool> = data[s].in_rank.iter().map(|&b| b != 0).collect();
+        let slots = intranode::send_slots(s, &in_rank, t, &prefix, r)?;
+        // send_head: index among the channel's tokens bound to d.
+        for ch in 0..c {
+            let mut count = vec![0i32; r];
+            for tok in intranode::channel_range(t, c, ch) {
+                for d in 0..r {
+                    if in_rank[tok * r + d] {
+                        data[s].send_head[tok * r + d] = count[d];
+                        count[d] += 1;
+                    }
+                }
+            }
+        }
+        for d in 0..r {
+            for ch in 0..c {
+                let block = if s > 0 { prefix[(s - 1) * r + d] } else { 0 };
+                let within = if ch > 0 {
+                    data[s].channel_prefix[d * c + ch - 1]
+                } else {
+                    0
+                };
+                data[d].recv_channel_offset[s * c + ch] = block + within;
+            }
+        }
+        for tok in 0..t {
+            for d in 0..r {
+                let slot = slots[tok * r + d];
+                if slot < 0 {
+                    continue;
+                }
+                let slot = slot as usize;
+                let (src, dst) = (&data[s], tok);
+                let xb = src.x_bf16[dst * h..(dst + 1) * h].to_vec();
+                let xf = src.x_fp8[dst * h..(dst + 1) * h].to_vec();
+                let sc = src.x_scales[dst * (h / FP8_GROUP)..(dst + 1) * (h / FP8_GROUP)].to_vec();
+                let ti = src.topk_idx[tok * k..(tok + 1) * k].to_vec();
+                let tw = src.topk_weights[tok * k..(tok + 1) * k].to_vec();
+                let rd = &mut data[d];
+                rd.recv_x_bf16[slot * h..(slot + 1) * h].copy_from_slice(&xb);
+                rd.recv_x_fp8[slot * h..(slot + 1) * h].copy_from_slice(&xf);
+                let ns = h / FP8_GROUP;
+                rd.recv_scales[slot * ns..(slot + 1) * ns].copy_from_slice(&sc);
+                rd.recv_src_idx[slot] = tok as i32;
+                intranode::localize_topk(
+                    &ti,
+                    &tw,
+                    d,
+                    &placement,
+                    &mut rd.recv_topk_idx[slot * k..(slot + 1) * k],
+                    &mut rd.recv_topk_weights[slot * k..(slot + 1) * k],
+                );
+            }
+        }
+        slots_all.push(slots);
+    }
+    for (s, slots) in slots_all.iter().enumerate() {
+        let t = case.tokens[s];
+        let xs: Vec<&[bf16]> = data.iter().map(|d| d.combine_x.as_slice()).collect();
+        let combined = intranode::combine(slots, t, h, &xs)?;
+        let mut weights = vec![0f32; t * k];
+        for tok in 0..t {
+            for (d, dd) in data.iter().enumerate() {
+                let slot = slots[tok * r + d];
+                if slot >= 0 {
+                    for kk in 0..k {
+                        weights[tok * k + kk] += dd.recv_topk_weights[slot as usize * k + kk];
+                    }
+                }
+            }
+        }
+        data[s].combined = combined;
+        data[s].combined_weights = weights;
+    }
+    Ok(data)
+}
+
+fn poisoned<T: Poison + DeviceRepr>(
+    stream: &std::sync::Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>, BoxError> {
+    Ok(stream.clone_htod(&vec![T::poison(); len.max(1)])?)
+}
+
+fn upload<T: DeviceRepr + Copy>(
+    stream: &std::sync::Arc<CudaStream>,
+    v: &[T],
+    zero: T,
+) -> Result<CudaSlice<T>, BoxError> {
+    if v.is_empty() {
+        return Ok(stream.clone_htod(&[zero])?);
+    }
+    Ok(stream.clone_htod(v)?)
+}
+
+fn download<T: DeviceRepr + Clone + Default>(
+    stream: &std::sync::Arc<CudaStream>,
+    v: &CudaSlice<T>,
+    len: usize,
+) -> Result<Vec<T>, BoxError> {
+    let mut all = stream.clone_dtoh(v)?;
+    all.truncate(len);
+    Ok(all)
+}
+
+/// Runs one dispatch on `rank` with the given handle (prefix matrices on the device).
+#[allow(clippy::too_many_arguments)]
+fn run_dispatch(
+    node: &Node,
+    rank: usize,
+    case: &Case,
+    inputs: &Inputs,
+    rank_prefix: &CudaSlice<i32>,
+    channel_prefix: &CudaSlice<i32>,
+    n: usize,
+) -> Result<Recv, BoxError> {
+    let stream = &node.streams[rank];
+    let (h, k, r) = (case.hidden, case.num_topk, node.num_ranks());
+    let t = case.tokens[rank];
+    let c = case.dispatch.num_channels();
+    let ns = h / FP8_GROUP;
+    let mut recv = Recv {
+        x_bf16: poisoned::<bf16>(stream, n * h)?,
+        x_fp8: poisoned::<F8E4M3>(stream, n * h)?,
+        scales: poisoned::<f32>(stream, n * ns)?,
+        src_idx: poisoned::<i32>(stream, n)?,
+        topk_idx: poisoned::<i64>(stream, n * k)?,
+        topk_weights: poisoned::<f32>(stream, n * k)?,
+        channel_offset: poisoned::<i32>(stream, r * c)?,
+        send_head: poisoned::<i32>(stream, t * r)?,
+    };
+    let x = if case.fp8 {
+        Payload::Fp8 {
+            x: inputs.x_fp8.slice(0..t * h),
+            scales: inputs.scales.slice(0..t * ns),
+        }
+    } else {
+        Payload::Bf16(inputs.x_bf16.slice(0..t * h))
+    };
+    let recv_x = if case.fp8 {
+        RecvPayload::Fp8 {
+            x: recv.x_fp8.slice_mut(0..n * h),
+            scales: recv.scales.slice_mut(0..n * ns),
+        }
+    } else {
+        RecvPayload::Bf16(recv.x_bf16.slice_mut(0..n * h))
+    };
+    let (topk, recv_topk) = if case.with_topk {
+        (
+            Some(TopK {
+                idx: inputs.topk_idx.slice(0..t * k),
+                weights: inputs.topk_weights.slice(0..t * k),
+            }),
+            Some(RecvTopK {
+                idx: recv.topk_idx.slice_mut(0..n * k),
+                weights: recv.topk_weights.slice_mut(0..n * k),
+            }),
+        )
+    } else {
+        (None, None)
+    };
+    dispatch_cuda(
+        stream,
+        &node.peers[rank],
+        &case.dispatch,
+        DispatchArgs {
+            x,
+            topk,
+            num_experts: case.num_experts,
+            is_token_in_rank: inputs.in_rank.slice(0..t * r),
+            rank_prefix_matrix: rank_prefix.slice(0..r * r),
+            channel_prefix_matrix: channel_prefix.slice(0..r * c),
+            recv_x,
+            recv_src_idx: recv.src_idx.slice_mut(0..n),
+            recv_topk,
+            recv_channel_offset: recv.channel_offset.slice_mut(0..r * c),
+            send_head: recv.send_head.slice_mut(0..t * r),
+            num_recv_tokens: n,
+            hidden: h,
+            num_topk: if case.with_topk { k } else { 0 },
+        },
+    )?;
+    Ok(recv)
+}
+
+struct Inputs {
+    x_bf16: CudaSlice<bf16>,
+    x_fp8: CudaSlice<F8E4M3>,
+    scales: CudaSlice<f32>,
+    topk_idx: CudaSlice<i64>,
+    topk_weights: CudaSlice<f32>,
+    in_rank: CudaSlice<u8>,
+}
+
+struct Recv {
+    x_bf16: CudaSlice<bf16>,
+    x_fp8: CudaSlice<F8E4M3>,
+    scales: CudaSlice<f32>,
+    src_idx: CudaSlice<i32>,
+    topk_idx: CudaSlice<i64>,
+    topk_weights: CudaSlice<f32>,
+    channel_offset: CudaSlice<i32>,
+    send_head: CudaSlice<i32>,
+}
+
+impl Recv {
+    fn download(
+        &self,
+        stream: &std::sync::Arc<CudaStream>,
+        case: &Case,
+        n: usize,
+        t: usize,
+        r: usize,
+    ) -> Result<DispatchOut, BoxError> {
+        let (h, k) = (case.hidden, case.num_topk);
+        let c = case.dispatch.num_channels();
+        Ok(DispatchOut {
+            recv_x_bf16: if case.fp8 {
+                vec![]
+            } else {
+                download(stream, &self.x_bf16, n * h)?
+            },
+            recv_x_fp8: if case.fp8 {
+                download(stream, &self.x_fp8, n * h)?
+            } else {
+                vec![]
+            },
+            recv_scales: if case.fp8 {
+                download(stream, &self.scales, n * (h / FP8_GROUP))?
+            } else {
+                vec![]
+            },
+            recv_src_idx: download(stream, &self.src_idx, n)?,
+            recv_topk_idx: if case.with_topk {
+                download(stream, &self.topk_idx, n * k)?
+            } else {
+                vec![]
+            },
+            recv_topk_weights: if case.with_topk {
+                download(stream, &self.topk_weights, n * k)?
+            } else {
+                vec![]
+            },
+            recv_channel_offset: download(stream, &self.channel_offset, r * c)?,
+            send_head: download(stream, &self.send_head, t * r)?,
+        })
+    }
+}
+
+/// The whole op on one rank: notify, dispatch (twice if cached), cached notify, combine.
+fn run_rank(
+    node: &Node,
+    rank: usize,
+    case: &Case,
+    d: &RankData,
+    counters: &(HostMappedI32, HostMappedI32),
+) -> Result<RankOut, BoxError> {
+    let stream = &node.streams[rank];
+    let (h, k, r, e) = (
+        case.hidden,
+        case.num_topk,
+        node.num_ranks(),
+        case.num_experts,
+    );
+    let t = case.tokens[rank];
+    let c = case.dispatch.num_channels();
+    let inputs = Inputs {
+        x_bf16: upload(stream, &d.x_bf16, bf16::ZERO)?,
+        x_fp8: upload(stream, &d.x_fp8, F8E4M3::from_bits(0))?,
+        scales: upload(stream, &d.x_scales, 0.0)?,
+        topk_idx: upload(stream, &d.topk_idx, 0)?,
+        topk_weights: upload(stream, &d.topk_weights, 0.0)?,
+        in_rank: upload(stream, &d.in_rank, 0)?,
+    };
+    let per_rank = upload(stream, &d.per_rank, 0)?;
+    let per_expert = upload(stream, &d.per_expert, 0)?;
+    let mut rank_prefix = poisoned::<i32>(stream, r * r)?;
+    let mut channel_prefix = poisoned::<i32>(stream, r * c)?;
+    let (recv_counter, expert_counter) = counters;
+    notify_dispatch_cuda(
+        stream,
+        &node.peers[rank],
+        &case.dispatch,
+        NotifyArgs {
+            num_tokens_per_rank: per_rank.slice(0..r),
+            num_tokens_per_expert: per_expert.slice(0..e),
+            is_token_in_rank: inputs.in_rank.slice(0..t * r),
+            num_tokens: t,
+            num_experts: e,
+            expert_alignment: case.alignment,
+            rank_prefix_matrix: rank_prefix.slice_mut(0..r * r),
+            channel_prefix_matrix: channel_prefix.slice_mut(0..r * c),
+            moe_recv_counter: recv_counter,
+            moe_recv_expert_counter: expert_counter,
+        },
+    )?;
+    let timeout = Duration::from_secs(30);
+    let n = recv_counter.poll_nonneg(0, timeout, rank)? as usize;
+    let l = e / r;
+    let recv_per_expert: Vec<i32> = (0..l)
+        .map(|i| expert_counter.poll_nonneg(i, timeout, rank))
+        .collect::<Result<_, _>>()?;
+    let mut out = RankOut {
+        num_recv: n as i32,
+        recv_per_expert,
+        ..Default::default()
+    };
+    let recv = run_dispatch(node, rank, case, &inputs, &rank_prefix, &channel_prefix, n)?;
+    out.dispatches.push(recv.download(stream, case, n, t, r)?);
+    let recv = if case.cached {
+        cached_notify_cuda(stream, &node.peers[rank])?;
+        let recv2 = run_dispatch(node, rank, case, &inputs, &rank_prefix, &channel_prefix, n)?;
+        out.dispatches.push(recv2.download(stream, case, n, t, r)?);
+        recv2
+    } else {
+        recv
+    };
+    // Combine: return this rank's combine rows and (if any) the received weights.
+    let combine_x = upload(stream, &d.combine_x, bf16::ZERO)?;
+    let mut combined = poisoned::<bf16>(stream, t * h)?;
+    let mut combined_w = poisoned::<f32>(stream, t * k)?;
+    cached_notify_cuda(stream, &node.peers[rank])?;
+    combine_cuda(
+        stream,
+        &node.peers[rank],
+        &case.combine,
+        CombineArgs {
+            x: combine_x.slice(0..n * h),
+            topk_weights: case.with_topk.then(|| recv.topk_weights.slice(0..n * k)),
+            rank_prefix_matrix: rank_prefix.slice(0..r * r),
+            recv_channel_offset: recv.channel_offset.slice(0..r * c),
+            send_head: recv.send_head.slice(0..t * r),
+            combined_x: combined.slice_mut(0..t * h),
+            combined_topk_weights: if case.with_topk {
+                Some(combined_w.slice_mut(0..t * k))
+            } else {
+                None
+            },
+            num_recv_tokens: n,
+            hidden: h,
+            num_topk: if case.with_topk { k } else { 0 },
+        },
+    )?;
+    out.combined = download(stream, &combined, t * h)?;
+    out.combined_weights = if case.with_topk {
+        download(stream, &combined_w, t * k)?
+    } else {
+        vec![]
+    };
+    out.rank_prefix = download(stream, &rank_prefix, r * r)?;
+    out.channel_prefix = download(stream, &channel_prefix, r * c)?;
+    Ok(out)
+}
+
+fn boxed(e: BoxError) -> Box<dyn std::error::Error> {
+    e
+}
+
+fn check_case(node: &mut Node, rng: &mut StdRng, case: &Case) -> CaseResult {
+    let r = node.num_ranks();
+    assert_eq!(case.tokens.len(), r);
+    let data = build(rng, case).map_err(boxed)?;
+    let l = case.num_experts / r;
+    let counters: Vec<(HostMappedI32, HostMappedI32)> = (0..r)
+        .map(|i| {
+            Ok((
+                HostMappedI32::new(&node.ctxs[i], 1, -1)?,
+                HostMappedI32::new(&node.ctxs[i], l, -1)?,
+            ))
+        })
+        .collect::<Result<_, Error>>()?;
+    let outs = node
+        .per_rank(|rank| run_rank(node, rank, case, &data[rank], &counters[rank]))
+        .map_err(boxed)?;
+    node.sync_and_check().map_err(boxed)?;
+    let prefix = intranode::notify(
+        0,
+        &data
+            .iter()
+            .flat_map(|d| d.per_rank.clone())
+            .collect::<Vec<_>>(),
+        &data
+            .iter()
+            .flat_map(|d| d.per_expert.clone())
+            .collect::<Vec<_>>(),
+        &ExpertPlacement::new(case.num_experts, r, r)?,
+        case.alignment,
+    )?
+    .rank_prefix_matrix;
+    for (rank, (o, d)) in outs.iter().zip(&data).enumerate() {
+        let at = |w: &str| format!("rank {rank}: {w}");
+        compare(&at("rank_prefix_matrix"), &o.rank_prefix, &prefix)?;
+        compare(
+            &at("channel_prefix_matrix"),
+            &o.channel_prefix,
+            &d.channel_prefix,
+        )?;
+        compare(&at("num_recv_tokens"), &[o.num_recv], &[d.num_recv as i32])?;
+        compare(
+            &at("num_recv_tokens_per_expert"),
+            &o.recv_per_expert,
+            &d.recv_per_expert,
+        )?;
+        for (i, dis) in o.dispatches.iter().enumerate() {
+            let at = |w: &str| format!("rank {rank} dispatch {i}: {w}");
+            if case.fp8 {
+                compare_bits(&at("recv_x (fp8)"), &dis.recv_x_fp8, &d.recv_x_fp8, |v| {
+                    v.to_bits()
+                })?;
+                compare_bits(
+                    &at("recv_x_scales"),
+                    &dis.recv_scales,
+                    &d.recv_scales,
+                    f32::to_bits,
+                )?;
+            } else {
+                compare_bits(
+                    &at("recv_x (bf16)"),
+                    &dis.recv_x_bf16,
+                    &d.recv_x_bf16,
+                    |v| v.to_bits(),
+                )?;
+            }
+            compare(&at("recv_src_idx"), &dis.recv_src_idx, &d.recv_src_idx)?;
+            if case.with_topk {
+                compare(&at("recv_topk_idx"), &dis.recv_topk_idx, &d.recv_topk_idx)?;
+                compare_bits(
+                    &at("recv_topk_weights"),
+                    &dis.recv_topk_weights,
+                    &d.recv_topk_weights,
+                    f32::to_bits,
+                )?;
+            }
+            compare(
+                &at("recv_channel_offset"),
+                &dis.recv_channel_offset,
+                &d.recv_channel_offset,
+            )?;
+            compare(&at("send_head"), &dis.send_head, &d.send_head)?;
+        }
+        compare_bits(&at("combined_x"), &o.combined, &d.combined, |v| v.to_bits())?;
+        if case.with_topk {
+            compare_bits(
+                &at("combined_topk_weights"),
+                &o.combined_weights,
+                &d.combined_weights,
+                f32::to_bits,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn base_case(r: usize) -> Case {
+    Case {
+        tokens: vec![300; r],
+        hidden: 256,
+        num_topk: 8,
+        num_experts: 32,
+        fp8: false,
+        with_topk: true,
+        cached: false,
+        routing: Routing::Random,
+        alignment: 4,
+        dispatch: Config::dispatch_default(r),
+        combine: Config::combine_default(r),
+    }
+}
+
+fn main() {
+    let mut runner = Runner::from_env("gpu_intranode");
+    let gpus = node::device_count();
+    let sizes: Vec<usize> = match gpus {
+        0 => vec![],
+        1 => vec![1],
+        2 | 3 => vec![2],
+        _ => vec![2, 4],
+    };
+    if sizes.is_empty() {
+        println!("no CUDA device: nothing to run");
+    }
+    for &r in &sizes {
+        let bytes = buffer_size_hint(7168, 8, r, &Config::new(48, 32, 256).expect("config"));
+        let mut node = match Node::new(r, bytes) {
+            Ok(n) => n,
+            Err(e) => {
+                runner.case(&format!("r{r}/setup"), |_| Err(e.to_string().into()));
+                continue;
+            }
+        };
+        let mut cases: Vec<(String, Case)> = Vec::new();
+        let mut small = base_case(r);
+        small.tokens = vec![40; r];
+        small.hidden = 128;
+        small.num_topk = 4;
+        small.num_experts = 8 * r;
+        small.dispatch = Config::new(4, 4, 32).expect("config");
+        small.combine = Config::new(4, 4, 32).expect("config");
+        cases.push(("small".into(), small));
+        cases.push(("random-bf16".into(), base_case(r)));
+        let mut c = base_case(r);
+        c.fp8 = true;
+        c.hidden = 512;
+        cases.push(("random-fp8".into(), c));
+        let mut c = base_case(r);
+        c.cached = true;
+        cases.push(("cached-bf16".into(), c));
+        let mut c = base_case(r);
+        c.cached = true;
+        c.fp8 = true;
+        c.hidden = 384;
+        cases.push(("cached-fp8".into(), c));
+        let mut c = base_case(r);
+        c.tokens = (0..r)
+            .map(|i| if i == r - 1 { 0 } else { 97 + i })
+            .collect();
+        c.hidden = 264;
+        cases.push(("t0-and-odd-tokens".into(), c));
+        if r > 1 {
+            let mut c = base_case(r);
+            c.routing = Routing::EmptyRank(r - 1);
+            cases.push(("empty-destination".into(), c));
+        }
+        let mut c = base_case(r);
+        c.routing = Routing::HotExpert;
+        c.tokens = vec![500; r];
+        cases.push(("hot-expert".into(), c));
+        let mut c = base_case(r);
+        c.with_topk = false;
+        c.cached = true;
+        cases.push(("no-topk".into(), c));
+        // Rings much smaller than a channel's tokens: many wrap-arounds, tiny chunks.
+        let mut c = base_case(r);
+        c.tokens = vec![1000; r];
+        c.dispatch = Config::new(4, 3, 8).expect("config");
+        c.combine = Config::new(4, 2, 26).expect("config");
+        cases.push(("ring-wrap".into(), c));
+        let mut c = base_case(r);
+        c.tokens = vec![333; r];
+        c.hidden = 7168;
+        c.num_experts = 256;
+        cases.push(("deepseek-shape-bf16".into(), c.clone()));
+        c.fp8 = true;
+        cases.push(("deepseek-shape-fp8".into(), c));
+        let mut c = base_case(r);
+        c.tokens = vec![2000; r];
+        c.dispatch = Config::new(48, 16, 128).expect("config");
+        c.combine = Config::new(48, 8, 128).expect("config");
+        cases.push(("many-channels".into(), c));
+        for (name, case) in cases {
+            runner.case(&format!("r{r}/{name}"), |rng| {
+                check_case(&mut node, rng, &case)
+            });
+        }
+        runner.case(&format!("r{r}/timeout"), |_| check_timeout(&mut node));
+        runner.case(&format!("r{r}/after-timeout"), |rng| {
+            check_case(&mut node, rng, &base_case(r))
+        });
+    }
+    if let Some(&r) = sizes.first() {
+        runner.case(&format!("r{r}/host-poll-timeout"), |_| {
+            let ctx = cudarc::driver::CudaContext::new(0)?;
+            let m = HostMappedI32::new(&ctx, 1, -1)?;
+            match m.poll_nonneg(0, Duration::from_millis(20), 3) {
+                Err(Error::PeerTimeout { rank: 3, .. }) => Ok(()),
+                other => Err(format!("expected PeerTimeout for rank 3, got {other:?}").into()),
+            }
+        });
+    }
+    runner.finish();
+}
+
+/// Rank 0 alone enters a barrier: it must time out naming another rank, not hang; the node is
+/// then reset. With one rank the barrier is with itself and must succeed.
+fn check_timeout(node: &mut Node) -> CaseResult {
+    let r = node.num_ranks();
+    node.set_timeout(Duration::from_millis(200));
+    cached_notify_cuda(&node.streams[0], &node.peers[0])?;
+    let res = node.sync_and_check();
+    node.set_timeout(intranode::DEFAULT_TIMEOUT);
+    node.reset().map_err(boxed)?;
+    match (r, res) {
+        (1, Ok(())) => Ok(()),
+        (_, Err(e)) => {
+            let msg = e.to_string();
+            if r > 1 && msg.contains("timed out waiting for rank") && !msg.contains("rank 0 ") {
+                Ok(())
+            } else {
+                Err(format!("unexpected error: {msg}").into())
+            }
+        }
+        (_, Ok(())) => Err("rank 0's lone barrier did not time out".into()),
+    }
+}

@@ -1,0 +1,354 @@
+//! [`MoeLayer`]: route -> dispatch -> grouped GEMM -> combine, plus shared experts.
+
+use crate::config::MoeConfig;
+use crate::error::{Error, Result};
+use crate::experts::{Experts, Mlp};
+use crate::router::Router;
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
+use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use ep_runtime::{
+    Buffer, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+};
+use std::sync::Arc;
+
+/// Which communication mode a forward pass uses. Every rank must use the same mode for the
+/// same call (the ops are collectives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// High-throughput dispatch/combine (prefill): exact-size buffers, a count exchange.
+    Normal,
+    /// Low-latency dispatch/combine (decode): fixed slots, no count exchange.
+    LowLatency,
+    /// Low-latency when the largest token count over all ranks is at most
+    /// [`MoeLayerOptions::low_latency_max_tokens`], normal otherwise. Costs one small host
+    /// all-gather per call to agree; callers that know the step's mode should pass it.
+    #[default]
+    Auto,
+}
+
+/// How a [`MoeLayer`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeLayerOptions {
+    /// The default mode of [`MoeLayer::forward`].
+    pub mode: Mode,
+    /// Low-latency slots per rank (the `Auto` threshold, and the `num_max_dispatch_tokens_per_rank`
+    /// of low-latency ops). The buffer must be sized for at least this many.
+    pub low_latency_max_tokens: usize,
+    /// Send tokens as fp8 e4m3 with 1x128 scales (hidden must be a multiple of 128).
+    pub fp8_dispatch: bool,
+    /// Round-up-to-8 per-expert receive counts in normal mode (for GEMM alignment).
+    pub expert_alignment: usize,
+}
+
+impl Default for MoeLayerOptions {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Auto,
+            low_latency_max_tokens: 128,
+            fp8_dispatch: false,
+            expert_alignment: 1,
+        }
+    }
+}
+
+/// An expert-parallel Mixture-of-Experts layer over candle tensors.
+///
+/// Each rank holds the router, its `E / R` routed experts and the shared experts. `forward`
+/// routes this rank's tokens, dispatches them to the ranks holding their experts, runs each
+/// local expert once over the tokens it received (grouped GEMM), combines the weighted
+/// outputs back on the tokens' home ranks and adds the shared experts' output. In
+/// low-latency mode the shared experts run while the routed tokens travel (receive hook).
+#[derive(Debug)]
+pub struct MoeLayer {
+    router: Router,
+    experts: Experts,
+    shared: Option<Mlp>,
+    buffer: Arc<Buffer>,
+    num_experts: usize,
+    options: MoeLayerOptions,
+}
+
+impl MoeLayer {
+    /// Assembles a layer from its parts; `experts` must be this rank's shard
+    /// (`first_expert = rank * E / R`, `E / R` experts).
+    pub fn new(
+        router: Router,
+        experts: Experts,
+        shared: Option<Mlp>,
+        buffer: Arc<Buffer>,
+        options: MoeLayerOptions,
+    ) -> Result<Self> {
+        let topo = buffer.topology();
+        let e = router.num_experts();
+        if e % topo.num_ranks != 0 {
+            return Err(Error::invalid(
+                "n_routed_experts",
+                e,
+                format!(
+                    "must be a multiple of the number of ranks {}",
+                    topo.num_ranks
+                ),
+            ));
+        }
+        let l = e / topo.num_ranks;
+        if experts.num_local() != l || experts.first_expert() != topo.rank * l {
+            return Err(Error::invalid(
+                "experts",
+                format!(
+                    "experts {}..{}",
+                    experts.first_expert(),
+                    experts.first_expert() + experts.num_local()
+                ),
+                format!(
+                    "rank {} of {} must hold experts {}..{}",
+                    topo.rank,
+                    topo.num_ranks,
+                    topo.rank * l,
+                    (topo.rank + 1) * l
+                ),
+            ));
+        }
+        if options.fp8_dispatch && router.hidden_size() % ep_runtime::cast::FP8_GROUP != 0 {
+            return Err(Error::invalid(
+                "fp8_dispatch",
+                true,
+                format!(
+                    "needs hidden_size ({}) to be a multiple of 128",
+                    router.hidden_size()
+                ),
+            ));
+        }
+        if options.expert_alignment == 0 {
+            return Err(Error::invalid("expert_alignment", 0, "must be >= 1"));
+        }
+        if options.mode != Mode::Normal {
+            match buffer.config().low_latency {
+                Some(ll) if ll.max_tokens_per_rank >= options.low_latency_max_tokens
+                    && ll.hidden >= router.hidden_size()
+                    && ll.num_experts >= e => {}
+                other => {
+                    return Err(Error::invalid(
+                        "buffer",
+                        format!("low-latency sizing {other:?}"),
+                        format!(
+                            "mode {:?} needs a buffer sized for >= {} tokens per rank, hidden >= {}, experts >= {e} \
+                             (BufferConfig::with_low_latency)",
+                            options.mode,
+                            options.low_latency_max_tokens,
+                            router.hidden_size()
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(Self {
+            router,
+            experts,
+            shared,
+            buffer,
+            num_experts: e,
+            options,
+        })
+    }
+
+    /// Loads this rank's part of a layer from HF DeepSeek-V3 names under `vb` (the layer's
+    /// `mlp` prefix): `gate.weight`, `gate.e_score_correction_bias`, `experts.{e}.*` for this
+    /// rank's experts only, and `shared_experts.*`.
+    pub fn load(
+        vb: VarBuilder,
+        cfg: &MoeConfig,
+        buffer: Arc<Buffer>,
+        options: MoeLayerOptions,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let topo = buffer.topology();
+        if cfg.n_routed_experts % topo.num_ranks != 0 {
+            return Err(Error::invalid(
+                "n_routed_experts",
+                cfg.n_routed_experts,
+                format!(
+                    "must be a multiple of the number of ranks {}",
+                    topo.num_ranks
+                ),
+            ));
+        }
+        let l = cfg.n_routed_experts / topo.num_ranks;
+        let router = Router::load(vb.pp("gate"), cfg)?;
+        let experts = Experts::load(vb.pp("experts"), cfg, topo.rank * l, l)?;
+        let shared = match cfg.shared_intermediate_size() {
+            Some(i) => Some(Mlp::load(vb.pp("shared_experts"), cfg.hidden_size, i)?),
+            None => None,
+        };
+        Self::new(router, experts, shared, buffer, options)
+    }
+
+    /// The communication buffer.
+    pub fn buffer(&self) -> &Arc<Buffer> {
+        &self.buffer
+    }
+
+    /// The router.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// This rank's routed experts.
+    pub fn experts(&self) -> &Experts {
+        &self.experts
+    }
+
+    /// The options.
+    pub fn options(&self) -> &MoeLayerOptions {
+        &self.options
+    }
+
+    /// Forward in the layer's default mode. `x: [.., H]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with_mode(x, self.options.mode)
+    }
+
+    /// Forward in `mode`. Every rank must call this the same number of times with the same
+    /// mode (a rank without tokens passes `[0, H]`).
+    pub fn forward_with_mode(&self, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
+        Ok(self.forward_impl(x, mode)?)
+    }
+
+    /// The mode `Auto` resolves to for `num_tokens` on this rank (a collective).
+    pub fn resolve_mode(&self, num_tokens: usize) -> Result<Mode> {
+        let max = self.buffer.max_over_ranks(num_tokens as u64)?;
+        Ok(if max as usize <= self.options.low_latency_max_tokens {
+            Mode::LowLatency
+        } else {
+            Mode::Normal
+        })
+    }
+
+    fn forward_impl(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let h = *dims
+            .last()
+            .ok_or_else(|| Error::invalid("x", "a scalar", "needs a hidden dimension"))?;
+        if h != self.router.hidden_size() {
+            return Err(Error::invalid(
+                "x",
+                format!("shape {dims:?}"),
+                format!(
+                    "last dimension must be hidden_size = {}",
+                    self.router.hidden_size()
+                ),
+            ));
+        }
+        let x2 = x.reshape(((), h))?;
+        let t = x2.dims()[0];
+        let mode = match mode {
+            Mode::Auto => self.resolve_mode(t)?,
+            m => m,
+        };
+        if mode == Mode::LowLatency && t > self.options.low_latency_max_tokens {
+            return Err(Error::invalid(
+                "x",
+                format!("{t} tokens"),
+                format!(
+                    "low-latency mode takes at most low_latency_max_tokens = {} tokens per rank",
+                    self.options.low_latency_max_tokens
+                ),
+            ));
+        }
+        let routing = self.router.forward(&x2)?;
+        let routed = match mode {
+            Mode::LowLatency => {
+                self.routed_low_latency(&x2, &routing.topk_idx, &routing.topk_weights)?
+            }
+            _ => self.routed_normal(&x2, &routing.topk_idx, &routing.topk_weights)?,
+        };
+        let (routed, shared) = routed;
+        let shared = match shared {
+            Some(s) => Some(s),
+            None => self.shared_forward(&x2)?,
+        };
+        let out = match shared {
+            Some(s) => {
+                (routed.to_dtype(DType::F32)? + s.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?
+            }
+            None => routed.to_dtype(x.dtype())?,
+        };
+        Ok(out.reshape(dims)?)
+    }
+
+    fn shared_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(match &self.shared {
+            Some(m) => Some(m.forward(x)?),
+            None => None,
+        })
+    }
+
+    /// Normal mode; returns the combined routed output (and no shared output: it is computed
+    /// by the caller).
+    fn routed_normal(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
+        let (send_x, scales) = if self.options.fp8_dispatch {
+            let (q, s) = per_token_cast_to_fp8(x, false)?;
+            (q, Some(s))
+        } else {
+            (x.clone(), None)
+        };
+        let mut args = DispatchArgs::new(&send_x)
+            .topk(idx, w)
+            .layout(&layout)
+            .expert_alignment(self.options.expert_alignment);
+        if let Some(s) = &scales {
+            args = args.x_scales(s);
+        }
+        let out = self.buffer.dispatch(&args)?;
+        let recv_x = match &out.recv_x_scales {
+            Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
+            None => out.recv_x.clone(),
+        };
+        let recv_idx = out.recv_topk_idx.as_ref().expect("routing was dispatched");
+        let recv_w = out
+            .recv_topk_weights
+            .as_ref()
+            .expect("routing was dispatched");
+        let y = self.experts.forward_grouped(&recv_x, recv_idx, recv_w)?;
+        let combined = self.buffer.combine(&CombineArgs::new(&y, &out.handle))?;
+        Ok((combined.combined_x, None))
+    }
+
+    /// Low-latency mode; the shared experts run between the send and receive phases.
+    fn routed_low_latency(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let m = self.options.low_latency_max_tokens;
+        let mut args = LowLatencyDispatchArgs::new(x, idx, m, self.num_experts);
+        if self.options.fp8_dispatch {
+            args = args.fp8(false);
+        }
+        let hook = self.buffer.low_latency_dispatch_send(&args)?;
+        let shared = self.shared_forward(x)?;
+        let out = hook.recv()?;
+        let recv_x = match &out.recv_x_scales {
+            Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
+            None => out.recv_x.clone(),
+        };
+        let y = self.experts.forward_packed(&recv_x, &out.recv_count_host)?;
+        let combined = self
+            .buffer
+            .low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
+        Ok((combined.combined_x, Some(shared).flatten()))
+    }
+}
+
+impl candle_nn::Module for MoeLayer {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        MoeLayer::forward(self, x)
+    }
+}

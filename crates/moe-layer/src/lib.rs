@@ -1,0 +1,44 @@
+//! A candle Mixture-of-Experts layer with expert parallelism, the way DeepSeek serves
+//! DeepSeek-V3: route -> dispatch -> grouped GEMM -> combine, with shared experts, a
+//! high-throughput mode for prefill and a low-latency mode for decode.
+//!
+//! - [`router`]: DeepSeek-V3 `noaux_tc` grouped top-k and plain softmax top-k;
+//! - [`experts`]: this rank's shard of SwiGLU experts (grouped GEMM) and the dense [`Mlp`];
+//! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
+//! - [`dense`]: the single-process reference layer EP results are tested against.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{Module, VarBuilder, VarMap};
+//! use moe_layer::{ep_runtime::{Buffer, BufferConfig}, MoeConfig, MoeLayer, MoeLayerOptions, Mode};
+//! use std::sync::Arc;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let cfg: MoeConfig = serde_json::from_str(r#"{"hidden_size": 32, "moe_intermediate_size": 16,
+//!     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}"#)?;
+//! // One rank; with more, each rank (thread or process) builds its own layer and buffer.
+//! let buffer = Arc::new(Buffer::local_group(1, 1, BufferConfig::default().with_low_latency(8, 32, 4))?.remove(0));
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+//! let opts = MoeLayerOptions { low_latency_max_tokens: 8, ..Default::default() };
+//! let layer = MoeLayer::load(vb, &cfg, buffer, opts)?;
+//! let x = Tensor::randn(0f32, 1.0, (5, 32), &Device::Cpu)?;
+//! let y = layer.forward_with_mode(&x, Mode::Normal)?;
+//! assert_eq!(y.dims(), &[5, 32]);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod config;
+pub mod dense;
+pub mod error;
+pub mod experts;
+mod layer;
+pub mod router;
+
+pub use config::MoeConfig;
+pub use ep_runtime;
+pub use error::{Error, Result};
+pub use experts::{Experts, Mlp};
+pub use layer::{Mode, MoeLayer, MoeLayerOptions};
+pub use router::{Router, Routing};

@@ -1,0 +1,185 @@
+//! A torchrun-like launcher: starts `--nproc-per-node` copies of this binary with the rank
+//! variables set, prefixes their output lines with their rank, and stops them all (exiting
+//! non-zero) as soon as one fails.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+/// Set in every launched rank: its stdin is a pipe from the launcher, closed when the launcher
+/// ends (even when killed), which [`watch_launcher`] turns into this rank's exit.
+pub const PARENT_PIPE_ENV: &str = "DEEPSEEK_V3_LAUNCHED";
+
+/// In a launched rank, exits the process as soon as the launcher is gone, so that no rank
+/// outlives its launcher. Does nothing in a process that was not launched.
+pub fn watch_launcher() {
+    if std::env::var_os(PARENT_PIPE_ENV).is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = [0u8; 64];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    // stderr may be the dead launcher's pipe: ignore write errors.
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "the launcher has exited; stopping this rank"
+                    );
+                    std::process::exit(1);
+                }
+                Ok(_) => {}
+            }
+        }
+    });
+}
+
+/// Options of `deepseek-v3 launch`.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Processes (ranks) to start on this node, one per GPU.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Number of nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`; node 0 hosts rank 0 and the bootstrap store.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0 (where rank 0 listens).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port of the bootstrap store on node 0.
+    #[arg(long, default_value_t = 29500)]
+    pub master_port: u16,
+    /// The subcommand each rank runs, after `--` (e.g. `-- generate --prompt hi`).
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+fn forward<R: Read + Send + 'static>(
+    reader: R,
+    prefix: String,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines() {
+            let Ok(line) = line else { break };
+            if to_stderr {
+                let mut e = std::io::stderr().lock();
+                let _ = writeln!(e, "{prefix}{line}");
+            } else {
+                let mut o = std::io::stdout().lock();
+                let _ = writeln!(o, "{prefix}{line}");
+                let _ = o.flush();
+            }
+        }
+    })
+}
+
+/// Runs the job's part on this node; returns the exit code to exit with.
+pub fn launch(args: &LaunchArgs) -> Result<i32> {
+    if args.nproc_per_node == 0 || args.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be at least 1");
+    }
+    if args.node_rank >= args.nnodes {
+        bail!(
+            "--node-rank {} must be below --nnodes {}",
+            args.node_rank,
+            args.nnodes
+        );
+    }
+    if args.command.first().is_some_and(|c| c == "launch") {
+        bail!("the launched command cannot itself be `launch`");
+    }
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let world = args.nproc_per_node * args.nnodes;
+    // Like torchrun's OMP_NUM_THREADS: share this node's cores between its ranks.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .div_ceil(args.nproc_per_node)
+        .max(1);
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut pumps = Vec::new();
+    let mut stdins = Vec::new();
+    for local in 0..args.nproc_per_node {
+        let rank = args.node_rank * args.nproc_per_node + local;
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args.command)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", args.master_port.to_string())
+            .env(PARENT_PIPE_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            cmd.env("RAYON_NUM_THREADS", threads.to_string());
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(e).with_context(|| format!("cannot start rank {rank}"));
+            }
+        };
+        let prefix = format!("[rank {rank}] ");
+        if let Some(out) = child.stdout.take() {
+            pumps.push(forward(out, prefix.clone(), false));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(forward(err, prefix, true));
+        }
+        // Kept open for the ranks' lifetime: closing it (our exit) stops them.
+        stdins.extend(child.stdin.take());
+        tracing::info!(rank, local, world, pid = child.id(), "started");
+        children.push((rank, child));
+    }
+    let mut code = 0;
+    let mut running = children.len();
+    while running > 0 {
+        running = 0;
+        let mut failed = None;
+        for (rank, child) in children.iter_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) if !status.success() => {
+                    failed = Some((*rank, status.code().unwrap_or(1)));
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => running += 1,
+                Err(e) => {
+                    tracing::error!(rank = *rank, "cannot wait for rank: {e}");
+                    failed = Some((*rank, 1));
+                }
+            }
+        }
+        if let Some((rank, c)) = failed {
+            eprintln!("launch: rank {rank} failed (exit code {c}); stopping the other ranks");
+            kill_all(&mut children);
+            code = if c == 0 { 1 } else { c };
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(stdins);
+    for p in pumps {
+        let _ = p.join();
+    }
+    Ok(code)
+}
+
+fn kill_all(children: &mut [(usize, Child)]) {
+    for (_, child) in children.iter_mut() {
+        if let Ok(None) = child.try_wait() {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+    }
+}

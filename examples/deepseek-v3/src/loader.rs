@@ -1,0 +1,194 @@
+//! Loads a checkpoint folder (`config.json`, sharded `*.safetensors` with an optional
+//! `model.safetensors.index.json`, `tokenizer.json`) into a [`DeepSeekV3`] model. The
+//! safetensors files are memory-mapped, so each rank reads only the tensors it asks for: the
+//! shared weights and its own experts.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use indicatif::{ProgressBar, ProgressStyle};
+use moe_layer::dense::DenseMoe;
+use moe_layer::experts::Mlp;
+
+use crate::config::DeepSeekV3Config;
+use crate::model::{Attention, DecoderLayer, DeepSeekV3, Ffn, Rotary};
+use crate::tokenizer::TextTokenizer;
+
+/// How MoE layers are built.
+pub enum MoeBackend {
+    /// Expert-parallel [`moe_layer::MoeLayer`]s over `buffer`'s ranks: this rank loads
+    /// `n_routed_experts / num_ranks` experts.
+    ExpertParallel {
+        /// The communication buffer shared by all MoE layers of this rank.
+        buffer: Arc<moe_layer::ep_runtime::Buffer>,
+        /// Mode and sizing options of every MoE layer.
+        options: moe_layer::MoeLayerOptions,
+    },
+    /// Every expert in this process ([`DenseMoe`]), no communication: a single-process reference.
+    Dense,
+}
+
+/// What [`load`] needs besides the folder.
+pub struct LoadOptions {
+    /// Device of the weights.
+    pub device: Device,
+    /// Weight dtype (the checkpoint's tensors are converted on load).
+    pub dtype: DType,
+    /// Longest sequence to support (rotary tables are built up to it); capped by
+    /// `max_position_embeddings`.
+    pub max_positions: usize,
+    /// How MoE layers are built.
+    pub moe: MoeBackend,
+    /// Whether to draw a progress bar (rank 0 of a node usually).
+    pub progress: bool,
+}
+
+/// A loaded model with its configuration and tokenizer.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// The configuration read from `config.json`.
+    pub config: DeepSeekV3Config,
+    /// The model.
+    pub model: DeepSeekV3,
+    /// The tokenizer read from `tokenizer.json`.
+    pub tokenizer: TextTokenizer,
+}
+
+/// The safetensors files of a checkpoint folder: those named by `model.safetensors.index.json`
+/// when present (each must exist), else every `*.safetensors` file, sorted.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    let mut files: Vec<PathBuf> = if index.exists() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("cannot read {}", index.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: invalid JSON", index.display()))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .with_context(|| format!("{}: no \"weight_map\" object", index.display()))?;
+        let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.into_iter().map(|n| dir.join(n)).collect()
+    } else {
+        std::fs::read_dir(dir)
+            .with_context(|| format!("cannot read folder {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect()
+    };
+    files.sort();
+    if files.is_empty() {
+        bail!("{}: no *.safetensors files", dir.display());
+    }
+    for f in &files {
+        if !f.exists() {
+            bail!("{}: listed in the index but missing", f.display());
+        }
+    }
+    Ok(files)
+}
+
+/// Loads the checkpoint in `dir`. Missing or mis-shaped tensors give an error naming the
+/// tensor, the expected and the found shape.
+pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
+    let config = DeepSeekV3Config::from_file(dir.join("config.json"))?;
+    let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "tokenizer.json has {} tokens but config.json's vocab_size is {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        );
+    }
+    let files = safetensors_files(dir)?;
+    // SAFETY: the files are memory-mapped read-only; like every safetensors loader we rely on
+    // them not being modified while the model is alive.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device)? };
+    let max_positions = opts
+        .max_positions
+        .min(config.max_position_embeddings)
+        .max(1);
+    let rotary = Arc::new(Rotary::new(
+        &config,
+        max_positions,
+        opts.dtype,
+        &opts.device,
+    )?);
+    let moe_cfg = if config.has_moe() {
+        Some(config.moe_config()?)
+    } else {
+        None
+    };
+
+    let bar = if opts.progress {
+        ProgressBar::new(config.num_hidden_layers as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(dir.display().to_string());
+
+    let embed = candle_nn::embedding(
+        config.vocab_size,
+        config.hidden_size,
+        vb.pp("model.embed_tokens"),
+    )?;
+    let mut layers = Vec::with_capacity(config.num_hidden_layers);
+    for i in 0..config.num_hidden_layers {
+        let lvb = vb.pp(format!("model.layers.{i}"));
+        let layer = (|| -> Result<DecoderLayer> {
+            let mvb = lvb.pp("mlp");
+            let ffn = match (&moe_cfg, config.is_moe_layer(i)) {
+                (Some(mc), true) => match &opts.moe {
+                    MoeBackend::ExpertParallel { buffer, options } => Ffn::Moe(
+                        moe_layer::MoeLayer::load(mvb, mc, buffer.clone(), *options)?,
+                    ),
+                    MoeBackend::Dense => Ffn::DenseMoe(DenseMoe::load(mvb, mc)?),
+                },
+                _ => Ffn::Dense(Mlp::load(
+                    mvb,
+                    config.hidden_size,
+                    config.intermediate_size,
+                )?),
+            };
+            Ok(DecoderLayer {
+                input_norm: candle_nn::rms_norm(
+                    config.hidden_size,
+                    config.rms_norm_eps,
+                    lvb.pp("input_layernorm"),
+                )?,
+                attn: Attention::load(lvb.pp("self_attn"), &config, rotary.clone())?,
+                post_norm: candle_nn::rms_norm(
+                    config.hidden_size,
+                    config.rms_norm_eps,
+                    lvb.pp("post_attention_layernorm"),
+                )?,
+                ffn,
+            })
+        })()
+        .with_context(|| format!("{}: cannot load layer {i}", dir.display()))?;
+        layers.push(layer);
+        bar.inc(1);
+    }
+    let norm = candle_nn::rms_norm(config.hidden_size, config.rms_norm_eps, vb.pp("model.norm"))?;
+    let lm_head = if config.tie_word_embeddings {
+        candle_nn::Linear::new(embed.embeddings().clone(), None)
+    } else {
+        candle_nn::linear_no_bias(config.hidden_size, config.vocab_size, vb.pp("lm_head"))?
+    };
+    bar.finish_and_clear();
+    let model = DeepSeekV3::new(embed, layers, norm, lm_head, max_positions)?;
+    Ok(LoadedModel {
+        config,
+        model,
+        tokenizer,
+    })
+}

@@ -1,0 +1,52 @@
+//! `deepseek-v3`: generate a tiny checkpoint, generate text, serve an OpenAI-compatible API,
+//! or launch any of these as many ranks over processes and nodes.
+
+use clap::{Parser, Subcommand};
+use deepseek_v3::app::{self, GenCheckpointArgs, GenerateArgs, ServeArgs};
+use deepseek_v3::launch::{self, LaunchArgs};
+
+/// A DeepSeek-V3-style model with expert-parallel MoE, on CPU or GPUs.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Write a small random checkpoint (sharded safetensors, config.json, tokenizer.json).
+    GenCheckpoint(GenCheckpointArgs),
+    /// Generate text for prompts (spread over the ranks when launched as several).
+    Generate(GenerateArgs),
+    /// Serve an OpenAI-compatible HTTP API (rank 0 listens; all ranks compute).
+    Serve(ServeArgs),
+    /// Start this node's ranks of a job, like torchrun: `launch --nproc-per-node 2 -- generate ...`.
+    Launch(LaunchArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    launch::watch_launcher();
+    let result = match &cli.command {
+        Cmd::GenCheckpoint(a) => app::gen_checkpoint(a).map(|_| 0),
+        Cmd::Generate(a) => app::generate(a).map(|_| 0),
+        Cmd::Serve(a) => app::serve(a).map(|_| 0),
+        Cmd::Launch(a) => launch::launch(a),
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,457 @@
+//! The generator's checkpoint loads, and the model (KV cache, batched sequences, expert-parallel
+//! MoE over 1 and 2 ranks) gives the same logits as a plain reference written here from the
+//! tensors: naive attention over the whole sequence, no cache, RoPE from its definition, and
+//! the dense single-process MoE (`moe_layer::dense::DenseMoe`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use deepseek_v3::checkpoint;
+use deepseek_v3::config::DeepSeekV3Config;
+use deepseek_v3::loader::{self, LoadOptions, LoadedModel, MoeBackend};
+use deepseek_v3::model::{SeqInput, StepKind};
+use moe_layer::dense::DenseMoe;
+use moe_layer::ep_runtime::{Buffer, BufferConfig};
+
+/// The reference model: every tensor by name, computed step by step without any cache.
+struct Reference {
+    cfg: DeepSeekV3Config,
+    w: HashMap<String, Tensor>,
+    moe: HashMap<usize, DenseMoe>,
+}
+
+impl Reference {
+    fn load(dir: &Path) -> Reference {
+        let cfg = DeepSeekV3Config::from_file(dir.join("config.json")).unwrap();
+        let mut w = HashMap::new();
+        for f in std::fs::read_dir(dir).unwrap() {
+            let p = f.unwrap().path();
+            if p.extension().is_some_and(|e| e == "safetensors") {
+                w.extend(candle_core::safetensors::load(&p, &Device::Cpu).unwrap());
+            }
+        }
+        let vb = VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu);
+        let moe_cfg = cfg.moe_config().unwrap();
+        let moe = (0..cfg.num_hidden_layers)
+            .filter(|&i| cfg.is_moe_layer(i))
+            .map(|i| {
+                let m = DenseMoe::load(vb.pp(format!("model.layers.{i}.mlp")), &moe_cfg).unwrap();
+                (i, m)
+            })
+            .collect();
+        Reference { cfg, w, moe }
+    }
+
+    fn t(&self, name: &str) -> &Tensor {
+        self.w
+            .get(name)
+            .unwrap_or_else(|| panic!("reference: no tensor {name}"))
+    }
+
+    fn lin(&self, x: &Tensor, name: &str) -> Tensor {
+        x.matmul(&self.t(name).t().unwrap()).unwrap()
+    }
+
+    fn rms(&self, x: &Tensor, name: &str) -> Tensor {
+        let eps = self.cfg.rms_norm_eps;
+        let inv = ((x.sqr().unwrap().mean_keepdim(1).unwrap() + eps).unwrap())
+            .sqrt()
+            .unwrap()
+            .recip()
+            .unwrap();
+        x.broadcast_mul(&inv)
+            .unwrap()
+            .broadcast_mul(self.t(name))
+            .unwrap()
+    }
+
+    /// Rotates consecutive pairs `(x[2i], x[2i+1])` of each row (row `r` = position `r`) by
+    /// `r * theta^(-2i/d)`.
+    fn rope(&self, x: &Tensor) -> Tensor {
+        let (t, d) = x.dims2().unwrap();
+        let v = x.to_vec2::<f32>().unwrap();
+        let mut out = Vec::with_capacity(t * d);
+        for (pos, row) in v.iter().enumerate() {
+            for i in 0..d / 2 {
+                let angle = pos as f64 * self.cfg.rope_theta.powf(-2.0 * i as f64 / d as f64);
+                let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+                out.push(row[2 * i] * c - row[2 * i + 1] * s);
+                out.push(row[2 * i] * s + row[2 * i + 1] * c);
+            }
+        }
+        Tensor::from_vec(out, (t, d), &Device::Cpu).unwrap()
+    }
+
+    fn softmax_rows(x: &Tensor) -> Tensor {
+        let max = x.max_keepdim(1).unwrap();
+        let e = x.broadcast_sub(&max).unwrap().exp().unwrap();
+        e.broadcast_div(&e.sum_keepdim(1).unwrap()).unwrap()
+    }
+
+    fn attention(&self, x: &Tensor, p: &str) -> Tensor {
+        let c = &self.cfg;
+        let t = x.dim(0).unwrap();
+        let (nope, rope, vd) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
+        let qd = nope + rope;
+        let q = match c.q_lora_rank {
+            Some(_) => {
+                let a = self.lin(x, &format!("{p}.q_a_proj.weight"));
+                let a = self.rms(&a, &format!("{p}.q_a_layernorm.weight"));
+                self.lin(&a, &format!("{p}.q_b_proj.weight"))
+            }
+            None => self.lin(x, &format!("{p}.q_proj.weight")),
+        };
+        let ckv = self.lin(x, &format!("{p}.kv_a_proj_with_mqa.weight"));
+        let latent = ckv.narrow(1, 0, c.kv_lora_rank).unwrap();
+        let k_pe = self.rope(&ckv.narrow(1, c.kv_lora_rank, rope).unwrap());
+        let latent = self.rms(&latent, &format!("{p}.kv_a_layernorm.weight"));
+        let kv = self.lin(&latent, &format!("{p}.kv_b_proj.weight"));
+        let scale = 1.0 / (qd as f64).sqrt();
+        let mut mask = vec![0f32; t * t];
+        for i in 0..t {
+            for j in i + 1..t {
+                mask[i * t + j] = f32::NEG_INFINITY;
+            }
+        }
+        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+        let mut heads = Vec::new();
+        for h in 0..c.num_attention_heads {
+            let qh = q.narrow(1, h * qd, qd).unwrap();
+            let q_nope = qh.narrow(1, 0, nope).unwrap();
+            let q_pe = self.rope(&qh.narrow(1, nope, rope).unwrap());
+            let qh = Tensor::cat(&[&q_nope, &q_pe], 1).unwrap();
+            let kvh = kv.narrow(1, h * (nope + vd), nope + vd).unwrap();
+            let kh = Tensor::cat(&[&kvh.narrow(1, 0, nope).unwrap(), &k_pe], 1).unwrap();
+            let vh = kvh.narrow(1, nope, vd).unwrap();
+            let scores = ((qh.matmul(&kh.t().unwrap()).unwrap() * scale).unwrap() + &mask).unwrap();
+            heads.push(Self::softmax_rows(&scores).matmul(&vh).unwrap());
+        }
+        let o = Tensor::cat(&heads, 1).unwrap();
+        self.lin(&o, &format!("{p}.o_proj.weight"))
+    }
+
+    fn mlp(&self, x: &Tensor, p: &str) -> Tensor {
+        let g = self.lin(x, &format!("{p}.gate_proj.weight"));
+        let silu = (&g / (g.neg().unwrap().exp().unwrap() + 1.0).unwrap()).unwrap();
+        let u = self.lin(x, &format!("{p}.up_proj.weight"));
+        self.lin(&(silu * u).unwrap(), &format!("{p}.down_proj.weight"))
+    }
+
+    /// Logits of every position of `tokens`, `[t, vocab]`.
+    fn logits(&self, tokens: &[u32]) -> Tensor {
+        let emb = self.t("model.embed_tokens.weight");
+        let ids = Tensor::new(tokens, &Device::Cpu).unwrap();
+        let mut x = emb.index_select(&ids, 0).unwrap();
+        for i in 0..self.cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let h = self.rms(&x, &format!("{p}.input_layernorm.weight"));
+            x = (x + self.attention(&h, &format!("{p}.self_attn"))).unwrap();
+            let h = self.rms(&x, &format!("{p}.post_attention_layernorm.weight"));
+            let f = match self.moe.get(&i) {
+                Some(m) => m.forward(&h).unwrap(),
+                None => self.mlp(&h, &format!("{p}.mlp")),
+            };
+            x = (x + f).unwrap();
+        }
+        let x = self.rms(&x, "model.norm.weight");
+        self.lin(&x, "lm_head.weight")
+    }
+
+    fn last_logits(&self, tokens: &[u32]) -> Vec<f32> {
+        let l = self.logits(tokens);
+        l.get(tokens.len() - 1).unwrap().to_vec1().unwrap()
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    deepseek_v3::sampling::argmax(v)
+}
+
+fn load_ep(dir: &Path, buffer: Buffer) -> LoadedModel {
+    loader::load(
+        dir,
+        LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            max_positions: 64,
+            moe: MoeBackend::ExpertParallel {
+                buffer: Arc::new(buffer),
+                options: moe_layer::MoeLayerOptions {
+                    low_latency_max_tokens: 8,
+                    ..Default::default()
+                },
+            },
+            progress: false,
+        },
+    )
+    .unwrap()
+}
+
+fn buffer_config(cfg: &DeepSeekV3Config) -> BufferConfig {
+    BufferConfig::default().with_low_latency(8, cfg.hidden_size, cfg.n_routed_experts.unwrap())
+}
+
+/// Prefill `prompts` together, then decode `steps` greedy tokens one at a time; check every
+/// step's logits against the reference over the whole sequence. Returns the generated tokens.
+fn check_against_reference(
+    m: &LoadedModel,
+    reference: &Reference,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> Vec<Vec<u32>> {
+    let model = &m.model;
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
+    for step in 0..=steps {
+        let kind = if step == 0 {
+            StepKind::Prefill
+        } else {
+            StepKind::Decode
+        };
+        let mut batch: Vec<SeqInput<'_>> = inputs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(t, c)| SeqInput {
+                tokens: t,
+                cache: c,
+            })
+            .collect();
+        let logits = model.forward(&mut batch, kind).unwrap();
+        let rows = logits.to_vec2::<f32>().unwrap();
+        for (s, row) in rows.iter().enumerate() {
+            let want = reference.last_logits(&seqs[s]);
+            let diff = max_abs_diff(row, &want);
+            assert!(
+                diff < 2e-3,
+                "sequence {s} step {step}: logits differ from the reference by {diff}"
+            );
+            let next = argmax(row);
+            seqs[s].push(next);
+            inputs[s] = vec![next];
+        }
+    }
+    seqs
+}
+
+#[test]
+fn generated_checkpoint_matches_reference_on_one_rank() {
+    let dir = common::scratch("forward-1");
+    checkpoint::generate(&dir, &DeepSeekV3Config::tiny(), 7, 2).unwrap();
+    let shards = loader::safetensors_files(&dir).unwrap();
+    assert!(shards.len() >= 2, "expected >= 2 shards, got {shards:?}");
+    let reference = Reference::load(&dir);
+    let cfg = reference.cfg.clone();
+    let buffer = Buffer::local_group(1, 1, buffer_config(&cfg))
+        .unwrap()
+        .pop()
+        .unwrap();
+    let m = load_ep(&dir, buffer);
+    let prompts = vec![
+        m.tokenizer.encode_prompt("The experts travel").unwrap(),
+        m.tokenizer.encode_prompt("Hi").unwrap(),
+        vec![5, 17, 200, 3, 9, 42, 301],
+    ];
+    check_against_reference(&m, &reference, &prompts, 3);
+}
+
+#[test]
+fn two_ranks_as_threads_match_reference() {
+    let dir = common::scratch("forward-2");
+    checkpoint::generate(&dir, &DeepSeekV3Config::tiny(), 11, 3).unwrap();
+    let reference = Arc::new(Reference::load(&dir));
+    let buffers = Buffer::local_group(2, 2, buffer_config(&reference.cfg)).unwrap();
+    // Rank 0 has two sequences, rank 1 one: uneven token counts in every MoE call.
+    let work = [
+        vec![vec![0u32, 40, 50, 60, 70], vec![0, 9]],
+        vec![vec![0u32, 100, 101, 102]],
+    ];
+    let handles: Vec<_> = buffers
+        .into_iter()
+        .zip(work)
+        .map(|(buffer, prompts)| {
+            let dir = dir.clone();
+            let reference = reference.clone();
+            std::thread::spawn(move || {
+                let m = load_ep(&dir, buffer);
+                check_against_reference(&m, &reference, &prompts, 2)
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("rank thread failed");
+    }
+}
+
+#[test]
+fn a_rank_with_no_tokens_still_takes_part() {
+    let dir = common::scratch("forward-empty");
+    checkpoint::generate(&dir, &DeepSeekV3Config::tiny(), 5, 2).unwrap();
+    let reference = Arc::new(Reference::load(&dir));
+    let buffers = Buffer::local_group(2, 2, buffer_config(&reference.cfg)).unwrap();
+    let work = [vec![vec![0u32, 33, 44, 55]], vec![]];
+    let handles: Vec<_> = buffers
+        .into_iter()
+        .zip(work)
+        .map(|(buffer, prompts)| {
+            let dir = dir.clone();
+            let reference = reference.clone();
+            std::thread::spawn(move || {
+                let m = load_ep(&dir, buffer);
+                check_against_reference(&m, &reference, &prompts, 2)
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("rank thread failed");
+    }
+}
+
+#[test]
+fn generator_is_deterministic_and_tokenizer_round_trips() {
+    let a = common::scratch("gen-a");
+    let b = common::scratch("gen-b");
+    checkpoint::generate(&a, &DeepSeekV3Config::tiny(), 3, 2).unwrap();
+    checkpoint::generate(&b, &DeepSeekV3Config::tiny(), 3, 2).unwrap();
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors.index.json",
+        &checkpoint::shard_file_name(0, 2),
+        &checkpoint::shard_file_name(1, 2),
+    ] {
+        let (x, y) = (
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+        );
+        assert!(x == y, "{f} differs between two runs with the same seed");
+    }
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(
+        map["model.embed_tokens.weight"],
+        checkpoint::shard_file_name(0, 2)
+    );
+    assert_eq!(map["lm_head.weight"], checkpoint::shard_file_name(1, 2));
+    assert!(map.contains_key("model.layers.3.mlp.experts.15.down_proj.weight"));
+    assert!(map.contains_key("model.layers.0.mlp.gate_proj.weight"));
+
+    let tok = deepseek_v3::tokenizer::TextTokenizer::from_file(a.join("tokenizer.json")).unwrap();
+    assert!(tok.vocab_size() <= DeepSeekV3Config::tiny().vocab_size);
+    assert!(tok.vocab_size() > 260, "no merges were learned");
+    let text = "The experts, 42 of them — héllo!";
+    let ids = tok.encode(text).unwrap();
+    assert!(
+        ids.len() < text.len(),
+        "merges did not shorten {text:?}: {ids:?}"
+    );
+    assert_eq!(tok.decode(&ids).unwrap(), text);
+    let chat = tok
+        .apply_chat_template(&[deepseek_v3::tokenizer::ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        }])
+        .unwrap();
+    assert_eq!(chat.first(), tok.bos_id().as_ref());
+    assert_eq!(
+        chat.last(),
+        tok.token_id(deepseek_v3::tokenizer::ASSISTANT).as_ref()
+    );
+}
+
+fn load_dense(dir: &Path) -> anyhow::Result<LoadedModel> {
+    loader::load(
+        dir,
+        LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            max_positions: 64,
+            moe: MoeBackend::Dense,
+            progress: false,
+        },
+    )
+}
+
+#[test]
+fn missing_or_misshaped_tensors_are_named() {
+    let dir = common::scratch("bad-tensors");
+    checkpoint::generate(&dir, &DeepSeekV3Config::tiny(), 1, 2).unwrap();
+    let shard = dir.join(checkpoint::shard_file_name(0, 2));
+    let mut tensors = candle_core::safetensors::load(&shard, &Device::Cpu).unwrap();
+    let name = "model.layers.1.self_attn.kv_b_proj.weight";
+    let good = tensors[name].dims().to_vec();
+    tensors.insert(
+        name.into(),
+        Tensor::zeros((good[0], good[1] + 1), DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &shard).unwrap();
+    let err = format!("{:#}", load_dense(&dir).unwrap_err());
+    assert!(err.contains(name), "{err}");
+    assert!(
+        err.contains(&format!("{:?}", good)) || err.contains(&format!("{}, {}", good[0], good[1])),
+        "{err}"
+    );
+    assert!(err.contains(&format!("{}", good[1] + 1)), "{err}");
+
+    tensors.insert(
+        name.into(),
+        Tensor::zeros((good[0], good[1]), DType::F32, &Device::Cpu).unwrap(),
+    );
+    tensors.remove("model.layers.0.mlp.up_proj.weight");
+    candle_core::safetensors::save(&tensors, &shard).unwrap();
+    let err = format!("{:#}", load_dense(&dir).unwrap_err());
+    assert!(err.contains("model.layers.0.mlp.up_proj.weight"), "{err}");
+}
+
+#[test]
+fn each_rank_reads_only_its_experts() {
+    let dir = common::scratch("expert-shards");
+    let cfg = DeepSeekV3Config::tiny();
+    checkpoint::generate(&dir, &cfg, 2, 2).unwrap();
+    // Remove rank 0's experts (0..8 of 16 with 2 ranks) from every shard.
+    let half = cfg.n_routed_experts.unwrap() / 2;
+    for shard in loader::safetensors_files(&dir).unwrap() {
+        let mut tensors = candle_core::safetensors::load(&shard, &Device::Cpu).unwrap();
+        tensors.retain(|name, _| !(0..half).any(|e| name.contains(&format!(".mlp.experts.{e}."))));
+        candle_core::safetensors::save(&tensors, &shard).unwrap();
+    }
+    let mut buffers = Buffer::local_group(2, 2, buffer_config(&cfg)).unwrap();
+    let rank1 = buffers.pop().unwrap();
+    let rank0 = buffers.pop().unwrap();
+    let m = load_ep(&dir, rank1);
+    assert_eq!(m.model.num_layers(), cfg.num_hidden_layers);
+    let err = loader::load(
+        &dir,
+        LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            max_positions: 64,
+            moe: MoeBackend::ExpertParallel {
+                buffer: Arc::new(rank0),
+                options: moe_layer::MoeLayerOptions {
+                    low_latency_max_tokens: 8,
+                    ..Default::default()
+                },
+            },
+            progress: false,
+        },
+    )
+    .unwrap_err();
+    let err = format!("{err:#}");
+    assert!(err.contains("model.layers.1.mlp.experts.0."), "{err}");
+}

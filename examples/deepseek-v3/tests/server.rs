@@ -1,0 +1,235 @@
+//! The HTTP server, started on a free port, answers completions (plain and streaming) and chat
+//! completions, and rejects malformed or oversized requests with JSON errors.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_deepseek-v3");
+
+/// Kills the server when the test ends, pass or fail.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server() -> Server {
+    let dir = common::scratch("server-model");
+    let out = Command::new(BIN)
+        .args(["gen-checkpoint", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--max-prompt-tokens",
+            "64",
+            "--max-tokens-limit",
+            "16",
+            "--max-batch",
+            "4",
+            "--model",
+        ])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let port = loop {
+        let line = lines
+            .next()
+            .expect("server exited before listening")
+            .unwrap();
+        if let Some(addr) = line.strip_prefix("listening on http://") {
+            break addr.rsplit(':').next().unwrap().parse().unwrap();
+        }
+    };
+    Server { child, port }
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+fn assert_error(resp: &common::HttpResponse, status: u16, needle: &str) {
+    assert_eq!(resp.status, status, "{}", resp.body);
+    let v = json(&resp.body);
+    let msg = v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error.message: {}", resp.body));
+    assert!(v["error"]["type"].is_string(), "{}", resp.body);
+    assert!(
+        msg.contains(needle),
+        "error {msg:?} does not mention {needle:?}"
+    );
+}
+
+#[test]
+fn server_answers_and_rejects() {
+    let server = start_server();
+    let port = server.port;
+
+    let health = common::http(port, "GET", "/health", None);
+    assert_eq!(health.status, 200, "{}", health.body);
+
+    // Plain completion, greedy: deterministic, and equal to the streamed text.
+    let req = r#"{"model": "deepseek-v3", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}"#;
+    let resp = common::http(port, "POST", "/v1/completions", Some(req));
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    let v = json(&resp.body);
+    assert_eq!(v["object"], "text_completion");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let reason = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(reason == "length" || reason == "stop", "{reason}");
+    let completion_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=8).contains(&completion_tokens), "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() >= 2);
+
+    let again = json(&common::http(port, "POST", "/v1/completions", Some(req)).body);
+    assert_eq!(again["choices"][0]["text"], v["choices"][0]["text"]);
+
+    // Streaming: SSE chunks whose texts add up to the same completion, then [DONE].
+    let stream_req =
+        r#"{"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "stream": true}"#;
+    let resp = common::http(port, "POST", "/v1/completions", Some(stream_req));
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    assert!(
+        resp.headers
+            .to_ascii_lowercase()
+            .contains("text/event-stream"),
+        "{}",
+        resp.headers
+    );
+    let data: Vec<&str> = resp
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{}", resp.body);
+    let mut streamed = String::new();
+    let mut finished = false;
+    for d in &data[..data.len() - 1] {
+        let c = json(d);
+        streamed.push_str(c["choices"][0]["text"].as_str().unwrap());
+        finished |= c["choices"][0]["finish_reason"].is_string();
+    }
+    assert!(finished, "no chunk carried a finish_reason: {}", resp.body);
+    assert_eq!(streamed, text);
+
+    // Batched prompts and sampling with a seed.
+    let resp = common::http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(
+            r#"{"prompt": ["a", "b", "c"], "max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "seed": 1}"#,
+        ),
+    );
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    assert_eq!(json(&resp.body)["choices"].as_array().unwrap().len(), 3);
+
+    // Chat, plain and streaming.
+    let chat = r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}], "max_tokens": 5}"#;
+    let resp = common::http(port, "POST", "/v1/chat/completions", Some(chat));
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    let v = json(&resp.body);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(v["choices"][0]["message"]["content"].is_string());
+    let chat_stream =
+        r#"{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "stream": true}"#;
+    let resp = common::http(port, "POST", "/v1/chat/completions", Some(chat_stream));
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    assert!(resp.body.contains("chat.completion.chunk"), "{}", resp.body);
+    assert!(resp.body.contains("[DONE]"), "{}", resp.body);
+
+    // Errors: JSON bodies with 4xx, and the server keeps working.
+    assert_error(
+        &common::http(port, "POST", "/v1/completions", Some("{not json")),
+        400,
+        "JSON",
+    );
+    assert_error(
+        &common::http(
+            port,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"max_tokens": 3}"#),
+        ),
+        400,
+        "prompt",
+    );
+    assert_error(
+        &common::http(port, "POST", "/v1/completions", Some(r#"{"prompt": 5}"#)),
+        400,
+        "prompt",
+    );
+    assert_error(
+        &common::http(
+            port,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": "x", "max_tokens": 17}"#),
+        ),
+        400,
+        "--max-tokens-limit",
+    );
+    let long = format!(r#"{{"prompt": "{}"}}"#, "word ".repeat(100));
+    assert_error(
+        &common::http(port, "POST", "/v1/completions", Some(&long)),
+        400,
+        "--max-prompt-tokens",
+    );
+    assert_error(
+        &common::http(
+            port,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": ["a","b","c","d","e"]}"#),
+        ),
+        400,
+        "--max-batch",
+    );
+    assert_error(
+        &common::http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(r#"{"messages": [{"role": "robot", "content": "x"}]}"#),
+        ),
+        400,
+        "role",
+    );
+    assert_error(
+        &common::http(port, "GET", "/v1/nothing", None),
+        404,
+        "endpoint",
+    );
+    let ok = common::http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "still alive", "max_tokens": 2}"#),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.body);
+}

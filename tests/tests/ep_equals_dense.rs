@@ -1,0 +1,91 @@
+//! Expert parallelism over 1, 2, 4 and 8 ranks (threads), in both modes, equals the dense
+//! single-process MoE layer.
+
+use candle_core::{DType, Device, Tensor};
+use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
+use moe_layer::dense::DenseMoe;
+use moe_layer::ep_runtime::{Buffer, BufferConfig};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
+use std::sync::Arc;
+
+fn run(num_ranks: usize, gpus_per_node: usize, dtype: DType, fp8: bool, tol: f64) {
+    let cfg = config();
+    let path = write_checkpoint(&cfg, "dense");
+    let max_tokens = 24;
+    let bcfg =
+        BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, cfg.n_routed_experts);
+    let buffers = Buffer::local_group(num_ranks, gpus_per_node, bcfg).unwrap();
+    let handles: Vec<_> = buffers
+        .into_iter()
+        .map(|buf| {
+            let cfg = cfg.clone();
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let rank = buf.topology().rank;
+                let opts = MoeLayerOptions {
+                    mode: Mode::Auto,
+                    low_latency_max_tokens: max_tokens,
+                    fp8_dispatch: fp8,
+                    expert_alignment: 4,
+                };
+                let layer =
+                    MoeLayer::load(var_builder(&path, dtype), &cfg, Arc::new(buf), opts).unwrap();
+                let dense = DenseMoe::load(var_builder(&path, dtype), &cfg).unwrap();
+                // Different token counts per rank, rank 1 with none.
+                let t = if rank == 1 {
+                    0
+                } else {
+                    (5 + 6 * rank).min(max_tokens)
+                };
+                let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let want = dense.forward(&x).unwrap();
+                let mut errs = Vec::new();
+                for mode in [Mode::Normal, Mode::LowLatency, Mode::Auto] {
+                    let got = layer.forward_with_mode(&x, mode).unwrap();
+                    assert_eq!(got.dims(), x.dims());
+                    assert_eq!(got.dtype(), dtype);
+                    errs.push(if t == 0 { 0.0 } else { rel_err(&got, &want) });
+                }
+                // 3-D input keeps its shape.
+                let x3 = x.reshape((1, t, cfg.hidden_size)).unwrap();
+                assert_eq!(
+                    layer.forward_with_mode(&x3, Mode::Normal).unwrap().dims(),
+                    x3.dims()
+                );
+                errs
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let errs = h.join().unwrap();
+        for (mode, e) in ["normal", "low-latency", "auto"].iter().zip(errs) {
+            assert!(
+                e <= tol,
+                "{num_ranks} ranks, rank {rank}, {mode}, {dtype:?} fp8={fp8}: rel err {e} > {tol}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}
+
+#[test]
+fn f32_over_1_2_4_8_ranks() {
+    for r in [1, 2, 4, 8] {
+        run(r, r.min(4), DType::F32, false, 1e-5);
+    }
+}
+
+#[test]
+fn bf16_over_2_and_4_ranks() {
+    run(2, 2, DType::BF16, false, 2e-2);
+    run(4, 2, DType::BF16, false, 2e-2);
+}
+
+#[test]
+fn fp8_dispatch_over_4_ranks() {
+    // fp8 e4m3 carries 3 mantissa bits: error of a few percent on the routed part.
+    run(4, 4, DType::F32, true, 8e-2);
+}
