@@ -166,6 +166,9 @@ pub struct GenerateArgs {
     /// A string that ends generation (repeatable); the end-of-sentence token always does.
     #[arg(long = "stop")]
     pub stop: Vec<String>,
+    /// A token id that ends generation (repeatable), besides the end-of-sentence token.
+    #[arg(long = "stop-token-id")]
+    pub stop_token_ids: Vec<u32>,
     /// Print one JSON object per prompt (index, prompt, text, tokens, finish_reason).
     #[arg(long)]
     pub json: bool,
@@ -214,7 +217,11 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                 top_p: args.top_p,
                 seed: args.seed.wrapping_add(i as u64),
             },
-            stop_tokens: tokenizer.eos_id().into_iter().collect(),
+            stop_tokens: tokenizer
+                .eos_id()
+                .into_iter()
+                .chain(args.stop_token_ids.iter().copied())
+                .collect(),
             stop_strings: args.stop.clone(),
             events: ev_tx.clone(),
         })?;

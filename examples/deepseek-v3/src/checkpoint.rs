@@ -11,13 +11,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::config::DeepSeekV3Config;
-use crate::tokenizer::build_tokenizer_json;
+use crate::tokenizer::{build_tokenizer_json, plain_text_tokens};
 
 /// Seed of the embedded default checkpoint.
 pub const DEFAULT_SEED: u64 = 20241226;
 
 /// Bumped whenever the generator's output changes, so stale cached checkpoints are not reused.
-const GENERATOR_VERSION: u32 = 1;
+const GENERATOR_VERSION: u32 = 2;
 
 /// Name of the file that marks a complete generated checkpoint.
 const COMPLETE_MARKER: &str = ".complete";
@@ -153,9 +153,10 @@ pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize
     let mut shards: Vec<HashMap<String, Tensor>> = vec![HashMap::new(); num_shards];
     let mut weight_map = BTreeMap::new();
     let mut total_bytes = 0usize;
+    let plain = plain_text_tokens(cfg.vocab_size);
     for (name, shape, init) in tensor_specs(cfg) {
         let numel: usize = shape.iter().product();
-        let data: Vec<f32> = match init {
+        let mut data: Vec<f32> = match init {
             Init::Linear(gain) => {
                 let bound = gain / (*shape.last().unwrap_or(&1) as f32).sqrt();
                 (0..numel)
@@ -167,6 +168,15 @@ pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize
                 .collect(),
             Init::Bias => (0..numel).map(|_| rng.random_range(0.0..0.1)).collect(),
         };
+        if name == "lm_head.weight" {
+            // Rows of tokens that are not plain text (control and non-ASCII bytes, unused ids)
+            // are zeroed, so a random model's greedy picks read as text.
+            for (row, keep) in data.chunks_mut(cfg.hidden_size).zip(&plain) {
+                if !keep {
+                    row.fill(0.0);
+                }
+            }
+        }
         total_bytes += numel * 4;
         let shard = shard_of(&name, cfg.num_hidden_layers, num_shards);
         weight_map.insert(name.clone(), shard_file_name(shard, num_shards));

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
@@ -139,6 +140,7 @@ struct Params {
     top_p: f32,
     seed: Option<u64>,
     stop: Vec<String>,
+    stop_token_ids: Vec<u32>,
     stream: bool,
 }
 
@@ -171,6 +173,22 @@ fn strings(obj: &Map<String, Value>, key: &str) -> Result<Option<Vec<String>>, A
             .map(|v| v.as_str().map(str::to_string).ok_or_else(err))
             .collect::<Result<Vec<_>, _>>()
             .map(Some),
+        Some(_) => Err(err()),
+    }
+}
+
+fn token_ids(obj: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+    let err = || ApiError::invalid(format!("`{key}` must be an array of token ids"));
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(err)
+            })
+            .collect(),
         Some(_) => Err(err()),
     }
 }
@@ -231,6 +249,7 @@ fn parse_params(obj: &Map<String, Value>, limits: &Limits) -> Result<Params, Api
         top_p: top_p as f32,
         seed,
         stop: strings(obj, "stop")?.unwrap_or_default(),
+        stop_token_ids: token_ids(obj, "stop_token_ids")?,
         stream,
     })
 }
@@ -331,7 +350,12 @@ impl AppState {
     /// Hands the job's sequences to the scheduler; events arrive on the returned receiver.
     fn submit(&self, job: &Job) -> Result<UnboundedReceiver<GenEvent>, ApiError> {
         let (tx, rx) = unbounded_channel();
-        let stop_tokens: Vec<u32> = self.tokenizer.eos_id().into_iter().collect();
+        let stop_tokens: Vec<u32> = self
+            .tokenizer
+            .eos_id()
+            .into_iter()
+            .chain(job.params.stop_token_ids.iter().copied())
+            .collect();
         let submit = self.submit.lock().unwrap_or_else(|e| e.into_inner());
         for (index, prompt) in job.prompts.iter().enumerate() {
             let seed = job
@@ -363,14 +387,38 @@ impl AppState {
     }
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+/// A body that could not be read (too large, broken stream) as a JSON error.
+fn body_error(e: BytesRejection) -> Response {
+    ApiError {
+        status: e.status(),
+        kind: "invalid_request_error",
+        message: format!("cannot read the request body: {}", e.body_text()),
+    }
+    .into_response()
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return body_error(e),
+    };
     match st.completion_job(&body) {
         Ok(job) => respond(&st, job).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return body_error(e),
+    };
     match st.chat_job(&body) {
         Ok(job) => respond(&st, job).await,
         Err(e) => e.into_response(),

@@ -172,6 +172,27 @@ pub fn build_tokenizer_json(vocab_size: usize) -> Result<String> {
     Ok(serde_json::to_string_pretty(&json)?)
 }
 
+/// For each id below `vocab_size` of the tokenizer [`build_tokenizer_json`] makes, whether it
+/// reads as plain text: end-of-sentence, printable ASCII bytes, newline, and learned merges
+/// (which are made of those). The generator uses it so random models write readable bytes.
+pub fn plain_text_tokens(vocab_size: usize) -> Vec<bool> {
+    let specials = 4;
+    let base = specials + 256;
+    let merges = learn_merges(CORPUS, vocab_size.saturating_sub(base)).len();
+    (0..vocab_size)
+        .map(|id| {
+            if id < specials {
+                id == 1 // EOS
+            } else if id < base {
+                let byte = id - specials;
+                (32..=126).contains(&byte) || byte == b'\n' as usize
+            } else {
+                id < base + merges
+            }
+        })
+        .collect()
+}
+
 /// One chat message (`role` is `system`, `user` or `assistant`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {

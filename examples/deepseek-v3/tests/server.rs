@@ -23,8 +23,8 @@ impl Drop for Server {
     }
 }
 
-fn start_server() -> Server {
-    let dir = common::scratch("server-model");
+fn gen_model(name: &str) -> std::path::PathBuf {
+    let dir = common::scratch(name);
     let out = Command::new(BIN)
         .args(["gen-checkpoint", "--out"])
         .arg(&dir)
@@ -35,7 +35,13 @@ fn start_server() -> Server {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    dir
+}
+
+/// Starts `serve` on a free port, directly or under `launch_args` (`launch ... --`).
+fn start_server(model: &std::path::Path, launch_args: &[&str]) -> Server {
     let mut child = Command::new(BIN)
+        .args(launch_args)
         .args([
             "serve",
             "--port",
@@ -48,7 +54,7 @@ fn start_server() -> Server {
             "4",
             "--model",
         ])
-        .arg(&dir)
+        .arg(model)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -60,10 +66,13 @@ fn start_server() -> Server {
             .next()
             .expect("server exited before listening")
             .unwrap();
+        let line = line.strip_prefix("[rank 0] ").unwrap_or(&line);
         if let Some(addr) = line.strip_prefix("listening on http://") {
             break addr.rsplit(':').next().unwrap().parse().unwrap();
         }
     };
+    // Keep draining stdout so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
     Server { child, port }
 }
 
@@ -86,7 +95,8 @@ fn assert_error(resp: &common::HttpResponse, status: u16, needle: &str) {
 
 #[test]
 fn server_answers_and_rejects() {
-    let server = start_server();
+    let model = gen_model("server-model");
+    let server = start_server(&model, &[]);
     let port = server.port;
 
     let health = common::http(port, "GET", "/health", None);
@@ -232,4 +242,52 @@ fn server_answers_and_rejects() {
         Some(r#"{"prompt": "still alive", "max_tokens": 2}"#),
     );
     assert_eq!(ok.status, 200, "{}", ok.body);
+}
+
+fn greedy_text(port: u16, prompt: &str) -> String {
+    let req = format!(r#"{{"prompt": "{prompt}", "max_tokens": 8, "temperature": 0}}"#);
+    let resp = common::http(port, "POST", "/v1/completions", Some(&req));
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    json(&resp.body)["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn two_rank_server_batches_concurrent_requests_like_one_rank() {
+    let model = gen_model("server-2-model");
+    let prompts = [
+        "The quick",
+        "brown fox",
+        "jumps over",
+        "the lazy dog",
+        "again",
+    ];
+    let want: Vec<String> = {
+        let one = start_server(&model, &[]);
+        prompts.iter().map(|p| greedy_text(one.port, p)).collect()
+    };
+    let port = common::free_port().to_string();
+    let two = start_server(
+        &model,
+        &[
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+        ],
+    );
+    // All at once: the scheduler batches them over both ranks.
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (port, p) = (two.port, p.to_string());
+            std::thread::spawn(move || greedy_text(port, &p))
+        })
+        .collect();
+    let got: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(got, want);
 }
