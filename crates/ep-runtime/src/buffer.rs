@@ -23,7 +23,9 @@ static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 /// the same order (they are collectives).
 ///
 /// Tensors on the CPU go through the host backend: payloads are moved by the transport
-/// (channels between threads, or TCP between processes).
+/// (channels between threads, or TCP between processes). With the `cuda` feature, a buffer
+/// built on a CUDA device moves CUDA tensors with the NVLink kernels of `ep-kernels` (one
+/// node), on its own communication stream.
 pub struct Buffer {
     pub(crate) topology: Topology,
     pub(crate) config: BufferConfig,
@@ -32,6 +34,9 @@ pub struct Buffer {
     pub(crate) device: Device,
     seq: AtomicU64,
     active: Mutex<Vec<bool>>,
+    /// The CUDA backend (NVLink buffers, streams), for buffers on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: Option<crate::cuda::CudaBuffer>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -64,13 +69,21 @@ impl Buffer {
                 ),
             ));
         }
+        #[cfg(not(feature = "cuda"))]
         if !device.is_cpu() {
             return Err(Error::Unsupported(format!(
                 "device {device:?}: this build's buffers move CPU tensors only \
                  (build with the `cuda` feature for GPU buffers)"
             )));
         }
-        Ok(Self {
+        #[cfg(feature = "cuda")]
+        if !device.is_cpu() && !device.is_cuda() {
+            return Err(Error::Unsupported(format!(
+                "device {device:?}: buffers move CPU or CUDA tensors only"
+            )));
+        }
+        #[allow(unused_mut)]
+        let mut buffer = Self {
             topology,
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             transport,
@@ -78,7 +91,31 @@ impl Buffer {
             seq: AtomicU64::new(0),
             active: Mutex::new(vec![true; topology.num_ranks]),
             config,
-        })
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        };
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            buffer.cuda = Some(crate::cuda::CudaBuffer::new(&buffer)?);
+        }
+        Ok(buffer)
+    }
+
+    /// Resets the low-latency buffers (sequencing, counters, signals) on every rank, e.g.
+    /// after other kernels used their memory or after a timeout. A collective. The host
+    /// backend keeps no such state, so there it only synchronises the ranks.
+    pub fn clean_low_latency_buffer(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.clean_low_latency_buffer(self);
+        }
+        self.host_all_gather(&[]).map(|_| ())
+    }
+
+    /// The CUDA stream the buffer's communication kernels run on (`None` for CPU buffers).
+    #[cfg(feature = "cuda")]
+    pub fn comm_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.cuda.as_ref().map(|c| c.comm_stream())
     }
 
     /// `num_ranks` CPU ranks as threads of this process: element `i` is rank `i`'s buffer

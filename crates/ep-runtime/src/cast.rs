@@ -26,6 +26,15 @@ pub fn per_token_cast_to_fp8(x: &Tensor, ue8m0: bool) -> Result<(Tensor, Tensor)
         ));
     }
     let dev = x.device();
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cd) = dev {
+        let format = if ue8m0 {
+            ScaleFormat::Ue8m0
+        } else {
+            ScaleFormat::Float
+        };
+        return crate::cuda::cast::quantize(cd, x, t, h, format);
+    }
     let xb = x
         .to_dtype(DType::BF16)?
         .flatten_all()?
@@ -61,6 +70,10 @@ pub fn per_token_cast_back(q: &Tensor, scales: &Tensor, dtype: DType) -> Result<
         });
     }
     let rows = dims.iter().rev().skip(1).product::<usize>();
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cd) = q.device() {
+        return crate::cuda::cast::dequantize(cd, q, scales, rows, h, &dims, dtype);
+    }
     let qv = q.flatten_all()?.to_vec1::<float8::F8E4M3>()?;
     let sv = scales.flatten_all()?.to_vec1::<f32>()?;
     let out = fp8::dequantize(&qv, &sv, rows, h)?;

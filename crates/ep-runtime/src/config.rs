@@ -80,6 +80,10 @@ pub struct BufferConfig {
     pub config: Config,
     /// Low-latency sizing; `None` disables the low-latency ops.
     pub low_latency: Option<LowLatencySizing>,
+    /// Bytes of the NVLink buffer of each rank (CUDA buffers, normal mode); `None` sizes it
+    /// for rows of up to [`BufferConfig::DEFAULT_NVL_HIDDEN`] channels and top-k up to
+    /// [`BufferConfig::DEFAULT_NVL_TOPK`] under [`BufferConfig::config`].
+    pub num_nvl_bytes: Option<usize>,
 }
 
 impl Default for BufferConfig {
@@ -88,11 +92,24 @@ impl Default for BufferConfig {
             timeout: Duration::from_secs(60),
             config: Config::default(),
             low_latency: None,
+            num_nvl_bytes: None,
         }
     }
 }
 
 impl BufferConfig {
+    /// Hidden size the NVLink buffer is sized for when [`BufferConfig::num_nvl_bytes`] is
+    /// `None` (DeepSeek-V3's 7168).
+    pub const DEFAULT_NVL_HIDDEN: usize = 7168;
+    /// Top-k the NVLink buffer is sized for when [`BufferConfig::num_nvl_bytes`] is `None`.
+    pub const DEFAULT_NVL_TOPK: usize = 16;
+
+    /// Sets the NVLink buffer size of CUDA buffers (see [`BufferConfig::num_nvl_bytes`]).
+    pub fn with_nvl_bytes(mut self, bytes: usize) -> Self {
+        self.num_nvl_bytes = Some(bytes);
+        self
+    }
+
     /// Enables the low-latency ops for up to `max_tokens_per_rank` tokens per rank.
     pub fn with_low_latency(
         mut self,

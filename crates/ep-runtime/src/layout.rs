@@ -80,6 +80,10 @@ impl Buffer {
         let placement = self.placement(num_experts)?;
         let (idx, t, k) = read_topk_idx(topk_idx, &placement)?;
         let host = kl::get_dispatch_layout(&idx, t, k, &placement)?;
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.get_dispatch_layout(topk_idx, k, &placement, host);
+        }
         let dev = &self.device;
         let r = self.topology.num_ranks;
         let in_rank: Vec<u8> = host.is_token_in_rank.iter().map(|&b| b as u8).collect();

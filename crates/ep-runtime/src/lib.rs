@@ -47,6 +47,8 @@ mod buffer;
 pub mod cast;
 mod codec;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod error;
 pub mod event;
 pub mod layout;

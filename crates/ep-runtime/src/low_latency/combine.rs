@@ -115,6 +115,21 @@ impl Buffer {
             check_shape("out", o, &[Some(t), Some(hid)])?;
             check_dtype("out", o, &[args.x.dtype()], "the dtype of x")?;
         }
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            let pending = c.ll_combine_send(
+                self,
+                args.x,
+                args.topk_idx,
+                args.topk_weights,
+                args.handle,
+                args.out,
+                args.async_finish,
+            )?;
+            return Ok(RecvHook {
+                finish: Box::new(move || c.ll_combine_recv(self, pending)),
+            });
+        }
         let weights = args.topk_weights.flatten_all()?.to_vec1::<f32>()?;
         let xb = tensor_bytes(args.x)?;
         let row = hid * args.x.dtype().size_in_bytes();

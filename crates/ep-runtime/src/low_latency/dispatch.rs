@@ -101,6 +101,9 @@ pub(crate) struct LlHandleInner {
     pub layout: RecvLayout,
     pub src_info: Tensor,
     pub layout_range: Tensor,
+    /// The receive buffers the CUDA combine reads (handles made by CUDA buffers).
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<std::sync::Arc<crate::cuda::CudaLlDispatchData>>,
 }
 
 impl LowLatencyHandle {
@@ -192,6 +195,29 @@ impl Buffer {
         args: &LowLatencyDispatchArgs<'_>,
     ) -> Result<RecvHook<'b, LowLatencyDispatchOutput>> {
         let (plan, msgs) = self.ll_dispatch_prepare(args)?;
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            let pending = c.ll_dispatch_send(
+                self,
+                args.x,
+                args.topk_idx,
+                plan.num_topk,
+                args.use_fp8,
+                args.use_ue8m0,
+                args.async_finish,
+                crate::cuda::LlHostPlan {
+                    placement: plan.placement,
+                    topk_idx: plan.topk_idx,
+                    slots: plan.slots,
+                    send_counts: plan.send_counts,
+                    max_tokens: plan.max_tokens,
+                    hidden: plan.hidden,
+                },
+            )?;
+            return Ok(RecvHook {
+                finish: Box::new(move || c.ll_dispatch_recv(self, pending)),
+            });
+        }
         let mut fails = Vec::new();
         let posted = self.post("low_latency_dispatch", msgs, Some(&mut fails))?;
         Ok(RecvHook {
@@ -245,6 +271,23 @@ impl Buffer {
         let placement = self.placement(args.num_experts)?;
         let (topk_idx, _, k) = read_topk_idx(args.topk_idx, &placement)?;
         let (slots, send_counts) = kll::send_slots(&topk_idx, t, k, &placement)?;
+        // CUDA buffers send from the device: no host payload.
+        #[cfg(feature = "cuda")]
+        if self.cuda.is_some() {
+            let plan = LlDispatchPlan {
+                placement,
+                num_tokens: t,
+                num_topk: k,
+                hidden: h,
+                max_tokens: m,
+                fp8: args.use_fp8,
+                out_dtype: x.dtype(),
+                topk_idx,
+                slots,
+                send_counts,
+            };
+            return Ok((plan, Vec::new()));
+        }
 
         // Payload rows: fp8 bytes + scales, or the tokens in their own dtype.
         let (payload, scales, row, out_dtype) = if args.use_fp8 {
@@ -406,6 +449,8 @@ impl Buffer {
                     src_info: Tensor::from_vec(src_info, (l, r * m), dev)?,
                     layout_range: Tensor::from_vec(ranges, (l, r), dev)?,
                     layout,
+                    #[cfg(feature = "cuda")]
+                    cuda: None,
                 }),
             },
             event: EventOverlap::complete(),

@@ -19,7 +19,7 @@
 //! [`RecvHook::recv`] finishes the op, so the caller can compute while tokens travel.
 
 mod combine;
-mod dispatch;
+pub(crate) mod dispatch;
 
 pub use combine::{LowLatencyCombineArgs, LowLatencyCombineOutput};
 pub use dispatch::{LowLatencyDispatchArgs, LowLatencyDispatchOutput, LowLatencyHandle};

@@ -91,6 +91,10 @@ impl Buffer {
             }
             None => None,
         };
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.combine(args);
+        }
         if let Some(e) = args.previous_event {
             e.wait()?;
         }

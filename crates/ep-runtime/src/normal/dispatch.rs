@@ -191,6 +191,14 @@ impl Buffer {
         if args.expert_alignment == 0 {
             return Err(Error::invalid("expert_alignment", 0, "must be >= 1"));
         }
+        // CUDA buffers order `previous_event` on their stream instead of waiting here.
+        #[cfg(feature = "cuda")]
+        if self.cuda.is_some() {
+            return match args.handle {
+                Some(h) => self.dispatch_cached(args, &cx, h),
+                None => self.dispatch_fresh(args, &cx),
+            };
+        }
         if let Some(e) = args.previous_event {
             e.wait()?;
         }
@@ -280,6 +288,19 @@ impl Buffer {
                 &computed
             }
         };
+
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.dispatch_fresh(crate::cuda::FreshDispatch {
+                args,
+                num_tokens: t,
+                hidden: cx.hidden,
+                fp8: cx.fp8,
+                num_experts,
+                placement,
+                num_topk: topk.as_ref().map_or(0, |(_, k)| *k),
+            });
+        }
 
         // Notify: every rank learns every rank's counts.
         let mut counts = layout.num_tokens_per_rank.clone();
@@ -460,6 +481,8 @@ impl Buffer {
                 rank_prefix_matrix: notify.rank_prefix_matrix,
                 is_token_in_rank: layout.is_token_in_rank.clone(),
                 tensors,
+                #[cfg(feature = "cuda")]
+                cuda: None,
             }),
         };
         Ok(DispatchOutput {
@@ -509,6 +532,10 @@ impl Buffer {
                 "x has {} tokens but the handle was made for {}",
                 cx.num_tokens, hi.num_tokens
             )));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.dispatch_cached(args, cx.hidden, cx.fp8, h);
         }
         let r = self.topology.num_ranks;
         let me = self.topology.rank;

@@ -25,6 +25,10 @@ pub(crate) struct HandleInner {
     /// `[T, R]`.
     pub is_token_in_rank: Vec<bool>,
     pub tensors: HandleTensors,
+    /// What the CUDA kernels need besides `tensors` (handles made by CUDA buffers). Those
+    /// handles leave `rank_prefix_matrix` and `is_token_in_rank` above empty (host-only).
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<crate::cuda::CudaHandleData>,
 }
 
 #[derive(Debug)]
@@ -68,8 +72,21 @@ impl Handle {
     }
 
     /// `[T, R]` i32: the row each token took in each destination's `recv_x` (`-1`: not sent).
+    ///
+    /// On CUDA buffers: the intranode kernel's send head instead, the token's index among the
+    /// tokens of its channel sent to that destination (`-1`: not sent).
     pub fn send_head(&self) -> &Tensor {
         &self.inner.tensors.send_head
+    }
+
+    /// The CUDA side of a handle made by a CUDA buffer.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_data(&self) -> crate::error::Result<&crate::cuda::CudaHandleData> {
+        self.inner.cuda.as_ref().ok_or_else(|| {
+            crate::error::Error::HandleMismatch(
+                "the handle was made by a CPU buffer; a CUDA buffer needs its own handle".into(),
+            )
+        })
     }
 
     /// Rows received from each source rank, `[R]`, for this rank as destination.

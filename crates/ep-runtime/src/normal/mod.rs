@@ -8,7 +8,7 @@
 
 mod combine;
 mod dispatch;
-mod handle;
+pub(crate) mod handle;
 
 pub use combine::{CombineArgs, CombineOutput};
 pub use dispatch::{DispatchArgs, DispatchOutput};

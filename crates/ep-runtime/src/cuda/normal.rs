@@ -1,0 +1,536 @@
+//! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
+
+use super::tensor::{alloc, wrap, DeviceTensor};
+use super::{kernel_err, lock, CudaBuffer};
+use crate::error::{Error, Result};
+use crate::event::EventOverlap;
+use crate::layout::DispatchLayout;
+use crate::normal::handle::{HandleInner, HandleTensors};
+use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
+use candle_core::{DType, Tensor};
+use ep_kernels::intranode as ki;
+use ep_kernels::layout::{self as kl, ExpertPlacement};
+use ep_kernels::FP8_GROUP;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a handle made by a CUDA buffer holds besides the host backend's tensors.
+#[derive(Debug)]
+pub(crate) struct CudaHandleData {
+    /// `[R, C]` i32: where each source's channel-`c` tokens start in this rank's `recv_x`.
+    pub recv_channel_offset: Tensor,
+    /// `[T, R]` i32: the kernel's send head (index among the channel's tokens sent to that
+    /// destination, `-1` = not sent), what combine needs.
+    pub kernel_send_head: Tensor,
+}
+
+/// Extra time the host waits for the notify counters beyond the device timeout, so that the
+/// device's error record (naming the late rank) arrives first.
+const HOST_GRACE: Duration = Duration::from_secs(2);
+
+/// The inputs of [`CudaBuffer::dispatch_fresh`] checked by the shared argument checks.
+pub(crate) struct FreshDispatch<'a> {
+    pub args: &'a DispatchArgs<'a>,
+    pub num_tokens: usize,
+    pub hidden: usize,
+    pub fp8: bool,
+    pub num_experts: usize,
+    pub placement: ExpertPlacement,
+    /// Top-k of `topk_idx` (0 when no routing is sent).
+    pub num_topk: usize,
+}
+
+fn check_payload_dtype(x: &Tensor) -> Result<()> {
+    if matches!(x.dtype(), DType::BF16 | DType::F8E4M3) {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            arg: "x",
+            expected: "bf16 or f8e4m3 (CUDA buffers)",
+            got: x.dtype(),
+        })
+    }
+}
+
+impl CudaBuffer {
+    /// Layout kernel on candle's stream. `host` is the host twin's result (already computed by
+    /// the shared checks), kept for host-side users of the layout.
+    pub(crate) fn get_dispatch_layout(
+        &self,
+        topk_idx: &Tensor,
+        num_topk: usize,
+        placement: &ExpertPlacement,
+        host: kl::DispatchLayout,
+    ) -> Result<DispatchLayout> {
+        let t = topk_idx.dims2()?.0;
+        let (ntpr, ntpn, ntpe, itir) =
+            self.device_layout(&self.compute, topk_idx, t, num_topk, placement)?;
+        let event = EventOverlap::from_cuda(Arc::new(self.compute.record_event(None)?));
+        Ok(DispatchLayout {
+            num_tokens_per_rank: ntpr,
+            num_tokens_per_node: if placement.num_nodes() > 1 {
+                Some(ntpn)
+            } else {
+                None
+            },
+            num_tokens_per_expert: ntpe,
+            is_token_in_rank: itir,
+            event,
+            host,
+            num_experts: placement.num_experts,
+            num_tokens: t,
+        })
+    }
+
+    /// Runs the layout kernel on `stream`: `(per rank [R], per node [R/P], per expert [E],
+    /// is_token_in_rank [T, R] u8)` as CUDA tensors.
+    fn device_layout(
+        &self,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        topk_idx: &Tensor,
+        t: usize,
+        k: usize,
+        placement: &ExpertPlacement,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let r = placement.num_ranks;
+        let nodes = placement.num_nodes();
+        let e = placement.num_experts;
+        if t == 0 || k == 0 {
+            // Nothing is routed: every count is zero (and zero-sized launches are avoided).
+            return Ok((
+                wrap(alloc::<i32>(stream, r)?, r, &self.dev),
+                wrap(alloc::<i32>(stream, nodes)?, nodes, &self.dev),
+                wrap(alloc::<i32>(stream, e)?, e, &self.dev),
+                wrap(alloc::<u8>(stream, t * r)?, (t, r), &self.dev),
+            ));
+        }
+        let idx = DeviceTensor::new("topk_idx", topk_idx)?;
+        let out = kl::get_dispatch_layout_cuda(stream, &idx.view::<i64>()?, t, k, placement)
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        Ok((
+            wrap(out.num_tokens_per_rank, r, &self.dev),
+            wrap(out.num_tokens_per_node, nodes, &self.dev),
+            wrap(out.num_tokens_per_expert, e, &self.dev),
+            wrap(out.is_token_in_rank, (t, r), &self.dev),
+        ))
+    }
+
+    /// Polls word `i` of `counter` until the notify kernel wrote it (`>= 0`), failing with the
+    /// rank the device waited for in vain.
+    fn poll(&self, counter: &ki::HostMappedI32, i: usize, start: Instant) -> Result<usize> {
+        loop {
+            let v = counter.get(i);
+            if v >= 0 {
+                return Ok(v as usize);
+            }
+            self.check_nvl_error()?;
+            if start.elapsed() > self.timeout + HOST_GRACE {
+                // The device never reported: blame the first peer, the barrier's first wait.
+                let rank = (0..self.num_ranks)
+                    .find(|&p| p != self.rank)
+                    .unwrap_or(self.rank);
+                return Err(Error::Timeout {
+                    rank,
+                    what: "notify_dispatch (receive counts never arrived)".into(),
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch.
+    pub(crate) fn dispatch_fresh(&self, f: FreshDispatch<'_>) -> Result<DispatchOutput> {
+        let args = f.args;
+        check_payload_dtype(args.x)?;
+        let _op = lock(&self.op);
+        self.check_nvl_error()?;
+        let (r, me, t, h, k) = (
+            self.num_ranks,
+            self.rank,
+            f.num_tokens,
+            f.hidden,
+            f.num_topk,
+        );
+        let c = self.kconfig.num_channels();
+        let l = f.num_experts / r;
+        if l > ki::MAX_LOCAL_EXPERTS {
+            return Err(Error::invalid(
+                "num_experts",
+                f.num_experts,
+                format!(
+                    "CUDA buffers support at most {} local experts per rank",
+                    ki::MAX_LOCAL_EXPERTS
+                ),
+            ));
+        }
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        let (ntpr, ntpe, itir) = match args.layout {
+            Some(lay) => (
+                lay.num_tokens_per_rank.clone(),
+                lay.num_tokens_per_expert.clone(),
+                lay.is_token_in_rank.clone(),
+            ),
+            None => {
+                let idx = args.topk_idx.ok_or_else(|| {
+                    Error::invalid("topk_idx", "None", "needed to compute the layout")
+                })?;
+                let (a, _, b, c) = self.device_layout(comm, idx, t, k, &f.placement)?;
+                (a, b, c)
+            }
+        };
+        // Notify.
+        self.recv_counter.fill(-1);
+        self.expert_counter.fill(-1);
+        let mut rpm = alloc::<i32>(comm, r * r)?;
+        let mut cpm = alloc::<i32>(comm, r * c)?;
+        {
+            let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
+            let ntpe_d = DeviceTensor::new("layout.num_tokens_per_expert", &ntpe)?;
+            let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
+            ki::notify_dispatch_cuda(
+                comm,
+                &self.peer_buffers,
+                &self.kconfig,
+                ki::NotifyArgs {
+                    num_tokens_per_rank: ntpr_d.view::<i32>()?,
+                    num_tokens_per_expert: ntpe_d.view::<i32>()?,
+                    is_token_in_rank: itir_d.view::<u8>()?,
+                    num_tokens: t,
+                    num_experts: f.num_experts,
+                    expert_alignment: args.expert_alignment,
+                    rank_prefix_matrix: rpm.slice_mut(0..r * r),
+                    channel_prefix_matrix: cpm.slice_mut(0..r * c),
+                    moe_recv_counter: &self.recv_counter,
+                    moe_recv_expert_counter: &self.expert_counter,
+                },
+            )
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        }
+        let start = Instant::now();
+        let n = self.poll(&self.recv_counter, 0, start)?;
+        let per_expert = (0..l)
+            .map(|i| self.poll(&self.expert_counter, i, start))
+            .collect::<Result<Vec<_>>>()?;
+        tracing::trace!(rank = me, recv = n, "notify done");
+
+        // Outputs (exact sizes) and dispatch.
+        let groups = h / FP8_GROUP;
+        let mut recv_src_idx = alloc::<i32>(comm, n)?;
+        let mut recv_channel_offset = alloc::<i32>(comm, r * c)?;
+        let mut send_head = alloc::<i32>(comm, t * r)?;
+        let mut recv_idx = alloc::<i64>(comm, n * k)?;
+        let mut recv_w = alloc::<f32>(comm, n * k)?;
+        let zero_w = match (k > 0, args.topk_weights) {
+            (true, None) => Some(alloc::<f32>(comm, t * k)?),
+            _ => None,
+        };
+        let mut recv_bf16 = None;
+        let mut recv_fp8 = None;
+        let mut recv_scales = None;
+        {
+            let x_d = DeviceTensor::new("x", args.x)?;
+            let xs_d = args
+                .x_scales
+                .map(|s| DeviceTensor::new("x_scales", s))
+                .transpose()?;
+            let idx_d = args
+                .topk_idx
+                .filter(|_| k > 0)
+                .map(|i| DeviceTensor::new("topk_idx", i))
+                .transpose()?;
+            let w_d = args
+                .topk_weights
+                .filter(|_| k > 0)
+                .map(|w| DeviceTensor::new("topk_weights", w))
+                .transpose()?;
+            let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
+            let payload = if f.fp8 {
+                let xs = xs_d
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid("x_scales", "None", "fp8 x needs scales"))?;
+                ki::Payload::Fp8 {
+                    x: x_d.view::<float8::F8E4M3>()?,
+                    scales: xs.view::<f32>()?,
+                }
+            } else {
+                ki::Payload::Bf16(x_d.view::<half::bf16>()?)
+            };
+            let recv_payload = if f.fp8 {
+                let rx = recv_fp8.insert(alloc::<float8::F8E4M3>(comm, n * h)?);
+                let rs = recv_scales.insert(alloc::<f32>(comm, n * groups)?);
+                ki::RecvPayload::Fp8 {
+                    x: rx.slice_mut(0..n * h),
+                    scales: rs.slice_mut(0..n * groups),
+                }
+            } else {
+                let rx = recv_bf16.insert(alloc::<half::bf16>(comm, n * h)?);
+                ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
+            };
+            let topk = match &idx_d {
+                Some(i) => Some(ki::TopK {
+                    idx: i.view::<i64>()?,
+                    weights: match (&w_d, &zero_w) {
+                        (Some(w), _) => w.view::<f32>()?,
+                        (None, Some(z)) => z.slice(0..t * k),
+                        (None, None) => unreachable!("zero weights exist when k > 0"),
+                    },
+                }),
+                None => None,
+            };
+            let recv_topk = if topk.is_some() {
+                Some(ki::RecvTopK {
+                    idx: recv_idx.slice_mut(0..n * k),
+                    weights: recv_w.slice_mut(0..n * k),
+                })
+            } else {
+                None
+            };
+            ki::dispatch_cuda(
+                comm,
+                &self.peer_buffers,
+                &self.kconfig,
+                ki::DispatchArgs {
+                    x: payload,
+                    topk,
+                    num_experts: f.num_experts,
+                    is_token_in_rank: itir_d.view::<u8>()?,
+                    rank_prefix_matrix: rpm.slice(0..r * r),
+                    channel_prefix_matrix: cpm.slice(0..r * c),
+                    recv_x: recv_payload,
+                    recv_src_idx: recv_src_idx.slice_mut(0..n),
+                    recv_topk,
+                    recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
+                    send_head: send_head.slice_mut(0..t * r),
+                    num_recv_tokens: n,
+                    hidden: h,
+                    num_topk: k,
+                },
+            )
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        }
+        let event = self.finish(args.async_finish)?;
+        let dev = &self.dev;
+        let recv_x = match (recv_bf16, recv_fp8) {
+            (Some(b), _) => wrap(b, (n, h), dev),
+            (None, Some(q)) => wrap(q, (n, h), dev),
+            (None, None) => unreachable!("one payload buffer was allocated"),
+        };
+        let recv_x_scales = recv_scales.map(|s| wrap(s, (n, groups), dev));
+        let (recv_topk_idx, recv_topk_weights) = if k > 0 && args.topk_idx.is_some() {
+            (
+                Some(wrap(recv_idx, (n, k), dev)),
+                Some(wrap(recv_w, (n, k), dev)),
+            )
+        } else {
+            (None, None)
+        };
+        let recv_src_idx = wrap(recv_src_idx, n, dev);
+        let send_head = wrap(send_head, (t, r), dev);
+        let handle = Handle {
+            inner: Arc::new(HandleInner {
+                buffer_id: self.buffer_id,
+                num_ranks: r,
+                num_tokens: t,
+                num_recv_tokens: n,
+                rank_prefix_matrix: Vec::new(),
+                is_token_in_rank: Vec::new(),
+                tensors: HandleTensors {
+                    rank_prefix_matrix: wrap(rpm, (r, r), dev),
+                    channel_prefix_matrix: wrap(cpm, (r, c), dev),
+                    recv_src_idx: recv_src_idx.clone(),
+                    is_token_in_rank: itir,
+                    send_head: send_head.clone(),
+                },
+                cuda: Some(CudaHandleData {
+                    recv_channel_offset: wrap(recv_channel_offset, (r, c), dev),
+                    kernel_send_head: send_head,
+                }),
+            }),
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            num_recv_tokens_per_expert: per_expert,
+            handle,
+            event,
+        })
+    }
+
+    /// Cached dispatch: reuses the handle's routing (barrier, then dispatch of `x` only).
+    pub(crate) fn dispatch_cached(
+        &self,
+        args: &DispatchArgs<'_>,
+        hidden: usize,
+        fp8: bool,
+        handle: &Handle,
+    ) -> Result<DispatchOutput> {
+        check_payload_dtype(args.x)?;
+        handle.cuda_data()?;
+        let hi = &handle.inner;
+        let _op = lock(&self.op);
+        self.check_nvl_error()?;
+        let (r, t, n, h) = (self.num_ranks, hi.num_tokens, hi.num_recv_tokens, hidden);
+        let c = self.kconfig.num_channels();
+        let groups = h / FP8_GROUP;
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        ki::cached_notify_cuda(comm, &self.peer_buffers)
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        let mut scratch_src = alloc::<i32>(comm, n)?;
+        let mut scratch_off = alloc::<i32>(comm, r * c)?;
+        let mut scratch_head = alloc::<i32>(comm, t * r)?;
+        let mut recv_bf16 = None;
+        let mut recv_fp8 = None;
+        let mut recv_scales = None;
+        {
+            let x_d = DeviceTensor::new("x", args.x)?;
+            let xs_d = args
+                .x_scales
+                .map(|s| DeviceTensor::new("x_scales", s))
+                .transpose()?;
+            let itir = DeviceTensor::new("handle.is_token_in_rank", &hi.tensors.is_token_in_rank)?;
+            let rpm =
+                DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
+            let cpm = DeviceTensor::new(
+                "handle.channel_prefix_matrix",
+                &hi.tensors.channel_prefix_matrix,
+            )?;
+            let payload = match &xs_d {
+                Some(xs) if fp8 => ki::Payload::Fp8 {
+                    x: x_d.view::<float8::F8E4M3>()?,
+                    scales: xs.view::<f32>()?,
+                },
+                _ => ki::Payload::Bf16(x_d.view::<half::bf16>()?),
+            };
+            let recv_payload = if fp8 {
+                let rx = recv_fp8.insert(alloc::<float8::F8E4M3>(comm, n * h)?);
+                let rs = recv_scales.insert(alloc::<f32>(comm, n * groups)?);
+                ki::RecvPayload::Fp8 {
+                    x: rx.slice_mut(0..n * h),
+                    scales: rs.slice_mut(0..n * groups),
+                }
+            } else {
+                let rx = recv_bf16.insert(alloc::<half::bf16>(comm, n * h)?);
+                ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
+            };
+            ki::dispatch_cuda(
+                comm,
+                &self.peer_buffers,
+                &self.kconfig,
+                ki::DispatchArgs {
+                    x: payload,
+                    topk: None,
+                    num_experts: 0,
+                    is_token_in_rank: itir.view::<u8>()?,
+                    rank_prefix_matrix: rpm.view::<i32>()?,
+                    channel_prefix_matrix: cpm.view::<i32>()?,
+                    recv_x: recv_payload,
+                    recv_src_idx: scratch_src.slice_mut(0..n),
+                    recv_topk: None,
+                    recv_channel_offset: scratch_off.slice_mut(0..r * c),
+                    send_head: scratch_head.slice_mut(0..t * r),
+                    num_recv_tokens: n,
+                    hidden: h,
+                    num_topk: 0,
+                },
+            )
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        }
+        let event = self.finish(args.async_finish)?;
+        let dev = &self.dev;
+        let recv_x = match (recv_bf16, recv_fp8) {
+            (Some(b), _) => wrap(b, (n, h), dev),
+            (None, Some(q)) => wrap(q, (n, h), dev),
+            (None, None) => unreachable!("one payload buffer was allocated"),
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_x_scales: recv_scales.map(|s| wrap(s, (n, groups), dev)),
+            recv_topk_idx: None,
+            recv_topk_weights: None,
+            recv_src_idx: hi.tensors.recv_src_idx.clone(),
+            num_recv_tokens_per_expert: Vec::new(),
+            handle: handle.clone(),
+            event,
+        })
+    }
+
+    /// Combine along `args.handle` (barrier, then the combine kernel).
+    pub(crate) fn combine(&self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
+        if args.x.dtype() != DType::BF16 {
+            return Err(Error::DType {
+                arg: "x",
+                expected: "bf16 (CUDA buffers)",
+                got: args.x.dtype(),
+            });
+        }
+        let handle = args.handle;
+        let cd = handle.cuda_data()?;
+        let hi = &handle.inner;
+        let (t, n) = (hi.num_tokens, hi.num_recv_tokens);
+        let h = args.x.dims2()?.1;
+        let k = match args.topk_weights {
+            Some(w) => w.dims2()?.1,
+            None => 0,
+        };
+        let _op = lock(&self.op);
+        self.check_nvl_error()?;
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        ki::cached_notify_cuda(comm, &self.peer_buffers)
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        let mut combined = alloc::<half::bf16>(comm, t * h)?;
+        let mut combined_w = alloc::<f32>(comm, t * k)?;
+        {
+            let x_d = DeviceTensor::new("x", args.x)?;
+            let w_d = args
+                .topk_weights
+                .map(|w| DeviceTensor::new("topk_weights", w))
+                .transpose()?;
+            let rpm =
+                DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
+            let rco = DeviceTensor::new("handle.recv_channel_offset", &cd.recv_channel_offset)?;
+            let sh = DeviceTensor::new("handle.send_head", &cd.kernel_send_head)?;
+            let topk_weights = w_d.as_ref().map(|w| w.view::<f32>()).transpose()?;
+            let combined_topk_weights = if topk_weights.is_some() {
+                Some(combined_w.slice_mut(0..t * k))
+            } else {
+                None
+            };
+            ki::combine_cuda(
+                comm,
+                &self.peer_buffers,
+                &self.kconfig,
+                ki::CombineArgs {
+                    x: x_d.view::<half::bf16>()?,
+                    topk_weights,
+                    rank_prefix_matrix: rpm.view::<i32>()?,
+                    recv_channel_offset: rco.view::<i32>()?,
+                    send_head: sh.view::<i32>()?,
+                    combined_x: combined.slice_mut(0..t * h),
+                    combined_topk_weights,
+                    num_recv_tokens: n,
+                    hidden: h,
+                    num_topk: k,
+                },
+            )
+            .map_err(|e| kernel_err(e, self.timeout))?;
+        }
+        let event = self.finish(args.async_finish)?;
+        let dev = &self.dev;
+        Ok(CombineOutput {
+            combined_x: wrap(combined, (t, h), dev),
+            combined_topk_weights: if k > 0 {
+                Some(wrap(combined_w, (t, k), dev))
+            } else {
+                None
+            },
+            event,
+        })
+    }
+}

@@ -1,0 +1,630 @@
+//! GPU test of the CUDA backend of `Buffer` (run on the GPU machine; `harness = false`).
+//!
+//! The parent re-executes this binary once per visible GPU (one process per GPU, like a
+//! launcher, with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, ... and a bootstrap store). Each child
+//! builds a CUDA buffer and a CPU buffer over the same store and checks, for fresh random
+//! routings (with `-1` entries, empty ranks, a hot expert, zero tokens), that the CUDA ops give
+//! the host backend's outputs: bit-exact for data movement, rel err <= 1e-2 for combines. A
+//! second launch checks that when one rank never calls the op, the others fail naming it.
+//! Prints `N passed, N failed` and exits 1 on failure.
+
+use candle_core::{DType, Device, Tensor};
+use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use ep_runtime::{
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+    Store, StoreConfig, Topology,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CHILD: &str = "EP_GPU_RUNTIME_CHILD";
+const HIDDEN: usize = 256;
+const TOPK: usize = 4;
+const LL_MAX_TOKENS: usize = 32;
+
+type TestResult = std::result::Result<(), String>;
+
+fn main() {
+    if let Ok(case) = std::env::var(CHILD) {
+        std::process::exit(child(&case));
+    }
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    if gpus == 0 {
+        println!("no CUDA device visible: skipping");
+        println!("0 passed, 0 failed");
+        return;
+    }
+    let world = gpus.min(8);
+    let (mut passed, mut failed) = (0usize, 0usize);
+    let mut launches = vec!["equal"];
+    if world >= 2 {
+        launches.push("missing");
+    }
+    for case in launches {
+        for (rank, (code, text)) in launch(case, world).into_iter().enumerate() {
+            println!("===== {case}: rank {rank} (exit {code}) =====\n{text}");
+            passed += text.lines().filter(|l| l.starts_with("PASS ")).count();
+            let f = text.lines().filter(|l| l.starts_with("FAIL ")).count();
+            failed += f;
+            if code != 0 && f == 0 {
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+/// Spawns `world` children running `case`, one per GPU, and returns their exit codes and
+/// output.
+fn launch(case: &str, world: usize) -> Vec<(i32, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let exe = std::env::current_exe().expect("own path");
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env(CHILD, case)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NVSHMEM_DISABLE_NVLS", "1")
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn child")
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().expect("child output");
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            (out.status.code().unwrap_or(-1), text)
+        })
+        .collect()
+}
+
+struct Ctx {
+    rank: usize,
+    world: usize,
+    gpu: Device,
+    cuda: Buffer,
+    cpu: Buffer,
+    _store: Store,
+}
+
+fn setup(timeout: Duration) -> std::result::Result<Ctx, String> {
+    let scfg = StoreConfig::from_env()
+        .and_then(|c| c.with_timeout(Duration::from_secs(60)))
+        .map_err(|e| e.to_string())?;
+    let (rank, world, local) = (scfg.rank, scfg.world_size, scfg.local_rank);
+    let topo = Topology::new(rank, world, world).map_err(|e| e.to_string())?;
+    let store = Store::connect(scfg).map_err(|e| e.to_string())?;
+    let gpu = Device::new_cuda(local).map_err(|e| e.to_string())?;
+    let cfg = BufferConfig::default()
+        .with_timeout(timeout)
+        .with_low_latency(LL_MAX_TOKENS, HIDDEN, 8 * world)
+        .with_nvl_bytes(64 << 20);
+    let cuda = Buffer::from_store(&store, topo, cfg.clone(), &gpu).map_err(|e| e.to_string())?;
+    let cpu = Buffer::from_store(&store, topo, cfg, &Device::Cpu).map_err(|e| e.to_string())?;
+    Ok(Ctx {
+        rank,
+        world,
+        gpu,
+        cuda,
+        cpu,
+        _store: store,
+    })
+}
+
+fn child(case: &str) -> i32 {
+    let timeout = if case == "missing" { 3 } else { 30 };
+    let ctx = match setup(Duration::from_secs(timeout)) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("FAIL setup: {e}");
+            return 1;
+        }
+    };
+    let mut failed = 0;
+    let mut run = |name: &str, f: &dyn Fn(&Ctx) -> TestResult| match f(&ctx) {
+        Ok(()) => println!("PASS {name} (rank {})", ctx.rank),
+        Err(e) => {
+            failed += 1;
+            println!("FAIL {name} (rank {}): {e}", ctx.rank);
+        }
+    };
+    if case == "missing" {
+        run("missing_rank_named", &missing_rank);
+    } else {
+        run("fp8_casts", &fp8_casts);
+        for round in 0..4 {
+            run(&format!("normal_round_{round}"), &|c| normal(c, round));
+        }
+        run("normal_fp8", &normal_fp8);
+        for round in 0..3 {
+            run(&format!("low_latency_round_{round}"), &|c| {
+                low_latency(c, round)
+            });
+        }
+    }
+    i32::from(failed > 0)
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Every element's bits, on the host.
+fn bits(t: &Tensor) -> std::result::Result<Vec<u64>, String> {
+    let t = t
+        .to_device(&Device::Cpu)
+        .map_err(err)?
+        .flatten_all()
+        .map_err(err)?;
+    Ok(match t.dtype() {
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()
+            .map_err(err)?
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::F8E4M3 => t
+            .to_vec1::<float8::F8E4M3>()
+            .map_err(err)?
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .map_err(err)?
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::I64 => t
+            .to_vec1::<i64>()
+            .map_err(err)?
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+        DType::I32 => t
+            .to_dtype(DType::I64)
+            .map_err(err)?
+            .to_vec1::<i64>()
+            .map_err(err)?
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+        DType::U8 => t
+            .to_vec1::<u8>()
+            .map_err(err)?
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+        other => return Err(format!("unexpected dtype {other:?}")),
+    })
+}
+
+fn same(what: &str, a: &Tensor, b: &Tensor) -> TestResult {
+    if a.dims() != b.dims() {
+        return Err(format!(
+            "{what}: shape {:?} (cuda) vs {:?} (host)",
+            a.dims(),
+            b.dims()
+        ));
+    }
+    let (x, y) = (bits(a)?, bits(b)?);
+    match x.iter().zip(&y).position(|(p, q)| p != q) {
+        Some(i) => Err(format!(
+            "{what}: element {i} differs: {:#x} (cuda) vs {:#x} (host)",
+            x[i], y[i]
+        )),
+        None => Ok(()),
+    }
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> std::result::Result<f32, String> {
+    let a = a
+        .to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .map_err(err)?;
+    let b = b
+        .to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .map_err(err)?;
+    let num = (&a - &b)
+        .and_then(|d| d.sqr())
+        .and_then(|d| d.sum_all())
+        .and_then(|s| s.to_scalar::<f32>())
+        .map_err(err)?;
+    let den = b
+        .sqr()
+        .and_then(|d| d.sum_all())
+        .and_then(|s| s.to_scalar::<f32>())
+        .map_err(err)?;
+    Ok((num / den.max(1e-12)).sqrt())
+}
+
+fn close(what: &str, a: &Tensor, b: &Tensor) -> TestResult {
+    if a.dims() != b.dims() {
+        return Err(format!(
+            "{what}: shape {:?} (cuda) vs {:?} (host)",
+            a.dims(),
+            b.dims()
+        ));
+    }
+    let e = rel_err(a, b)?;
+    if e > 1e-2 {
+        return Err(format!("{what}: rel err {e} > 1e-2"));
+    }
+    Ok(())
+}
+
+/// A random routing of `t` tokens: `-1` entries, an empty last rank (round 1), a hot expert
+/// (round 2), distinct experts per token.
+fn routing(
+    rng: &mut StdRng,
+    t: usize,
+    e: usize,
+    world: usize,
+    round: usize,
+) -> (Vec<i64>, Vec<f32>) {
+    let per_rank = e / world;
+    let allowed: Vec<usize> = if round == 1 && world > 1 {
+        (0..e - per_rank).collect()
+    } else {
+        (0..e).collect()
+    };
+    let mut idx = Vec::with_capacity(t * TOPK);
+    let mut w = Vec::with_capacity(t * TOPK);
+    for _ in 0..t {
+        let mut row: Vec<i64> = Vec::new();
+        for k in 0..TOPK {
+            let pick = if round == 2 && k == 0 {
+                0
+            } else {
+                allowed[rng.random_range(0..allowed.len())] as i64
+            };
+            if rng.random_range(0..6) == 0 || row.contains(&pick) {
+                row.push(-1);
+            } else {
+                row.push(pick);
+            }
+        }
+        idx.extend(row);
+        w.extend((0..TOPK).map(|_| rng.random_range(0.0f32..1.0)));
+    }
+    (idx, w)
+}
+
+fn inputs(
+    c: &Ctx,
+    t: usize,
+    round: usize,
+    seed: u64,
+) -> std::result::Result<(Tensor, Tensor, Tensor), String> {
+    let e = 8 * c.world;
+    let mut rng = StdRng::seed_from_u64(seed * 1000 + c.rank as u64 * 17 + round as u64);
+    let (idx, w) = routing(&mut rng, t, e, c.world, round);
+    let xv: Vec<f32> = (0..t * HIDDEN)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
+    let x = Tensor::from_vec(xv, (t, HIDDEN), &Device::Cpu)
+        .and_then(|x| x.to_dtype(DType::BF16))
+        .map_err(err)?;
+    let idx = Tensor::from_vec(idx, (t, TOPK), &Device::Cpu).map_err(err)?;
+    let w = Tensor::from_vec(w, (t, TOPK), &Device::Cpu).map_err(err)?;
+    Ok((x, idx, w))
+}
+
+/// `t` on the GPU; empty tensors as empty views of a one-row allocation (a zero-byte
+/// `cuMemAlloc` is an error).
+fn gpu(c: &Ctx, t: &Tensor) -> std::result::Result<Tensor, String> {
+    if t.elem_count() == 0 {
+        let mut dims = t.dims().to_vec();
+        dims[0] = 1;
+        return Tensor::zeros(dims, t.dtype(), &c.gpu)
+            .and_then(|z| z.narrow(0, 0, 0))
+            .map_err(err);
+    }
+    t.to_device(&c.gpu).map_err(err)
+}
+
+fn fp8_casts(c: &Ctx) -> TestResult {
+    let (x, _, _) = inputs(c, 37, 0, 7)?;
+    for ue8m0 in [false, true] {
+        let (qh, sh) = per_token_cast_to_fp8(&x, ue8m0).map_err(err)?;
+        let (qd, sd) = per_token_cast_to_fp8(&gpu(c, &x)?, ue8m0).map_err(err)?;
+        same("q", &qd, &qh)?;
+        same("scales", &sd, &sh)?;
+        let bh = per_token_cast_back(&qh, &sh, DType::BF16).map_err(err)?;
+        let bd = per_token_cast_back(&qd, &sd, DType::BF16).map_err(err)?;
+        same("cast back", &bd, &bh)?;
+    }
+    Ok(())
+}
+
+fn normal(c: &Ctx, round: usize) -> TestResult {
+    let e = 8 * c.world;
+    // Round 3: rank 0 has no tokens.
+    let t = if round == 3 && c.rank == 0 {
+        0
+    } else {
+        5 + 13 * ((c.rank + round) % 4)
+    };
+    let (x, idx, w) = inputs(c, t, round, 1)?;
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+
+    let lh = c.cpu.get_dispatch_layout(&idx, e).map_err(err)?;
+    let ld = c.cuda.get_dispatch_layout(&idxd, e).map_err(err)?;
+    same(
+        "num_tokens_per_rank",
+        &ld.num_tokens_per_rank,
+        &lh.num_tokens_per_rank,
+    )?;
+    same(
+        "num_tokens_per_expert",
+        &ld.num_tokens_per_expert,
+        &lh.num_tokens_per_expert,
+    )?;
+    same(
+        "is_token_in_rank",
+        &ld.is_token_in_rank,
+        &lh.is_token_in_rank,
+    )?;
+
+    let oh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).layout(&lh))
+        .map_err(err)?;
+    // The CUDA side once with the layout, once computing it.
+    let od = if round % 2 == 0 {
+        c.cuda
+            .dispatch(&DispatchArgs::new(&xd).topk(&idxd, &wd).layout(&ld))
+            .map_err(err)?
+    } else {
+        c.cuda
+            .dispatch(
+                &DispatchArgs::new(&xd)
+                    .topk(&idxd, &wd)
+                    .num_experts(e)
+                    .async_finish(true),
+            )
+            .map_err(err)?
+    };
+    od.event.wait().map_err(err)?;
+    same("recv_x", &od.recv_x, &oh.recv_x)?;
+    same("recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
+    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
+    same(
+        "recv_topk_idx",
+        &pick(&od.recv_topk_idx, "idx")?,
+        &pick(&oh.recv_topk_idx, "idx")?,
+    )?;
+    same(
+        "recv_topk_weights",
+        &pick(&od.recv_topk_weights, "w")?,
+        &pick(&oh.recv_topk_weights, "w")?,
+    )?;
+    if od.num_recv_tokens_per_expert != oh.num_recv_tokens_per_expert {
+        return Err(format!(
+            "num_recv_tokens_per_expert {:?} (cuda) vs {:?} (host)",
+            od.num_recv_tokens_per_expert, oh.num_recv_tokens_per_expert
+        ));
+    }
+    same(
+        "rank_prefix_matrix",
+        od.handle.rank_prefix_matrix(),
+        oh.handle.rank_prefix_matrix(),
+    )?;
+    same(
+        "channel_prefix_matrix",
+        od.handle.channel_prefix_matrix(),
+        oh.handle.channel_prefix_matrix(),
+    )?;
+
+    // Combine the received rows (with the weights) back.
+    let rw_h = pick(&oh.recv_topk_weights, "w")?;
+    let rw_d = pick(&od.recv_topk_weights, "w")?;
+    let ch = c
+        .cpu
+        .combine(&CombineArgs::new(&oh.recv_x, &oh.handle).topk_weights(&rw_h))
+        .map_err(err)?;
+    let cd = c
+        .cuda
+        .combine(&CombineArgs::new(&od.recv_x, &od.handle).topk_weights(&rw_d))
+        .map_err(err)?;
+    close("combined_x", &cd.combined_x, &ch.combined_x)?;
+    close(
+        "combined_topk_weights",
+        &pick(&cd.combined_topk_weights, "cw")?,
+        &pick(&ch.combined_topk_weights, "cw")?,
+    )?;
+
+    // Cached dispatch of other data along the same routing.
+    let x2 = (&x * 0.5).map_err(err)?;
+    let x2d = gpu(c, &x2)?;
+    let kh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x2).cached(&oh.handle))
+        .map_err(err)?;
+    let kd = c
+        .cuda
+        .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
+        .map_err(err)?;
+    same("cached recv_x", &kd.recv_x, &kh.recv_x)?;
+    same("cached recv_src_idx", &kd.recv_src_idx, &kh.recv_src_idx)?;
+    Ok(())
+}
+
+fn normal_fp8(c: &Ctx) -> TestResult {
+    let e = 8 * c.world;
+    let t = 9 + 7 * c.rank;
+    let (x, idx, w) = inputs(c, t, 0, 2)?;
+    let (q, s) = per_token_cast_to_fp8(&x, false).map_err(err)?;
+    let (qd, sd, idxd, wd) = (gpu(c, &q)?, gpu(c, &s)?, gpu(c, &idx)?, gpu(c, &w)?);
+    let oh = c
+        .cpu
+        .dispatch(
+            &DispatchArgs::new(&q)
+                .x_scales(&s)
+                .topk(&idx, &w)
+                .num_experts(e),
+        )
+        .map_err(err)?;
+    let od = c
+        .cuda
+        .dispatch(
+            &DispatchArgs::new(&qd)
+                .x_scales(&sd)
+                .topk(&idxd, &wd)
+                .num_experts(e),
+        )
+        .map_err(err)?;
+    same("fp8 recv_x", &od.recv_x, &oh.recv_x)?;
+    let pick = |o: &Option<Tensor>| o.clone().ok_or_else(|| "recv_x_scales missing".to_string());
+    same(
+        "fp8 recv_x_scales",
+        &pick(&od.recv_x_scales)?,
+        &pick(&oh.recv_x_scales)?,
+    )?;
+    same("fp8 recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
+    // Cached fp8 dispatch.
+    let kh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&q).x_scales(&s).cached(&oh.handle))
+        .map_err(err)?;
+    let kd = c
+        .cuda
+        .dispatch(&DispatchArgs::new(&qd).x_scales(&sd).cached(&od.handle))
+        .map_err(err)?;
+    same("cached fp8 recv_x", &kd.recv_x, &kh.recv_x)?;
+    Ok(())
+}
+
+/// Checks the received rows of each local expert (only rows below its count are defined).
+fn same_ll_rows(what: &str, d: &Tensor, h: &Tensor, counts: &[usize]) -> TestResult {
+    for (le, &n) in counts.iter().enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let a = d.get(le).and_then(|t| t.narrow(0, 0, n)).map_err(err)?;
+        let b = h.get(le).and_then(|t| t.narrow(0, 0, n)).map_err(err)?;
+        same(&format!("{what}[{le}]"), &a, &b)?;
+    }
+    Ok(())
+}
+
+fn low_latency(c: &Ctx, round: usize) -> TestResult {
+    let e = 8 * c.world;
+    let t = if round == 1 && c.rank == 0 {
+        0
+    } else {
+        3 + 5 * ((c.rank + round) % 6)
+    };
+    let (x, idx, w) = inputs(c, t, round, 3)?;
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+    for fp8 in [false, true] {
+        let mut ah = LowLatencyDispatchArgs::new(&x, &idx, LL_MAX_TOKENS, e);
+        let mut ad = LowLatencyDispatchArgs::new(&xd, &idxd, LL_MAX_TOKENS, e);
+        if fp8 {
+            ah = ah.fp8(round == 2);
+            ad = ad.fp8(round == 2);
+        }
+        let oh = c.cpu.low_latency_dispatch(&ah).map_err(err)?;
+        // The CUDA side through the send hook.
+        let hook = c.cuda.low_latency_dispatch_send(&ad).map_err(err)?;
+        let od = hook.recv().map_err(err)?;
+        if od.recv_count_host != oh.recv_count_host {
+            return Err(format!(
+                "recv_count {:?} (cuda) vs {:?} (host)",
+                od.recv_count_host, oh.recv_count_host
+            ));
+        }
+        same("recv_count", &od.recv_count, &oh.recv_count)?;
+        same_ll_rows("recv_x", &od.recv_x, &oh.recv_x, &oh.recv_count_host)?;
+        if fp8 {
+            let pick = |o: &Option<Tensor>| o.clone().ok_or_else(|| "scales missing".to_string());
+            same_ll_rows(
+                "recv_x_scales",
+                &pick(&od.recv_x_scales)?,
+                &pick(&oh.recv_x_scales)?,
+                &oh.recv_count_host,
+            )?;
+        }
+        same("src_info", od.handle.src_info(), oh.handle.src_info())?;
+        same(
+            "layout_range",
+            od.handle.layout_range(),
+            oh.handle.layout_range(),
+        )?;
+        if !fp8 {
+            // Identity experts: combine the received rows back.
+            let ch = c
+                .cpu
+                .low_latency_combine(&LowLatencyCombineArgs::new(
+                    &oh.recv_x, &idx, &w, &oh.handle,
+                ))
+                .map_err(err)?;
+            let hook = c
+                .cuda
+                .low_latency_combine_send(&LowLatencyCombineArgs::new(
+                    &od.recv_x, &idxd, &wd, &od.handle,
+                ))
+                .map_err(err)?;
+            let cd = hook.recv().map_err(err)?;
+            close("low-latency combined_x", &cd.combined_x, &ch.combined_x)?;
+        }
+    }
+    if c.cuda.active_ranks().iter().any(|a| !a) {
+        return Err(format!(
+            "ranks masked after clean ops: {:?}",
+            c.cuda.active_ranks()
+        ));
+    }
+    Ok(())
+}
+
+/// The last rank never calls dispatch: every other rank must fail naming it within the
+/// timeout (plus slack), not hang.
+fn missing_rank(c: &Ctx) -> TestResult {
+    let missing = c.world - 1;
+    let e = 8 * c.world;
+    let (x, idx, w) = inputs(c, 8, 0, 4)?;
+    if c.rank == missing {
+        // Stay alive (holding the mapped buffers) while the others time out.
+        std::thread::sleep(Duration::from_secs(12));
+        return Ok(());
+    }
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+    let start = Instant::now();
+    let res = c
+        .cuda
+        .dispatch(&DispatchArgs::new(&xd).topk(&idxd, &wd).num_experts(e));
+    let took = start.elapsed();
+    match res {
+        Ok(_) => {
+            Err("dispatch succeeded without rank {missing}"
+                .replace("{missing}", &missing.to_string()))
+        }
+        Err(e) if e.rank() == Some(missing) && took < Duration::from_secs(10) => {
+            println!("rank {} got, after {took:?}: {e}", c.rank);
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "after {took:?}: expected an error naming rank {missing}, got: {e}"
+        )),
+    }
+}
