@@ -4,7 +4,8 @@
 //!
 //! Every op is captured in a CUDA graph per rank and replayed back to back on all ranks at
 //! once; latency is the median over replays of each rank's event-timed replay, then the median
-//! across ranks. Reported: dispatch, combine, dispatch + combine, and the send and receive
+//! across ranks. A single-op replay includes the graph launch (several us); the "x16 graph"
+//! rows capture 16 ops back to back and report time / 16, closer to a kernel's duration. Reported: dispatch, combine, dispatch + combine, and the send and receive
 //! phases apart (send graph, a 100 us device delay standing for other work, receive graph).
 //! Bandwidth counts bytes as DeepEP's low-latency test does: per (token, expert) selection of
 //! the rank, dispatch fp8 `H + H/128*4 + 16` bytes and combine bf16 `2H` bytes. With the
@@ -201,11 +202,19 @@ struct Graphs {
     dispatch_recv: CudaGraph,
     combine_send: CudaGraph,
     combine_recv: CudaGraph,
+    /// [`REPS`] dispatches, combines, and dispatch + combine pairs back to back.
+    dispatch_reps: CudaGraph,
+    combine_reps: CudaGraph,
+    both_reps: CudaGraph,
 }
 
-/// Median microseconds per rank of: dispatch, combine, both, dispatch send, dispatch recv,
-/// combine send, combine recv.
-type Timings = [f64; 7];
+/// Ops per graph for the back-to-back (launch overhead amortised) timings.
+const REPS: usize = 16;
+
+/// Median microseconds per rank of: dispatch, combine, both (one graph replay each, launch
+/// included), dispatch send, dispatch recv, combine send, combine recv, then dispatch,
+/// combine, both per op from graphs of [`REPS`] ops back to back.
+type Timings = [f64; 10];
 
 fn time_rank(rank: &mut Rank, warmup: usize, iters: usize) -> Result<Timings, BoxError> {
     // Warm-up outside capture: loads the module and sets the kernels' attributes.
@@ -223,11 +232,31 @@ fn time_rank(rank: &mut Rank, warmup: usize, iters: usize) -> Result<Timings, Bo
         dispatch_recv: rank.capture(|r| r.dispatch(Phases::Recv))?,
         combine_send: rank.capture(|r| r.combine(Phases::Send))?,
         combine_recv: rank.capture(|r| r.combine(Phases::Recv))?,
+        dispatch_reps: rank.capture(|r| (0..REPS).try_for_each(|_| r.dispatch(Phases::Both)))?,
+        combine_reps: rank.capture(|r| (0..REPS).try_for_each(|_| r.combine(Phases::Both)))?,
+        both_reps: rank.capture(|r| {
+            (0..REPS).try_for_each(|_| {
+                r.dispatch(Phases::Both)?;
+                r.combine(Phases::Both)
+            })
+        })?,
     };
     let s = rank.stream.clone();
-    let mut out = [0f64; 7];
+    let mut out = [0f64; 10];
     // Whole ops. Every rank replays the same sequence, so the ops pair up across ranks.
-    for (slot, graph) in [(0, &g.dispatch), (1, &g.combine), (2, &g.both)] {
+    for (slot, graph, ops) in [
+        (0, &g.dispatch, 1),
+        (1, &g.combine, 1),
+        (2, &g.both, 1),
+        (7, &g.dispatch_reps, REPS),
+        (8, &g.combine_reps, REPS),
+        (9, &g.both_reps, REPS),
+    ] {
+        let iters = if ops > 1 {
+            iters.div_ceil(ops).max(10)
+        } else {
+            iters
+        };
         let mut evs = Vec::with_capacity(warmup + iters);
         for i in 0..warmup + iters {
             let a = event(&s)?;
@@ -242,7 +271,7 @@ fn time_rank(rank: &mut Rank, warmup: usize, iters: usize) -> Result<Timings, Bo
             .iter()
             .map(|(a, b)| a.elapsed_ms(b).map(|ms| f64::from(ms) * 1e3))
             .collect::<Result<_, _>>()?;
-        out[slot] = median(&mut us);
+        out[slot] = median(&mut us) / ops as f64;
     }
     // Phases apart, with a gap standing for other work.
     for (slot, send, recv) in [
@@ -305,15 +334,11 @@ fn nccl_alltoall(
     for (r, rank) in ranks.iter().enumerate() {
         let mut sb = Vec::new();
         let mut rb = Vec::new();
-        for p in 0..n {
-            sb.push(
-                rank.stream
-                    .alloc_zeros::<u8>((rank.send_counts[p] * bytes_per_sel).max(1))?,
-            );
-            rb.push(
-                rank.stream
-                    .alloc_zeros::<u8>((ranks[p].send_counts[r] * bytes_per_sel).max(1))?,
-            );
+        for (p, peer) in ranks.iter().enumerate() {
+            let out_bytes = rank.send_counts[p] * bytes_per_sel;
+            let in_bytes = peer.send_counts[r] * bytes_per_sel;
+            sb.push(rank.stream.alloc_zeros::<u8>(out_bytes.max(1))?);
+            rb.push(rank.stream.alloc_zeros::<u8>(in_bytes.max(1))?);
         }
         send.push(sb);
         recv.push(rb);
@@ -408,13 +433,16 @@ fn main() -> Result<(), BoxError> {
             "dispatch recv",
             "combine send",
             "combine recv",
+            "dispatch (x16 graph)",
+            "combine (x16 graph)",
+            "disp+comb (x16 graph)",
         ];
         let mut row_json = Vec::new();
         for (i, name) in names.iter().enumerate() {
             let mut us: Vec<f64> = per_rank.iter().map(|t| t[i]).collect();
             let bytes_per_sel = match i {
-                0 | 3 | 4 => dispatch_bytes_per_sel(),
-                1 | 5 | 6 => combine_bytes_per_sel(),
+                0 | 3 | 4 | 7 => dispatch_bytes_per_sel(),
+                1 | 5 | 6 | 8 => combine_bytes_per_sel(),
                 _ => dispatch_bytes_per_sel() + combine_bytes_per_sel(),
             };
             // GB/s per rank: that rank's bytes over its time; mean over ranks.

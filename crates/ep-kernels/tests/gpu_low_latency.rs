@@ -651,8 +651,8 @@ fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize) -> TResult<()> {
     let active = vec![true; r_n];
     for (i, it) in inputs.iter().enumerate() {
         let exp = expected_layouts(&world, it, &vec![active.clone(); r_n])?;
-        for q in 0..r_n {
-            let got = &gots[q][i];
+        for (q, rank_gots) in gots.iter().enumerate() {
+            let got = &rank_gots[i];
             check_dispatch(&world, q, it, &exp, &active, fmt, got)
                 .map_err(|e| format!("op {i}: {e}"))?;
             // The expert output of (t, k) is the token's own row, returned by the round trip.
@@ -721,8 +721,8 @@ fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize) -> TResult<()> {
     let active = vec![true; r_n];
     for (i, round) in rounds.iter().skip(1).enumerate() {
         let exp = expected_layouts(&world, round, &vec![active.clone(); r_n])?;
-        for q in 0..r_n {
-            let got = &gots[q][i];
+        for (q, rank_gots) in gots.iter().enumerate() {
+            let got = &rank_gots[i];
             check_dispatch(&world, q, round, &exp, &active, fmt, got)
                 .map_err(|e| format!("replay {i}: {e}"))?;
             let inp = &round[q];
@@ -792,8 +792,8 @@ fn split_phases(rng: &mut StdRng, r_n: usize, format: LowLatencyFormat) -> TResu
     let active = vec![true; r_n];
     for (i, batch) in batches.iter().enumerate() {
         let exp = expected_layouts(&world, batch, &vec![active.clone(); r_n])?;
-        for q in 0..r_n {
-            let got = &gots[q][i];
+        for (q, rank_gots) in gots.iter().enumerate() {
+            let got = &rank_gots[i];
             check_dispatch(&world, q, batch, &exp, &active, format, got)
                 .map_err(|e| format!("batch {i}: {e}"))?;
             check_combine(&world, q, batch, &exp, &active, got, |qq, l, p| {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use cudarc::driver::result;
 use cudarc::driver::sys::{self, cudaError_enum};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use ep_kernels::intranode::{HostMappedI32, PeerBuffers, HEADER_ZERO_BYTES};
 
 /// Boxed error of the test and bench binaries.
@@ -30,6 +30,22 @@ pub struct Node {
     pub peers: Vec<PeerBuffers>,
     /// Bytes of each buffer.
     pub bytes: usize,
+}
+
+/// Bytes written before every timed iteration to evict the L2 cache (50 MiB on H100/H200).
+pub const L2_FLUSH_BYTES: usize = 256 << 20;
+
+/// A scratch buffer that [`flush_l2`] overwrites to evict the L2 cache of its device.
+pub fn l2_flush_buffer(stream: &Arc<CudaStream>) -> Result<CudaSlice<u8>, BoxError> {
+    Ok(stream.alloc_zeros(L2_FLUSH_BYTES)?)
+}
+
+/// Queues a write of all of `scratch` on `stream`, so that the next work on the stream starts
+/// with an L2 cache holding none of its inputs (queue it before the start event: it is not
+/// part of the timed region).
+pub fn flush_l2(stream: &Arc<CudaStream>, scratch: &mut CudaSlice<u8>) -> Result<(), BoxError> {
+    stream.memset_zeros(scratch)?;
+    Ok(())
 }
 
 /// Number of visible CUDA devices (0 if the driver cannot be loaded).

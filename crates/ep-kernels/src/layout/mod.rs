@@ -5,6 +5,8 @@ pub mod host;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+pub mod permute;
+#[cfg(feature = "cuda")]
 pub use cuda::*;
 
 pub use host::{get_dispatch_layout, DispatchLayout, ExpertPlacement};

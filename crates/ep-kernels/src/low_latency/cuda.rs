@@ -2,11 +2,14 @@
 //! (slots, receive layout, combine) and [`crate::fp8`] (the cast fused into the dispatch).
 //!
 //! Protocol in short (details and the buffer layout: `low_latency.cu`, [`LowLatencyLayout`]):
-//! - **dispatch**: every `(t, k)` of a source becomes one message written straight into slot
-//!   [`super::send_slots`]`[t, k]` of expert `topk_idx[t, k]`'s region for this source on the
-//!   expert's rank (NVLink stores, fp8 1x128 cast fused in); then per expert the count `n`
-//!   goes out as a signal. The receiver waits for the `R` signals of each local expert and
-//!   packs the messages source-major ([`super::RecvLayout`]) into [`LowLatencyRecv`].
+//! - **dispatch**: each token of a source is cast (fp8 1x128, fused) and written once to every
+//!   rank that holds at least one of its experts (NVLink stores into that rank's per-source
+//!   token region); each `(t, k)` also writes a 4-byte index entry into slot
+//!   [`super::send_slots`]`[t, k]` of expert `topk_idx[t, k]`'s region for this source. Then per
+//!   expert the count `n` goes out as a signal. The receiver waits for the `R` signals of each
+//!   local expert and packs the tokens source-major ([`super::RecvLayout`]) into
+//!   [`LowLatencyRecv`], following the index entries. Sending a token once per rank instead of
+//!   once per expert divides the NVLink bytes by the number of its experts a rank holds.
 //! - **combine**: each expert output row goes back into row `(t, k)` of its source token on
 //!   the home rank, then a flag per (expert, home); the home waits for every expert's flag and
 //!   reduces `sum_k w[t, k] * y(t, k)` in f32, in k order, like [`super::combine`].
@@ -216,7 +219,7 @@ struct DispatchParams {
     phases: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 208);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 216);
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
 
@@ -237,7 +240,7 @@ struct CombineParams {
     phases: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 192);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 200);
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
 
@@ -249,7 +252,7 @@ struct CleanParams {
     reset_active: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<CleanParams>() == 128);
+const _: () = assert!(std::mem::size_of::<CleanParams>() == 136);
 // SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
 unsafe impl KernelParams for CleanParams {}
 
@@ -267,12 +270,12 @@ fn align16(v: usize) -> usize {
     v.div_ceil(16) * 16
 }
 
-/// Dynamic shared memory of `ll_dispatch` (see the kernel's comment).
+/// Dynamic shared memory of `ll_dispatch` (see the kernel's comment): the send phase's
+/// staging, destinations and top-k, or the receive phase's layout, whichever is larger.
 fn dispatch_smem_bytes(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -> usize {
-    layout.msg_stride
-        + LL_MAX_TOPK * 8
-        + align16(8 * (layout.num_ranks + 1))
-        + align16(4 * num_tokens * num_topk)
+    let send = layout.msg_stride + LL_MAX_TOPK * 8 + 4 * num_tokens * num_topk;
+    let recv = 4 * (2 * layout.num_experts + layout.num_local_experts() + 1);
+    align16(send.max(recv))
 }
 
 /// One block per SM: the kernels' blocks wait for each other, so all must be resident.
@@ -405,7 +408,9 @@ pub fn combine_cuda(
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
     let kernel = kernels.kernel(FILE, "ll_combine")?;
-    let cfg = comm_config(&kernels, LL_MAX_TOPK * 8 + 4 * layout.num_ranks)?;
+    let send_smem = 4 * (2 * layout.num_experts + 1);
+    let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
+    let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     let (x_ptr, _gx) = x.device_ptr(stream);
     let (si, _g0) = handle.recv_src_info.device_ptr(stream);
     let (sk, _g1) = handle.recv_src_topk.device_ptr(stream);

@@ -1,5 +1,9 @@
 // Low-latency (decode) dispatch and combine over NVLink peer pointers.
 //
+// Dispatch sends each token once per destination rank (however many of its experts live
+// there) plus a 4-byte index entry per (token, k) in the expert's slot; the receiver follows
+// the entries when it packs. Combine sends one bf16 row per (token, k) back to the home rank.
+//
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
 // layout (offsets passed in `LlBuffer`): `src/low_latency/cuda.rs`, `cuda/layout.rs`.
@@ -7,11 +11,15 @@
 // Buffer of one rank (byte offsets in `LlBuffer`; the same layout on every rank):
 //
 //   control   u32 words [kCtlWords] (op sequence, launch arrival counters, hook FIFOs),
-//             active_ranks i32 [R], send_done i32 [E] (local per-expert send counters)
+//             active_ranks i32 [R], send_done i32 [E] (local per-expert send counters),
+//             unit_done i32 [L*R] (local per-(expert, home) combine chunk counters)
 //   set 0/1   signals  u64 [L][R]       dispatch counts: (tag << 32) | u32(-n - 1)
 //             flags    i32 [E]          combine: tag once expert e's rows for us are written
-//             msgs     [L][R][M] x msg_stride: {i32 src_token, i32 topk_pos, 0, 0 | payload
-//                      (fp8 H bytes or bf16 2H bytes) | f32 scales [H/128] (fp8 only)}
+//             msgs     [R][M] x msg_stride, one per (source, token), sent once per destination
+//                      rank however many of the token's experts live there:
+//                      {i32 src_token, 0, 0, 0 | payload (fp8 H bytes or bf16 2H bytes) |
+//                      f32 scales [H/128] (fp8 only)}
+//             idx      i32 [L][R][M]: slot -> src_token | topk_pos << 24
 //             rows     bf16 [M][max_topk][H] combine rows, one per (token, k) of the home rank
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
@@ -41,8 +49,8 @@ constexpr uint32_t kPhaseSend = 1u;
 constexpr uint32_t kPhaseRecv = 2u;
 // Largest top-k (Rust: `LL_MAX_TOPK`): rows per token in the combine region.
 constexpr int kMaxTopk = 16;
-// Vectors in flight per thread in the copy loops.
-constexpr int kUnroll = 4;
+// Vectors per lane of one copy work item (a chunk of 32 x 8 16-byte vectors).
+constexpr int kCopyUnroll = 8;
 
 // Control words (u32) at offset 0 of the buffer (Rust: `layout.rs`).
 constexpr int kCtlOpSeq = 0;
@@ -64,7 +72,8 @@ struct LlBuffer {
     uint64_t sets_offset;    // offset of set 0 (set 1 follows)
     uint64_t off_signals;    // in a set: dispatch count signals u64 [L][R]
     uint64_t off_flags;      // in a set: combine flags i32 [E]
-    uint64_t off_msgs;       // in a set: dispatch messages [L][R][M] x msg_stride
+    uint64_t off_msgs;       // in a set: dispatch token messages [R][M] x msg_stride
+    uint64_t off_idx;        // in a set: dispatch slot index i32 [L][R][M]: t | k << 24
     uint64_t off_rows;       // in a set: combine rows bf16 [M][max_topk][H]
     uint64_t off_active;     // in control: active_ranks i32 [R]
     uint64_t off_send_done;  // in control: send_done i32 [E]
@@ -78,7 +87,7 @@ struct LlBuffer {
     int32_t msg_stride;
     int32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(LlBuffer, 120);
+EP_CHECK_PARAMS_SIZE(LlBuffer, 128);
 
 struct DispatchParams {
     LlBuffer buf;
@@ -97,7 +106,7 @@ struct DispatchParams {
     uint32_t phases;            // kPhaseSend | kPhaseRecv
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(DispatchParams, 208);
+EP_CHECK_PARAMS_SIZE(DispatchParams, 216);
 
 struct CombineParams {
     LlBuffer buf;
@@ -113,14 +122,14 @@ struct CombineParams {
     uint32_t phases;
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(CombineParams, 192);
+EP_CHECK_PARAMS_SIZE(CombineParams, 200);
 
 struct CleanParams {
     LlBuffer buf;
     uint32_t reset_active;
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(CleanParams, 128);
+EP_CHECK_PARAMS_SIZE(CleanParams, 136);
 
 struct SpinParams {
     uint64_t ns;
@@ -151,7 +160,8 @@ EP_DEVICE void put_signal(uint8_t* dst, uint64_t v) {
     ep::st_release_sys_u64(reinterpret_cast<uint64_t*>(dst), v);
 }
 
-EP_DEVICE void put_flag(uint8_t* dst, int v) { ep::st_release_sys(reinterpret_cast<int*>(dst), v); }
+// The caller fences (`fence.acq_rel.sys`) after the data and before its flags.
+EP_DEVICE void put_flag(uint8_t* dst, int v) { ep::st_relaxed_sys(reinterpret_cast<int*>(dst), v); }
 
 // A 16-byte load of data that peers wrote during this kernel: L2 (the coherence point for
 // NVLink writes), never a possibly stale L1 line.
@@ -161,6 +171,12 @@ EP_DEVICE int4 ld_cg_v4(const uint8_t* ptr) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(ptr)
                  : "memory");
+    return v;
+}
+
+EP_DEVICE int ld_cg_i32(const uint8_t* ptr) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
     return v;
 }
 
@@ -178,20 +194,27 @@ EP_DEVICE uint32_t tag_of(uint32_t seq) { return (seq & 0x7fffffffu) + 1u; }
 // Op sequencing (see the file comment)
 // ------------------------------------------------------------------------------------------
 
-// Returns this launch's op sequence number, the same in every block; the last block to
-// arrive advances the control words for the next launch.
-__device__ uint32_t op_begin(uint32_t* ctl, int kind, uint32_t phases) {
-    __shared__ uint32_t s_seq;
+// Thread 0 reads this launch's op sequence number into `*s_seq` (shared memory); it is the
+// same in every block. Readable by all threads after the caller's next __syncthreads.
+__device__ void op_begin(uint32_t* ctl, int kind, uint32_t phases, uint32_t* s_seq) {
     if (threadIdx.x == 0) {
-        int* words = reinterpret_cast<int*>(ctl);
-        const bool sends = (phases & kPhaseSend) != 0;
+        const int* words = reinterpret_cast<const int*>(ctl);
         uint32_t seq;
-        if (sends) {
+        if ((phases & kPhaseSend) != 0) {
             seq = static_cast<uint32_t>(ld_vol(words + kCtlOpSeq));
         } else {
             const uint32_t head = static_cast<uint32_t>(ld_vol(words + kCtlPendHead + kind));
             seq = static_cast<uint32_t>(ld_vol(words + kCtlPendSeq + kind * 2 + (head & 1u)));
         }
+        *s_seq = seq;
+    }
+}
+
+// Called by every block at its end: the last block to arrive (so after every block read the
+// control words in `op_begin`) advances them for the next launch on the stream.
+__device__ void op_end(uint32_t* ctl, int kind, uint32_t phases, uint32_t seq) {
+    if (threadIdx.x == 0) {
+        const bool sends = (phases & kPhaseSend) != 0;
         __threadfence();
         const int arrive = kCtlArrive + kind * 2 + (sends ? 0 : 1);
         const uint32_t old = atomicAdd(ctl + arrive, 1u);
@@ -210,22 +233,16 @@ __device__ uint32_t op_begin(uint32_t* ctl, int kind, uint32_t phases) {
             }
             __threadfence();
         }
-        s_seq = seq;
     }
-    __syncthreads();
-    return s_seq;
 }
 
 // Waits until `*sig` carries `tag`; returns the count it signals, or 0 if the source is (or
 // becomes) inactive or the deadline passes (then the source is marked inactive).
 EP_DEVICE int wait_count(const uint64_t* sig, uint32_t tag, int* active_src, uint64_t timeout_ns) {
-    if (ld_vol(active_src) == 0) {
-        return 0;
-    }
     const ep::Deadline deadline = ep::Deadline::after(timeout_ns);
     for (;;) {
         const uint64_t v = ep::ld_acquire_sys_u64(sig);
-        if (static_cast<uint32_t>(v >> 32) == tag) {
+        if (static_cast<uint32_t>(v >> 32) == tag && ld_vol(active_src) != 0) {
             return -static_cast<int>(static_cast<uint32_t>(v)) - 1;
         }
         if (ld_vol(active_src) == 0) {
@@ -256,10 +273,6 @@ EP_DEVICE void wait_flag(const int* flag, uint32_t tag, int* active_src, uint64_
     }
 }
 
-// Dynamic shared memory of the dispatch kernel (Rust: `dispatch_smem_bytes`):
-// [stage: msg_stride][dst pointers: kMaxTopk x 8][counts, offsets: 2 (R + 1) i32, 16-aligned]
-// [topk: T*K i32].
-EP_DEVICE int align16(int v) { return (v + 15) & ~15; }
 
 // bf16 pair (low half first) to two floats.
 EP_DEVICE void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
@@ -297,8 +310,8 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
     }
 
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        // Destination of each (t, k): the slot is the number of earlier (token, k) entries of
-        // this rank routed to the same expert (the host twin `send_slots`).
+        // Warp k: destination of (t, k); the slot is the number of earlier (token, k) entries
+        // of this rank routed to the same expert (the host twin `send_slots`).
         for (int k = warp; k < K; k += kWarps) {
             const int idx = t * K + k;
             const int e = s_topk[idx];
@@ -310,26 +323,45 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
                 slot = ep::warp_reduce_sum(slot);
             }
             if (lane == 0) {
+                // The token goes once to each rank: the first k routed there sends it; every
+                // k writes its slot's index entry.
                 uint8_t* dst = nullptr;
                 if (e >= 0) {
                     const int r = e / L;
-                    if (ld_vol(active + r) != 0) {
+                    // slot < M holds when a token's experts are distinct (checked for memory
+                    // safety only).
+                    if (ld_vol(active + r) != 0 && slot < M) {
                         const int l = e - r * L;
-                        const uint64_t msg = (static_cast<uint64_t>(l) * R + b.rank) * M + slot;
-                        dst = set_base(b, peer_base(b, r), set) + b.off_msgs +
-                              msg * static_cast<uint64_t>(b.msg_stride);
+                        uint8_t* peer_set = set_base(b, peer_base(b, r), set);
+                        int* entry = reinterpret_cast<int*>(peer_set + b.off_idx) +
+                                     (static_cast<int64_t>(l) * R + b.rank) * M + slot;
+                        *entry = t | (k << 24);
+                        bool first = true;
+                        for (int k2 = 0; k2 < k; ++k2) {
+                            const int e2 = s_topk[t * K + k2];
+                            first = first && !(e2 >= 0 && e2 / L == r);
+                        }
+                        if (first) {
+                            dst = peer_set + b.off_msgs +
+                                  (static_cast<uint64_t>(b.rank) * M + t) *
+                                      static_cast<uint64_t>(b.msg_stride);
+                        }
                     }
                 }
                 s_dst[k] = dst;
             }
         }
 
-        // Stage the message body (payload and scales) in shared memory.
+        // Meanwhile warps [K, kWarps) stage the message body (payload and scales) in shared
+        // memory (K <= kMaxTopk < kWarps).
         const __nv_bfloat16* xrow = p.x + static_cast<int64_t>(t) * H;
-        if (p.fp8) {
+        const int cast_warps = kWarps - K;
+        if (warp < K) {
+            // Busy with the destinations above.
+        } else if (p.fp8) {
             // 8 lanes x 16 channels per 128-channel group; 4 groups per warp step.
             const int sub = lane & 7;
-            for (int g0 = warp * 4; g0 < groups; g0 += kWarps * 4) {
+            for (int g0 = (warp - K) * 4; g0 < groups; g0 += cast_warps * 4) {
                 const int g = g0 + (lane >> 3);
                 float v[16];
                 float amax = 0.0f;
@@ -374,7 +406,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
             }
         } else {
             const int4* src = reinterpret_cast<const int4*>(xrow);
-            for (int i = tid; i < H / 8; i += kThreads) {
+            for (int i = tid - K * ep::kWarpSize; i < H / 8; i += cast_warps * ep::kWarpSize) {
                 *reinterpret_cast<int4*>(stage + 16 + i * 16) = ep::ld_nc_no_alloc(src + i);
             }
         }
@@ -387,7 +419,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
             const int i = j - k * msg_vecs;
             uint8_t* dst = s_dst[k];
             if (dst != nullptr) {
-                const int4 v = i == 0 ? make_int4(t, k, 0, 0)
+                const int4 v = i == 0 ? make_int4(t, 0, 0, 0)
                                       : *reinterpret_cast<const int4*>(stage + i * 16);
                 put_v4(dst + i * 16, v);
             }
@@ -398,7 +430,9 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
         if (tid < K) {
             const int e = s_topk[t * K + tid];
             if (e >= 0) {
-                ep::atomic_add_release_sys(send_done + e, 1);
+                // gpu scope suffices: the signalling thread acquires it on this GPU and
+                // then publishes at system scope (causality is transitive).
+                ep::atomic_add_release_gpu(send_done + e, 1);
             }
         }
     }
@@ -429,8 +463,11 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
     }
 }
 
-__device__ void dispatch_recv(const DispatchParams& p, int* s_count, int* s_off, uint32_t set,
-                              uint32_t tag) {
+// Every block waits for all L x R signals, computes the whole packed layout in shared memory,
+// and then the grid's warps share all rows (chunks of 32 lanes x kCopyUnroll vectors), so the
+// copy is balanced however the tokens are spread over the experts.
+__device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, int* s_pre,
+                              uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int H = b.hidden, R = b.num_ranks, E = b.num_experts, L = E / R, M = b.max_tokens;
     const int tid = threadIdx.x, lane = ep::lane_id(), warp = ep::warp_id();
@@ -442,60 +479,97 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_count, int* s_off,
     const uint64_t* sigs = reinterpret_cast<const uint64_t*>(my_set + b.off_signals);
     const int64_t rows_per_expert = static_cast<int64_t>(R) * M;
 
+    for (int i = tid; i < L * R; i += kThreads) {
+        s_cnt[i] = wait_count(sigs + i, tag, active + i % R, b.timeout_ns);
+    }
+    __syncthreads();
+    for (int l = tid; l < L; l += kThreads) {
+        int acc = 0;
+        for (int s = 0; s < R; ++s) {
+            s_off[l * R + s] = acc;
+            acc += s_cnt[l * R + s];
+        }
+        s_pre[l + 1] = acc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // Inclusive scan of the per-expert totals, 32 at a time with a carry.
+        int carry = 0;
+        for (int base = 0; base < L; base += ep::kWarpSize) {
+            const int l = base + lane;
+            int v = l < L ? s_pre[l + 1] : 0;
+#pragma unroll
+            for (int d = 1; d < ep::kWarpSize; d <<= 1) {
+                const int o = __shfl_up_sync(ep::kFullMask, v, d);
+                v += lane >= d ? o : 0;
+            }
+            if (l < L) {
+                s_pre[l + 1] = v + carry;
+            }
+            carry += __shfl_sync(ep::kFullMask, v, ep::kWarpSize - 1);
+        }
+        if (lane == 0) {
+            s_pre[0] = 0;
+        }
+    }
+    __syncthreads();
     for (int l = blockIdx.x; l < L; l += gridDim.x) {
-        for (int s = tid; s < R; s += kThreads) {
-            s_count[s] = wait_count(sigs + static_cast<int64_t>(l) * R + s, tag, active + s,
-                                    b.timeout_ns);
-        }
-        __syncthreads();
         if (tid == 0) {
-            int acc = 0;
-            for (int s = 0; s < R; ++s) {
-                s_off[s] = acc;
-                acc += s_count[s];
-            }
-            s_off[R] = acc;
-            p.recv_count[l] = acc;
+            p.recv_count[l] = s_pre[l + 1] - s_pre[l];
         }
-        __syncthreads();
         for (int s = tid; s < R; s += kThreads) {
-            p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2] = s_off[s];
-            p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2 + 1] = s_count[s];
+            p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2] = s_off[l * R + s];
+            p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2 + 1] = s_cnt[l * R + s];
         }
-        const int total = s_off[R];
-        // One warp per packed row.
-        for (int row = warp; row < total; row += kWarps) {
-            int s = 0;
-            while (s_off[s + 1] <= row) {
-                ++s;
+    }
+
+    constexpr int kChunkVecs = ep::kWarpSize * kCopyUnroll;
+    const int chunks = ep::ceil_div(payload_vecs, kChunkVecs);
+    const int64_t items = static_cast<int64_t>(s_pre[L]) * chunks;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items;
+         item += warps) {
+        const int j = static_cast<int>(item / chunks);
+        const int chunk = static_cast<int>(item - static_cast<int64_t>(j) * chunks);
+        // Expert: the last l with s_pre[l] <= j (binary search), then source by offsets.
+        int lo = 0, hi = L - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_pre[mid] <= j) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
             }
-            const int slot = row - s_off[s];
-            const uint8_t* msg = my_set + b.off_msgs +
-                                 ((static_cast<uint64_t>(l) * R + s) * M + slot) *
-                                     static_cast<uint64_t>(b.msg_stride);
-            const int64_t out_row = l * rows_per_expert + row;
+        }
+        const int l = lo;
+        const int row = j - s_pre[l];
+        int s = R - 1;
+        while (s_off[l * R + s] > row) {
+            --s;
+        }
+        const int slot = row - s_off[l * R + s];
+        const int entry = ld_cg_i32(my_set + b.off_idx +
+                                    ((static_cast<int64_t>(l) * R + s) * M + slot) * 4);
+        const int t = entry & 0xffffff;
+        if (t >= M) {
+            continue;  // never for a well-formed op: the entry is written with its message
+        }
+        const uint8_t* msg = my_set + b.off_msgs +
+                             (static_cast<uint64_t>(s) * M + t) * static_cast<uint64_t>(b.msg_stride);
+        const int64_t out_row = l * rows_per_expert + row;
+        uint8_t* dst = p.recv_x + out_row * payload;
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = chunk * kChunkVecs + u * ep::kWarpSize + lane;
+            if (i < payload_vecs) {
+                v[u] = ld_cg_v4(msg + 16 + i * 16);
+            }
+        }
+        if (chunk == 0) {
             if (lane == 0) {
-                const int4 h = ld_cg_v4(msg);
-                p.recv_src_info[out_row] = h.x;
-                p.recv_src_topk[out_row] = h.y;
-            }
-            uint8_t* dst = p.recv_x + out_row * payload;
-            for (int i0 = lane; i0 < payload_vecs; i0 += ep::kWarpSize * kUnroll) {
-                int4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int i = i0 + u * ep::kWarpSize;
-                    if (i < payload_vecs) {
-                        v[u] = ld_cg_v4(msg + 16 + i * 16);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int i = i0 + u * ep::kWarpSize;
-                    if (i < payload_vecs) {
-                        *reinterpret_cast<int4*>(dst + i * 16) = v[u];
-                    }
-                }
+                p.recv_src_info[out_row] = t;
+                p.recv_src_topk[out_row] = static_cast<int>(static_cast<uint32_t>(entry) >> 24);
             }
             if (p.fp8) {
                 float* scales = p.recv_scales + out_row * groups;
@@ -504,7 +578,13 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_count, int* s_off,
                 }
             }
         }
-        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = chunk * kChunkVecs + u * ep::kWarpSize + lane;
+            if (i < payload_vecs) {
+                *reinterpret_cast<int4*>(dst + i * 16) = v[u];
+            }
+        }
     }
 }
 
@@ -512,60 +592,118 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_count, int* s_off,
 // Combine
 // ------------------------------------------------------------------------------------------
 
-__device__ void combine_send(const CombineParams& p, uint32_t set, uint32_t tag) {
+// Rows of all units (local expert l, home rank s) are spread over the whole grid in chunks of
+// 32 lanes x kCopyUnroll vectors; each finished chunk counts in `unit_done[u]` (local), and the
+// thread owning unit u flags the home once all of the unit's chunks are out.
+__device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int H = b.hidden, R = b.num_ranks, E = b.num_experts, L = E / R, M = b.max_tokens;
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = ep::lane_id(), warp = ep::warp_id();
     int* active = reinterpret_cast<int*>(b.local + b.off_active);
+    // unit_done [L*R] follows send_done [E] (L * R == E).
+    int* unit_done = reinterpret_cast<int*>(b.local + b.off_send_done) + E;
     const int vpr = H / 8;  // 16-byte vectors per bf16 row
     const int64_t row_bytes = 2 * static_cast<int64_t>(H);
+    constexpr int kChunkVecs = ep::kWarpSize * kCopyUnroll;
+    const int chunks = ep::ceil_div(vpr, kChunkVecs);
+    int* s_items = reinterpret_cast<int*>(smem);  // [E] chunks per unit, then prefix [E + 1]
+    int* s_pre = s_items + E;
 
-    // One block per (local expert, home rank) unit; units of the same expert go to different
-    // homes, so consecutive blocks write to different peers.
-    for (int u = blockIdx.x; u < L * R; u += gridDim.x) {
+    // Units are numbered u = l * R + s, as layout_range.
+    for (int u = tid; u < E; u += kThreads) {
+        s_pre[u + 1] = p.layout_range[static_cast<int64_t>(u) * 2 + 1] * chunks;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int carry = 0;
+        for (int base = 0; base < E; base += ep::kWarpSize) {
+            const int u = base + lane;
+            int v = u < E ? s_pre[u + 1] : 0;
+            if (u < E) {
+                s_items[u] = v;
+            }
+#pragma unroll
+            for (int d = 1; d < ep::kWarpSize; d <<= 1) {
+                const int o = __shfl_up_sync(ep::kFullMask, v, d);
+                v += lane >= d ? o : 0;
+            }
+            if (u < E) {
+                s_pre[u + 1] = v + carry;
+            }
+            carry += __shfl_sync(ep::kFullMask, v, ep::kWarpSize - 1);
+        }
+        if (lane == 0) {
+            s_pre[0] = 0;
+        }
+    }
+    __syncthreads();
+
+    const int64_t items = s_pre[E];
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items;
+         item += warps) {
+        const int j = static_cast<int>(item);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_pre[mid] <= j) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        const int u = lo;
         const int l = u / R;
         const int s = u - l * R;
-        const int off = p.layout_range[(static_cast<int64_t>(l) * R + s) * 2];
-        const int cnt = p.layout_range[(static_cast<int64_t>(l) * R + s) * 2 + 1];
-        const bool home_active = ld_vol(active + s) != 0;
-        uint8_t* home_set = home_active ? set_base(b, peer_base(b, s), set) : nullptr;
-        if (home_active && cnt > 0) {
-            uint8_t* rows = home_set + b.off_rows;
-            const int64_t base_row = static_cast<int64_t>(l) * R * M + off;
-            const int n = cnt * vpr;
-            for (int j0 = tid; j0 < n; j0 += kThreads * kUnroll) {
-                int4 v[kUnroll];
-                uint8_t* d[kUnroll];
+        const int r = (j - s_pre[u]) / chunks;
+        const int chunk = (j - s_pre[u]) - r * chunks;
+        if (ld_vol(active + s) != 0) {
+            const int off = p.layout_range[static_cast<int64_t>(u) * 2];
+            const int64_t src_row = static_cast<int64_t>(l) * R * M + off + r;
+            const int t = p.src_info[src_row];
+            const int k = p.src_topk[src_row];
+            if (t >= 0 && t < M && k >= 0 && k < b.max_topk) {
+                uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
+                               (static_cast<int64_t>(t) * b.max_topk + k) * row_bytes;
+                const int4* src = reinterpret_cast<const int4*>(p.x + src_row * H);
+                int4 v[kCopyUnroll];
 #pragma unroll
-                for (int q = 0; q < kUnroll; ++q) {
-                    const int j = j0 + q * kThreads;
-                    d[q] = nullptr;
-                    if (j < n) {
-                        const int r = j / vpr;
-                        const int i = j - r * vpr;
-                        const int64_t src_row = base_row + r;
-                        const int t = p.src_info[src_row];
-                        const int k = p.src_topk[src_row];
-                        if (t >= 0 && t < M && k >= 0 && k < b.max_topk) {
-                            v[q] = ep::ld_nc_no_alloc(
-                                reinterpret_cast<const int4*>(p.x + src_row * H) + i);
-                            d[q] = rows + (static_cast<int64_t>(t) * b.max_topk + k) * row_bytes +
-                                   static_cast<int64_t>(i) * 16;
-                        }
+                for (int q = 0; q < kCopyUnroll; ++q) {
+                    const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                    if (i < vpr) {
+                        v[q] = ep::ld_nc_no_alloc(src + i);
                     }
                 }
 #pragma unroll
-                for (int q = 0; q < kUnroll; ++q) {
-                    if (d[q] != nullptr) {
-                        put_v4(d[q], v[q]);
+                for (int q = 0; q < kCopyUnroll; ++q) {
+                    const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                    if (i < vpr) {
+                        put_v4(dst + static_cast<int64_t>(i) * 16, v[q]);
                     }
                 }
             }
         }
-        __syncthreads();
-        if (tid == 0 && home_active) {
+        __syncwarp();
+        if (lane == 0) {
+            ep::atomic_add_release_gpu(unit_done + u, 1);
+        }
+    }
+
+    // Flags: one thread per unit, units spread over the blocks.
+    for (int u = blockIdx.x + tid * static_cast<int>(gridDim.x); u < E;
+         u += kThreads * static_cast<int>(gridDim.x)) {
+        const int need = s_items[u];
+        const ep::Deadline deadline = ep::Deadline::after(b.timeout_ns);
+        while (ep::ld_acquire_gpu(unit_done + u) < need && !deadline.expired()) {
+        }
+        atomicSub(unit_done + u, need);
+        const int s = u % R;
+        if (ld_vol(active + s) != 0) {
+            // The fence orders the unit's rows (acquired above) before the flag: fence +
+            // relaxed store of this thread form a release pattern.
             ep::fence_acq_rel_sys();
-            put_flag(home_set + b.off_flags + static_cast<int64_t>(b.rank * L + l) * 4,
+            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
+                         static_cast<int64_t>(b.rank * L + u / R) * 4,
                      static_cast<int>(tag));
         }
     }
@@ -583,6 +721,14 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
     int* s_valid = reinterpret_cast<int*>(smem + kMaxTopk * 4);
     int* s_active = reinterpret_cast<int*>(smem + kMaxTopk * 8);
 
+    // The first token's routing (a local input) is read while the flags are awaited.
+    const int t_first = blockIdx.x;
+    int64_t pre_e = -1;
+    float pre_w = 0.0f;
+    if (t_first < T && tid < K) {
+        pre_e = p.topk_idx[static_cast<int64_t>(t_first) * K + tid];
+        pre_w = p.topk_weights[static_cast<int64_t>(t_first) * K + tid];
+    }
     // Every expert of every active rank flags every home, also with zero rows: waiting for
     // all of them is what makes reusing the buffer set two ops later safe.
     for (int e = tid; e < E; e += kThreads) {
@@ -599,10 +745,12 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
     const int64_t row_bytes = 2 * static_cast<int64_t>(H);
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         if (tid < K) {
-            const int64_t e = p.topk_idx[static_cast<int64_t>(t) * K + tid];
+            const bool first = t == t_first;
+            const int64_t e = first ? pre_e : p.topk_idx[static_cast<int64_t>(t) * K + tid];
             const bool valid = e >= 0 && e < E && s_active[static_cast<int>(e) / L] != 0;
             s_valid[tid] = valid ? 1 : 0;
-            s_w[tid] = valid ? p.topk_weights[static_cast<int64_t>(t) * K + tid] : 0.0f;
+            const float w = first ? pre_w : p.topk_weights[static_cast<int64_t>(t) * K + tid];
+            s_w[tid] = valid ? w : 0.0f;
         }
         __syncthreads();
         const uint8_t* rows = my_set + b.off_rows + static_cast<int64_t>(t) * b.max_topk * row_bytes;
@@ -658,17 +806,15 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
 // ------------------------------------------------------------------------------------------
 
 // Grid: at most one block per SM (blocks wait for each other's sends). Dynamic shared memory:
-// msg_stride + kMaxTopk * 8 + align16(8 * (R + 1)) + align16(4 * T * K) bytes.
+// max(send: msg_stride + kMaxTopk * 8 + 4 * T * K, receive: 4 * (2 * E + L + 1)) bytes (the
+// receive phase reuses the send phase's space).
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant__ DispatchParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
-    const uint32_t seq = op_begin(reinterpret_cast<uint32_t*>(b.local), kKindDispatch, p.phases);
-    const uint32_t set = seq & 1u;
-    const uint32_t tag = tag_of(seq);
-    const int counts_at = b.msg_stride + kMaxTopk * 8;
-    int* s_count = reinterpret_cast<int*>(smem + counts_at);
-    int* s_off = s_count + (b.num_ranks + 1);
-    int* s_topk = reinterpret_cast<int*>(smem + counts_at + align16(8 * (b.num_ranks + 1)));
+    uint32_t* ctl = reinterpret_cast<uint32_t*>(b.local);
+    __shared__ uint32_t s_seq;
+    op_begin(ctl, kKindDispatch, p.phases, &s_seq);
+    int* s_topk = reinterpret_cast<int*>(smem + b.msg_stride + kMaxTopk * 8);
     if (p.phases & kPhaseSend) {
         const int total = p.num_tokens * p.num_topk;
         for (int i = threadIdx.x; i < total; i += kThreads) {
@@ -676,29 +822,43 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
             const int64_t e = p.topk_idx[i];
             s_topk[i] = e >= 0 && e < b.num_experts ? static_cast<int>(e) : -1;
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    const uint32_t seq = s_seq;
+    const uint32_t set = seq & 1u;
+    const uint32_t tag = tag_of(seq);
+    if (p.phases & kPhaseSend) {
         dispatch_send(p, smem, s_topk, set, tag);
     }
     if (p.phases & kPhaseRecv) {
         __syncthreads();
-        dispatch_recv(p, s_count, s_off, set, tag);
+        int* s_cnt = reinterpret_cast<int*>(smem);
+        int* s_off = s_cnt + b.num_experts;
+        int* s_pre = s_off + b.num_experts;
+        dispatch_recv(p, s_cnt, s_off, s_pre, set, tag);
     }
+    op_end(ctl, kKindDispatch, p.phases, seq);
 }
 
-// Grid: at most one block per SM. Dynamic shared memory: kMaxTopk * 8 + 4 * R bytes.
+// Grid: at most one block per SM. Dynamic shared memory:
+// max(send: 4 * (2 * E + 1), receive: kMaxTopk * 8 + 4 * R) bytes.
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__ CombineParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
-    const uint32_t seq = op_begin(reinterpret_cast<uint32_t*>(b.local), kKindCombine, p.phases);
+    __shared__ uint32_t s_seq;
+    op_begin(reinterpret_cast<uint32_t*>(b.local), kKindCombine, p.phases, &s_seq);
+    __syncthreads();
+    const uint32_t seq = s_seq;
     const uint32_t set = seq & 1u;
     const uint32_t tag = tag_of(seq);
     if (p.phases & kPhaseSend) {
-        combine_send(p, set, tag);
+        combine_send(p, smem, set, tag);
     }
     if (p.phases & kPhaseRecv) {
         __syncthreads();
         combine_recv(p, smem, set, tag);
     }
+    op_end(reinterpret_cast<uint32_t*>(b.local), kKindCombine, p.phases, seq);
 }
 
 // Zeroes the control words, the send counters, and the signals and flags of both sets;
@@ -712,8 +872,8 @@ EP_KERNEL void __launch_bounds__(kThreads) ll_clean(const __grid_constant__ Clea
         ctl[i] = 0;
     }
     int* send_done = reinterpret_cast<int*>(b.local + b.off_send_done);
-    for (int e = tid; e < E; e += blockDim.x) {
-        send_done[e] = 0;
+    for (int e = tid; e < 2 * E; e += blockDim.x) {
+        send_done[e] = 0;  // send_done [E], then unit_done [L*R == E]
     }
     for (uint32_t set = 0; set < 2; ++set) {
         uint8_t* base = set_base(b, b.local, set);

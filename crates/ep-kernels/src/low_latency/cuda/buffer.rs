@@ -212,6 +212,7 @@ impl LowLatencyBuffer {
             off_signals: l.off_signals as u64,
             off_flags: l.off_flags as u64,
             off_msgs: l.off_msgs as u64,
+            off_idx: l.off_idx as u64,
             off_rows: l.off_rows as u64,
             off_active: l.off_active as u64,
             off_send_done: l.off_send_done as u64,
@@ -251,6 +252,7 @@ pub(super) struct LlBuffer {
     pub off_signals: u64,
     pub off_flags: u64,
     pub off_msgs: u64,
+    pub off_idx: u64,
     pub off_rows: u64,
     pub off_active: u64,
     pub off_send_done: u64,
@@ -264,4 +266,4 @@ pub(super) struct LlBuffer {
     pub msg_stride: i32,
     pub reserved: i32,
 }
-const _: () = assert!(std::mem::size_of::<LlBuffer>() == 120);
+const _: () = assert!(std::mem::size_of::<LlBuffer>() == 128);

@@ -4,11 +4,13 @@
 //! control   u32 words [13] (op sequence, launch arrival counters, hook FIFOs), padded to 256
 //!           active_ranks i32 [R]          (1 = active; cleared by a kernel on a timeout)
 //!           send_done    i32 [E]          (local per-expert send counters; balance to 0)
+//!           unit_done    i32 [L*R]        (local per-(expert, home) combine chunk counters)
 //! set 0, 1  signals u64 [L][R]            dispatch counts: (tag << 32) | u32(-n - 1)
 //!           flags   i32 [E]               combine: tag once expert e's rows have arrived
-//!           msgs    [L][R][M] x msg_stride {i32 src_token, i32 topk_pos, 0, 0 |
-//!                                          payload: fp8 H bytes or bf16 2H bytes |
-//!                                          f32 scales [H / 128] (fp8 only)}
+//!           msgs    [R][M] x msg_stride     one per (source, token), sent once per destination
+//!                                         rank: {i32 src_token, 0, 0, 0 | payload: fp8 H
+//!                                         bytes or bf16 2H bytes | f32 scales [H/128] (fp8)}
+//!           idx     i32 [L][R][M]         slot -> src_token | topk_pos << 24
 //!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows, one per (token, k) of the home rank
 //! ```
 //!
@@ -47,7 +49,7 @@ pub struct LowLatencyLayout {
     pub msg_stride: usize,
     /// Offset of `active_ranks` (in the control area).
     pub off_active: usize,
-    /// Offset of `send_done` (in the control area).
+    /// Offset of `send_done` `[E]`, followed by `unit_done` `[L * R]` (in the control area).
     pub off_send_done: usize,
     /// Offset of buffer set 0; set 1 starts `set_bytes` later.
     pub sets_offset: usize,
@@ -57,8 +59,10 @@ pub struct LowLatencyLayout {
     pub off_signals: usize,
     /// Offset of the combine flags within a set.
     pub off_flags: usize,
-    /// Offset of the dispatch messages within a set.
+    /// Offset of the dispatch token messages `[R][M]` within a set.
     pub off_msgs: usize,
+    /// Offset of the dispatch slot index `[L][R][M]` (i32) within a set.
+    pub off_idx: usize,
     /// Offset of the combine rows within a set.
     pub off_rows: usize,
     /// Total bytes of the buffer.
@@ -74,11 +78,11 @@ impl LowLatencyLayout {
         num_experts: usize,
     ) -> Result<Self> {
         let (m, h, r, e) = (max_tokens_per_rank, hidden, num_ranks, num_experts);
-        if m == 0 || m > i32::MAX as usize / LL_MAX_TOPK {
+        if m == 0 || m > 1 << 24 {
             return Err(Error::invalid(
                 "max_tokens_per_rank",
                 m,
-                format!("must be in [1, {}]", i32::MAX as usize / LL_MAX_TOPK),
+                "must be in [1, 2^24]",
             ));
         }
         if h == 0 || h % FP8_GROUP != 0 || h > 1 << 20 {
@@ -106,16 +110,17 @@ impl LowLatencyLayout {
         let msg_stride = 16 + 2 * h;
         let off_active = CONTROL_WORDS_BYTES;
         let off_send_done = off_active + align(4 * r, REGION_ALIGN);
-        let sets_offset = off_send_done + align(4 * e, REGION_ALIGN);
+        // send_done [E], then unit_done [L * R] (= [E]).
+        let sets_offset = off_send_done + align(8 * e, REGION_ALIGN);
         let off_signals = 0;
         let off_flags = off_signals + align(8 * l * r, REGION_ALIGN);
         let off_msgs = off_flags + align(4 * e, REGION_ALIGN);
-        let msgs_bytes = l
-            .checked_mul(r)
-            .and_then(|v| v.checked_mul(m))
+        let msgs_bytes = r
+            .checked_mul(m)
             .and_then(|v| v.checked_mul(msg_stride))
             .ok_or_else(|| Error::invalid("max_tokens_per_rank", m, "buffer size overflows"))?;
-        let off_rows = off_msgs + align(msgs_bytes, REGION_ALIGN);
+        let off_idx = off_msgs + align(msgs_bytes, REGION_ALIGN);
+        let off_rows = off_idx + align(4 * l * r * m, REGION_ALIGN);
         let rows_bytes = m * LL_MAX_TOPK * 2 * h;
         let set_bytes = off_rows + align(rows_bytes, REGION_ALIGN);
         let total_bytes = sets_offset + 2 * set_bytes;
@@ -132,6 +137,7 @@ impl LowLatencyLayout {
             off_signals,
             off_flags,
             off_msgs,
+            off_idx,
             off_rows,
             total_bytes,
         })
@@ -173,14 +179,16 @@ mod tests {
             l.sets_offset,
             l.off_flags,
             l.off_msgs,
+            l.off_idx,
             l.off_rows,
         ] {
             assert_eq!(off % 256, 0);
         }
         assert!(l.off_send_done >= l.off_active + 4 * 4);
-        assert!(l.sets_offset >= l.off_send_done + 4 * 288);
+        assert!(l.sets_offset >= l.off_send_done + 8 * 288);
         assert!(l.off_msgs >= l.off_flags + 4 * 288);
-        assert_eq!(l.off_rows - l.off_msgs, 72 * 4 * 128 * (16 + 2 * 7168));
+        assert_eq!(l.off_idx - l.off_msgs, 4 * 128 * (16 + 2 * 7168));
+        assert_eq!(l.off_rows - l.off_idx, 4 * 72 * 4 * 128);
         assert_eq!(l.total_bytes, l.sets_offset + 2 * l.set_bytes);
         assert_eq!(buffer_size_hint(128, 7168, 4, 288).unwrap(), l.total_bytes);
     }
