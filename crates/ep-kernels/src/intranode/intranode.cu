@@ -230,7 +230,10 @@ __device__ bool barrier_block(const uint64_t* buffer_ptrs, int rank, int num_ran
         }
     }
     __syncthreads();
-    return s_failed == 0;
+    const bool ok = s_failed == 0;
+    // Every thread has read s_failed before the block can reach the next barrier's reset.
+    __syncthreads();
+    return ok;
 }
 
 // Zeroes this rank's channel counters (start, end, tail, head).
@@ -619,6 +622,8 @@ EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const D
     }
     const int start = s_value[g][0];
     const int n = s_value[g][1] - start;
+    // The leader rewrites s_abort / s_tail below: every thread of the group has read them.
+    named_barrier(bar_id, group_threads);
     const int64_t base = (s > 0 ? p.rank_prefix_matrix[(s - 1) * R + p.rank] : 0) + start;
     if (leader) {
         p.recv_channel_offset[s * C + c] = static_cast<int>(base);
