@@ -270,6 +270,9 @@ impl Buffer {
         let me = self.topology.rank;
         let tag = self.seq.fetch_add(1, Ordering::Relaxed);
         let mut own = None;
+        // A failed send does not stop the others: healthy peers must not wait for us (and
+        // then blame us) because another peer is gone.
+        let mut first_err = None;
         for (p, msg) in send.into_iter().enumerate() {
             let Some(msg) = msg else { continue };
             if p == me {
@@ -281,10 +284,16 @@ impl Buffer {
                             self.active.lock().unwrap_or_else(|e| e.into_inner())[p] = false;
                             fails.push(e);
                         }
-                        None => return Err(e),
+                        None => {
+                            tracing::error!(rank = p, op = what, "peer failed: {e}");
+                            first_err.get_or_insert(e);
+                        }
                     }
                 }
             }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
         }
         debug_assert!(n > me);
         Ok(Posted {

@@ -120,7 +120,7 @@ impl Mlp {
         }
         let rows: usize = dims[..dims.len() - 1].iter().product();
         if rows == 0 {
-            return Tensor::zeros(dims, x.dtype(), x.device());
+            return crate::empty::empty(dims, x.dtype(), x.device());
         }
         let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
         let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
@@ -254,8 +254,11 @@ impl Experts {
         topk_idx_local: &Tensor,
         topk_weights: &Tensor,
     ) -> Result<Tensor> {
-        self.forward_grouped_f32(x, topk_idx_local, topk_weights)?
-            .to_dtype(x.dtype())
+        let y = self.forward_grouped_f32(x, topk_idx_local, topk_weights)?;
+        if y.elem_count() == 0 {
+            return crate::empty::empty(y.dims(), x.dtype(), x.device());
+        }
+        y.to_dtype(x.dtype())
     }
 
     /// [`Experts::forward_grouped`] returning the f32 accumulator instead of casting to `x`'s dtype.
@@ -299,7 +302,10 @@ impl Experts {
             )));
         }
         let dev = x.device();
-        if n == 0 || k == 0 {
+        if n == 0 {
+            return crate::empty::empty((0, h), DType::F32, dev);
+        }
+        if k == 0 {
             return Tensor::zeros((n, h), DType::F32, dev);
         }
         let idx: Vec<i64> = topk_idx_local

@@ -255,14 +255,26 @@ impl MoeLayer {
                 ),
             ));
         }
-        let routing = self.router.forward(&x2)?;
-        let routed = match mode {
-            Mode::LowLatency => {
-                self.routed_low_latency(&x2, &routing.topk_idx, &routing.topk_weights)?
-            }
-            _ => self.routed_normal(&x2, &routing.topk_idx, &routing.topk_weights)?,
+        let (topk_idx, topk_weights) = if t == 0 {
+            // A rank without tokens still joins the collectives, with empty routing (built
+            // without zero-byte device allocations, which CUDA refuses).
+            let k = self.router.top_k();
+            let dev = x2.device();
+            (
+                crate::empty::empty((0, k), DType::I64, dev)?,
+                crate::empty::empty((0, k), DType::F32, dev)?,
+            )
+        } else {
+            let routing = self.router.forward(&x2)?;
+            (routing.topk_idx, routing.topk_weights)
         };
-        let (routed, shared) = routed;
+        let (routed, shared) = match mode {
+            Mode::LowLatency => self.routed_low_latency(&x2, &topk_idx, &topk_weights)?,
+            _ => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
+        };
+        if t == 0 {
+            return Ok(crate::empty::empty(dims, x.dtype(), x.device())?);
+        }
         let shared = match shared {
             Some(s) => Some(s),
             None => self.shared_forward(&x2)?,
@@ -333,7 +345,11 @@ impl MoeLayer {
             args = args.fp8(false);
         }
         let hook = self.buffer.low_latency_dispatch_send(&args)?;
-        let shared = self.shared_forward(x)?;
+        let shared = if x.dims()[0] == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
         let out = hook.recv()?;
         let recv_x = match &out.recv_x_scales {
             Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,

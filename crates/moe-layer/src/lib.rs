@@ -31,6 +31,7 @@
 
 pub mod config;
 pub mod dense;
+mod empty;
 pub mod error;
 pub mod experts;
 mod layer;

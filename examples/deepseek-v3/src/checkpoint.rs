@@ -17,7 +17,7 @@ use crate::tokenizer::{build_tokenizer_json, plain_text_tokens};
 pub const DEFAULT_SEED: u64 = 20241226;
 
 /// Bumped whenever the generator's output changes, so stale cached checkpoints are not reused.
-const GENERATOR_VERSION: u32 = 2;
+const GENERATOR_VERSION: u32 = 3;
 
 /// Name of the file that marks a complete generated checkpoint.
 const COMPLETE_MARKER: &str = ".complete";

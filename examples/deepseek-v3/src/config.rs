@@ -239,12 +239,13 @@ impl DeepSeekV3Config {
         MoeConfig::from_json_str(&json.to_string()).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
-    /// The tiny preset written by the checkpoint generator: hidden 64, 4 layers (1 dense),
+    /// The tiny preset written by the checkpoint generator: hidden 128 (the smallest width the
+    /// fp8 and GPU low-latency paths take: a multiple of 128), 4 layers (1 dense),
     /// 16 routed experts top-4 in 4 groups (2 used), 1 shared expert, vocabulary 320.
     pub fn tiny() -> Self {
         Self {
             vocab_size: 320,
-            hidden_size: 64,
+            hidden_size: 128,
             intermediate_size: 128,
             moe_intermediate_size: 32,
             num_hidden_layers: 4,
