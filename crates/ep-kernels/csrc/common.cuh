@@ -6,6 +6,7 @@
 //   * bf16 / fp8 e4m3 conversions with the exact rounding the Rust host twins use;
 //   * memory-model helpers for flags shared across GPUs: acquire/release/relaxed/volatile
 //     loads and stores at GPU and system scope, non-coherent streaming loads, fences, atomics;
+//   * Hopper 1-D bulk copies (TMA) with mbarriers and bulk async-groups;
 //   * timeouts measured with the `%globaltimer` nanosecond clock;
 //   * warp reductions.
 //
@@ -188,6 +189,94 @@ EP_DEVICE void st_no_alloc(int4* ptr, int4 v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),
                  "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
+}
+
+// ------------------------------------------------------------------------------------------
+// Hopper bulk copies (1-D TMA) and mbarriers. Shared-memory operands are 32-bit `shared::cta`
+// addresses (`smem_addr`). Bulk copies need 16-byte aligned addresses and sizes that are
+// multiples of 16. A load completes on an mbarrier (transaction bytes); stores are tracked
+// per thread with bulk async-groups (commit / wait_group).
+// ------------------------------------------------------------------------------------------
+
+EP_DEVICE uint32_t smem_addr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Dynamic shared memory of this launch, in bytes.
+EP_DEVICE uint32_t dynamic_smem_bytes() {
+    uint32_t v;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+
+EP_DEVICE void mbarrier_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes mbarrier inits (generic proxy) visible to the async proxy / other threads.
+EP_DEVICE void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses with its async-proxy ones.
+EP_DEVICE void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Orders this thread's generic-proxy global-memory accesses with its async-proxy ones.
+EP_DEVICE void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// One arrival that also expects `bytes` more transaction bytes in the current phase.
+EP_DEVICE void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// Spins until the phase with parity `parity` of the mbarrier has completed.
+EP_DEVICE void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (done == 0);
+}
+
+// Bulk load global -> shared; completes `bytes` transaction bytes on mbarrier `bar`.
+EP_DEVICE void bulk_load(uint32_t dst_smem, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            dst_smem),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// Bulk store shared -> global (may be a peer's memory mapped over NVLink), in the current
+// bulk async-group.
+EP_DEVICE void bulk_store(void* dst, uint32_t src_smem, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                 "r"(src_smem), "r"(bytes)
+                 : "memory");
+}
+
+EP_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's bulk async-groups still read their shared memory.
+template <int N>
+EP_DEVICE void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's bulk async-groups are incomplete (writes done).
+template <int N>
+EP_DEVICE void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // ------------------------------------------------------------------------------------------

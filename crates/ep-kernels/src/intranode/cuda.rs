@@ -43,6 +43,9 @@ pub const HEADER_ZERO_BYTES: usize = RING_BASE;
 const NOTIFY_THREADS: u32 = 256;
 /// Threads of the dispatch kernel blocks (`kDispatchThreads`).
 const DISPATCH_THREADS: u32 = 768;
+/// Dynamic shared memory of the dispatch kernel blocks (`kDispatchSmemBytes`: the per-warp
+/// bulk-copy staging buffers; unused when the kernel is built with `EP_DISPATCH_TMA=0`).
+const DISPATCH_SMEM_BYTES: u32 = 224_256;
 /// Threads of the combine kernel blocks (`kCombineThreads`).
 const COMBINE_THREADS: u32 = 768;
 /// Tokens the combine home side consumes per round (`kCombineWarps`).
@@ -947,7 +950,7 @@ pub fn dispatch_cuda(
     let cfg = LaunchConfig {
         grid_dim: (2 * c as u32, 1, 1),
         block_dim: (DISPATCH_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: DISPATCH_SMEM_BYTES,
     };
     // SAFETY: `params` matches `DispatchParams`. Every view was checked to hold exactly what
     // the kernel touches for T tokens, N received tokens, H hidden, K top-k, R ranks and C
