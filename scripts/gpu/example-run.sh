@@ -4,7 +4,7 @@
 # on GPUs and on CPUs for comparison, then serve + one plain and one streaming completion.
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export DEEPSEEK_V3_CACHE=/tmp/dsv3-cache RUST_LOG=${RUST_LOG:-info}
+export DEEPSEEK_V3_CACHE=/tmp/dsv3-cache RUST_LOG=${RUST_LOG:-info} RUST_BACKTRACE=1
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 X="${EP_EXAMPLE_BIN:-.gpu/ex/deepseek-v3}"
