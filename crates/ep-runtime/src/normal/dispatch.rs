@@ -399,17 +399,7 @@ impl Buffer {
         }
         let got = self.exchange("dispatch", msgs, None)?;
 
-        let recv_counts: Vec<usize> = (0..r)
-            .map(|s| {
-                let hi = notify.rank_prefix_matrix[s * r + me];
-                let lo = if s == 0 {
-                    0
-                } else {
-                    notify.rank_prefix_matrix[(s - 1) * r + me]
-                };
-                (hi - lo) as usize
-            })
-            .collect();
+        let recv_counts = super::handle::recv_counts(&notify.rank_prefix_matrix, r, me);
         let n = notify.num_recv_tokens;
         let mut rx = Vec::with_capacity(n * row);
         let mut rs = Vec::with_capacity(n * srow);

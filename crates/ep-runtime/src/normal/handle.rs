@@ -91,14 +91,18 @@ impl Handle {
 
     /// Rows received from each source rank, `[R]`, for this rank as destination.
     pub(crate) fn recv_counts_from(&self, me: usize) -> Vec<usize> {
-        let r = self.inner.num_ranks;
-        let p = &self.inner.rank_prefix_matrix;
-        (0..r)
-            .map(|s| {
-                let hi = p[s * r + me];
-                let lo = if s == 0 { 0 } else { p[(s - 1) * r + me] };
-                (hi - lo) as usize
-            })
-            .collect()
+        recv_counts(&self.inner.rank_prefix_matrix, self.inner.num_ranks, me)
     }
+}
+
+/// Rows rank `me` receives from each source, `[R]`, from the inclusive `[R, R]` prefix matrix.
+pub(crate) fn recv_counts(rank_prefix_matrix: &[i32], num_ranks: usize, me: usize) -> Vec<usize> {
+    let (p, r) = (rank_prefix_matrix, num_ranks);
+    (0..r)
+        .map(|s| {
+            let hi = p[s * r + me];
+            let lo = if s == 0 { 0 } else { p[(s - 1) * r + me] };
+            (hi - lo) as usize
+        })
+        .collect()
 }
