@@ -13,6 +13,11 @@
 //!   counts -> host synchronisation (receive sizes) -> index list and row gather into a packed
 //!   send buffer -> grouped send/recv of the rows; timed end to end (CUDA events and host time).
 //!
+//! Both transfer paths are measured: SM rings (`dispatch_cuda` / `combine_cuda`, swept over
+//! SMs, chunks and ring sizes) and the copy-engine path (`ce_dispatch_cuda` /
+//! `ce_combine_cuda`, swept over SMs and chunk sizes; `chunk` = first chunk rows, `ring` =
+//! largest chunk rows in its rows). `EP_BENCH_PATH=ring|ce` limits the run to one of them.
+//!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep.
 //! Run (GPU machine): `bench_intranode` (built by `scripts/gpu/package.sh`), or here
 //! `cargo bench -p ep-kernels --features nccl --bench bench_intranode`.
@@ -26,8 +31,9 @@ use common::{flush_l2, l2_flush_buffer, BoxError, Node};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use ep_kernels::intranode::{
-    buffer_size_hint, cached_notify_cuda, combine_cuda, dispatch_cuda, notify_dispatch_cuda,
-    CombineArgs, Config, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
+    buffer_size_hint, cached_notify_cuda, ce_combine_cuda, ce_dispatch_cuda, combine_cuda,
+    dispatch_cuda, notify_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CombineArgs,
+    Config, CopyStreams, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
     TopK, COMBINE_ROUND_TOKENS,
 };
 use ep_kernels::layout::{get_dispatch_layout, ExpertPlacement};
@@ -77,6 +83,9 @@ struct Handle {
     channel_prefix: CudaSlice<i32>,
     channel_offset: CudaSlice<i32>,
     send_head: CudaSlice<i32>,
+    /// Copy-engine path: notify's `send_index` and the rows from each source.
+    send_index: CudaSlice<i32>,
+    per_source: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,6 +93,9 @@ enum Op {
     DispatchBf16,
     DispatchFp8,
     Combine,
+    CeDispatchBf16,
+    CeDispatchFp8,
+    CeCombine,
 }
 
 impl Op {
@@ -92,6 +104,9 @@ impl Op {
             Op::DispatchBf16 => "dispatch-bf16",
             Op::DispatchFp8 => "dispatch-fp8",
             Op::Combine => "combine-bf16",
+            Op::CeDispatchBf16 => "ce-dispatch-bf16",
+            Op::CeDispatchFp8 => "ce-dispatch-fp8",
+            Op::CeCombine => "ce-combine-bf16",
         }
     }
 }
@@ -177,7 +192,7 @@ fn notify_all(node: &Node, states: &[RankState], config: &Config) -> Result<Vec<
     let counters: Vec<(HostMappedI32, HostMappedI32)> = (0..r)
         .map(|i| {
             Ok((
-                HostMappedI32::new(&node.ctxs[i], 1, -1)?,
+                HostMappedI32::new(&node.ctxs[i], 1 + r, -1)?,
                 HostMappedI32::new(&node.ctxs[i], EXPERTS / r, -1)?,
             ))
         })
@@ -190,6 +205,8 @@ fn notify_all(node: &Node, states: &[RankState], config: &Config) -> Result<Vec<
             channel_prefix: stream.alloc_zeros(r * c)?,
             channel_offset: stream.alloc_zeros(r * c)?,
             send_head: stream.alloc_zeros(TOKENS * r)?,
+            send_index: stream.alloc_zeros(TOKENS * r)?,
+            per_source: Vec::new(),
         };
         notify_dispatch_cuda(
             stream,
@@ -206,11 +223,15 @@ fn notify_all(node: &Node, states: &[RankState], config: &Config) -> Result<Vec<
                 channel_prefix_matrix: h.channel_prefix.as_view_mut(),
                 moe_recv_counter: &counters[rank].0,
                 moe_recv_expert_counter: &counters[rank].1,
+                send_index: Some(h.send_index.as_view_mut()),
             },
         )?;
         let n = counters[rank]
             .0
             .poll_nonneg(0, std::time::Duration::from_secs(30), rank)? as usize;
+        h.per_source = (0..r)
+            .map(|s| counters[rank].0.get(1 + s) as usize)
+            .collect();
         if n != st.num_recv {
             return Err(format!(
                 "rank {rank}: notify says {n} tokens, host layout {}",
@@ -311,6 +332,92 @@ fn launch_combine(
     Ok(())
 }
 
+fn launch_ce_dispatch(
+    node: &Node,
+    rank: usize,
+    st: &mut RankState,
+    h: &Handle,
+    copies: &CopyStreams,
+    ce: &CeConfig,
+    fp8: bool,
+) -> Result<(), BoxError> {
+    let stream = &node.streams[rank];
+    let n = st.num_recv;
+    let (x, recv_x) = if fp8 {
+        (
+            Payload::Fp8 {
+                x: st.x_fp8.as_view(),
+                scales: st.scales.as_view(),
+            },
+            RecvPayload::Fp8 {
+                x: st.recv_fp8.slice_mut(0..n * HIDDEN),
+                scales: st.recv_scales.slice_mut(0..n * HIDDEN / FP8_GROUP),
+            },
+        )
+    } else {
+        (
+            Payload::Bf16(st.x.as_view()),
+            RecvPayload::Bf16(st.recv_x.slice_mut(0..n * HIDDEN)),
+        )
+    };
+    ce_dispatch_cuda(
+        stream,
+        copies,
+        &node.peers[rank],
+        ce,
+        CeDispatchArgs {
+            x,
+            topk: Some(TopK {
+                idx: st.topk_idx.as_view(),
+                weights: st.topk_w.as_view(),
+            }),
+            num_experts: EXPERTS,
+            send_index: h.send_index.as_view(),
+            rank_prefix_matrix: h.rank_prefix.as_view(),
+            recv_per_source: &h.per_source,
+            recv_x,
+            recv_src_idx: st.recv_src.slice_mut(0..n),
+            recv_topk: Some(RecvTopK {
+                idx: st.recv_topk_idx.slice_mut(0..n * TOPK),
+                weights: st.recv_topk_w.slice_mut(0..n * TOPK),
+            }),
+            hidden: HIDDEN,
+            num_topk: TOPK,
+        },
+    )?;
+    Ok(())
+}
+
+fn launch_ce_combine(
+    node: &Node,
+    rank: usize,
+    st: &mut RankState,
+    h: &Handle,
+    copies: &CopyStreams,
+    ce: &CeConfig,
+) -> Result<(), BoxError> {
+    let stream = &node.streams[rank];
+    let n = st.num_recv;
+    ce_combine_cuda(
+        stream,
+        copies,
+        &node.peers[rank],
+        ce,
+        CeCombineArgs {
+            x: st.recv_x.slice(0..n * HIDDEN),
+            topk_weights: None,
+            rank_prefix_matrix: h.rank_prefix.as_view(),
+            send_index: h.send_index.as_view(),
+            recv_per_source: &h.per_source,
+            combined_x: st.combined.as_view_mut(),
+            combined_topk_weights: None,
+            hidden: HIDDEN,
+            num_topk: 0,
+        },
+    )?;
+    Ok(())
+}
+
 fn event(stream: &Arc<CudaStream>) -> Result<CudaEvent, BoxError> {
     Ok(stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
 }
@@ -325,9 +432,11 @@ fn time_op(
     op: Op,
     config: &Config,
     dispatch_config: &Config,
+    ce: (&[CopyStreams], &CeConfig),
     warmup: usize,
     iters: usize,
 ) -> Result<Vec<f32>, BoxError> {
+    let (copies, ce) = ce;
     let states_ptr: Vec<std::sync::Mutex<(&mut RankState, &mut Handle)>> = states
         .iter_mut()
         .zip(handles.iter_mut())
@@ -341,6 +450,10 @@ fn time_op(
             cached_notify_cuda(stream, &node.peers[rank])?;
             launch_dispatch(node, rank, st, h, dispatch_config, false)?;
         }
+        if op == Op::CeCombine {
+            cached_notify_cuda(stream, &node.peers[rank])?;
+            launch_ce_dispatch(node, rank, st, h, &copies[rank], ce, false)?;
+        }
         let mut evs = Vec::new();
         for i in 0..warmup + iters {
             // Untimed: flush L2, then the cached notify (its barrier also lines the ranks up).
@@ -351,6 +464,13 @@ fn time_op(
                 Op::DispatchBf16 => launch_dispatch(node, rank, st, h, config, false)?,
                 Op::DispatchFp8 => launch_dispatch(node, rank, st, h, config, true)?,
                 Op::Combine => launch_combine(node, rank, st, h, config)?,
+                Op::CeDispatchBf16 => {
+                    launch_ce_dispatch(node, rank, st, h, &copies[rank], ce, false)?
+                }
+                Op::CeDispatchFp8 => {
+                    launch_ce_dispatch(node, rank, st, h, &copies[rank], ce, true)?
+                }
+                Op::CeCombine => launch_ce_combine(node, rank, st, h, &copies[rank], ce)?,
             }
             let e1 = event(stream)?;
             if i >= warmup {
@@ -366,6 +486,37 @@ fn time_op(
     })?;
     node.sync_and_check()?;
     Ok(times)
+}
+
+/// Turns per-rank median milliseconds into a row (and prints it).
+fn make_row(
+    op: Op,
+    num_sms: usize,
+    chunk: usize,
+    ring: usize,
+    ms: &[f32],
+    states: &[RankState],
+) -> Row {
+    let per_rank: Vec<f32> = ms
+        .iter()
+        .zip(states)
+        .map(|(&t, s)| (bytes(op, s.num_recv) / 1e9 / (t as f64 / 1e3)) as f32)
+        .collect();
+    let mut all = ms.to_vec();
+    let row = Row {
+        op,
+        num_sms,
+        chunk,
+        ring,
+        us: median(&mut all) * 1e3,
+        gbps: per_rank.iter().sum::<f32>() / per_rank.len() as f32,
+        gbps_min_rank: per_rank.iter().copied().fold(f32::INFINITY, f32::min),
+    };
+    println!(
+        "{:<16} sms {:>3} chunk {:>4} ring {:>4}: {:>8.1} us  {:>7.1} GB/s (NVL, mean of ranks; min {:.1})",
+        op.name(), num_sms, chunk, ring, row.us, row.gbps, row.gbps_min_rank
+    );
+    row
 }
 
 /// One measured configuration.
@@ -426,7 +577,7 @@ fn summarize(per_rank_ms: &[Vec<f32>], states: &[RankState]) -> (f32, f32) {
 fn bytes(op: Op, n: usize) -> f64 {
     let bf16 = (n * HIDDEN * 2) as f64;
     match op {
-        Op::DispatchFp8 => bf16 * (1.0 + 4.0 / 128.0) / 2.0,
+        Op::DispatchFp8 | Op::CeDispatchFp8 => bf16 * (1.0 + 4.0 / 128.0) / 2.0,
         _ => bf16,
     }
 }
@@ -472,7 +623,48 @@ fn main() -> Result<(), BoxError> {
         "intranode bench: EP{r}, {TOKENS} tokens/rank, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}; recv tokens per rank {:?}",
         states.iter().map(|s| s.num_recv).collect::<Vec<_>>()
     );
+    let path = std::env::var("EP_BENCH_PATH").unwrap_or_default();
+    let copies: Vec<CopyStreams> = node
+        .ctxs
+        .iter()
+        .map(|c| CopyStreams::new(c, r))
+        .collect::<Result<_, _>>()?;
     let mut rows: Vec<Row> = Vec::new();
+    if path != "ring" {
+        let notify_cfg = Config::new(24, 1, 1)?;
+        let mut handles = notify_all(&node, &states, &notify_cfg)?;
+        let ce_sms: Vec<usize> = if quick { vec![24] } else { vec![8, 16, 24, 32] };
+        let ce_chunks: Vec<(usize, usize)> = if quick {
+            vec![(256, 1024)]
+        } else {
+            vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
+        };
+        for &num_sms in &ce_sms {
+            for &(first, max) in &ce_chunks {
+                let ce = CeConfig {
+                    num_sms,
+                    first_chunk_rows: first,
+                    max_chunk_rows: max,
+                };
+                for op in [Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine] {
+                    let ms = time_op(
+                        &node,
+                        &mut states,
+                        &mut handles,
+                        op,
+                        &notify_cfg,
+                        &notify_cfg,
+                        (&copies, &ce),
+                        warmup,
+                        iters,
+                    )?;
+                    let row = make_row(op, num_sms, first, max, &ms, &states);
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    let sms: Vec<usize> = if path == "ce" { Vec::new() } else { sms };
     for &num_sms in &sms {
         let notify_cfg = Config::new(num_sms, 1, 1)?;
         let mut handles = notify_all(&node, &states, &notify_cfg)?;
@@ -489,6 +681,7 @@ fn main() -> Result<(), BoxError> {
                     }
                     let cfg = Config::new(num_sms, chunk, ring)?;
                     let dcfg = Config::new(num_sms, 6.min(ring), ring)?;
+                    let ce = CeConfig::default();
                     let ms = time_op(
                         &node,
                         &mut states,
@@ -496,29 +689,11 @@ fn main() -> Result<(), BoxError> {
                         op,
                         &cfg,
                         &dcfg,
+                        (&copies, &ce),
                         warmup,
                         iters,
                     )?;
-                    let per_rank: Vec<f32> = ms
-                        .iter()
-                        .zip(&states)
-                        .map(|(&t, s)| (bytes(op, s.num_recv) / 1e9 / (t as f64 / 1e3)) as f32)
-                        .collect();
-                    let mut all = ms.clone();
-                    let row = Row {
-                        op,
-                        num_sms,
-                        chunk,
-                        ring,
-                        us: median(&mut all) * 1e3,
-                        gbps: per_rank.iter().sum::<f32>() / per_rank.len() as f32,
-                        gbps_min_rank: per_rank.iter().copied().fold(f32::INFINITY, f32::min),
-                    };
-                    println!(
-                        "{:<14} sms {:>3} chunk {:>3} ring {:>4}: {:>8.1} us  {:>7.1} GB/s (NVL, mean of ranks; min {:.1})",
-                        op.name(), num_sms, chunk, ring, row.us, row.gbps, row.gbps_min_rank
-                    );
-                    rows.push(row);
+                    rows.push(make_row(op, num_sms, chunk, ring, &ms, &states));
                 }
             }
         }
@@ -527,17 +702,24 @@ fn main() -> Result<(), BoxError> {
     // Summary: best per op, and the 24-SM numbers DeepEP reports.
     println!("\n== summary (EP{r}) ==");
     println!(
-        "{:<14} {:>5} {:>6} {:>5} {:>10} {:>10}",
+        "{:<16} {:>5} {:>6} {:>5} {:>10} {:>10}",
         "op", "sms", "chunk", "ring", "time_us", "GB/s"
     );
-    for op in [Op::DispatchBf16, Op::DispatchFp8, Op::Combine] {
+    for op in [
+        Op::DispatchBf16,
+        Op::DispatchFp8,
+        Op::Combine,
+        Op::CeDispatchBf16,
+        Op::CeDispatchFp8,
+        Op::CeCombine,
+    ] {
         if let Some(b) = rows
             .iter()
             .filter(|x| x.op == op)
             .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
         {
             println!(
-                "{:<14} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best)",
+                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best)",
                 op.name(),
                 b.num_sms,
                 b.chunk,
@@ -548,11 +730,11 @@ fn main() -> Result<(), BoxError> {
         }
         if let Some(b) = rows
             .iter()
-            .filter(|x| x.op == op && x.num_sms == 24)
+            .filter(|x| x.op == op && x.num_sms <= 24)
             .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
         {
             println!(
-                "{:<14} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best at 24 SMs)",
+                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best at <= 24 SMs)",
                 op.name(),
                 b.num_sms,
                 b.chunk,
@@ -581,7 +763,7 @@ fn main() -> Result<(), BoxError> {
         );
         if let Some(best) = rows
             .iter()
-            .filter(|x| x.op == Op::DispatchBf16)
+            .filter(|x| matches!(x.op, Op::DispatchBf16 | Op::CeDispatchBf16))
             .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
         {
             println!(

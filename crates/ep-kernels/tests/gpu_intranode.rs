@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use ep_kernels::intranode::{
-    self, buffer_size_hint, cached_notify_cuda, combine_cuda, dispatch_cuda, notify_dispatch_cuda,
-    CombineArgs, Config, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
+    self, buffer_size_hint, cached_notify_cuda, ce_combine_cuda, ce_dispatch_cuda, combine_cuda,
+    dispatch_cuda, notify_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CombineArgs,
+    Config, CopyStreams, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
     TopK,
 };
 use ep_kernels::layout::{get_dispatch_layout, ExpertPlacement};
@@ -51,6 +52,8 @@ struct Case {
     alignment: usize,
     dispatch: Config,
     combine: Config,
+    /// `Some`: the copy-engine path instead of the rings.
+    ce: Option<CeConfig>,
 }
 
 /// One rank's inputs and the host twins' outputs for it.
@@ -85,6 +88,9 @@ struct RankData {
 struct RankOut {
     rank_prefix: Vec<i32>,
     channel_prefix: Vec<i32>,
+    /// Copy-engine path: notify's `send_index` and the per-source counter words.
+    send_index: Vec<i32>,
+    recv_per_source: Vec<i32>,
     num_recv: i32,
     recv_per_expert: Vec<i32>,
     /// One per dispatch (fresh, then cached if asked).
@@ -339,6 +345,7 @@ fn run_dispatch(
     rank_prefix: &CudaSlice<i32>,
     channel_prefix: &CudaSlice<i32>,
     n: usize,
+    ce_state: Option<(&CudaSlice<i32>, &[usize], &CopyStreams)>,
 ) -> Result<Recv, BoxError> {
     let stream = &node.streams[rank];
     let (h, k, r) = (case.hidden, case.num_topk, node.num_ranks());
@@ -385,6 +392,29 @@ fn run_dispatch(
     } else {
         (None, None)
     };
+    if let Some(ce) = &case.ce {
+        let (send_index, per_source, copies) = ce_state.ok_or("copy-engine state missing")?;
+        ce_dispatch_cuda(
+            stream,
+            copies,
+            &node.peers[rank],
+            ce,
+            CeDispatchArgs {
+                x,
+                topk,
+                num_experts: case.num_experts,
+                send_index: send_index.slice(0..t * r),
+                rank_prefix_matrix: rank_prefix.slice(0..r * r),
+                recv_per_source: per_source,
+                recv_x,
+                recv_src_idx: recv.src_idx.slice_mut(0..n),
+                recv_topk,
+                hidden: h,
+                num_topk: if case.with_topk { k } else { 0 },
+            },
+        )?;
+        return Ok(recv);
+    }
     dispatch_cuda(
         stream,
         &node.peers[rank],
@@ -502,6 +532,7 @@ fn run_rank(
     let per_expert = upload(stream, &d.per_expert, 0)?;
     let mut rank_prefix = poisoned::<i32>(stream, r * r)?;
     let mut channel_prefix = poisoned::<i32>(stream, r * c)?;
+    let mut send_index = poisoned::<i32>(stream, t * r)?;
     let (recv_counter, expert_counter) = counters;
     notify_dispatch_cuda(
         stream,
@@ -518,6 +549,7 @@ fn run_rank(
             channel_prefix_matrix: channel_prefix.slice_mut(0..r * c),
             moe_recv_counter: recv_counter,
             moe_recv_expert_counter: expert_counter,
+            send_index: case.ce.map(|_| send_index.slice_mut(0..t * r)),
         },
     )?;
     let timeout = Duration::from_secs(30);
@@ -526,16 +558,41 @@ fn run_rank(
     let recv_per_expert: Vec<i32> = (0..l)
         .map(|i| expert_counter.poll_nonneg(i, timeout, rank))
         .collect::<Result<_, _>>()?;
+    let recv_per_source: Vec<i32> = (0..r).map(|s| recv_counter.get(1 + s)).collect();
+    let per_source: Vec<usize> = recv_per_source.iter().map(|&v| v.max(0) as usize).collect();
+    let copies = CopyStreams::new(&node.ctxs[rank], r)?;
+    let ce_state = case
+        .ce
+        .map(|_| (&send_index, per_source.as_slice(), &copies));
     let mut out = RankOut {
         num_recv: n as i32,
         recv_per_expert,
+        recv_per_source,
         ..Default::default()
     };
-    let recv = run_dispatch(node, rank, case, &inputs, &rank_prefix, &channel_prefix, n)?;
+    let recv = run_dispatch(
+        node,
+        rank,
+        case,
+        &inputs,
+        &rank_prefix,
+        &channel_prefix,
+        n,
+        ce_state,
+    )?;
     out.dispatches.push(recv.download(stream, case, n, t, r)?);
     let recv = if case.cached {
         cached_notify_cuda(stream, &node.peers[rank])?;
-        let recv2 = run_dispatch(node, rank, case, &inputs, &rank_prefix, &channel_prefix, n)?;
+        let recv2 = run_dispatch(
+            node,
+            rank,
+            case,
+            &inputs,
+            &rank_prefix,
+            &channel_prefix,
+            n,
+            ce_state,
+        )?;
         out.dispatches.push(recv2.download(stream, case, n, t, r)?);
         recv2
     } else {
@@ -546,28 +603,55 @@ fn run_rank(
     let mut combined = poisoned::<bf16>(stream, t * h)?;
     let mut combined_w = poisoned::<f32>(stream, t * k)?;
     cached_notify_cuda(stream, &node.peers[rank])?;
-    combine_cuda(
-        stream,
-        &node.peers[rank],
-        &case.combine,
-        CombineArgs {
-            x: combine_x.slice(0..n * h),
-            topk_weights: case.with_topk.then(|| recv.topk_weights.slice(0..n * k)),
-            rank_prefix_matrix: rank_prefix.slice(0..r * r),
-            recv_channel_offset: recv.channel_offset.slice(0..r * c),
-            send_head: recv.send_head.slice(0..t * r),
-            combined_x: combined.slice_mut(0..t * h),
-            combined_topk_weights: if case.with_topk {
-                Some(combined_w.slice_mut(0..t * k))
-            } else {
-                None
+    if let Some(ce) = &case.ce {
+        ce_combine_cuda(
+            stream,
+            &copies,
+            &node.peers[rank],
+            ce,
+            CeCombineArgs {
+                x: combine_x.slice(0..n * h),
+                topk_weights: case.with_topk.then(|| recv.topk_weights.slice(0..n * k)),
+                rank_prefix_matrix: rank_prefix.slice(0..r * r),
+                send_index: send_index.slice(0..t * r),
+                recv_per_source: &per_source,
+                combined_x: combined.slice_mut(0..t * h),
+                combined_topk_weights: if case.with_topk {
+                    Some(combined_w.slice_mut(0..t * k))
+                } else {
+                    None
+                },
+                hidden: h,
+                num_topk: if case.with_topk { k } else { 0 },
             },
-            num_recv_tokens: n,
-            hidden: h,
-            num_topk: if case.with_topk { k } else { 0 },
-        },
-    )?;
+        )?;
+    } else {
+        combine_cuda(
+            stream,
+            &node.peers[rank],
+            &case.combine,
+            CombineArgs {
+                x: combine_x.slice(0..n * h),
+                topk_weights: case.with_topk.then(|| recv.topk_weights.slice(0..n * k)),
+                rank_prefix_matrix: rank_prefix.slice(0..r * r),
+                recv_channel_offset: recv.channel_offset.slice(0..r * c),
+                send_head: recv.send_head.slice(0..t * r),
+                combined_x: combined.slice_mut(0..t * h),
+                combined_topk_weights: if case.with_topk {
+                    Some(combined_w.slice_mut(0..t * k))
+                } else {
+                    None
+                },
+                num_recv_tokens: n,
+                hidden: h,
+                num_topk: if case.with_topk { k } else { 0 },
+            },
+        )?;
+    }
     out.combined = download(stream, &combined, t * h)?;
+    if case.ce.is_some() {
+        out.send_index = download(stream, &send_index, t * r)?;
+    }
     out.combined_weights = if case.with_topk {
         download(stream, &combined_w, t * k)?
     } else {
@@ -590,7 +674,7 @@ fn check_case(node: &mut Node, rng: &mut StdRng, case: &Case) -> CaseResult {
     let counters: Vec<(HostMappedI32, HostMappedI32)> = (0..r)
         .map(|i| {
             Ok((
-                HostMappedI32::new(&node.ctxs[i], 1, -1)?,
+                HostMappedI32::new(&node.ctxs[i], 1 + r, -1)?,
                 HostMappedI32::new(&node.ctxs[i], l, -1)?,
             ))
         })
@@ -622,6 +706,32 @@ fn check_case(node: &mut Node, rng: &mut StdRng, case: &Case) -> CaseResult {
             &d.channel_prefix,
         )?;
         compare(&at("num_recv_tokens"), &[o.num_recv], &[d.num_recv as i32])?;
+        let per_source: Vec<i32> = (0..r)
+            .map(|s| {
+                let hi = prefix[s * r + rank];
+                let lo = if s > 0 { prefix[(s - 1) * r + rank] } else { 0 };
+                hi - lo
+            })
+            .collect();
+        compare(
+            &at("recv per source (counter words)"),
+            &o.recv_per_source,
+            &per_source,
+        )?;
+        if case.ce.is_some() {
+            let t = case.tokens[rank];
+            let mut next = vec![0i32; r];
+            let mut want = vec![-1i32; t * r];
+            for tok in 0..t {
+                for dst in 0..r {
+                    if d.in_rank[tok * r + dst] != 0 {
+                        want[tok * r + dst] = next[dst];
+                        next[dst] += 1;
+                    }
+                }
+            }
+            compare(&at("send_index"), &o.send_index, &want)?;
+        }
         compare(
             &at("num_recv_tokens_per_expert"),
             &o.recv_per_expert,
@@ -657,12 +767,14 @@ fn check_case(node: &mut Node, rng: &mut StdRng, case: &Case) -> CaseResult {
                     f32::to_bits,
                 )?;
             }
-            compare(
-                &at("recv_channel_offset"),
-                &dis.recv_channel_offset,
-                &d.recv_channel_offset,
-            )?;
-            compare(&at("send_head"), &dis.send_head, &d.send_head)?;
+            if case.ce.is_none() {
+                compare(
+                    &at("recv_channel_offset"),
+                    &dis.recv_channel_offset,
+                    &d.recv_channel_offset,
+                )?;
+                compare(&at("send_head"), &dis.send_head, &d.send_head)?;
+            }
         }
         compare_bits(&at("combined_x"), &o.combined, &d.combined, |v| v.to_bits())?;
         if case.with_topk {
@@ -690,6 +802,7 @@ fn base_case(r: usize) -> Case {
         alignment: 4,
         dispatch: Config::dispatch_default(r),
         combine: Config::combine_default(r),
+        ce: None,
     }
 }
 
@@ -773,6 +886,36 @@ fn main() {
         c.dispatch = Config::new(48, 16, 128).expect("config");
         c.combine = Config::new(48, 8, 128).expect("config");
         cases.push(("many-channels".into(), c));
+        // The copy-engine path on the same cases (default chunks, and tiny chunks so that
+        // blocks span many of them).
+        let ce_cases: Vec<(String, Case)> = cases
+            .iter()
+            .filter(|(n, _)| n != "ring-wrap" && n != "many-channels")
+            .map(|(n, c)| {
+                let mut c = c.clone();
+                c.ce = Some(CeConfig::default());
+                (format!("ce-{n}"), c)
+            })
+            .collect();
+        cases.extend(ce_cases);
+        let mut c = base_case(r);
+        c.tokens = vec![1000; r];
+        c.cached = true;
+        c.ce = Some(CeConfig {
+            num_sms: 3,
+            first_chunk_rows: 5,
+            max_chunk_rows: 40,
+        });
+        cases.push(("ce-tiny-chunks".into(), c));
+        let mut c = base_case(r);
+        c.tokens = vec![2000; r];
+        c.fp8 = true;
+        c.ce = Some(CeConfig {
+            num_sms: 1,
+            first_chunk_rows: 1,
+            max_chunk_rows: 1,
+        });
+        cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {
             runner.case(&format!("r{r}/{name}"), |rng| {
                 check_case(&mut node, rng, &case)

@@ -82,8 +82,36 @@ pub struct BufferConfig {
     pub low_latency: Option<LowLatencySizing>,
     /// Bytes of the NVLink buffer of each rank (CUDA buffers, normal mode); `None` sizes it
     /// for rows of up to [`BufferConfig::DEFAULT_NVL_HIDDEN`] channels and top-k up to
-    /// [`BufferConfig::DEFAULT_NVL_TOPK`] under [`BufferConfig::config`].
+    /// [`BufferConfig::DEFAULT_NVL_TOPK`] under [`BufferConfig::config`], and for the
+    /// copy-engine path with up to [`BufferConfig::DEFAULT_NVL_TOKENS`] tokens per rank.
     pub num_nvl_bytes: Option<usize>,
+    /// CUDA buffers: how normal-mode dispatch and combine move bytes over NVLink.
+    pub nvl_transfer: NvlTransfer,
+}
+
+/// How a CUDA buffer's normal mode moves bytes between the GPUs of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NvlTransfer {
+    /// Copy engines for 2 ranks, SM rings for more (what measured fastest on H200s, see
+    /// `docs/benchmarks.md`).
+    #[default]
+    Auto,
+    /// SM kernels stream rows through per-(channel, peer) rings (DeepEP's design).
+    SmRings,
+    /// The GPUs' copy engines move the rows (SMs only pack and reduce in local memory), when
+    /// the NVLink buffer holds the op; SM rings otherwise.
+    CopyEngine,
+}
+
+impl NvlTransfer {
+    /// Whether `num_ranks` ranks use the copy-engine path (when their buffers hold the op).
+    pub fn uses_copy_engine(self, num_ranks: usize) -> bool {
+        match self {
+            NvlTransfer::Auto => num_ranks <= 2,
+            NvlTransfer::SmRings => false,
+            NvlTransfer::CopyEngine => true,
+        }
+    }
 }
 
 impl Default for BufferConfig {
@@ -93,6 +121,7 @@ impl Default for BufferConfig {
             config: Config::default(),
             low_latency: None,
             num_nvl_bytes: None,
+            nvl_transfer: NvlTransfer::Auto,
         }
     }
 }
@@ -103,6 +132,15 @@ impl BufferConfig {
     pub const DEFAULT_NVL_HIDDEN: usize = 7168;
     /// Top-k the NVLink buffer is sized for when [`BufferConfig::num_nvl_bytes`] is `None`.
     pub const DEFAULT_NVL_TOPK: usize = 16;
+    /// Tokens per rank the NVLink buffer is sized for (copy-engine path) when
+    /// [`BufferConfig::num_nvl_bytes`] is `None`.
+    pub const DEFAULT_NVL_TOKENS: usize = 4096;
+
+    /// Chooses the normal-mode NVLink transfer of CUDA buffers.
+    pub fn with_nvl_transfer(mut self, transfer: NvlTransfer) -> Self {
+        self.nvl_transfer = transfer;
+        self
+    }
 
     /// Sets the NVLink buffer size of CUDA buffers (see [`BufferConfig::num_nvl_bytes`]).
     pub fn with_nvl_bytes(mut self, bytes: usize) -> Self {

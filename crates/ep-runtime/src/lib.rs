@@ -59,7 +59,7 @@ pub mod transport;
 
 pub use bootstrap::{Store, StoreConfig};
 pub use buffer::Buffer;
-pub use config::{BufferConfig, Config, LowLatencySizing};
+pub use config::{BufferConfig, Config, LowLatencySizing, NvlTransfer};
 pub use error::{Error, Result};
 pub use event::EventOverlap;
 pub use layout::DispatchLayout;

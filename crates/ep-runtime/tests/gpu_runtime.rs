@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-    Store, StoreConfig, Topology,
+    NvlTransfer, Store, StoreConfig, Topology,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -38,7 +38,8 @@ fn main() {
     }
     let world = gpus.min(8);
     let (mut passed, mut failed) = (0usize, 0usize);
-    let mut launches = vec!["equal"];
+    // "equal": the copy-engine normal mode; "equal-rings": the SM ring kernels.
+    let mut launches = vec!["equal", "equal-rings"];
     if world >= 2 {
         launches.push("missing");
     }
@@ -105,7 +106,7 @@ struct Ctx {
     _store: Store,
 }
 
-fn setup(timeout: Duration) -> std::result::Result<Ctx, String> {
+fn setup(timeout: Duration, transfer: NvlTransfer) -> std::result::Result<Ctx, String> {
     let scfg = StoreConfig::from_env()
         .and_then(|c| c.with_timeout(Duration::from_secs(60)))
         .map_err(|e| e.to_string())?;
@@ -116,7 +117,8 @@ fn setup(timeout: Duration) -> std::result::Result<Ctx, String> {
     let cfg = BufferConfig::default()
         .with_timeout(timeout)
         .with_low_latency(LL_MAX_TOKENS, HIDDEN, 8 * world)
-        .with_nvl_bytes(64 << 20);
+        .with_nvl_bytes(64 << 20)
+        .with_nvl_transfer(transfer);
     let cuda = Buffer::from_store(&store, topo, cfg.clone(), &gpu).map_err(|e| e.to_string())?;
     let cpu = Buffer::from_store(&store, topo, cfg, &Device::Cpu).map_err(|e| e.to_string())?;
     Ok(Ctx {
@@ -131,7 +133,12 @@ fn setup(timeout: Duration) -> std::result::Result<Ctx, String> {
 
 fn child(case: &str) -> i32 {
     let timeout = if case == "missing" { 3 } else { 30 };
-    let ctx = match setup(Duration::from_secs(timeout)) {
+    let transfer = if case.ends_with("-rings") {
+        NvlTransfer::SmRings
+    } else {
+        NvlTransfer::CopyEngine
+    };
+    let ctx = match setup(Duration::from_secs(timeout), transfer) {
         Ok(c) => c,
         Err(e) => {
             println!("FAIL setup: {e}");
@@ -140,10 +147,10 @@ fn child(case: &str) -> i32 {
     };
     let mut failed = 0;
     let mut run = |name: &str, f: &dyn Fn(&Ctx) -> TestResult| match f(&ctx) {
-        Ok(()) => println!("PASS {name} (rank {})", ctx.rank),
+        Ok(()) => println!("PASS {case}/{name} (rank {})", ctx.rank),
         Err(e) => {
             failed += 1;
-            println!("FAIL {name} (rank {}): {e}", ctx.rank);
+            println!("FAIL {case}/{name} (rank {}): {e}", ctx.rank);
         }
     };
     if case == "missing" {

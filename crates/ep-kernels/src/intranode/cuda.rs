@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::FP8_GROUP;
 
 /// The cubin of `intranode.cu`.
-const FILE: &str = "intranode/intranode";
+pub(crate) const FILE: &str = "intranode/intranode";
 /// Most ranks of one node (`kMaxRanks`).
 pub const MAX_NVL_RANKS: usize = 8;
 /// Most channels, `num_sms / 2` (`kMaxChannels`).
@@ -54,12 +54,14 @@ pub const COMBINE_ROUND_TOKENS: usize = 24;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Kernel names by the ids the device writes into error records.
-const KERNEL_NAMES: [&str; 5] = [
+const KERNEL_NAMES: [&str; 7] = [
     "intranode_unknown",
     "intranode_notify_dispatch",
     "intranode_cached_notify",
     "intranode_dispatch",
     "intranode_combine",
+    "intranode_ce_wait",
+    "intranode_ce_reduce",
 ];
 
 /// Launch configuration of dispatch and combine.
@@ -283,7 +285,22 @@ impl PeerBuffers {
         self.timeout
     }
 
-    fn timeout_ns(&self) -> u64 {
+    /// Rank `r`'s buffer as this rank's context addresses it.
+    pub(crate) fn ptr(&self, r: usize) -> u64 {
+        self.ptrs[r]
+    }
+
+    /// The raw pointer table passed to kernels.
+    pub(crate) fn ptrs(&self) -> [u64; MAX_NVL_RANKS] {
+        self.ptrs
+    }
+
+    /// The device address of this rank's error record.
+    pub(crate) fn error_info(&self) -> u64 {
+        self.error_info
+    }
+
+    pub(crate) fn timeout_ns(&self) -> u64 {
         u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
     }
 
@@ -428,7 +445,7 @@ impl Drop for HostMappedI32 {
     }
 }
 
-fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
+pub(crate) fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
     i32::try_from(value).map_err(|_| Error::invalid(arg, value, "must fit in an i32"))
 }
 
@@ -460,6 +477,7 @@ struct NotifyParams {
     moe_recv_counter: CUdeviceptr,
     moe_recv_expert_counter: CUdeviceptr,
     error_info: CUdeviceptr,
+    send_index: CUdeviceptr,
     timeout_ns: u64,
     rank: i32,
     num_ranks: i32,
@@ -468,7 +486,7 @@ struct NotifyParams {
     num_channels: i32,
     expert_alignment: i32,
 }
-const _: () = assert!(std::mem::size_of::<NotifyParams>() == 160);
+const _: () = assert!(std::mem::size_of::<NotifyParams>() == 168);
 // SAFETY: repr(C) plain data mirroring `NotifyParams` in intranode.cu (size asserted on both
 // sides).
 unsafe impl KernelParams for NotifyParams {}
@@ -508,10 +526,16 @@ pub struct NotifyArgs<'a> {
     /// Out: `[R, C]` this rank's per-destination inclusive channel prefix
     /// (== [`super::host::channel_prefix_matrix`]).
     pub channel_prefix_matrix: CudaViewMut<'a, i32>,
-    /// Out (host-mapped, set to -1 by the caller before the launch): word 0 = tokens received.
+    /// Out (host-mapped, set to -1 by the caller before the launch, at least `1 + R` words):
+    /// word 0 = tokens received, word `1 + s` = tokens received from source `s` (written
+    /// before word 0).
     pub moe_recv_counter: &'a HostMappedI32,
     /// Out (host-mapped, set to -1 by the caller): `[L]` aligned tokens per local expert.
     pub moe_recv_expert_counter: &'a HostMappedI32,
+    /// Out (optional): `[T, R]` index of each token among this rank's tokens sent to each
+    /// destination, in token order (`-1` = not sent); the copy-engine path needs it
+    /// (`super::host::send_slots` minus the source's block offset).
+    pub send_index: Option<CudaViewMut<'a, i32>>,
 }
 
 /// Launches the notify step on `stream` for this rank (every rank of the node must launch it
@@ -560,7 +584,10 @@ pub fn notify_dispatch_cuda(
         r * c,
         args.channel_prefix_matrix.len(),
     )?;
-    check_min_len("moe_recv_counter", 1, args.moe_recv_counter.len())?;
+    check_min_len("moe_recv_counter", 1 + r, args.moe_recv_counter.len())?;
+    if let Some(si) = &args.send_index {
+        Error::check_len("send_index", t * r, si.len())?;
+    }
     check_min_len(
         "moe_recv_expert_counter",
         l,
@@ -574,6 +601,13 @@ pub fn notify_dispatch_cuda(
     let (itir, _g2) = args.is_token_in_rank.device_ptr(stream);
     let (rpm, _g3) = args.rank_prefix_matrix.device_ptr(stream);
     let (cpm, _g4) = args.channel_prefix_matrix.device_ptr(stream);
+    let (send_index, _g5) = match &args.send_index {
+        Some(si) => {
+            let (p, g) = si.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
     let params = NotifyParams {
         buffer_ptrs: buffers.ptrs,
         num_tokens_per_rank: ntpr,
@@ -584,6 +618,7 @@ pub fn notify_dispatch_cuda(
         moe_recv_counter: args.moe_recv_counter.device_ptr(),
         moe_recv_expert_counter: args.moe_recv_expert_counter.device_ptr(),
         error_info: buffers.error_info,
+        send_index,
         timeout_ns: buffers.timeout_ns(),
         rank: to_i32("rank", buffers.rank)?,
         num_ranks: to_i32("num_ranks", r)?,
@@ -599,7 +634,8 @@ pub fn notify_dispatch_cuda(
     };
     // SAFETY: `params` matches `NotifyParams`; the views are checked to hold exactly the
     // elements the kernel touches (R, E, T*R, R*R, R*C); the mapped counters hold >= 1 and
-    // >= L words and outlive the launch (the caller polls them); the NVLink buffers are valid
+    // >= L words and outlive the launch (the caller polls them); `send_index` (if any) holds
+    // T*R words; the NVLink buffers are valid
     // per `PeerBuffers::new`'s contract and the kernel touches only their headers.
     unsafe { kernel.launch(stream, cfg, params) }
 }

@@ -27,6 +27,9 @@
 //                         head[c][dst]  tokens the receiver `dst` has consumed from the ring
 //                                        (c, me) that lives in *dst's* buffer (written by dst).
 //                       Reset to zero by notify_dispatch / cached_notify (between two barriers).
+//   [17408, 18432)      copy-engine path flags: int32 [kMaxRanks][kCeMaxChunks] (see
+//                       `copy_engine.cu`); [18432, 19456) its chunk counters, same shape.
+//                       Reset with the channel counters.
 //   [20480, 53248)      notify counts: int32[kMaxRanks][kMaxRanks] tokens per destination rank
 //                       written by each source (row = source), then
 //                       int32[kMaxRanks][kMaxLocalExperts] tokens per local expert (row = source).
@@ -75,6 +78,13 @@ constexpr size_t kCounterArrayBytes = sizeof(int) * kMaxChannels * kMaxRanks;  /
 constexpr size_t kNotifyOffset = 20480;
 constexpr size_t kRingBase = 65536;
 static_assert(kCounterOffset + 4 * kCounterArrayBytes <= kNotifyOffset, "counter region");
+// Copy-engine path (mirrored in copy_engine.cu): flags and chunk counters, reset with the
+// channel counters.
+constexpr size_t kCeFlagOffset = kCounterOffset + 4 * kCounterArrayBytes;
+constexpr int kCeMaxChunks = 32;
+static_assert(kCeFlagOffset == 17408, "copy_engine.cu assumes this offset");
+static_assert(kCeFlagOffset + 2 * sizeof(int) * kMaxRanks * kCeMaxChunks <= kNotifyOffset,
+              "copy-engine flag region");
 static_assert(kNotifyOffset + sizeof(int) * kMaxRanks * (kMaxRanks + kMaxLocalExperts) <=
                   kRingBase,
               "notify region");
@@ -367,10 +377,12 @@ __device__ bool barrier_block(const uint64_t* buffer_ptrs, int rank, int num_ran
     return ok;
 }
 
-// Zeroes this rank's channel counters (start, end, tail, head).
+// Zeroes this rank's channel counters (start, end, tail, head) and the copy-engine path's
+// flags and chunk counters.
 __device__ void reset_counters(char* my_buf) {
     int* c = counter(my_buf, kStart, 0, 0);
-    for (int i = threadIdx.x; i < 4 * kMaxChannels * kMaxRanks; i += blockDim.x) {
+    constexpr int kWords = static_cast<int>((kNotifyOffset - kCounterOffset) / sizeof(int));
+    for (int i = threadIdx.x; i < kWords; i += blockDim.x) {
         c[i] = 0;
     }
 }
@@ -395,9 +407,10 @@ struct NotifyParams {
     const uint8_t* is_token_in_rank;   // [T, R]
     int* rank_prefix_matrix;           // [R, R] out
     int* channel_prefix_matrix;        // [R, C] out
-    int* moe_recv_counter;             // mapped [1] out
+    int* moe_recv_counter;             // mapped [1 + R] out: total, then per source
     int* moe_recv_expert_counter;      // mapped [L] out
     int* error_info;                   // [4]
+    int* send_index;                   // [T, R] out or null
     uint64_t timeout_ns;
     int rank;
     int num_ranks;
@@ -406,10 +419,11 @@ struct NotifyParams {
     int num_channels;
     int expert_alignment;
 };
-EP_CHECK_PARAMS_SIZE(NotifyParams, 160);
+EP_CHECK_PARAMS_SIZE(NotifyParams, 168);
 
 // Grid: 1 + R blocks of kNotifyThreads. Block 0 exchanges counts; block 1 + d computes row d of
-// channel_prefix_matrix.
+// channel_prefix_matrix and, if `send_index` is given, its column d: the index of each token
+// among this rank's tokens sent to d, in token order (-1 if not sent).
 EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_notify_dispatch(const NotifyParams p) {
     const int R = p.num_ranks;
     if (blockIdx.x == 0) {
@@ -458,7 +472,9 @@ EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_notify_dispatch(co
         if (threadIdx.x == 0) {
             int total = 0;
             for (int i = 0; i < R; ++i) {
-                total += ep::ld_volatile(counts + i * kMaxRanks + p.rank);
+                const int n = ep::ld_volatile(counts + i * kMaxRanks + p.rank);
+                ep::st_volatile(p.moe_recv_counter + 1 + i, n);
+                total += n;
             }
             ep::fence_acq_rel_sys();
             ep::st_release_sys(p.moe_recv_counter, total);
@@ -489,6 +505,25 @@ EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_notify_dispatch(co
         for (int c = 0; c < C; ++c) {
             acc += s_counts[c];
             p.channel_prefix_matrix[d * C + c] = acc;
+            s_counts[c] = acc;  // inclusive prefix
+        }
+    }
+    __syncthreads();
+    if (p.send_index != nullptr) {
+        for (int c = ep::warp_id(); c < C; c += kNotifyThreads / ep::kWarpSize) {
+            int begin, end;
+            channel_range(p.num_tokens, C, c, &begin, &end);
+            int next = c > 0 ? s_counts[c - 1] : 0;
+            for (int t0 = begin; t0 < end; t0 += ep::kWarpSize) {
+                const int t = t0 + lane;
+                const bool in = t < end && p.is_token_in_rank[static_cast<int64_t>(t) * R + d] != 0;
+                const unsigned ballot = __ballot_sync(ep::kFullMask, in);
+                if (t < end) {
+                    p.send_index[static_cast<int64_t>(t) * R + d] =
+                        in ? next + __popc(ballot & ((1u << lane) - 1u)) : -1;
+                }
+                next += __popc(ballot);
+            }
         }
     }
 }
@@ -1115,3 +1150,343 @@ EP_COMBINE_KERNEL(6)
 EP_COMBINE_KERNEL(7)
 EP_COMBINE_KERNEL(8)
 #undef EP_COMBINE_KERNEL
+
+// ---------------------------------------------------------------------------------------------
+// Copy-engine path (launchers: src/intranode/copy_engine.rs; design: docs/design.md)
+//
+// The NVLink bytes move by copy engines (cuMemcpyDtoDAsync), not by SMs:
+//   * dispatch: `intranode_ce_pack` (SMs, local memory only) writes this rank's rows for each
+//     peer d, in d's receive order, into slot d of this rank's own buffer and its local rows
+//     straight into recv_x; chunk counters in this rank's header count finished rows and the
+//     warp that completes a chunk raises flag [rank][chunk] in d's header. The receiver's copy
+//     streams (one per source) wait for each chunk (`intranode_ce_wait`, one thread, with the
+//     device timeout) and pull it into recv_x with a copy engine.
+//   * combine: each rank's copy streams push its rows for home s (a contiguous block of its
+//     combine input) into slot [rank] of s's buffer, chunk by chunk, each followed by a stream
+//     write of flag [s][chunk] in the pushing rank's own header; `intranode_ce_reduce` on the
+//     home polls those flags over NVLink and sums the rows in rank order.
+//
+// Slots start at kRingBase: slot d at kRingBase + d * slot_bytes (offsets in the params).
+// Chunk c of a block of m rows: see `ce_chunk`, mirrored by `chunk_bounds` in copy_engine.rs.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+enum CeSite : int { kSiteCeWait = 7, kSiteCeReduce = 8 };
+enum CeKernelId : int { kCeWaitKernel = 5, kCeReduceKernel = 6 };
+
+EP_DEVICE int* ce_flag(char* base, int peer, int chunk) {
+    return reinterpret_cast<int*>(base + kCeFlagOffset) + peer * kCeMaxChunks + chunk;
+}
+
+EP_DEVICE int* ce_count(char* base, int peer, int chunk) {
+    return reinterpret_cast<int*>(base + kCeFlagOffset) + kMaxRanks * kCeMaxChunks +
+           peer * kCeMaxChunks + chunk;
+}
+
+// Chunking of a block of `m` rows: the first chunk has `first` rows, each next one twice the
+// previous, up to `cap` = max(max_rows, ceil(m / 16)) (first is raised to cap / 256 so that
+// there are at most kCeMaxChunks chunks). Returns the chunk of row `idx` and its bounds.
+struct CeChunk {
+    int index;
+    int begin;
+    int end;
+};
+
+EP_DEVICE CeChunk ce_chunk(int m, int idx, int first_rows, int max_rows) {
+    const int cap = max(max_rows, (m + 15) / 16);
+    int size = min(max(first_rows, cap / 256), cap);
+    int begin = 0;
+    int j = 0;
+    while (idx >= begin + size) {
+        begin += size;
+        size = min(2 * size, cap);
+        ++j;
+    }
+    return CeChunk{j, begin, min(begin + size, m)};
+}
+
+EP_DEVICE int4 ld_cg_v4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+constexpr int kCeThreads = 768;
+constexpr int kCePackUnroll = 7;
+
+}  // namespace
+
+// Mirrors `CePackParams` in src/intranode/copy_engine.rs.
+struct CePackParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                // [T, row_int4]
+    const float* x_scales;        // [T, S] or null
+    const int64_t* topk_idx;      // [T, K] or null
+    const float* topk_weights;    // [T, K] or null
+    const int* send_index;        // [T, R]
+    const int* rank_prefix_matrix;  // [R, R]
+    int4* recv_x;                 // [N, row_int4]
+    float* recv_x_scales;         // [N, S] or null
+    int* recv_src_idx;            // [N]
+    int64_t* recv_topk_idx;       // [N, K] or null
+    float* recv_topk_weights;     // [N, K] or null
+    int64_t slot_bytes;
+    int64_t off_scales;
+    int64_t off_src;
+    int64_t off_topk_idx;
+    int64_t off_topk_weights;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int row_int4;
+    int num_scales;
+    int num_topk;
+    int experts_per_rank;
+    int first_chunk_rows;
+    int max_chunk_rows;
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CePackParams, 232);
+
+// Grid: any number of blocks of kCeThreads; warp w of the grid packs tokens w, w + W, ... (token
+// order, so early chunks complete first).
+EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_pack(const CePackParams p) {
+    const int R = p.num_ranks, K = p.num_topk, S = p.num_scales, L = p.experts_per_rank;
+    const int lane = ep::lane_id();
+    const int warps = static_cast<int>(gridDim.x) * (kCeThreads / ep::kWarpSize);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    char* ce_base = my_buf + kRingBase;
+    // Rows this rank sends to peer `lane` (block size there) and where its own block starts.
+    int m_lane = 0;
+    if (lane < R) {
+        const int prev = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + lane] : 0;
+        m_lane = p.rank_prefix_matrix[p.rank * R + lane] - prev;
+    }
+    const int own_base = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + p.rank] : 0;
+
+    for (int t = static_cast<int>(blockIdx.x) * (kCeThreads / ep::kWarpSize) + ep::warp_id();
+         t < p.num_tokens; t += warps) {
+        const int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
+        int idx[kMaxRanks];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            idx[d] = __shfl_sync(ep::kFullMask, my_idx, d);
+        }
+        // Row: loaded once, stored to every destination.
+        const int4* src = p.x + static_cast<int64_t>(t) * p.row_int4;
+        for (int base = 0; base < p.row_int4; base += ep::kWarpSize * kCePackUnroll) {
+            int4 v[kCePackUnroll];
+#pragma unroll
+            for (int u = 0; u < kCePackUnroll; ++u) {
+                const int i = base + u * ep::kWarpSize + lane;
+                if (i < p.row_int4) {
+                    v[u] = ep::ld_nc_no_alloc(src + i);
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (d < R && idx[d] >= 0) {
+                    int4* dst = d == p.rank
+                                    ? p.recv_x + static_cast<int64_t>(own_base + idx[d]) * p.row_int4
+                                    : reinterpret_cast<int4*>(ce_base + d * p.slot_bytes) +
+                                          static_cast<int64_t>(idx[d]) * p.row_int4;
+#pragma unroll
+                    for (int u = 0; u < kCePackUnroll; ++u) {
+                        const int i = base + u * ep::kWarpSize + lane;
+                        if (i < p.row_int4) {
+                            dst[i] = v[u];
+                        }
+                    }
+                }
+            }
+        }
+        // Source index, localised routing, scales.
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            if (d >= R || idx[d] < 0) {
+                continue;
+            }
+            const bool own = d == p.rank;
+            const int64_t row = own ? own_base + idx[d] : idx[d];
+            char* slot = ce_base + d * p.slot_bytes;
+            if (lane == 0) {
+                (own ? p.recv_src_idx : reinterpret_cast<int*>(slot + p.off_src))[row] = t;
+            }
+            if (p.topk_idx != nullptr) {
+                int64_t* out_idx = own ? p.recv_topk_idx : reinterpret_cast<int64_t*>(slot + p.off_topk_idx);
+                float* out_w = own ? p.recv_topk_weights : reinterpret_cast<float*>(slot + p.off_topk_weights);
+                for (int k = lane; k < K; k += ep::kWarpSize) {
+                    const int64_t e = p.topk_idx[static_cast<int64_t>(t) * K + k];
+                    const bool here = e >= static_cast<int64_t>(d) * L && e < static_cast<int64_t>(d + 1) * L;
+                    out_idx[row * K + k] = here ? e - static_cast<int64_t>(d) * L : -1;
+                    out_w[row * K + k] = here ? p.topk_weights[static_cast<int64_t>(t) * K + k] : 0.0f;
+                }
+            }
+            if (S > 0) {
+                float* out_s = own ? p.recv_x_scales : reinterpret_cast<float*>(slot + p.off_scales);
+                for (int j = lane; j < S; j += ep::kWarpSize) {
+                    out_s[row * S + j] = p.x_scales[static_cast<int64_t>(t) * S + j];
+                }
+            }
+        }
+        // Count the rows into their chunks; the warp that completes a chunk raises the flag in
+        // the destination's header (its rows, written by any warp of this GPU, were released to
+        // the counter at gpu scope; the system fence orders them before the flag).
+        __syncwarp();
+        if (lane < R && lane != p.rank && my_idx >= 0) {
+            const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
+            const int done = ep::atomic_add_release_gpu(ce_count(my_buf, lane, c.index), 1) + 1;
+            if (done == c.end - c.begin) {
+                ep::fence_acq_rel_sys();
+                ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index), 1);
+            }
+        }
+    }
+}
+
+// Mirrors `CeWaitParams` in src/intranode/copy_engine.rs.
+struct CeWaitParams {
+    const int* flag;
+    int* error_info;
+    uint64_t timeout_ns;
+    int rank;
+    int awaited;
+};
+EP_CHECK_PARAMS_SIZE(CeWaitParams, 32);
+
+// One thread: returns once `*flag` is set (a chunk arrived), or records a timeout naming the
+// source and returns (the copy after it then moves stale bytes; the host reports the error).
+EP_KERNEL void intranode_ce_wait(const CeWaitParams p) {
+    const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
+    bool timed_out = false;
+    ep::wait_flag_sys(p.flag, [](int v) { return v != 0; }, deadline, &timed_out);
+    if (timed_out) {
+        report_timeout(p.error_info, kCeWaitKernel, p.rank, p.awaited, kSiteCeWait);
+    }
+}
+
+// Mirrors `CeReduceParams` in src/intranode/copy_engine.rs.
+struct CeReduceParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                  // [N, row_int4] this rank's combine input
+    const float* topk_weights;      // [N, K] or null
+    const int* send_index;          // [T, R] from the dispatch
+    const int* rank_prefix_matrix;  // [R, R]
+    int4* combined_x;               // [T, row_int4]
+    float* combined_topk_weights;   // [T, K] or null
+    int* error_info;
+    uint64_t timeout_ns;
+    int64_t slot_bytes;
+    int64_t off_weights;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int row_int4;
+    int num_topk;
+    int first_chunk_rows;
+    int max_chunk_rows;
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CeReduceParams, 176);
+
+// Grid: any number of blocks of kCeThreads; one warp per token, tokens in order over the grid.
+EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_reduce(const CeReduceParams p) {
+    const int R = p.num_ranks, K = p.num_topk;
+    const int lane = ep::lane_id();
+    const int warps = static_cast<int>(gridDim.x) * (kCeThreads / ep::kWarpSize);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    char* ce_base = my_buf + kRingBase;
+    // Lane d tracks peer d: rows it returns (its block for this rank), chunks seen ready, and
+    // whether it timed out.
+    int m_lane = 0;
+    if (lane < R) {
+        const int prev = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + lane] : 0;
+        m_lane = p.rank_prefix_matrix[p.rank * R + lane] - prev;
+    }
+    const int own_base = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + p.rank] : 0;
+    int ready = 0;
+    bool dead = false;
+
+    for (int t = static_cast<int>(blockIdx.x) * (kCeThreads / ep::kWarpSize) + ep::warp_id();
+         t < p.num_tokens; t += warps) {
+        int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
+        if (lane < R && lane != p.rank && my_idx >= 0) {
+            const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
+            while (!dead && ready <= c.index) {
+                const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
+                bool timed_out = false;
+                ep::wait_flag_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, ready),
+                                  [](int v) { return v != 0; }, deadline, &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCeReduceKernel, p.rank, lane, kSiteCeReduce);
+                    dead = true;
+                } else {
+                    ++ready;
+                }
+            }
+            if (dead) {
+                my_idx = -1;
+            }
+        }
+        int idx[kMaxRanks];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            idx[d] = __shfl_sync(ep::kFullMask, my_idx, d);
+        }
+        for (int i = lane; i < p.row_int4; i += ep::kWarpSize) {
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[j] = 0.0f;
+            }
+            int4 v[kMaxRanks];
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (d < R && idx[d] >= 0) {
+                    v[d] = d == p.rank
+                               ? ep::ld_nc_no_alloc(p.x + static_cast<int64_t>(own_base + idx[d]) * p.row_int4 + i)
+                               : ld_cg_v4(reinterpret_cast<const int4*>(ce_base + d * p.slot_bytes) +
+                                          static_cast<int64_t>(idx[d]) * p.row_int4 + i);
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (d < R && idx[d] >= 0) {
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[d]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        acc[j] = __fadd_rn(acc[j], ep::bf16_to_f32(h[j]));
+                    }
+                }
+            }
+            int4 o;
+            __nv_bfloat16* oh = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                oh[j] = ep::f32_to_bf16(acc[j]);
+            }
+            p.combined_x[static_cast<int64_t>(t) * p.row_int4 + i] = o;
+        }
+        if (p.combined_topk_weights != nullptr) {
+            for (int k = lane; k < K; k += ep::kWarpSize) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d) {
+                    if (d < R && idx[d] >= 0) {
+                        const float w =
+                            d == p.rank
+                                ? p.topk_weights[static_cast<int64_t>(own_base + idx[d]) * K + k]
+                                : reinterpret_cast<const float*>(ce_base + d * p.slot_bytes + p.off_weights)
+                                      [static_cast<int64_t>(idx[d]) * K + k];
+                        acc = __fadd_rn(acc, w);
+                    }
+                }
+                p.combined_topk_weights[static_cast<int64_t>(t) * K + k] = acc;
+            }
+        }
+    }
+}

@@ -51,11 +51,15 @@ pub(crate) struct CudaBuffer {
     kconfig: ki::Config,
     /// The kernels' view of the node's NVLink buffers.
     peer_buffers: ki::PeerBuffers,
+    /// Copy-engine path: its dispatch and combine launch configurations (`None`: SM rings
+    /// only) and one copy stream per peer.
+    ce: Option<(ki::CeConfig, ki::CeConfig)>,
+    copies: ki::CopyStreams,
     /// Peers' NVLink buffers mapped into this context (dropped before `nvl`).
     _nvl_peers: PeerMap,
     /// This rank's NVLink buffer.
     nvl: DeviceMemory,
-    /// Word 0: tokens this rank receives (written by notify).
+    /// Word 0: tokens this rank receives, word `1 + s`: from source `s` (written by notify).
     recv_counter: ki::HostMappedI32,
     /// `[MAX_LOCAL_EXPERTS]` aligned tokens per local expert (written by notify).
     expert_counter: ki::HostMappedI32,
@@ -132,18 +136,29 @@ impl CudaBuffer {
         ctx.bind_to_thread()?;
         let comm = ctx.new_stream()?;
         let bytes = cfg.num_nvl_bytes.unwrap_or_else(|| {
-            ki::buffer_size_hint(
+            let rings = ki::buffer_size_hint(
                 BufferConfig::DEFAULT_NVL_HIDDEN,
                 BufferConfig::DEFAULT_NVL_TOPK,
                 topo.num_ranks,
                 &kconfig,
-            )
+            );
+            let ce = ki::ce_buffer_size_hint(
+                BufferConfig::DEFAULT_NVL_TOKENS,
+                BufferConfig::DEFAULT_NVL_HIDDEN,
+                BufferConfig::DEFAULT_NVL_TOPK,
+                topo.num_ranks,
+            );
+            if cfg.nvl_transfer.uses_copy_engine(topo.num_ranks) {
+                rings.max(ce)
+            } else {
+                rings
+            }
         });
         let bytes = bytes.max(ki::RING_BASE).div_ceil(128) * 128;
         let nvl = DeviceMemory::zeroed(&comm, bytes)?;
         let records = gather_records(buf, PeerRecord::of(&nvl, ctx.ordinal())?)?;
         let nvl_peers = PeerMap::open(&ctx, &records, topo.rank, |i| i)?;
-        let recv_counter = ki::HostMappedI32::new(&ctx, 1, -1)?;
+        let recv_counter = ki::HostMappedI32::new(&ctx, 1 + ki::MAX_NVL_RANKS, -1)?;
         let expert_counter = ki::HostMappedI32::new(&ctx, ki::MAX_LOCAL_EXPERTS, -1)?;
         let error_record = ki::HostMappedI32::new(&ctx, 4, 0)?;
         // SAFETY: every pointer is a live `cuMemAlloc` buffer of `bytes` bytes (own, opened
@@ -170,6 +185,19 @@ impl CudaBuffer {
             timeout: cfg.timeout,
             kconfig,
             peer_buffers,
+            ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
+                (
+                    ki::CeConfig {
+                        num_sms: c.num_sms,
+                        ..ki::CeConfig::dispatch_default()
+                    },
+                    ki::CeConfig {
+                        num_sms: c.num_sms,
+                        ..ki::CeConfig::combine_default()
+                    },
+                )
+            }),
+            copies: ki::CopyStreams::new(&ctx, topo.num_ranks)?,
             _nvl_peers: nvl_peers,
             nvl,
             recv_counter,

@@ -14,14 +14,25 @@ use ep_kernels::FP8_GROUP;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// What a handle made by a CUDA buffer holds besides the host backend's tensors.
+/// What a handle made by a CUDA buffer holds besides the host backend's tensors: the state
+/// its combine (and cached dispatches) need, for the transfer path its dispatch took.
 #[derive(Debug)]
-pub(crate) struct CudaHandleData {
-    /// `[R, C]` i32: where each source's channel-`c` tokens start in this rank's `recv_x`.
-    pub recv_channel_offset: Tensor,
-    /// `[T, R]` i32: the kernel's send head (index among the channel's tokens sent to that
-    /// destination, `-1` = not sent), what combine needs.
-    pub kernel_send_head: Tensor,
+pub(crate) enum CudaHandleData {
+    /// SM ring kernels.
+    Rings {
+        /// `[R, C]` i32: where each source's channel-`c` tokens start in this rank's `recv_x`.
+        recv_channel_offset: Tensor,
+        /// `[T, R]` i32: the kernel's send head (index among the channel's tokens sent to that
+        /// destination, `-1` = not sent), what combine needs.
+        kernel_send_head: Tensor,
+    },
+    /// Copy-engine path.
+    CopyEngine {
+        /// `[T, R]` i32: index of each token among this rank's tokens sent to each rank.
+        send_index: Tensor,
+        /// Rows this rank received from each source.
+        recv_per_source: Vec<usize>,
+    },
 }
 
 /// Extra time the host waits for the notify counters beyond the device timeout, so that the
@@ -180,11 +191,27 @@ impl CudaBuffer {
                 (a, b, c)
             }
         };
+        // The copy-engine path when the NVLink buffer holds this op (and its combine).
+        let use_ce = self.ce.is_some() && {
+            let bytes = self.peer_buffers.bytes();
+            let (row, sc) = if f.fp8 {
+                (h, h / FP8_GROUP)
+            } else {
+                (2 * h, 0)
+            };
+            t <= ki::CeSlotLayout::dispatch(bytes, r, row, sc, k).capacity
+                && t <= ki::CeSlotLayout::combine(bytes, r, h, k).capacity
+        };
         // Notify.
         self.recv_counter.fill(-1);
         self.expert_counter.fill(-1);
         let mut rpm = alloc::<i32>(comm, r * r)?;
         let mut cpm = alloc::<i32>(comm, r * c)?;
+        let mut send_index = if use_ce {
+            Some(alloc::<i32>(comm, (t * r).max(1))?)
+        } else {
+            None
+        };
         {
             let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
             let ntpe_d = DeviceTensor::new("layout.num_tokens_per_expert", &ntpe)?;
@@ -204,12 +231,17 @@ impl CudaBuffer {
                     channel_prefix_matrix: cpm.slice_mut(0..r * c),
                     moe_recv_counter: &self.recv_counter,
                     moe_recv_expert_counter: &self.expert_counter,
+                    send_index: send_index.as_mut().map(|s| s.slice_mut(0..t * r)),
                 },
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
         let start = Instant::now();
         let n = self.poll(&self.recv_counter, 0, start)?;
+        // Written before word 0.
+        let recv_per_source: Vec<usize> = (0..r)
+            .map(|s| self.recv_counter.get(1 + s).max(0) as usize)
+            .collect();
         let per_expert = (0..l)
             .map(|i| self.poll(&self.expert_counter, i, start))
             .collect::<Result<Vec<_>>>()?;
@@ -287,28 +319,51 @@ impl CudaBuffer {
             } else {
                 None
             };
-            ki::dispatch_cuda(
-                comm,
-                &self.peer_buffers,
-                &self.kconfig,
-                ki::DispatchArgs {
-                    x: payload,
-                    topk,
-                    num_experts: f.num_experts,
-                    is_token_in_rank: itir_d.view::<u8>()?,
-                    rank_prefix_matrix: rpm.slice(0..r * r),
-                    channel_prefix_matrix: cpm.slice(0..r * c),
-                    recv_x: recv_payload,
-                    recv_src_idx: recv_src_idx.slice_mut(0..n),
-                    recv_topk,
-                    recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
-                    send_head: send_head.slice_mut(0..t * r),
-                    num_recv_tokens: n,
-                    hidden: h,
-                    num_topk: k,
-                },
-            )
-            .map_err(|e| kernel_err(e, self.timeout))?;
+            if let (Some((ce, _)), Some(si)) = (&self.ce, &send_index) {
+                ki::ce_dispatch_cuda(
+                    comm,
+                    &self.copies,
+                    &self.peer_buffers,
+                    ce,
+                    ki::CeDispatchArgs {
+                        x: payload,
+                        topk,
+                        num_experts: f.num_experts,
+                        send_index: si.slice(0..t * r),
+                        rank_prefix_matrix: rpm.slice(0..r * r),
+                        recv_per_source: &recv_per_source,
+                        recv_x: recv_payload,
+                        recv_src_idx: recv_src_idx.slice_mut(0..n),
+                        recv_topk,
+                        hidden: h,
+                        num_topk: k,
+                    },
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+            } else {
+                ki::dispatch_cuda(
+                    comm,
+                    &self.peer_buffers,
+                    &self.kconfig,
+                    ki::DispatchArgs {
+                        x: payload,
+                        topk,
+                        num_experts: f.num_experts,
+                        is_token_in_rank: itir_d.view::<u8>()?,
+                        rank_prefix_matrix: rpm.slice(0..r * r),
+                        channel_prefix_matrix: cpm.slice(0..r * c),
+                        recv_x: recv_payload,
+                        recv_src_idx: recv_src_idx.slice_mut(0..n),
+                        recv_topk,
+                        recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
+                        send_head: send_head.slice_mut(0..t * r),
+                        num_recv_tokens: n,
+                        hidden: h,
+                        num_topk: k,
+                    },
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+            }
         }
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
@@ -327,7 +382,28 @@ impl CudaBuffer {
             (None, None)
         };
         let recv_src_idx = wrap(recv_src_idx, n, dev);
-        let send_head = wrap(send_head, (t, r), dev);
+        let (send_head, cuda) = match send_index {
+            Some(si) => {
+                let si = wrap(si, (t, r), dev);
+                (
+                    si.clone(),
+                    CudaHandleData::CopyEngine {
+                        send_index: si,
+                        recv_per_source,
+                    },
+                )
+            }
+            None => {
+                let sh = wrap(send_head, (t, r), dev);
+                (
+                    sh.clone(),
+                    CudaHandleData::Rings {
+                        recv_channel_offset: wrap(recv_channel_offset, (r, c), dev),
+                        kernel_send_head: sh,
+                    },
+                )
+            }
+        };
         let handle = Handle {
             inner: Arc::new(HandleInner {
                 buffer_id: self.buffer_id,
@@ -341,12 +417,9 @@ impl CudaBuffer {
                     channel_prefix_matrix: wrap(cpm, (r, c), dev),
                     recv_src_idx: recv_src_idx.clone(),
                     is_token_in_rank: itir,
-                    send_head: send_head.clone(),
+                    send_head,
                 },
-                cuda: Some(CudaHandleData {
-                    recv_channel_offset: wrap(recv_channel_offset, (r, c), dev),
-                    kernel_send_head: send_head,
-                }),
+                cuda: Some(cuda),
             }),
         };
         Ok(DispatchOutput {
@@ -370,7 +443,7 @@ impl CudaBuffer {
         handle: &Handle,
     ) -> Result<DispatchOutput> {
         check_payload_dtype(args.x)?;
-        handle.cuda_data()?;
+        let cd = handle.cuda_data()?;
         let hi = &handle.inner;
         let _op = lock(&self.op);
         self.check_nvl_error()?;
@@ -381,6 +454,23 @@ impl CudaBuffer {
         let comm = &self.comm;
         ki::cached_notify_cuda(comm, &self.peer_buffers)
             .map_err(|e| kernel_err(e, self.timeout))?;
+        let ce = match (cd, &self.ce) {
+            (
+                CudaHandleData::CopyEngine {
+                    send_index,
+                    recv_per_source,
+                },
+                Some((ce, _)),
+            ) => Some((send_index, recv_per_source, ce)),
+            (CudaHandleData::CopyEngine { .. }, None) => {
+                return Err(Error::invalid(
+                    "handle",
+                    "a copy-engine dispatch's",
+                    "this buffer has the copy-engine path off",
+                ))
+            }
+            (CudaHandleData::Rings { .. }, _) => None,
+        };
         let mut scratch_src = alloc::<i32>(comm, n)?;
         let mut scratch_off = alloc::<i32>(comm, r * c)?;
         let mut scratch_head = alloc::<i32>(comm, t * r)?;
@@ -418,28 +508,52 @@ impl CudaBuffer {
                 let rx = recv_bf16.insert(alloc::<half::bf16>(comm, n * h)?);
                 ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
             };
-            ki::dispatch_cuda(
-                comm,
-                &self.peer_buffers,
-                &self.kconfig,
-                ki::DispatchArgs {
-                    x: payload,
-                    topk: None,
-                    num_experts: 0,
-                    is_token_in_rank: itir.view::<u8>()?,
-                    rank_prefix_matrix: rpm.view::<i32>()?,
-                    channel_prefix_matrix: cpm.view::<i32>()?,
-                    recv_x: recv_payload,
-                    recv_src_idx: scratch_src.slice_mut(0..n),
-                    recv_topk: None,
-                    recv_channel_offset: scratch_off.slice_mut(0..r * c),
-                    send_head: scratch_head.slice_mut(0..t * r),
-                    num_recv_tokens: n,
-                    hidden: h,
-                    num_topk: 0,
-                },
-            )
-            .map_err(|e| kernel_err(e, self.timeout))?;
+            if let Some((si, per_source, ce)) = ce {
+                let si = DeviceTensor::new("handle.send_index", si)?;
+                ki::ce_dispatch_cuda(
+                    comm,
+                    &self.copies,
+                    &self.peer_buffers,
+                    ce,
+                    ki::CeDispatchArgs {
+                        x: payload,
+                        topk: None,
+                        num_experts: 0,
+                        send_index: si.view::<i32>()?,
+                        rank_prefix_matrix: rpm.view::<i32>()?,
+                        recv_per_source: per_source,
+                        recv_x: recv_payload,
+                        recv_src_idx: scratch_src.slice_mut(0..n),
+                        recv_topk: None,
+                        hidden: h,
+                        num_topk: 0,
+                    },
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+            } else {
+                ki::dispatch_cuda(
+                    comm,
+                    &self.peer_buffers,
+                    &self.kconfig,
+                    ki::DispatchArgs {
+                        x: payload,
+                        topk: None,
+                        num_experts: 0,
+                        is_token_in_rank: itir.view::<u8>()?,
+                        rank_prefix_matrix: rpm.view::<i32>()?,
+                        channel_prefix_matrix: cpm.view::<i32>()?,
+                        recv_x: recv_payload,
+                        recv_src_idx: scratch_src.slice_mut(0..n),
+                        recv_topk: None,
+                        recv_channel_offset: scratch_off.slice_mut(0..r * c),
+                        send_head: scratch_head.slice_mut(0..t * r),
+                        num_recv_tokens: n,
+                        hidden: h,
+                        num_topk: 0,
+                    },
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+            }
         }
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
@@ -494,14 +608,62 @@ impl CudaBuffer {
                 .transpose()?;
             let rpm =
                 DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
-            let rco = DeviceTensor::new("handle.recv_channel_offset", &cd.recv_channel_offset)?;
-            let sh = DeviceTensor::new("handle.send_head", &cd.kernel_send_head)?;
             let topk_weights = w_d.as_ref().map(|w| w.view::<f32>()).transpose()?;
             let combined_topk_weights = if topk_weights.is_some() {
                 Some(combined_w.slice_mut(0..t * k))
             } else {
                 None
             };
+            let (recv_channel_offset, kernel_send_head) = match cd {
+                CudaHandleData::Rings {
+                    recv_channel_offset,
+                    kernel_send_head,
+                } => (recv_channel_offset, kernel_send_head),
+                CudaHandleData::CopyEngine {
+                    send_index,
+                    recv_per_source,
+                } => {
+                    let (_, ce) = self.ce.as_ref().ok_or_else(|| {
+                        Error::invalid(
+                            "handle",
+                            "a copy-engine dispatch's",
+                            "this buffer has the copy-engine path off",
+                        )
+                    })?;
+                    let si = DeviceTensor::new("handle.send_index", send_index)?;
+                    ki::ce_combine_cuda(
+                        comm,
+                        &self.copies,
+                        &self.peer_buffers,
+                        ce,
+                        ki::CeCombineArgs {
+                            x: x_d.view::<half::bf16>()?,
+                            topk_weights,
+                            rank_prefix_matrix: rpm.view::<i32>()?,
+                            send_index: si.view::<i32>()?,
+                            recv_per_source,
+                            combined_x: combined.slice_mut(0..t * h),
+                            combined_topk_weights,
+                            hidden: h,
+                            num_topk: k,
+                        },
+                    )
+                    .map_err(|e| kernel_err(e, self.timeout))?;
+                    let event = self.finish(args.async_finish)?;
+                    let dev = &self.dev;
+                    return Ok(CombineOutput {
+                        combined_x: wrap(combined, (t, h), dev),
+                        combined_topk_weights: if k > 0 {
+                            Some(wrap(combined_w, (t, k), dev))
+                        } else {
+                            None
+                        },
+                        event,
+                    });
+                }
+            };
+            let rco = DeviceTensor::new("handle.recv_channel_offset", recv_channel_offset)?;
+            let sh = DeviceTensor::new("handle.send_head", kernel_send_head)?;
             ki::combine_cuda(
                 comm,
                 &self.peer_buffers,

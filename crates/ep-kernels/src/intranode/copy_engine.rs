@@ -1,0 +1,767 @@
+//! The copy-engine path of the intranode normal mode: NVLink bytes move by the GPUs' copy
+//! engines (`cuMemcpyDtoDAsync` between NVLink buffers and tensors), SMs only pack and reduce
+//! in local memory. Kernels: `intranode_ce_pack`, `intranode_ce_wait`, `intranode_ce_reduce`
+//! in `intranode.cu`; the protocol is described there and in `docs/design.md`.
+//!
+//! One op on every rank of a node, each rank on its own stream (plus its [`CopyStreams`]):
+//!
+//! 1. dispatch: [`super::notify_dispatch_cuda`] with `send_index`, poll the counters (word
+//!    `1 + s` = rows from source `s`), allocate, then [`ce_dispatch_cuda`];
+//! 2. combine: [`super::cached_notify_cuda`], then [`ce_combine_cuda`] with the dispatch's
+//!    `send_index` and per-source counts.
+//!
+//! Results equal the ring path's (and the host twins'): the same receive order, the same
+//! combine sums in rank order.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
+
+use super::ce_layout::{chunk_bounds, CeSlotLayout, CE_MAX_CHUNKS, CE_SLOT_BASE};
+use super::cuda::{to_i32, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK, FILE, RING_BASE};
+use crate::cuda::{check_align, KernelParams, Kernels};
+use crate::error::{Error, Result};
+use crate::FP8_GROUP;
+
+const _: () = assert!(CE_SLOT_BASE == RING_BASE);
+
+/// Threads of the pack and reduce kernel blocks (`kCeThreads`).
+const CE_THREADS: u32 = 768;
+/// Launch configuration of the copy-engine path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CeConfig {
+    /// SMs (blocks) of the pack and reduce kernels.
+    pub num_sms: usize,
+    /// Rows of the first chunk of each block; each next chunk doubles, up to `max_chunk_rows`.
+    pub first_chunk_rows: usize,
+    /// Largest chunk (raised to `ceil(m / 16)` for blocks of `m` rows).
+    pub max_chunk_rows: usize,
+}
+
+impl Default for CeConfig {
+    /// 24 SMs, chunks of 256, 512, then 1024 rows.
+    fn default() -> Self {
+        Self {
+            num_sms: 24,
+            first_chunk_rows: 256,
+            max_chunk_rows: 1024,
+        }
+    }
+}
+
+impl CeConfig {
+    /// Dispatch defaults: 24 SMs, chunks of 1024 rows doubling to 4096 (best at <= 24 SMs on
+    /// 2 x H200, 4096 x 7168 tokens, top-8 of 256: 466 GB/s bf16, 361 fp8).
+    pub fn dispatch_default() -> Self {
+        Self {
+            num_sms: 24,
+            first_chunk_rows: 1024,
+            max_chunk_rows: 4096,
+        }
+    }
+
+    /// Combine defaults: 24 SMs, chunks of 256 rows doubling to 1024 (451 GB/s on 2 x H200,
+    /// same shape).
+    pub fn combine_default() -> Self {
+        Self::default()
+    }
+
+    /// Checks `1 <= num_sms <= 1024` and `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_sms == 0 || self.num_sms > 1024 {
+            return Err(Error::invalid(
+                "num_sms",
+                self.num_sms,
+                "must be in [1, 1024]",
+            ));
+        }
+        if self.first_chunk_rows == 0 || self.first_chunk_rows > self.max_chunk_rows {
+            return Err(Error::invalid(
+                "first_chunk_rows",
+                self.first_chunk_rows,
+                format!("must be in [1, max_chunk_rows = {}]", self.max_chunk_rows),
+            ));
+        }
+        if self.max_chunk_rows > 1 << 24 {
+            return Err(Error::invalid(
+                "max_chunk_rows",
+                self.max_chunk_rows,
+                "must be <= 2^24",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The copy streams of one rank: one per peer, so that a late peer delays only its own copies.
+#[derive(Debug)]
+pub struct CopyStreams {
+    streams: Vec<Arc<CudaStream>>,
+}
+
+impl CopyStreams {
+    /// Creates `num_ranks` streams on `ctx` (the one of this rank's own index stays unused).
+    pub fn new(ctx: &Arc<CudaContext>, num_ranks: usize) -> Result<Self> {
+        let streams = (0..num_ranks)
+            .map(|_| ctx.new_stream())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Self { streams })
+    }
+
+    fn get(&self, peer: usize) -> Result<&Arc<CudaStream>> {
+        self.streams.get(peer).ok_or_else(|| {
+            Error::invalid(
+                "copy_streams",
+                format!("{} streams", self.streams.len()),
+                format!("needs one per rank (peer {peer})"),
+            )
+        })
+    }
+}
+
+/// Mirror of `CePackParams` in intranode.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CePackParams {
+    buffer_ptrs: [u64; super::cuda::MAX_NVL_RANKS],
+    x: CUdeviceptr,
+    x_scales: CUdeviceptr,
+    topk_idx: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    send_index: CUdeviceptr,
+    rank_prefix_matrix: CUdeviceptr,
+    recv_x: CUdeviceptr,
+    recv_x_scales: CUdeviceptr,
+    recv_src_idx: CUdeviceptr,
+    recv_topk_idx: CUdeviceptr,
+    recv_topk_weights: CUdeviceptr,
+    slot_bytes: i64,
+    off_scales: i64,
+    off_src: i64,
+    off_topk_idx: i64,
+    off_topk_weights: i64,
+    rank: i32,
+    num_ranks: i32,
+    num_tokens: i32,
+    row_int4: i32,
+    num_scales: i32,
+    num_topk: i32,
+    experts_per_rank: i32,
+    first_chunk_rows: i32,
+    max_chunk_rows: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<CePackParams>() == 232);
+// SAFETY: repr(C) plain data mirroring `CePackParams` in intranode.cu.
+unsafe impl KernelParams for CePackParams {}
+
+/// Mirror of `CeWaitParams` in intranode.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeWaitParams {
+    flag: CUdeviceptr,
+    error_info: CUdeviceptr,
+    timeout_ns: u64,
+    rank: i32,
+    awaited: i32,
+}
+const _: () = assert!(std::mem::size_of::<CeWaitParams>() == 32);
+// SAFETY: repr(C) plain data mirroring `CeWaitParams` in intranode.cu.
+unsafe impl KernelParams for CeWaitParams {}
+
+/// Mirror of `CeReduceParams` in intranode.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeReduceParams {
+    buffer_ptrs: [u64; super::cuda::MAX_NVL_RANKS],
+    x: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    send_index: CUdeviceptr,
+    rank_prefix_matrix: CUdeviceptr,
+    combined_x: CUdeviceptr,
+    combined_topk_weights: CUdeviceptr,
+    error_info: CUdeviceptr,
+    timeout_ns: u64,
+    slot_bytes: i64,
+    off_weights: i64,
+    rank: i32,
+    num_ranks: i32,
+    num_tokens: i32,
+    row_int4: i32,
+    num_topk: i32,
+    first_chunk_rows: i32,
+    max_chunk_rows: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<CeReduceParams>() == 176);
+// SAFETY: repr(C) plain data mirroring `CeReduceParams` in intranode.cu.
+unsafe impl KernelParams for CeReduceParams {}
+
+/// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in intranode.cu).
+fn flag_offset(peer: usize, chunk: usize) -> u64 {
+    (17408 + 4 * (peer * CE_MAX_CHUNKS + chunk)) as u64
+}
+
+/// Inputs and outputs of [`ce_dispatch_cuda`] (`T` tokens, `H` hidden, `K` top-k, `R` ranks,
+/// `N` tokens received).
+#[derive(Debug)]
+pub struct CeDispatchArgs<'a> {
+    /// The rows to send.
+    pub x: Payload<'a>,
+    /// Routing to send along (optional).
+    pub topk: Option<TopK<'a>>,
+    /// Number of experts `E` (ignored without `topk`).
+    pub num_experts: usize,
+    /// `[T, R]` from notify (`NotifyArgs::send_index`) or the handle.
+    pub send_index: CudaView<'a, i32>,
+    /// `[R, R]` from notify (or the handle).
+    pub rank_prefix_matrix: CudaView<'a, i32>,
+    /// Host copy of this rank's column of the prefix matrix as counts: rows from each source
+    /// (notify's counter words `1..=R`).
+    pub recv_per_source: &'a [usize],
+    /// Out: the received rows (`N` = sum of `recv_per_source`).
+    pub recv_x: RecvPayload<'a>,
+    /// Out: `[N]` index of each received token on its source rank.
+    pub recv_src_idx: CudaViewMut<'a, i32>,
+    /// Out: localised routing (required iff `topk` is given).
+    pub recv_topk: Option<RecvTopK<'a>>,
+    /// Hidden size `H` (same on every rank).
+    pub hidden: usize,
+    /// Top-k `K` (0 without `topk`; same on every rank).
+    pub num_topk: usize,
+}
+
+fn dptr<T>(v: &CudaView<'_, T>, stream: &CudaStream) -> CUdeviceptr {
+    let (p, _g) = v.device_ptr(stream);
+    p
+}
+
+/// Makes each copy stream wait for `stream`'s work so far; returns nothing.
+fn fork(
+    stream: &CudaStream,
+    copies: &CopyStreams,
+    peers: impl Iterator<Item = usize>,
+) -> Result<()> {
+    let ev = stream.record_event(None)?;
+    for p in peers {
+        copies.get(p)?.wait(&ev)?;
+    }
+    Ok(())
+}
+
+/// Makes `stream` wait for the copy streams of `peers`.
+fn join(
+    stream: &CudaStream,
+    copies: &CopyStreams,
+    peers: impl Iterator<Item = usize>,
+) -> Result<()> {
+    for p in peers {
+        let ev = copies.get(p)?.record_event(None)?;
+        stream.wait(&ev)?;
+    }
+    Ok(())
+}
+
+/// Async device-to-device copy of `bytes` on `stream`.
+///
+/// # Safety
+///
+/// Both ranges must be valid device memory in `stream`'s context (own or peer-mapped) for
+/// the copy's duration, not written concurrently by anything unordered with it.
+unsafe fn copy(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller guarantees both ranges (this function's contract).
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }?;
+    Ok(())
+}
+
+/// Launches the copy-engine dispatch: the pack kernel on `stream`, the pulls from every peer
+/// on its copy stream, joined back into `stream` (after notify with `send_index` on every
+/// rank; every rank must use the same `config`, hidden size, top-k and payload kind).
+pub fn ce_dispatch_cuda(
+    stream: &CudaStream,
+    copies: &CopyStreams,
+    buffers: &PeerBuffers,
+    config: &CeConfig,
+    args: CeDispatchArgs<'_>,
+) -> Result<()> {
+    config.validate()?;
+    let r = buffers.num_ranks();
+    let me = buffers.rank();
+    let t = args.send_index.len() / r;
+    Error::check_len("send_index", t * r, args.send_index.len())?;
+    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
+    Error::check_len("recv_per_source", r, args.recv_per_source.len())?;
+    let n: usize = args.recv_per_source.iter().sum();
+    let h = args.hidden;
+    let is_fp8 = matches!(args.x, Payload::Fp8 { .. });
+    let granule = if is_fp8 { FP8_GROUP } else { 8 };
+    if h == 0 || h % granule != 0 {
+        return Err(Error::invalid(
+            "hidden",
+            h,
+            format!("must be a positive multiple of {granule} for this payload"),
+        ));
+    }
+    let (row_bytes, scales) = if is_fp8 {
+        (h, h / FP8_GROUP)
+    } else {
+        (h * 2, 0)
+    };
+    let k = args.num_topk;
+    let lay = CeSlotLayout::dispatch(buffers.bytes(), r, row_bytes, scales, k);
+    if t > lay.capacity {
+        return Err(Error::invalid(
+            "num_tokens",
+            t,
+            format!(
+                "the NVLink buffers ({} bytes) hold {} tokens per rank for this op",
+                buffers.bytes(),
+                lay.capacity
+            ),
+        ));
+    }
+    if let Some((s, &m)) = args
+        .recv_per_source
+        .iter()
+        .enumerate()
+        .find(|(_, &m)| m > lay.capacity)
+    {
+        return Err(Error::invalid(
+            "recv_per_source",
+            format!("{m} rows from rank {s}"),
+            format!("at most {} (the slot capacity)", lay.capacity),
+        ));
+    }
+    let (x_ptr, _gx, xs_ptr, _gxs) = match &args.x {
+        Payload::Bf16(x) => {
+            Error::check_len("x", t * h, x.len())?;
+            let (p, g) = x.device_ptr(stream);
+            (p, g, 0, None)
+        }
+        Payload::Fp8 { x, scales: xs } => {
+            Error::check_len("x", t * h, x.len())?;
+            Error::check_len("x_scales", t * scales, xs.len())?;
+            let (p, g) = x.device_ptr(stream);
+            let (ps, gs) = xs.device_ptr(stream);
+            (p, g, ps, Some(gs))
+        }
+    };
+    let (recv_ptr, _grx, recv_xs_ptr, _grxs) = match &args.recv_x {
+        RecvPayload::Bf16(rx) if !is_fp8 => {
+            Error::check_len("recv_x", n * h, rx.len())?;
+            let (p, g) = rx.device_ptr(stream);
+            (p, g, 0, None)
+        }
+        RecvPayload::Fp8 { x: rx, scales: rs } if is_fp8 => {
+            Error::check_len("recv_x", n * h, rx.len())?;
+            Error::check_len("recv_x_scales", n * scales, rs.len())?;
+            let (p, g) = rx.device_ptr(stream);
+            let (ps, gs) = rs.device_ptr(stream);
+            (p, g, ps, Some(gs))
+        }
+        _ => {
+            return Err(Error::invalid(
+                "recv_x",
+                "a different payload kind",
+                "must be bf16 iff x is bf16 (fp8 iff x is fp8)",
+            ))
+        }
+    };
+    match (&args.topk, &args.recv_topk) {
+        (Some(tk), Some(rt)) => {
+            if k == 0 || k > 1024 {
+                return Err(Error::invalid(
+                    "num_topk",
+                    k,
+                    "must be in [1, 1024] with topk",
+                ));
+            }
+            Error::check_len("topk_idx", t * k, tk.idx.len())?;
+            Error::check_len("topk_weights", t * k, tk.weights.len())?;
+            Error::check_len("recv_topk_idx", n * k, rt.idx.len())?;
+            Error::check_len("recv_topk_weights", n * k, rt.weights.len())?;
+            if args.num_experts == 0 || args.num_experts % r != 0 {
+                return Err(Error::invalid(
+                    "num_experts",
+                    args.num_experts,
+                    format!("must be a positive multiple of num_ranks = {r}"),
+                ));
+            }
+        }
+        (None, None) => {
+            if k != 0 {
+                return Err(Error::invalid("num_topk", k, "must be 0 without topk"));
+            }
+        }
+        _ => {
+            return Err(Error::invalid(
+                "recv_topk",
+                "given without topk (or the reverse)",
+                "topk and recv_topk must both be given or both be None",
+            ))
+        }
+    }
+    Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
+    for (name, p) in [("x", x_ptr), ("recv_x", recv_ptr)] {
+        check_align(name, p, 16)?;
+    }
+    let kernels = Kernels::for_stream(stream)?;
+    let pack = kernels.kernel(FILE, "intranode_ce_pack")?;
+    let wait = kernels.kernel(FILE, "intranode_ce_wait")?;
+    let (topk_ptr, _gt0, topk_w_ptr, _gt1) = match &args.topk {
+        Some(tk) => {
+            let (a, ga) = tk.idx.device_ptr(stream);
+            let (b, gb) = tk.weights.device_ptr(stream);
+            (a, Some(ga), b, Some(gb))
+        }
+        None => (0, None, 0, None),
+    };
+    let (rtopk_ptr, _gr0, rtopk_w_ptr, _gr1) = match &args.recv_topk {
+        Some(rt) => {
+            let (a, ga) = rt.idx.device_ptr(stream);
+            let (b, gb) = rt.weights.device_ptr(stream);
+            (a, Some(ga), b, Some(gb))
+        }
+        None => (0, None, 0, None),
+    };
+    let (rsi, _g0) = args.recv_src_idx.device_ptr(stream);
+    let params = CePackParams {
+        buffer_ptrs: buffers.ptrs(),
+        x: x_ptr,
+        x_scales: xs_ptr,
+        topk_idx: topk_ptr,
+        topk_weights: topk_w_ptr,
+        send_index: dptr(&args.send_index, stream),
+        rank_prefix_matrix: dptr(&args.rank_prefix_matrix, stream),
+        recv_x: recv_ptr,
+        recv_x_scales: recv_xs_ptr,
+        recv_src_idx: rsi,
+        recv_topk_idx: rtopk_ptr,
+        recv_topk_weights: rtopk_w_ptr,
+        slot_bytes: lay.slot_bytes as i64,
+        off_scales: lay.off_scales as i64,
+        off_src: lay.off_src as i64,
+        off_topk_idx: lay.off_topk_idx as i64,
+        off_topk_weights: lay.off_topk_weights as i64,
+        rank: to_i32("rank", me)?,
+        num_ranks: to_i32("num_ranks", r)?,
+        num_tokens: to_i32("num_tokens", t)?,
+        row_int4: to_i32("hidden", row_bytes / 16)?,
+        num_scales: to_i32("num_scales", scales)?,
+        num_topk: to_i32("num_topk", k)?,
+        experts_per_rank: to_i32("num_experts", if k > 0 { args.num_experts / r } else { 0 })?,
+        first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
+        max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
+        pad: 0,
+    };
+    let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
+    // The copy streams start after the outputs exist (and after notify reset the flags).
+    fork(stream, copies, peers())?;
+    if t > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (config.num_sms as u32, 1, 1),
+            block_dim: (CE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `params` matches `CePackParams`. The views hold what the kernel touches:
+        // T rows of x (and T*S scales, T*K routing), T*R send indices and R*R prefixes from the
+        // same notify, N receive rows / indices / routing for the own block (which lies in
+        // [0, N) because the prefixes sum to N). Peer slots hold `lay.capacity >= T` rows and
+        // fit in the buffers (CeSlotLayout), valid per `PeerBuffers::new`.
+        unsafe { pack.launch(stream, cfg, params) }?;
+    }
+    let mut prefix = 0usize;
+    for s in 0..r {
+        let m = args.recv_per_source[s];
+        let dst_row0 = prefix;
+        prefix += m;
+        if s == me || m == 0 {
+            continue;
+        }
+        let cs = copies.get(s)?;
+        let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
+        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
+            .into_iter()
+            .enumerate()
+        {
+            let wp = CeWaitParams {
+                flag: buffers.ptr(me) + flag_offset(s, j),
+                error_info: buffers.error_info(),
+                timeout_ns: buffers.timeout_ns(),
+                rank: to_i32("rank", me)?,
+                awaited: to_i32("rank", s)?,
+            };
+            let one = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `wp` matches `CeWaitParams`; the flag lies in this rank's header and the
+            // error record is the buffers' (valid per `PeerBuffers::new`).
+            unsafe { wait.launch(cs, one, wp) }?;
+            // SAFETY: the source rows [b, e) of slot `me` in peer `s`'s buffer were published
+            // by the flag awaited above; the destination rows lie in recv_x (N rows, checked);
+            // `stream` joins `cs` before the views' guards are released.
+            unsafe {
+                copy(
+                    cs,
+                    recv_ptr + ((dst_row0 + b) * row_bytes) as u64,
+                    slot + (b * row_bytes) as u64,
+                    (e - b) * row_bytes,
+                )
+            }?;
+        }
+        // Per-row metadata, once every chunk is in.
+        // SAFETY: as above: m rows of each array in the peer's slot (published), m rows at
+        // row `dst_row0` of each output (N rows, checked).
+        unsafe {
+            copy(
+                cs,
+                rsi + (dst_row0 * 4) as u64,
+                slot + lay.off_src as u64,
+                m * 4,
+            )?;
+            if scales > 0 {
+                copy(
+                    cs,
+                    recv_xs_ptr + (dst_row0 * scales * 4) as u64,
+                    slot + lay.off_scales as u64,
+                    m * scales * 4,
+                )?;
+            }
+            if k > 0 {
+                copy(
+                    cs,
+                    rtopk_ptr + (dst_row0 * k * 8) as u64,
+                    slot + lay.off_topk_idx as u64,
+                    m * k * 8,
+                )?;
+                copy(
+                    cs,
+                    rtopk_w_ptr + (dst_row0 * k * 4) as u64,
+                    slot + lay.off_topk_weights as u64,
+                    m * k * 4,
+                )?;
+            }
+        }
+    }
+    join(stream, copies, peers())
+}
+
+/// Inputs and outputs of [`ce_combine_cuda`] (`N` rows this rank holds in dispatch receive
+/// order, `T` tokens this rank owns, `H` hidden, `K` top-k).
+#[derive(Debug)]
+pub struct CeCombineArgs<'a> {
+    /// `[N, H]` bf16 rows to return, in receive order.
+    pub x: CudaView<'a, half::bf16>,
+    /// Optional `[N, K]` weights returned along and summed.
+    pub topk_weights: Option<CudaView<'a, f32>>,
+    /// `[R, R]` from the dispatch.
+    pub rank_prefix_matrix: CudaView<'a, i32>,
+    /// `[T, R]` from the dispatch's notify.
+    pub send_index: CudaView<'a, i32>,
+    /// Rows of `x` from each source (its home): the dispatch's `recv_per_source`.
+    pub recv_per_source: &'a [usize],
+    /// Out: `[T, H]` bf16, the f32 sum in rank order of the rows returned for each token.
+    pub combined_x: CudaViewMut<'a, half::bf16>,
+    /// Out: `[T, K]` sums of the returned weights (required iff `topk_weights` is given).
+    pub combined_topk_weights: Option<CudaViewMut<'a, f32>>,
+    /// Hidden size `H` (a multiple of 8; same on every rank).
+    pub hidden: usize,
+    /// Top-k `K` of the weights (0 without them; same on every rank).
+    pub num_topk: usize,
+}
+
+/// Launches the copy-engine combine (after [`super::cached_notify_cuda`] on every rank): the
+/// pushes to every home on the copy streams, the reduction on `stream`, joined.
+pub fn ce_combine_cuda(
+    stream: &CudaStream,
+    copies: &CopyStreams,
+    buffers: &PeerBuffers,
+    config: &CeConfig,
+    args: CeCombineArgs<'_>,
+) -> Result<()> {
+    config.validate()?;
+    let r = buffers.num_ranks();
+    let me = buffers.rank();
+    let t = args.send_index.len() / r;
+    Error::check_len("send_index", t * r, args.send_index.len())?;
+    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
+    Error::check_len("recv_per_source", r, args.recv_per_source.len())?;
+    let n: usize = args.recv_per_source.iter().sum();
+    let h = args.hidden;
+    if h == 0 || h % 8 != 0 {
+        return Err(Error::invalid(
+            "hidden",
+            h,
+            "must be a positive multiple of 8",
+        ));
+    }
+    Error::check_len("x", n * h, args.x.len())?;
+    Error::check_len("combined_x", t * h, args.combined_x.len())?;
+    let k = args.num_topk;
+    match (&args.topk_weights, &args.combined_topk_weights) {
+        (Some(w), Some(cw)) => {
+            if k == 0 || k > 1024 {
+                return Err(Error::invalid(
+                    "num_topk",
+                    k,
+                    "must be in [1, 1024] with topk_weights",
+                ));
+            }
+            Error::check_len("topk_weights", n * k, w.len())?;
+            Error::check_len("combined_topk_weights", t * k, cw.len())?;
+        }
+        (None, None) => {
+            if k != 0 {
+                return Err(Error::invalid(
+                    "num_topk",
+                    k,
+                    "must be 0 without topk_weights",
+                ));
+            }
+        }
+        _ => {
+            return Err(Error::invalid(
+                "combined_topk_weights",
+                "given without topk_weights (or the reverse)",
+                "both or neither",
+            ))
+        }
+    }
+    let lay = CeSlotLayout::combine(buffers.bytes(), r, h, k);
+    if t > lay.capacity {
+        return Err(Error::invalid(
+            "num_tokens",
+            t,
+            format!(
+                "the NVLink buffers ({} bytes) hold {} tokens per home for this combine",
+                buffers.bytes(),
+                lay.capacity
+            ),
+        ));
+    }
+    if let Some((s, &m)) = args
+        .recv_per_source
+        .iter()
+        .enumerate()
+        .find(|(_, &m)| m > lay.capacity)
+    {
+        return Err(Error::invalid(
+            "recv_per_source",
+            format!("{m} rows for rank {s}"),
+            format!("at most {} (the slot capacity)", lay.capacity),
+        ));
+    }
+    let (x_ptr, _gx) = args.x.device_ptr(stream);
+    let (cx, _gcx) = args.combined_x.device_ptr(stream);
+    check_align("x", x_ptr, 16)?;
+    check_align("combined_x", cx, 16)?;
+    let (w_ptr, _gw) = match &args.topk_weights {
+        Some(w) => {
+            let (p, g) = w.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let (cw_ptr, _gcw) = match &args.combined_topk_weights {
+        Some(w) => {
+            let (p, g) = w.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let kernels = Kernels::for_stream(stream)?;
+    let reduce = kernels.kernel(FILE, "intranode_ce_reduce")?;
+    let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
+    fork(stream, copies, peers())?;
+    let params = CeReduceParams {
+        buffer_ptrs: buffers.ptrs(),
+        x: x_ptr,
+        topk_weights: w_ptr,
+        send_index: dptr(&args.send_index, stream),
+        rank_prefix_matrix: dptr(&args.rank_prefix_matrix, stream),
+        combined_x: cx,
+        combined_topk_weights: cw_ptr,
+        error_info: buffers.error_info(),
+        timeout_ns: buffers.timeout_ns(),
+        slot_bytes: lay.slot_bytes as i64,
+        off_weights: lay.off_topk_weights as i64,
+        rank: to_i32("rank", me)?,
+        num_ranks: to_i32("num_ranks", r)?,
+        num_tokens: to_i32("num_tokens", t)?,
+        row_int4: to_i32("hidden", h / 8)?,
+        num_topk: to_i32("num_topk", k)?,
+        first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
+        max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
+        pad: 0,
+    };
+    if t > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (config.num_sms as u32, 1, 1),
+            block_dim: (CE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `params` matches `CeReduceParams`; x holds N rows (the own block lies in
+        // [0, N)), send_index T*R and the prefixes R*R from the dispatch of these rows; the
+        // outputs T*H and T*K; slots of `lay.capacity >= T` rows fit the buffers. The kernel
+        // reads a peer's slot rows only after that peer's flag for their chunk.
+        unsafe { reduce.launch(stream, cfg, params) }?;
+    }
+    let row_bytes = 2 * h;
+    let mut prefix = 0usize;
+    for s in 0..r {
+        let m = args.recv_per_source[s];
+        let src_row0 = prefix;
+        prefix += m;
+        if s == me || m == 0 {
+            continue;
+        }
+        let cs = copies.get(s)?;
+        let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
+        if k > 0 {
+            // SAFETY: m*K weights from row `src_row0` of topk_weights (N rows) into the home's
+            // slot (capacity >= m); the home reads them after the first flag below.
+            unsafe {
+                copy(
+                    cs,
+                    slot + lay.off_topk_weights as u64,
+                    w_ptr + (src_row0 * k * 4) as u64,
+                    m * k * 4,
+                )
+            }?;
+        }
+        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
+            .into_iter()
+            .enumerate()
+        {
+            // SAFETY: rows [src_row0 + b, src_row0 + e) of x (N rows) into rows [b, e) of the
+            // home's slot; the home's previous use of its slot ended before cached notify's
+            // barrier, which this stream follows.
+            unsafe {
+                copy(
+                    cs,
+                    slot + (b * row_bytes) as u64,
+                    x_ptr + ((src_row0 + b) * row_bytes) as u64,
+                    (e - b) * row_bytes,
+                )
+            }?;
+            // SAFETY: a 4-byte write into this rank's own header (flag [s][j]); the default
+            // flags fence the copies before it.
+            unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    cs.cu_stream(),
+                    buffers.ptr(me) + flag_offset(s, j),
+                    1,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            }
+            .result()?;
+        }
+    }
+    join(stream, copies, peers())
+}
