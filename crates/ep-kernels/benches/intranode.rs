@@ -31,10 +31,10 @@ use common::{flush_l2, l2_flush_buffer, BoxError, Node};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use ep_kernels::intranode::{
-    buffer_size_hint, cached_notify_cuda, ce_combine_cuda, ce_dispatch_cuda, combine_cuda,
-    dispatch_cuda, notify_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CombineArgs,
-    Config, CopyStreams, DispatchArgs, HostMappedI32, NotifyArgs, Payload, RecvPayload, RecvTopK,
-    TopK, COMBINE_ROUND_TOKENS,
+    buffer_size_hint, cached_notify_cuda, ce_buffer_size_hint, ce_combine_cuda, ce_dispatch_cuda,
+    combine_cuda, dispatch_cuda, notify_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs,
+    CombineArgs, Config, CopyStreams, DispatchArgs, HostMappedI32, NotifyArgs, Payload,
+    RecvPayload, RecvTopK, TopK, COMBINE_ROUND_TOKENS,
 };
 use ep_kernels::layout::{get_dispatch_layout, ExpertPlacement};
 use ep_kernels::FP8_GROUP;
@@ -615,7 +615,11 @@ fn main() -> Result<(), BoxError> {
         32,
         *rings.iter().max().unwrap_or(&256),
     )?;
-    let node = Node::new(r, buffer_size_hint(HIDDEN, TOPK, r, &max_cfg))?;
+    let node = Node::new(
+        r,
+        buffer_size_hint(HIDDEN, TOPK, r, &max_cfg)
+            .max(ce_buffer_size_hint(TOKENS, HIDDEN, TOPK, r)),
+    )?;
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let mut states = setup(&node, &mut rng)?;
     let (warmup, iters) = (3, if quick { 10 } else { 20 });
@@ -635,7 +639,7 @@ fn main() -> Result<(), BoxError> {
         let mut handles = notify_all(&node, &states, &notify_cfg)?;
         let ce_sms: Vec<usize> = if quick { vec![24] } else { vec![8, 16, 24, 32] };
         let ce_chunks: Vec<(usize, usize)> = if quick {
-            vec![(256, 1024)]
+            vec![(256, 1024), (1024, 4096)]
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
