@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use common::{flush_l2, l2_flush_buffer, BoxError, Node};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use ep_kernels::intranode::{
     buffer_size_hint, cached_notify_cuda, ce_buffer_size_hint, ce_combine_cuda, ce_dispatch_cuda,
     combine_cuda, dispatch_cuda, notify_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs,
@@ -246,15 +246,21 @@ fn notify_all(node: &Node, states: &[RankState], config: &Config) -> Result<Vec<
     Ok(handles)
 }
 
-fn launch_dispatch(
-    node: &Node,
-    rank: usize,
-    st: &mut RankState,
-    h: &mut Handle,
-    config: &Config,
-    fp8: bool,
-) -> Result<(), BoxError> {
-    let stream = &node.streams[rank];
+/// The views of one rank's state that both dispatch paths send and fill.
+struct DispatchViews<'a> {
+    x: Payload<'a>,
+    topk: TopK<'a>,
+    /// `[T, R]` routing bytes (the ring path's `is_token_in_rank`; the copy-engine path uses
+    /// notify's `send_index` instead).
+    in_rank: CudaView<'a, u8>,
+    recv_x: RecvPayload<'a>,
+    recv_src_idx: CudaViewMut<'a, i32>,
+    recv_topk: RecvTopK<'a>,
+}
+
+/// Builds the payload (bf16, or fp8 with its scales), routing and receive views of `st` for a
+/// dispatch of all its tokens into its `num_recv` receive rows.
+fn dispatch_views(st: &mut RankState, fp8: bool) -> DispatchViews<'_> {
     let n = st.num_recv;
     let (x, recv_x) = if fp8 {
         (
@@ -273,26 +279,47 @@ fn launch_dispatch(
             RecvPayload::Bf16(st.recv_x.slice_mut(0..n * HIDDEN)),
         )
     };
+    DispatchViews {
+        x,
+        topk: TopK {
+            idx: st.topk_idx.as_view(),
+            weights: st.topk_w.as_view(),
+        },
+        in_rank: st.in_rank.as_view(),
+        recv_x,
+        recv_src_idx: st.recv_src.slice_mut(0..n),
+        recv_topk: RecvTopK {
+            idx: st.recv_topk_idx.slice_mut(0..n * TOPK),
+            weights: st.recv_topk_w.slice_mut(0..n * TOPK),
+        },
+    }
+}
+
+fn launch_dispatch(
+    node: &Node,
+    rank: usize,
+    st: &mut RankState,
+    h: &mut Handle,
+    config: &Config,
+    fp8: bool,
+) -> Result<(), BoxError> {
+    let stream = &node.streams[rank];
+    let n = st.num_recv;
+    let v = dispatch_views(st, fp8);
     dispatch_cuda(
         stream,
         &node.peers[rank],
         config,
         DispatchArgs {
-            x,
-            topk: Some(TopK {
-                idx: st.topk_idx.as_view(),
-                weights: st.topk_w.as_view(),
-            }),
+            x: v.x,
+            topk: Some(v.topk),
             num_experts: EXPERTS,
-            is_token_in_rank: st.in_rank.as_view(),
+            is_token_in_rank: v.in_rank,
             rank_prefix_matrix: h.rank_prefix.as_view(),
             channel_prefix_matrix: h.channel_prefix.as_view(),
-            recv_x,
-            recv_src_idx: st.recv_src.slice_mut(0..n),
-            recv_topk: Some(RecvTopK {
-                idx: st.recv_topk_idx.slice_mut(0..n * TOPK),
-                weights: st.recv_topk_w.slice_mut(0..n * TOPK),
-            }),
+            recv_x: v.recv_x,
+            recv_src_idx: v.recv_src_idx,
+            recv_topk: Some(v.recv_topk),
             recv_channel_offset: h.channel_offset.as_view_mut(),
             send_head: h.send_head.as_view_mut(),
             num_recv_tokens: n,
@@ -342,45 +369,22 @@ fn launch_ce_dispatch(
     fp8: bool,
 ) -> Result<(), BoxError> {
     let stream = &node.streams[rank];
-    let n = st.num_recv;
-    let (x, recv_x) = if fp8 {
-        (
-            Payload::Fp8 {
-                x: st.x_fp8.as_view(),
-                scales: st.scales.as_view(),
-            },
-            RecvPayload::Fp8 {
-                x: st.recv_fp8.slice_mut(0..n * HIDDEN),
-                scales: st.recv_scales.slice_mut(0..n * HIDDEN / FP8_GROUP),
-            },
-        )
-    } else {
-        (
-            Payload::Bf16(st.x.as_view()),
-            RecvPayload::Bf16(st.recv_x.slice_mut(0..n * HIDDEN)),
-        )
-    };
+    let v = dispatch_views(st, fp8);
     ce_dispatch_cuda(
         stream,
         copies,
         &node.peers[rank],
         ce,
         CeDispatchArgs {
-            x,
-            topk: Some(TopK {
-                idx: st.topk_idx.as_view(),
-                weights: st.topk_w.as_view(),
-            }),
+            x: v.x,
+            topk: Some(v.topk),
             num_experts: EXPERTS,
             send_index: h.send_index.as_view(),
             rank_prefix_matrix: h.rank_prefix.as_view(),
             recv_per_source: &h.per_source,
-            recv_x,
-            recv_src_idx: st.recv_src.slice_mut(0..n),
-            recv_topk: Some(RecvTopK {
-                idx: st.recv_topk_idx.slice_mut(0..n * TOPK),
-                weights: st.recv_topk_w.slice_mut(0..n * TOPK),
-            }),
+            recv_x: v.recv_x,
+            recv_src_idx: v.recv_src_idx,
+            recv_topk: Some(v.recv_topk),
             hidden: HIDDEN,
             num_topk: TOPK,
         },

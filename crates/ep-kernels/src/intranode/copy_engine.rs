@@ -19,10 +19,12 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
 use super::ce_layout::{chunk_bounds, CeSlotLayout, CE_MAX_CHUNKS, CE_SLOT_BASE};
-use super::cuda::{to_i32, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK, FILE, RING_BASE};
+use super::cuda::{
+    combine_weights_ptrs, dispatch_payload_ptrs, dispatch_row_shape, to_i32, Payload,
+    PayloadCounts, PeerBuffers, RecvPayload, RecvTopK, TopK, FILE, RING_BASE,
+};
 use crate::cuda::{check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
-use crate::FP8_GROUP;
 
 const _: () = assert!(CE_SLOT_BASE == RING_BASE);
 
@@ -296,21 +298,8 @@ pub fn ce_dispatch_cuda(
     Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
     Error::check_len("recv_per_source", r, args.recv_per_source.len())?;
     let n: usize = args.recv_per_source.iter().sum();
-    let h = args.hidden;
-    let is_fp8 = matches!(args.x, Payload::Fp8 { .. });
-    let granule = if is_fp8 { FP8_GROUP } else { 8 };
-    if h == 0 || h % granule != 0 {
-        return Err(Error::invalid(
-            "hidden",
-            h,
-            format!("must be a positive multiple of {granule} for this payload"),
-        ));
-    }
-    let (row_bytes, scales) = if is_fp8 {
-        (h, h / FP8_GROUP)
-    } else {
-        (h * 2, 0)
-    };
+    let shape = dispatch_row_shape(&args.x, args.hidden)?;
+    let (row_bytes, scales) = (shape.row_bytes, shape.scales);
     let k = args.num_topk;
     let lay = CeSlotLayout::dispatch(buffers.bytes(), r, row_bytes, scales, k);
     if t > lay.capacity {
@@ -336,112 +325,40 @@ pub fn ce_dispatch_cuda(
             format!("at most {} (the slot capacity)", lay.capacity),
         ));
     }
-    let (x_ptr, _gx, xs_ptr, _gxs) = match &args.x {
-        Payload::Bf16(x) => {
-            Error::check_len("x", t * h, x.len())?;
-            let (p, g) = x.device_ptr(stream);
-            (p, g, 0, None)
-        }
-        Payload::Fp8 { x, scales: xs } => {
-            Error::check_len("x", t * h, x.len())?;
-            Error::check_len("x_scales", t * scales, xs.len())?;
-            let (p, g) = x.device_ptr(stream);
-            let (ps, gs) = xs.device_ptr(stream);
-            (p, g, ps, Some(gs))
-        }
-    };
-    let (recv_ptr, _grx, recv_xs_ptr, _grxs) = match &args.recv_x {
-        RecvPayload::Bf16(rx) if !is_fp8 => {
-            Error::check_len("recv_x", n * h, rx.len())?;
-            let (p, g) = rx.device_ptr(stream);
-            (p, g, 0, None)
-        }
-        RecvPayload::Fp8 { x: rx, scales: rs } if is_fp8 => {
-            Error::check_len("recv_x", n * h, rx.len())?;
-            Error::check_len("recv_x_scales", n * scales, rs.len())?;
-            let (p, g) = rx.device_ptr(stream);
-            let (ps, gs) = rs.device_ptr(stream);
-            (p, g, ps, Some(gs))
-        }
-        _ => {
-            return Err(Error::invalid(
-                "recv_x",
-                "a different payload kind",
-                "must be bf16 iff x is bf16 (fp8 iff x is fp8)",
-            ))
-        }
-    };
-    match (&args.topk, &args.recv_topk) {
-        (Some(tk), Some(rt)) => {
-            if k == 0 || k > 1024 {
-                return Err(Error::invalid(
-                    "num_topk",
-                    k,
-                    "must be in [1, 1024] with topk",
-                ));
-            }
-            Error::check_len("topk_idx", t * k, tk.idx.len())?;
-            Error::check_len("topk_weights", t * k, tk.weights.len())?;
-            Error::check_len("recv_topk_idx", n * k, rt.idx.len())?;
-            Error::check_len("recv_topk_weights", n * k, rt.weights.len())?;
-            if args.num_experts == 0 || args.num_experts % r != 0 {
-                return Err(Error::invalid(
-                    "num_experts",
-                    args.num_experts,
-                    format!("must be a positive multiple of num_ranks = {r}"),
-                ));
-            }
-        }
-        (None, None) => {
-            if k != 0 {
-                return Err(Error::invalid("num_topk", k, "must be 0 without topk"));
-            }
-        }
-        _ => {
-            return Err(Error::invalid(
-                "recv_topk",
-                "given without topk (or the reverse)",
-                "topk and recv_topk must both be given or both be None",
-            ))
-        }
-    }
+    let payload = dispatch_payload_ptrs(
+        stream,
+        shape,
+        PayloadCounts {
+            num_tokens: t,
+            num_recv_tokens: n,
+            num_topk: k,
+            num_experts: args.num_experts,
+            num_ranks: r,
+        },
+        &args.x,
+        &args.recv_x,
+        args.topk.as_ref(),
+        args.recv_topk.as_ref(),
+    )?;
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
-    for (name, p) in [("x", x_ptr), ("recv_x", recv_ptr)] {
-        check_align(name, p, 16)?;
-    }
+    payload.check_row_align()?;
     let kernels = Kernels::for_stream(stream)?;
     let pack = kernels.kernel(FILE, "intranode_ce_pack")?;
     let wait = kernels.kernel(FILE, "intranode_ce_wait")?;
-    let (topk_ptr, _gt0, topk_w_ptr, _gt1) = match &args.topk {
-        Some(tk) => {
-            let (a, ga) = tk.idx.device_ptr(stream);
-            let (b, gb) = tk.weights.device_ptr(stream);
-            (a, Some(ga), b, Some(gb))
-        }
-        None => (0, None, 0, None),
-    };
-    let (rtopk_ptr, _gr0, rtopk_w_ptr, _gr1) = match &args.recv_topk {
-        Some(rt) => {
-            let (a, ga) = rt.idx.device_ptr(stream);
-            let (b, gb) = rt.weights.device_ptr(stream);
-            (a, Some(ga), b, Some(gb))
-        }
-        None => (0, None, 0, None),
-    };
     let (rsi, _g0) = args.recv_src_idx.device_ptr(stream);
     let params = CePackParams {
         buffer_ptrs: buffers.ptrs(),
-        x: x_ptr,
-        x_scales: xs_ptr,
-        topk_idx: topk_ptr,
-        topk_weights: topk_w_ptr,
+        x: payload.x,
+        x_scales: payload.x_scales,
+        topk_idx: payload.topk_idx,
+        topk_weights: payload.topk_weights,
         send_index: dptr(&args.send_index, stream),
         rank_prefix_matrix: dptr(&args.rank_prefix_matrix, stream),
-        recv_x: recv_ptr,
-        recv_x_scales: recv_xs_ptr,
+        recv_x: payload.recv_x,
+        recv_x_scales: payload.recv_x_scales,
         recv_src_idx: rsi,
-        recv_topk_idx: rtopk_ptr,
-        recv_topk_weights: rtopk_w_ptr,
+        recv_topk_idx: payload.recv_topk_idx,
+        recv_topk_weights: payload.recv_topk_weights,
         slot_bytes: lay.slot_bytes as i64,
         off_scales: lay.off_scales as i64,
         off_src: lay.off_src as i64,
@@ -453,7 +370,7 @@ pub fn ce_dispatch_cuda(
         row_int4: to_i32("hidden", row_bytes / 16)?,
         num_scales: to_i32("num_scales", scales)?,
         num_topk: to_i32("num_topk", k)?,
-        experts_per_rank: to_i32("num_experts", if k > 0 { args.num_experts / r } else { 0 })?,
+        experts_per_rank: to_i32("num_experts", payload.experts_per_rank)?,
         first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         pad: 0,
@@ -509,7 +426,7 @@ pub fn ce_dispatch_cuda(
             unsafe {
                 copy(
                     cs,
-                    recv_ptr + ((dst_row0 + b) * row_bytes) as u64,
+                    payload.recv_x + ((dst_row0 + b) * row_bytes) as u64,
                     slot + (b * row_bytes) as u64,
                     (e - b) * row_bytes,
                 )
@@ -528,7 +445,7 @@ pub fn ce_dispatch_cuda(
             if scales > 0 {
                 copy(
                     cs,
-                    recv_xs_ptr + (dst_row0 * scales * 4) as u64,
+                    payload.recv_x_scales + (dst_row0 * scales * 4) as u64,
                     slot + lay.off_scales as u64,
                     m * scales * 4,
                 )?;
@@ -536,13 +453,13 @@ pub fn ce_dispatch_cuda(
             if k > 0 {
                 copy(
                     cs,
-                    rtopk_ptr + (dst_row0 * k * 8) as u64,
+                    payload.recv_topk_idx + (dst_row0 * k * 8) as u64,
                     slot + lay.off_topk_idx as u64,
                     m * k * 8,
                 )?;
                 copy(
                     cs,
-                    rtopk_w_ptr + (dst_row0 * k * 4) as u64,
+                    payload.recv_topk_weights + (dst_row0 * k * 4) as u64,
                     slot + lay.off_topk_weights as u64,
                     m * k * 4,
                 )?;
@@ -604,35 +521,14 @@ pub fn ce_combine_cuda(
     Error::check_len("x", n * h, args.x.len())?;
     Error::check_len("combined_x", t * h, args.combined_x.len())?;
     let k = args.num_topk;
-    match (&args.topk_weights, &args.combined_topk_weights) {
-        (Some(w), Some(cw)) => {
-            if k == 0 || k > 1024 {
-                return Err(Error::invalid(
-                    "num_topk",
-                    k,
-                    "must be in [1, 1024] with topk_weights",
-                ));
-            }
-            Error::check_len("topk_weights", n * k, w.len())?;
-            Error::check_len("combined_topk_weights", t * k, cw.len())?;
-        }
-        (None, None) => {
-            if k != 0 {
-                return Err(Error::invalid(
-                    "num_topk",
-                    k,
-                    "must be 0 without topk_weights",
-                ));
-            }
-        }
-        _ => {
-            return Err(Error::invalid(
-                "combined_topk_weights",
-                "given without topk_weights (or the reverse)",
-                "both or neither",
-            ))
-        }
-    }
+    let weights = combine_weights_ptrs(
+        stream,
+        args.topk_weights.as_ref(),
+        args.combined_topk_weights.as_ref(),
+        n,
+        t,
+        k,
+    )?;
     let lay = CeSlotLayout::combine(buffers.bytes(), r, h, k);
     if t > lay.capacity {
         return Err(Error::invalid(
@@ -661,20 +557,6 @@ pub fn ce_combine_cuda(
     let (cx, _gcx) = args.combined_x.device_ptr(stream);
     check_align("x", x_ptr, 16)?;
     check_align("combined_x", cx, 16)?;
-    let (w_ptr, _gw) = match &args.topk_weights {
-        Some(w) => {
-            let (p, g) = w.device_ptr(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
-    let (cw_ptr, _gcw) = match &args.combined_topk_weights {
-        Some(w) => {
-            let (p, g) = w.device_ptr(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
     let kernels = Kernels::for_stream(stream)?;
     let reduce = kernels.kernel(FILE, "intranode_ce_reduce")?;
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
@@ -682,11 +564,11 @@ pub fn ce_combine_cuda(
     let params = CeReduceParams {
         buffer_ptrs: buffers.ptrs(),
         x: x_ptr,
-        topk_weights: w_ptr,
+        topk_weights: weights.topk_weights,
         send_index: dptr(&args.send_index, stream),
         rank_prefix_matrix: dptr(&args.rank_prefix_matrix, stream),
         combined_x: cx,
-        combined_topk_weights: cw_ptr,
+        combined_topk_weights: weights.combined_topk_weights,
         error_info: buffers.error_info(),
         timeout_ns: buffers.timeout_ns(),
         slot_bytes: lay.slot_bytes as i64,
@@ -730,7 +612,7 @@ pub fn ce_combine_cuda(
                 copy(
                     cs,
                     slot + lay.off_topk_weights as u64,
-                    w_ptr + (src_row0 * k * 4) as u64,
+                    weights.topk_weights + (src_row0 * k * 4) as u64,
                     m * k * 4,
                 )
             }?;

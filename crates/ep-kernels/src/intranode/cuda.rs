@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUdeviceptr};
-use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig, SyncOnDrop,
+};
 
 use crate::cuda::{check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
@@ -797,61 +799,151 @@ fn check_buffer(buffers: &PeerBuffers, channels: usize, ring_bytes: usize) -> Re
     Ok(())
 }
 
-/// Launches the dispatch of this rank's tokens on `stream` (after [`notify_dispatch_cuda`] or
-/// [`cached_notify_cuda`] on every rank). Every rank must launch it with the same `config`.
-pub fn dispatch_cuda(
-    stream: &CudaStream,
-    buffers: &PeerBuffers,
-    config: &Config,
-    args: DispatchArgs<'_>,
-) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks;
-    let c = config.num_channels();
-    let t = args.is_token_in_rank.len() / r.max(1);
-    Error::check_len("is_token_in_rank", t * r, args.is_token_in_rank.len())?;
-    let n = args.num_recv_tokens;
-    let h = args.hidden;
-    let is_fp8 = matches!(args.x, Payload::Fp8 { .. });
+/// The device address of `v` on `stream` (0 without a view) and the view's stream guard.
+fn opt_device_ptr<'a, T, V: DevicePtr<T>>(
+    v: Option<&'a V>,
+    stream: &'a CudaStream,
+) -> (CUdeviceptr, Option<SyncOnDrop<'a>>) {
+    match v {
+        Some(v) => {
+            let (p, g) = v.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
+}
+
+/// Row layout of a dispatch payload, from [`dispatch_row_shape`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowShape {
+    /// Hidden size `H`.
+    pub(crate) hidden: usize,
+    /// Bytes of one row: `H` (fp8) or `2 * H` (bf16).
+    pub(crate) row_bytes: usize,
+    /// f32 scales per row `S`: `H / FP8_GROUP` (fp8) or 0 (bf16).
+    pub(crate) scales: usize,
+}
+
+/// Checks `hidden` suits the payload kind of `x` (a positive multiple of 8 for bf16, of
+/// [`FP8_GROUP`] for fp8) and returns the row layout.
+pub(crate) fn dispatch_row_shape(x: &Payload<'_>, hidden: usize) -> Result<RowShape> {
+    let is_fp8 = matches!(x, Payload::Fp8 { .. });
     let granule = if is_fp8 { FP8_GROUP } else { 8 };
-    if h == 0 || h % granule != 0 {
+    if hidden == 0 || hidden % granule != 0 {
         return Err(Error::invalid(
             "hidden",
-            h,
+            hidden,
             format!("must be a positive multiple of {granule} for this payload"),
         ));
     }
     let (row_bytes, scales) = if is_fp8 {
-        (h, h / FP8_GROUP)
+        (hidden, hidden / FP8_GROUP)
     } else {
-        (h * 2, 0)
+        (hidden * 2, 0)
     };
-    let (x_ptr, _gx, xs_ptr, _gxs) = match &args.x {
+    Ok(RowShape {
+        hidden,
+        row_bytes,
+        scales,
+    })
+}
+
+/// Counts a dispatch payload is checked against by [`dispatch_payload_ptrs`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PayloadCounts {
+    /// Tokens `T` this rank sends.
+    pub(crate) num_tokens: usize,
+    /// Tokens `N` this rank receives.
+    pub(crate) num_recv_tokens: usize,
+    /// Top-k `K` (0 without routing).
+    pub(crate) num_topk: usize,
+    /// Experts `E` (checked only with routing).
+    pub(crate) num_experts: usize,
+    /// Ranks `R` of the node.
+    pub(crate) num_ranks: usize,
+}
+
+/// Raw device pointers of a dispatch's rows and routing (0 where absent), from
+/// [`dispatch_payload_ptrs`]. Holds the views' stream guards: keep it alive until every launch
+/// and copy that uses the pointers is queued.
+#[derive(Debug)]
+pub(crate) struct DispatchPayloadPtrs<'a> {
+    /// `[T, H]` rows to send.
+    pub(crate) x: CUdeviceptr,
+    /// `[T, S]` scales to send (fp8 only).
+    pub(crate) x_scales: CUdeviceptr,
+    /// `[T, K]` expert ids (with routing only).
+    pub(crate) topk_idx: CUdeviceptr,
+    /// `[T, K]` weights (with routing only).
+    pub(crate) topk_weights: CUdeviceptr,
+    /// `[N, H]` received rows.
+    pub(crate) recv_x: CUdeviceptr,
+    /// `[N, S]` received scales (fp8 only).
+    pub(crate) recv_x_scales: CUdeviceptr,
+    /// `[N, K]` localised expert ids (with routing only).
+    pub(crate) recv_topk_idx: CUdeviceptr,
+    /// `[N, K]` received weights (with routing only).
+    pub(crate) recv_topk_weights: CUdeviceptr,
+    /// `E / R` with routing, 0 without (the kernels' `experts_per_rank`).
+    pub(crate) experts_per_rank: usize,
+    _guards: [Option<SyncOnDrop<'a>>; 8],
+}
+
+impl DispatchPayloadPtrs<'_> {
+    /// Checks `x` and `recv_x` are 16-byte aligned (the kernels move rows in 16-byte units).
+    pub(crate) fn check_row_align(&self) -> Result<()> {
+        for (name, p) in [("x", self.x), ("recv_x", self.recv_x)] {
+            check_align(name, p, 16)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks the rows and routing of a dispatch and returns their device pointers on `stream`
+/// (`shape` is [`dispatch_row_shape`] of `x`).
+///
+/// `x` must hold `T * H` elements (and `T * S` scales for fp8); `recv_x` must be of the same
+/// payload kind and hold `N * H` (and `N * S`); `topk` and `recv_topk` must both be given or
+/// both be absent: with them `K` must be in `[1, 1024]`, `topk` hold `T * K` ids and weights,
+/// `recv_topk` `N * K`, and `E` be a positive multiple of `R`; without them `K` must be 0.
+/// Pointers are taken only once every check has passed.
+pub(crate) fn dispatch_payload_ptrs<'a>(
+    stream: &'a CudaStream,
+    shape: RowShape,
+    counts: PayloadCounts,
+    x: &'a Payload<'_>,
+    recv_x: &'a RecvPayload<'_>,
+    topk: Option<&'a TopK<'_>>,
+    recv_topk: Option<&'a RecvTopK<'_>>,
+) -> Result<DispatchPayloadPtrs<'a>> {
+    let RowShape {
+        hidden: h, scales, ..
+    } = shape;
+    let PayloadCounts {
+        num_tokens: t,
+        num_recv_tokens: n,
+        num_topk: k,
+        num_experts,
+        num_ranks: r,
+    } = counts;
+    let is_fp8 = match x {
         Payload::Bf16(x) => {
             Error::check_len("x", t * h, x.len())?;
-            let (p, g) = x.device_ptr(stream);
-            (p, g, 0, None)
+            false
         }
         Payload::Fp8 { x, scales: xs } => {
             Error::check_len("x", t * h, x.len())?;
             Error::check_len("x_scales", t * scales, xs.len())?;
-            let (p, g) = x.device_ptr(stream);
-            let (ps, gs) = xs.device_ptr(stream);
-            (p, g, ps, Some(gs))
+            true
         }
     };
-    let (recv_ptr, _grx, recv_xs_ptr, _grxs) = match &args.recv_x {
+    match recv_x {
         RecvPayload::Bf16(rx) if !is_fp8 => {
             Error::check_len("recv_x", n * h, rx.len())?;
-            let (p, g) = rx.device_ptr(stream);
-            (p, g, 0, None)
         }
         RecvPayload::Fp8 { x: rx, scales: rs } if is_fp8 => {
             Error::check_len("recv_x", n * h, rx.len())?;
             Error::check_len("recv_x_scales", n * scales, rs.len())?;
-            let (p, g) = rx.device_ptr(stream);
-            let (ps, gs) = rs.device_ptr(stream);
-            (p, g, ps, Some(gs))
         }
         _ => {
             return Err(Error::invalid(
@@ -860,9 +952,8 @@ pub fn dispatch_cuda(
                 "must be bf16 iff x is bf16 (fp8 iff x is fp8)",
             ))
         }
-    };
-    let k = args.num_topk;
-    match (&args.topk, &args.recv_topk) {
+    }
+    match (topk, recv_topk) {
         (Some(tk), Some(rt)) => {
             if k == 0 || k > 1024 {
                 return Err(Error::invalid(
@@ -875,6 +966,13 @@ pub fn dispatch_cuda(
             Error::check_len("topk_weights", t * k, tk.weights.len())?;
             Error::check_len("recv_topk_idx", n * k, rt.idx.len())?;
             Error::check_len("recv_topk_weights", n * k, rt.weights.len())?;
+            if num_experts == 0 || num_experts % r != 0 {
+                return Err(Error::invalid(
+                    "num_experts",
+                    num_experts,
+                    format!("must be a positive multiple of num_ranks = {r}"),
+                ));
+            }
         }
         (None, None) => {
             if k != 0 {
@@ -889,13 +987,70 @@ pub fn dispatch_cuda(
             ))
         }
     }
-    if k > 0 && (args.num_experts == 0 || args.num_experts % r != 0) {
-        return Err(Error::invalid(
-            "num_experts",
-            args.num_experts,
-            format!("must be a positive multiple of num_ranks = {r}"),
-        ));
-    }
+    let ((x_ptr, gx), (xs_ptr, gxs)) = match x {
+        Payload::Bf16(x) => (opt_device_ptr(Some(x), stream), (0, None)),
+        Payload::Fp8 { x, scales } => (
+            opt_device_ptr(Some(x), stream),
+            opt_device_ptr(Some(scales), stream),
+        ),
+    };
+    let ((rx_ptr, grx), (rxs_ptr, grxs)) = match recv_x {
+        RecvPayload::Bf16(rx) => (opt_device_ptr(Some(rx), stream), (0, None)),
+        RecvPayload::Fp8 { x: rx, scales } => (
+            opt_device_ptr(Some(rx), stream),
+            opt_device_ptr(Some(scales), stream),
+        ),
+    };
+    let (ti_ptr, gti) = opt_device_ptr(topk.map(|tk| &tk.idx), stream);
+    let (tw_ptr, gtw) = opt_device_ptr(topk.map(|tk| &tk.weights), stream);
+    let (rti_ptr, grti) = opt_device_ptr(recv_topk.map(|rt| &rt.idx), stream);
+    let (rtw_ptr, grtw) = opt_device_ptr(recv_topk.map(|rt| &rt.weights), stream);
+    Ok(DispatchPayloadPtrs {
+        x: x_ptr,
+        x_scales: xs_ptr,
+        topk_idx: ti_ptr,
+        topk_weights: tw_ptr,
+        recv_x: rx_ptr,
+        recv_x_scales: rxs_ptr,
+        recv_topk_idx: rti_ptr,
+        recv_topk_weights: rtw_ptr,
+        experts_per_rank: if k > 0 { num_experts / r } else { 0 },
+        _guards: [gx, gxs, grx, grxs, gti, gtw, grti, grtw],
+    })
+}
+
+/// Launches the dispatch of this rank's tokens on `stream` (after [`notify_dispatch_cuda`] or
+/// [`cached_notify_cuda`] on every rank). Every rank must launch it with the same `config`.
+pub fn dispatch_cuda(
+    stream: &CudaStream,
+    buffers: &PeerBuffers,
+    config: &Config,
+    args: DispatchArgs<'_>,
+) -> Result<()> {
+    config.validate()?;
+    let r = buffers.num_ranks;
+    let c = config.num_channels();
+    let t = args.is_token_in_rank.len() / r.max(1);
+    Error::check_len("is_token_in_rank", t * r, args.is_token_in_rank.len())?;
+    let n = args.num_recv_tokens;
+    let shape = dispatch_row_shape(&args.x, args.hidden)?;
+    let (row_bytes, scales) = (shape.row_bytes, shape.scales);
+    let k = args.num_topk;
+    let payload = dispatch_payload_ptrs(
+        stream,
+        shape,
+        PayloadCounts {
+            num_tokens: t,
+            num_recv_tokens: n,
+            num_topk: k,
+            num_experts: args.num_experts,
+            num_ranks: r,
+        },
+        &args.x,
+        &args.recv_x,
+        args.topk.as_ref(),
+        args.recv_topk.as_ref(),
+    )?;
     Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
     Error::check_len(
         "channel_prefix_matrix",
@@ -929,25 +1084,7 @@ pub fn dispatch_cuda(
         ));
     }
     let kernel = kernels.kernel(FILE, "intranode_dispatch")?;
-    let (topk_ptr, _gt0, topk_w_ptr, _gt1) = match &args.topk {
-        Some(tk) => {
-            let (a, ga) = tk.idx.device_ptr(stream);
-            let (b, gb) = tk.weights.device_ptr(stream);
-            (a, Some(ga), b, Some(gb))
-        }
-        None => (0, None, 0, None),
-    };
-    let (rtopk_ptr, _gr0, rtopk_w_ptr, _gr1) = match &args.recv_topk {
-        Some(rt) => {
-            let (a, ga) = rt.idx.device_ptr(stream);
-            let (b, gb) = rt.weights.device_ptr(stream);
-            (a, Some(ga), b, Some(gb))
-        }
-        None => (0, None, 0, None),
-    };
-    for (name, p) in [("x", x_ptr), ("recv_x", recv_ptr)] {
-        check_align(name, p, 16)?;
-    }
+    payload.check_row_align()?;
     let (itir, _g0) = args.is_token_in_rank.device_ptr(stream);
     let (rpm, _g1) = args.rank_prefix_matrix.device_ptr(stream);
     let (cpm, _g2) = args.channel_prefix_matrix.device_ptr(stream);
@@ -956,18 +1093,18 @@ pub fn dispatch_cuda(
     let (sh, _g5) = args.send_head.device_ptr(stream);
     let params = DispatchParams {
         buffer_ptrs: buffers.ptrs,
-        x: x_ptr,
-        x_scales: xs_ptr,
-        topk_idx: topk_ptr,
-        topk_weights: topk_w_ptr,
+        x: payload.x,
+        x_scales: payload.x_scales,
+        topk_idx: payload.topk_idx,
+        topk_weights: payload.topk_weights,
         is_token_in_rank: itir,
         rank_prefix_matrix: rpm,
         channel_prefix_matrix: cpm,
-        recv_x: recv_ptr,
-        recv_x_scales: recv_xs_ptr,
+        recv_x: payload.recv_x,
+        recv_x_scales: payload.recv_x_scales,
         recv_src_idx: rsi,
-        recv_topk_idx: rtopk_ptr,
-        recv_topk_weights: rtopk_w_ptr,
+        recv_topk_idx: payload.recv_topk_idx,
+        recv_topk_weights: payload.recv_topk_weights,
         recv_channel_offset: rco,
         send_head: sh,
         error_info: buffers.error_info,
@@ -978,7 +1115,7 @@ pub fn dispatch_cuda(
         hidden_int4: to_i32("hidden", row_bytes / 16)?,
         num_scales: to_i32("num_scales", scales)?,
         num_topk: to_i32("num_topk", k)?,
-        experts_per_rank: to_i32("num_experts", if k > 0 { args.num_experts / r } else { 0 })?,
+        experts_per_rank: to_i32("num_experts", payload.experts_per_rank)?,
         num_channels: to_i32("num_channels", c)?,
         num_max_send_tokens: to_i32("num_max_send_tokens", config.num_max_send_tokens)?,
         num_max_recv_tokens: to_i32("num_max_recv_tokens", q)?,
@@ -1029,6 +1166,72 @@ struct CombineParams {
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 176);
 // SAFETY: repr(C) plain data mirroring `CombineParams` in intranode.cu.
 unsafe impl KernelParams for CombineParams {}
+
+/// Raw device pointers of a combine's optional top-k weights (0 where absent), from
+/// [`combine_weights_ptrs`]. Holds the views' stream guards: keep it alive until every launch
+/// and copy that uses the pointers is queued.
+#[derive(Debug)]
+pub(crate) struct CombineWeightsPtrs<'a> {
+    /// `[N, K]` weights returned along the rows.
+    pub(crate) topk_weights: CUdeviceptr,
+    /// `[T, K]` sums of the returned weights.
+    pub(crate) combined_topk_weights: CUdeviceptr,
+    _guards: [Option<SyncOnDrop<'a>>; 2],
+}
+
+/// Checks the optional top-k weights of a combine of `num_recv_tokens` rows (`N`) into
+/// `num_tokens` tokens (`T`) and returns their device pointers on `stream`.
+///
+/// `topk_weights` and `combined_topk_weights` must both be given or both be absent: with them
+/// `num_topk` (`K`) must be in `[1, 1024]`, `topk_weights` hold `N * K` and
+/// `combined_topk_weights` `T * K` elements; without them `K` must be 0. Pointers are taken
+/// only once every check has passed.
+pub(crate) fn combine_weights_ptrs<'a>(
+    stream: &'a CudaStream,
+    topk_weights: Option<&'a CudaView<'_, f32>>,
+    combined_topk_weights: Option<&'a CudaViewMut<'_, f32>>,
+    num_recv_tokens: usize,
+    num_tokens: usize,
+    num_topk: usize,
+) -> Result<CombineWeightsPtrs<'a>> {
+    let k = num_topk;
+    match (topk_weights, combined_topk_weights) {
+        (Some(w), Some(cw)) => {
+            if k == 0 || k > 1024 {
+                return Err(Error::invalid(
+                    "num_topk",
+                    k,
+                    "must be in [1, 1024] with topk_weights",
+                ));
+            }
+            Error::check_len("topk_weights", num_recv_tokens * k, w.len())?;
+            Error::check_len("combined_topk_weights", num_tokens * k, cw.len())?;
+        }
+        (None, None) => {
+            if k != 0 {
+                return Err(Error::invalid(
+                    "num_topk",
+                    k,
+                    "must be 0 without topk_weights",
+                ));
+            }
+        }
+        _ => {
+            return Err(Error::invalid(
+                "combined_topk_weights",
+                "given without topk_weights (or the reverse)",
+                "both or neither",
+            ))
+        }
+    }
+    let (w_ptr, gw) = opt_device_ptr(topk_weights, stream);
+    let (cw_ptr, gcw) = opt_device_ptr(combined_topk_weights, stream);
+    Ok(CombineWeightsPtrs {
+        topk_weights: w_ptr,
+        combined_topk_weights: cw_ptr,
+        _guards: [gw, gcw],
+    })
+}
 
 /// Inputs and outputs of [`combine_cuda`] (`N` rows this rank holds in dispatch receive
 /// order, `T` tokens this rank owns, `H` hidden, `K` top-k).
@@ -1095,35 +1298,14 @@ pub fn combine_cuda(
     Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
     Error::check_len("recv_channel_offset", r * c, args.recv_channel_offset.len())?;
     let k = args.num_topk;
-    match (&args.topk_weights, &args.combined_topk_weights) {
-        (Some(w), Some(cw)) => {
-            if k == 0 || k > 1024 {
-                return Err(Error::invalid(
-                    "num_topk",
-                    k,
-                    "must be in [1, 1024] with topk_weights",
-                ));
-            }
-            Error::check_len("topk_weights", num_recv * k, w.len())?;
-            Error::check_len("combined_topk_weights", t * k, cw.len())?;
-        }
-        (None, None) => {
-            if k != 0 {
-                return Err(Error::invalid(
-                    "num_topk",
-                    k,
-                    "must be 0 without topk_weights",
-                ));
-            }
-        }
-        _ => {
-            return Err(Error::invalid(
-                "combined_topk_weights",
-                "given without topk_weights (or the reverse)",
-                "both or neither",
-            ))
-        }
-    }
+    let weights = combine_weights_ptrs(
+        stream,
+        args.topk_weights.as_ref(),
+        args.combined_topk_weights.as_ref(),
+        num_recv,
+        t,
+        k,
+    )?;
     check_buffer(buffers, c, combine_ring_bytes(q, h * 2, k))?;
     let kernels = Kernels::for_stream(stream)?;
     if 2 * c > kernels.props().sm_count as usize {
@@ -1145,29 +1327,15 @@ pub fn combine_cuda(
     let (cx, _g4) = args.combined_x.device_ptr(stream);
     check_align("x", x_ptr, 16)?;
     check_align("combined_x", cx, 16)?;
-    let (w_ptr, _g5) = match &args.topk_weights {
-        Some(w) => {
-            let (p, g) = w.device_ptr(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
-    let (cw_ptr, _g6) = match &args.combined_topk_weights {
-        Some(w) => {
-            let (p, g) = w.device_ptr(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
     let params = CombineParams {
         buffer_ptrs: buffers.ptrs,
         x: x_ptr,
-        topk_weights: w_ptr,
+        topk_weights: weights.topk_weights,
         rank_prefix_matrix: rpm,
         recv_channel_offset: rco,
         send_head: sh,
         combined_x: cx,
-        combined_topk_weights: cw_ptr,
+        combined_topk_weights: weights.combined_topk_weights,
         error_info: buffers.error_info,
         timeout_ns: buffers.timeout_ns(),
         rank: to_i32("rank", buffers.rank)?,
