@@ -500,6 +500,7 @@ fn make_row(
     ring: usize,
     ms: &[f32],
     states: &[RankState],
+    split: String,
 ) -> Row {
     let per_rank: Vec<f32> = ms
         .iter()
@@ -515,10 +516,11 @@ fn make_row(
         us: median(&mut all) * 1e3,
         gbps: per_rank.iter().sum::<f32>() / per_rank.len() as f32,
         gbps_min_rank: per_rank.iter().copied().fold(f32::INFINITY, f32::min),
+        split,
     };
     println!(
-        "{:<16} sms {:>3} chunk {:>4} ring {:>4}: {:>8.1} us  {:>7.1} GB/s (NVL, mean of ranks; min {:.1})",
-        op.name(), num_sms, chunk, ring, row.us, row.gbps, row.gbps_min_rank
+        "{:<16} sms {:>3} chunk {:>4} ring {:>4}: {:>8.1} us  {:>7.1} GB/s (NVL, mean of ranks; min {:.1}) {}",
+        op.name(), num_sms, chunk, ring, row.us, row.gbps, row.gbps_min_rank, row.split
     );
     row
 }
@@ -532,6 +534,8 @@ struct Row {
     us: f32,
     gbps: f32,
     gbps_min_rank: f32,
+    /// Copy-engine path split: "ce<copy-engine peers>+<pack/reduce SMs>+<SM-copy blocks>".
+    split: String,
 }
 
 /// One NCCL baseline's figures (bf16 dispatch bytes).
@@ -641,18 +645,49 @@ fn main() -> Result<(), BoxError> {
     if path != "ring" {
         let notify_cfg = Config::new(24, 1, 1)?;
         let mut handles = notify_all(&node, &states, &notify_cfg)?;
-        let ce_sms: Vec<usize> = if quick { vec![24] } else { vec![8, 16, 24, 32] };
+        // (copy-engine peers, pack/reduce SMs, SM-copy blocks): SMs in all = the last two.
+        let splits: Vec<(usize, usize, usize)> = if quick {
+            vec![
+                (1, 16, 8),
+                (1, 20, 4),
+                (1, 22, 2),
+                (1, 23, 1),
+                (1, 12, 12),
+                (0, 12, 12),
+                (r - 1, 20, 4),
+                (1, 24, 16),
+            ]
+        } else {
+            let mut v = Vec::new();
+            for ce_peers in [0, 1, r - 1] {
+                for (a, b) in [
+                    (8, 8),
+                    (12, 12),
+                    (16, 8),
+                    (20, 4),
+                    (22, 2),
+                    (24, 8),
+                    (32, 16),
+                ] {
+                    v.push((ce_peers, a, b));
+                }
+            }
+            v.dedup();
+            v
+        };
         let ce_chunks: Vec<(usize, usize)> = if quick {
-            vec![(256, 1024), (1024, 4096)]
+            vec![(256, 1024), (512, 2048), (1024, 4096)]
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
-        for &num_sms in &ce_sms {
+        for &(copy_engine_peers, num_sms, sm_blocks) in &splits {
             for &(first, max) in &ce_chunks {
                 let ce = CeConfig {
                     num_sms,
                     first_chunk_rows: first,
                     max_chunk_rows: max,
+                    copy_engine_peers,
+                    sm_blocks,
                 };
                 for op in [Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine] {
                     let ms = time_op(
@@ -666,7 +701,15 @@ fn main() -> Result<(), BoxError> {
                         warmup,
                         iters,
                     )?;
-                    let row = make_row(op, num_sms, first, max, &ms, &states);
+                    // Combine launches the SM-copy kernel only when some home is not served by
+                    // copy engines; dispatch always does (metadata).
+                    let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
+                    let total = num_sms + if sm_used { sm_blocks } else { 0 };
+                    let split = format!(
+                        "ce{copy_engine_peers}+{num_sms}+{}",
+                        if sm_used { sm_blocks } else { 0 }
+                    );
+                    let row = make_row(op, total, first, max, &ms, &states, split);
                     rows.push(row);
                 }
             }
@@ -701,7 +744,15 @@ fn main() -> Result<(), BoxError> {
                         warmup,
                         iters,
                     )?;
-                    rows.push(make_row(op, num_sms, chunk, ring, &ms, &states));
+                    rows.push(make_row(
+                        op,
+                        num_sms,
+                        chunk,
+                        ring,
+                        &ms,
+                        &states,
+                        String::new(),
+                    ));
                 }
             }
         }
@@ -727,13 +778,14 @@ fn main() -> Result<(), BoxError> {
             .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
         {
             println!(
-                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best)",
+                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best) {}",
                 op.name(),
                 b.num_sms,
                 b.chunk,
                 b.ring,
                 b.us,
-                b.gbps
+                b.gbps,
+                b.split
             );
         }
         if let Some(b) = rows
@@ -742,13 +794,14 @@ fn main() -> Result<(), BoxError> {
             .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
         {
             println!(
-                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best at <= 24 SMs)",
+                "{:<16} {:>5} {:>6} {:>5} {:>10.1} {:>10.1}  (best at <= 24 SMs) {}",
                 op.name(),
                 b.num_sms,
                 b.chunk,
                 b.ring,
                 b.us,
-                b.gbps
+                b.gbps,
+                b.split
             );
         }
     }
@@ -793,8 +846,8 @@ fn main() -> Result<(), BoxError> {
         for (i, x) in rows.iter().enumerate() {
             let _ = writeln!(
                 json,
-                "    {{\"op\": \"{}\", \"num_sms\": {}, \"chunk\": {}, \"ring\": {}, \"time_us\": {:.2}, \"gbps\": {:.2}, \"gbps_min_rank\": {:.2}}}{}",
-                x.op.name(), x.num_sms, x.chunk, x.ring, x.us, x.gbps, x.gbps_min_rank,
+                "    {{\"op\": \"{}\", \"num_sms\": {}, \"chunk\": {}, \"ring\": {}, \"split\": \"{}\", \"time_us\": {:.2}, \"gbps\": {:.2}, \"gbps_min_rank\": {:.2}}}{}",
+                x.op.name(), x.num_sms, x.chunk, x.ring, x.split, x.us, x.gbps, x.gbps_min_rank,
                 if i + 1 < rows.len() { "," } else { "" }
             );
         }

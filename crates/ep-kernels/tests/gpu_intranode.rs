@@ -905,8 +905,27 @@ fn main() {
             num_sms: 3,
             first_chunk_rows: 5,
             max_chunk_rows: 40,
+            copy_engine_peers: 1,
+            sm_blocks: 2,
         });
         cases.push(("ce-tiny-chunks".into(), c));
+        // Every peer by SM copies (one block), and every peer by copy engines.
+        for (name, copy_engine_peers, sm_blocks, fp8) in [
+            ("ce-all-sm-one-block", 0, 1, false),
+            ("ce-all-sm-fp8", 0, 8, true),
+            ("ce-all-engines", r - 1, 8, false),
+        ] {
+            let mut c = base_case(r);
+            c.tokens = vec![1500; r];
+            c.cached = true;
+            c.fp8 = fp8;
+            c.ce = Some(CeConfig {
+                copy_engine_peers,
+                sm_blocks,
+                ..CeConfig::dispatch_default()
+            });
+            cases.push((name.into(), c));
+        }
         let mut c = base_case(r);
         c.tokens = vec![2000; r];
         c.fp8 = true;
@@ -914,6 +933,8 @@ fn main() {
             num_sms: 1,
             first_chunk_rows: 1,
             max_chunk_rows: 1,
+            copy_engine_peers: 1,
+            sm_blocks: 3,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

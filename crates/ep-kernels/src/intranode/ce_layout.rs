@@ -26,6 +26,35 @@ pub fn chunk_bounds(m: usize, first_rows: usize, max_rows: usize) -> Vec<(usize,
     out
 }
 
+/// Whether the copy engines serve `peer` when `copy_engine_peers` of the `num_ranks - 1` peers
+/// of `rank` go through them (SM warps serve the others). Peers are taken by their distance
+/// `(peer - rank) mod num_ranks` in the order `R/2, R/2 - 1, R/2 + 1, R/2 - 2, ...`, so that with
+/// one copy-engine peer every GPU's copy engines serve exactly one peer and are served by one
+/// (rank `i` and `i + R/2` pair up), in either direction of the transfer.
+pub fn copy_engine_peer(
+    rank: usize,
+    peer: usize,
+    num_ranks: usize,
+    copy_engine_peers: usize,
+) -> bool {
+    if peer == rank || num_ranks < 2 || peer >= num_ranks {
+        return false;
+    }
+    let dist = (peer + num_ranks - rank) % num_ranks;
+    let half = num_ranks / 2;
+    // Position of `dist` among the distances 1..R in the order half, half - 1, half + 1, ...
+    let order = (0..2 * num_ranks).filter_map(|i| {
+        let d = if i % 2 == 0 {
+            half.checked_add(i / 2)
+        } else {
+            half.checked_sub(i / 2 + 1)
+        }?;
+        (1..num_ranks).contains(&d).then_some(d)
+    });
+    let pos = order.take_while(|&d| d != dist).count();
+    pos < copy_engine_peers
+}
+
 fn align16(v: usize) -> usize {
     v.div_ceil(16) * 16
 }
@@ -116,6 +145,32 @@ pub fn ce_buffer_size_hint(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn copy_engine_peers_pair_up_and_fill_in_order() {
+        for r in 2..=8 {
+            for n in 0..r {
+                for me in 0..r {
+                    let served: Vec<usize> =
+                        (0..r).filter(|&p| copy_engine_peer(me, p, r, n)).collect();
+                    assert_eq!(served.len(), n.min(r - 1), "r {r} n {n} me {me}");
+                    assert!(!copy_engine_peer(me, me, r, n));
+                }
+            }
+            // One copy-engine peer: the pairing is symmetric.
+            for me in 0..r {
+                let p = (0..r).find(|&p| copy_engine_peer(me, p, r, 1)).unwrap();
+                if r % 2 == 0 {
+                    assert!(
+                        copy_engine_peer(p, me, r, 1),
+                        "r {r}: {me} -> {p} not mutual"
+                    );
+                }
+            }
+        }
+        assert!(copy_engine_peer(0, 2, 4, 1) && copy_engine_peer(3, 1, 4, 1));
+        assert!(copy_engine_peer(0, 1, 2, 1));
+    }
+
     use super::*;
 
     #[test]

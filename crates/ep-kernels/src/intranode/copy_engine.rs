@@ -1,7 +1,9 @@
-//! The copy-engine path of the intranode normal mode: NVLink bytes move by the GPUs' copy
-//! engines (`cuMemcpyDtoDAsync` between NVLink buffers and tensors), SMs only pack and reduce
-//! in local memory. Kernels: `intranode_ce_pack`, `intranode_ce_wait`, `intranode_ce_reduce`
-//! in `intranode.cu`; the protocol is described there and in `docs/design.md`.
+//! The copy-engine path of the intranode normal mode: SMs pack and reduce in local memory, and
+//! the NVLink bytes move by the GPUs' copy engines (`cuMemcpyDtoDAsync` between NVLink buffers
+//! and tensors) for `copy_engine_peers` peers and by SM warps for the others (the copy engines
+//! of one GPU do not scale past one peer). Kernels: `intranode_ce_dispatch` (pack + SM pulls),
+//! `intranode_ce_wait`, `intranode_ce_combine` (reduce + SM pushes) in `intranode.cu`; the
+//! protocol is described there and in `docs/design.md`.
 //!
 //! One op on every rank of a node, each rank on its own stream (plus its [`CopyStreams`]):
 //!
@@ -18,10 +20,10 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
-use super::ce_layout::{chunk_bounds, CeSlotLayout, CE_MAX_CHUNKS, CE_SLOT_BASE};
+use super::ce_layout::{chunk_bounds, copy_engine_peer, CeSlotLayout, CE_MAX_CHUNKS, CE_SLOT_BASE};
 use super::cuda::{
     combine_weights_ptrs, dispatch_payload_ptrs, dispatch_row_shape, to_i32, Payload,
-    PayloadCounts, PeerBuffers, RecvPayload, RecvTopK, TopK, FILE, RING_BASE,
+    PayloadCounts, PeerBuffers, RecvPayload, RecvTopK, TopK, FILE, MAX_NVL_RANKS, RING_BASE,
 };
 use crate::cuda::{check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
@@ -31,50 +33,109 @@ const _: () = assert!(CE_SLOT_BASE == RING_BASE);
 /// Threads of the pack and reduce kernel blocks (`kCeThreads`).
 const CE_THREADS: u32 = 768;
 /// Launch configuration of the copy-engine path.
+///
+/// The copy engines of one GPU carry about 360 GB/s to one peer but only about 195 GB/s in
+/// total to three (4 x H200, `scripts/gpu/probe`), so they serve `copy_engine_peers` peers and
+/// SM warps move the other peers' bytes with the same slots, chunks and flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CeConfig {
-    /// SMs (blocks) of the pack and reduce kernels.
+    /// Blocks (SMs) of the pack (dispatch) and reduce (combine) kernels.
     pub num_sms: usize,
     /// Rows of the first chunk of each block; each next chunk doubles, up to `max_chunk_rows`.
     pub first_chunk_rows: usize,
     /// Largest chunk (raised to `ceil(m / 16)` for blocks of `m` rows).
     pub max_chunk_rows: usize,
+    /// Peers served by the copy engines (see [`copy_engine_peer`]); SM warps serve the rest.
+    pub copy_engine_peers: usize,
+    /// Blocks (SMs, 1024 threads) of the SM copy kernel: dispatch pulls the rows of the peers
+    /// not served by copy engines and every peer's metadata; combine pushes the rows of the
+    /// peers not served by copy engines. Unused (no launch) when it has nothing to move.
+    pub sm_blocks: usize,
 }
 
 impl Default for CeConfig {
-    /// 24 SMs, chunks of 256, 512, then 1024 rows.
+    /// The combine defaults ([`CeConfig::combine_default`]).
     fn default() -> Self {
-        Self {
-            num_sms: 24,
-            first_chunk_rows: 256,
-            max_chunk_rows: 1024,
-        }
+        Self::combine_default()
     }
 }
 
 impl CeConfig {
-    /// Dispatch defaults: 24 SMs, chunks of 1024 rows doubling to 4096 (best at <= 24 SMs on
-    /// 2 x H200, 4096 x 7168 tokens, top-8 of 256: 466 GB/s bf16, 361 fp8).
+    /// Dispatch defaults for 2 ranks and 24 SMs ([`CeConfig::dispatch_for`]).
     pub fn dispatch_default() -> Self {
-        Self {
-            num_sms: 24,
-            first_chunk_rows: 1024,
-            max_chunk_rows: 4096,
+        Self::dispatch_for(2, 24)
+    }
+
+    /// Combine defaults for 2 ranks and 24 SMs ([`CeConfig::combine_for`]).
+    pub fn combine_default() -> Self {
+        Self::combine_for(2, 24)
+    }
+
+    /// Dispatch split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: all
+    /// but 2 SMs pack and 2 pull the metadata, chunks of 1024 rows doubling to 4096 (best at
+    /// <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 474 GB/s bf16, 371 fp8). More
+    /// ranks: two thirds pack and one third pull the peers beyond the copy engines' one,
+    /// chunks of 256 doubling to 1024 (284 / 244 GB/s at EP4: the SM rings are faster there).
+    pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
+        let sms = sms.max(2);
+        if num_ranks <= 2 {
+            Self {
+                num_sms: sms - 2,
+                first_chunk_rows: 1024,
+                max_chunk_rows: 4096,
+                copy_engine_peers: 1,
+                sm_blocks: 2,
+            }
+        } else {
+            Self {
+                num_sms: sms - sms / 3,
+                first_chunk_rows: 256,
+                max_chunk_rows: 1024,
+                copy_engine_peers: 1,
+                sm_blocks: sms / 3,
+            }
         }
     }
 
-    /// Combine defaults: 24 SMs, chunks of 256 rows doubling to 1024 (451 GB/s on 2 x H200,
-    /// same shape).
-    pub fn combine_default() -> Self {
-        Self::default()
+    /// Combine split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: every
+    /// SM reduces (the copy engines push everything), chunks of 1024 rows doubling to 4096
+    /// (536 GB/s on 2 x H200, same shape). More ranks: half reduce and half push to the peers
+    /// beyond the copy engines' one, chunks of 256 doubling to 1024 (260 GB/s at EP4).
+    pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
+        let sms = sms.max(2);
+        if num_ranks <= 2 {
+            Self {
+                num_sms: sms,
+                first_chunk_rows: 1024,
+                max_chunk_rows: 4096,
+                copy_engine_peers: 1,
+                sm_blocks: 1,
+            }
+        } else {
+            Self {
+                num_sms: sms - sms / 2,
+                first_chunk_rows: 256,
+                max_chunk_rows: 1024,
+                copy_engine_peers: 1,
+                sm_blocks: sms / 2,
+            }
+        }
     }
 
-    /// Checks `1 <= num_sms <= 1024` and `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`.
+    /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024` and
+    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`.
     pub fn validate(&self) -> Result<()> {
         if self.num_sms == 0 || self.num_sms > 1024 {
             return Err(Error::invalid(
                 "num_sms",
                 self.num_sms,
+                "must be in [1, 1024]",
+            ));
+        }
+        if self.sm_blocks == 0 || self.sm_blocks > 1024 {
+            return Err(Error::invalid(
+                "sm_blocks",
+                self.sm_blocks,
                 "must be in [1, 1024]",
             ));
         }
@@ -126,7 +187,7 @@ impl CopyStreams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct CePackParams {
-    buffer_ptrs: [u64; super::cuda::MAX_NVL_RANKS],
+    buffer_ptrs: [u64; MAX_NVL_RANKS],
     x: CUdeviceptr,
     x_scales: CUdeviceptr,
     topk_idx: CUdeviceptr,
@@ -155,8 +216,6 @@ struct CePackParams {
     pad: i32,
 }
 const _: () = assert!(std::mem::size_of::<CePackParams>() == 232);
-// SAFETY: repr(C) plain data mirroring `CePackParams` in intranode.cu.
-unsafe impl KernelParams for CePackParams {}
 
 /// Mirror of `CeWaitParams` in intranode.cu.
 #[repr(C)]
@@ -176,7 +235,7 @@ unsafe impl KernelParams for CeWaitParams {}
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct CeReduceParams {
-    buffer_ptrs: [u64; super::cuda::MAX_NVL_RANKS],
+    buffer_ptrs: [u64; MAX_NVL_RANKS],
     x: CUdeviceptr,
     topk_weights: CUdeviceptr,
     send_index: CUdeviceptr,
@@ -197,8 +256,83 @@ struct CeReduceParams {
     pad: i32,
 }
 const _: () = assert!(std::mem::size_of::<CeReduceParams>() == 176);
-// SAFETY: repr(C) plain data mirroring `CeReduceParams` in intranode.cu.
-unsafe impl KernelParams for CeReduceParams {}
+
+/// Mirror of `CeSmPushParams` in intranode.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeSmPushParams {
+    buffer_ptrs: [u64; MAX_NVL_RANKS],
+    x: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    slot_bytes: i64,
+    off_weights: i64,
+    row_begin: [i32; MAX_NVL_RANKS],
+    rows: [i32; MAX_NVL_RANKS],
+    rank: i32,
+    num_ranks: i32,
+    row_int4: i32,
+    num_topk: i32,
+    first_chunk_rows: i32,
+    max_chunk_rows: i32,
+    pad: [i32; 2],
+}
+const _: () = assert!(std::mem::size_of::<CeSmPushParams>() == 192);
+
+/// Mirror of `CeSmPullParams` in intranode.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeSmPullParams {
+    buffer_ptrs: [u64; MAX_NVL_RANKS],
+    recv_x: CUdeviceptr,
+    recv_x_scales: CUdeviceptr,
+    recv_src_idx: CUdeviceptr,
+    recv_topk_idx: CUdeviceptr,
+    recv_topk_weights: CUdeviceptr,
+    error_info: CUdeviceptr,
+    timeout_ns: u64,
+    slot_bytes: i64,
+    off_scales: i64,
+    off_src: i64,
+    off_topk_idx: i64,
+    off_topk_weights: i64,
+    row_begin: [i32; MAX_NVL_RANKS],
+    rows: [i32; MAX_NVL_RANKS],
+    rank: i32,
+    num_ranks: i32,
+    row_int4: i32,
+    num_scales: i32,
+    num_topk: i32,
+    first_chunk_rows: i32,
+    max_chunk_rows: i32,
+    sm_rows_mask: i32,
+}
+const _: () = assert!(std::mem::size_of::<CeSmPullParams>() == 256);
+
+/// Mirror of `CeDispatchParams` in intranode.cu: pack blocks, then SM pull blocks.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeDispatchParams {
+    pack: CePackParams,
+    pull: CeSmPullParams,
+    pack_blocks: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<CeDispatchParams>() == 496);
+// SAFETY: repr(C) plain data mirroring `CeDispatchParams` in intranode.cu.
+unsafe impl KernelParams for CeDispatchParams {}
+
+/// Mirror of `CeCombineParams` in intranode.cu: reduce blocks, then SM push blocks.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CeCombineParams {
+    reduce: CeReduceParams,
+    push: CeSmPushParams,
+    reduce_blocks: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<CeCombineParams>() == 376);
+// SAFETY: repr(C) plain data mirroring `CeCombineParams` in intranode.cu.
+unsafe impl KernelParams for CeCombineParams {}
 
 /// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in intranode.cu).
 fn flag_offset(peer: usize, chunk: usize) -> u64 {
@@ -343,7 +477,7 @@ pub fn ce_dispatch_cuda(
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
     payload.check_row_align()?;
     let kernels = Kernels::for_stream(stream)?;
-    let pack = kernels.kernel(FILE, "intranode_ce_pack")?;
+    let fused = kernels.kernel(FILE, "intranode_ce_dispatch")?;
     let wait = kernels.kernel(FILE, "intranode_ce_wait")?;
     let (rsi, _g0) = args.recv_src_idx.device_ptr(stream);
     let params = CePackParams {
@@ -375,30 +509,84 @@ pub fn ce_dispatch_cuda(
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         pad: 0,
     };
+    // The copy streams of the sources served by copy engines start after the outputs exist
+    // and notify reset the flags.
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
-    // The copy streams start after the outputs exist (and after notify reset the flags).
-    fork(stream, copies, peers())?;
-    if t > 0 {
+    let any_peer = peers().next().is_some();
+    let by_engine = |s: usize| copy_engine_peer(me, s, r, config.copy_engine_peers);
+    let streams = || peers().filter(move |&s| by_engine(s));
+    fork(stream, copies, streams())?;
+    // Every source's metadata, and the rows of the sources the copy engines do not serve,
+    // move by the SM pull kernel; the copy streams pull the other sources' rows.
+    let mut pull = CeSmPullParams {
+        buffer_ptrs: buffers.ptrs(),
+        recv_x: payload.recv_x,
+        recv_x_scales: payload.recv_x_scales,
+        recv_src_idx: rsi,
+        recv_topk_idx: payload.recv_topk_idx,
+        recv_topk_weights: payload.recv_topk_weights,
+        error_info: buffers.error_info(),
+        timeout_ns: buffers.timeout_ns(),
+        slot_bytes: lay.slot_bytes as i64,
+        off_scales: lay.off_scales as i64,
+        off_src: lay.off_src as i64,
+        off_topk_idx: lay.off_topk_idx as i64,
+        off_topk_weights: lay.off_topk_weights as i64,
+        row_begin: [0; MAX_NVL_RANKS],
+        rows: [0; MAX_NVL_RANKS],
+        rank: params.rank,
+        num_ranks: params.num_ranks,
+        row_int4: params.row_int4,
+        num_scales: params.num_scales,
+        num_topk: params.num_topk,
+        first_chunk_rows: params.first_chunk_rows,
+        max_chunk_rows: params.max_chunk_rows,
+        sm_rows_mask: 0,
+    };
+    // Receive row ranges per source (source-major order).
+    let mut row_begin = [0usize; MAX_NVL_RANKS];
+    let mut prefix = 0usize;
+    for (begin, &m) in row_begin.iter_mut().zip(args.recv_per_source) {
+        *begin = prefix;
+        prefix += m;
+    }
+    for s in peers() {
+        pull.row_begin[s] = to_i32("recv_per_source", row_begin[s])?;
+        pull.rows[s] = to_i32("recv_per_source", args.recv_per_source[s])?;
+        if !by_engine(s) {
+            pull.sm_rows_mask |= 1 << s;
+        }
+    }
+    if t > 0 || any_peer {
+        // Pack blocks, then (when any peer sends rows here) the SM pull blocks, in one kernel
+        // so that they run side by side.
+        let pull_blocks = if any_peer { config.sm_blocks } else { 0 };
         let cfg = LaunchConfig {
-            grid_dim: (config.num_sms as u32, 1, 1),
+            grid_dim: ((config.num_sms + pull_blocks) as u32, 1, 1),
             block_dim: (CE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `params` matches `CePackParams`. The views hold what the kernel touches:
-        // T rows of x (and T*S scales, T*K routing), T*R send indices and R*R prefixes from the
-        // same notify, N receive rows / indices / routing for the own block (which lies in
-        // [0, N) because the prefixes sum to N). Peer slots hold `lay.capacity >= T` rows and
-        // fit in the buffers (CeSlotLayout), valid per `PeerBuffers::new`.
-        unsafe { pack.launch(stream, cfg, params) }?;
+        let fp = CeDispatchParams {
+            pack: params,
+            pull,
+            pack_blocks: to_i32("num_sms", config.num_sms)?,
+            pad: 0,
+        };
+        // SAFETY: `fp` matches `CeDispatchParams`. Pack: the views hold what it touches: T rows
+        // of x (and T*S scales, T*K routing), T*R send indices and R*R prefixes from the same
+        // notify, N receive rows / indices / routing for the own block (which lies in [0, N)
+        // because the prefixes sum to N); peer slots hold `lay.capacity >= T` rows and fit in
+        // the buffers (CeSlotLayout), valid per `PeerBuffers::new`. Pull: for each source s
+        // with rows[s] = m > 0 it reads rows [0, m) of slot `me` in s's buffer (capacity >= m,
+        // checked) only after the flag of their chunk, and writes receive rows
+        // [row_begin[s], + m), inside the N-row outputs.
+        unsafe { fused.launch(stream, cfg, fp) }?;
     }
-    let mut prefix = 0usize;
-    for s in 0..r {
+    // The copy-engine sources' chunks, each pulled once its flag is up. Launched after the
+    // kernel: a wait kernel that shares a hardware queue with it must not hold it back.
+    for s in streams() {
         let m = args.recv_per_source[s];
-        let dst_row0 = prefix;
-        prefix += m;
-        if s == me || m == 0 {
-            continue;
-        }
+        let dst_row0 = row_begin[s];
         let cs = copies.get(s)?;
         let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
         for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
@@ -432,41 +620,8 @@ pub fn ce_dispatch_cuda(
                 )
             }?;
         }
-        // Per-row metadata, once every chunk is in.
-        // SAFETY: as above: m rows of each array in the peer's slot (published), m rows at
-        // row `dst_row0` of each output (N rows, checked).
-        unsafe {
-            copy(
-                cs,
-                rsi + (dst_row0 * 4) as u64,
-                slot + lay.off_src as u64,
-                m * 4,
-            )?;
-            if scales > 0 {
-                copy(
-                    cs,
-                    payload.recv_x_scales + (dst_row0 * scales * 4) as u64,
-                    slot + lay.off_scales as u64,
-                    m * scales * 4,
-                )?;
-            }
-            if k > 0 {
-                copy(
-                    cs,
-                    payload.recv_topk_idx + (dst_row0 * k * 8) as u64,
-                    slot + lay.off_topk_idx as u64,
-                    m * k * 8,
-                )?;
-                copy(
-                    cs,
-                    payload.recv_topk_weights + (dst_row0 * k * 4) as u64,
-                    slot + lay.off_topk_weights as u64,
-                    m * k * 4,
-                )?;
-            }
-        }
     }
-    join(stream, copies, peers())
+    join(stream, copies, streams())
 }
 
 /// Inputs and outputs of [`ce_combine_cuda`] (`N` rows this rank holds in dispatch receive
@@ -558,9 +713,13 @@ pub fn ce_combine_cuda(
     check_align("x", x_ptr, 16)?;
     check_align("combined_x", cx, 16)?;
     let kernels = Kernels::for_stream(stream)?;
-    let reduce = kernels.kernel(FILE, "intranode_ce_reduce")?;
+    let fused = kernels.kernel(FILE, "intranode_ce_combine")?;
+    // Homes served by the copy streams, and whether the SM push blocks serve any.
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
-    fork(stream, copies, peers())?;
+    let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
+    let any_sm = peers().any(by_sm);
+    let streams = || peers().filter(move |&s| !by_sm(s));
+    fork(stream, copies, streams())?;
     let params = CeReduceParams {
         buffer_ptrs: buffers.ptrs(),
         x: x_ptr,
@@ -582,25 +741,34 @@ pub fn ce_combine_cuda(
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         pad: 0,
     };
-    if t > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: (config.num_sms as u32, 1, 1),
-            block_dim: (CE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: `params` matches `CeReduceParams`; x holds N rows (the own block lies in
-        // [0, N)), send_index T*R and the prefixes R*R from the dispatch of these rows; the
-        // outputs T*H and T*K; slots of `lay.capacity >= T` rows fit the buffers. The kernel
-        // reads a peer's slot rows only after that peer's flag for their chunk.
-        unsafe { reduce.launch(stream, cfg, params) }?;
-    }
     let row_bytes = 2 * h;
+    let mut push = CeSmPushParams {
+        buffer_ptrs: buffers.ptrs(),
+        x: x_ptr,
+        topk_weights: weights.topk_weights,
+        slot_bytes: params.slot_bytes,
+        off_weights: params.off_weights,
+        row_begin: [0; MAX_NVL_RANKS],
+        rows: [0; MAX_NVL_RANKS],
+        rank: params.rank,
+        num_ranks: params.num_ranks,
+        row_int4: params.row_int4,
+        num_topk: params.num_topk,
+        first_chunk_rows: params.first_chunk_rows,
+        max_chunk_rows: params.max_chunk_rows,
+        pad: [0; 2],
+    };
     let mut prefix = 0usize;
     for s in 0..r {
         let m = args.recv_per_source[s];
         let src_row0 = prefix;
         prefix += m;
         if s == me || m == 0 {
+            continue;
+        }
+        if by_sm(s) {
+            push.row_begin[s] = to_i32("recv_per_source", src_row0)?;
+            push.rows[s] = to_i32("recv_per_source", m)?;
             continue;
         }
         let cs = copies.get(s)?;
@@ -632,12 +800,12 @@ pub fn ce_combine_cuda(
                     (e - b) * row_bytes,
                 )
             }?;
-            // SAFETY: a 4-byte write into this rank's own header (flag [s][j]); the default
-            // flags fence the copies before it.
+            // SAFETY: a 4-byte write into the home's header (flag [me][j]; the buffers are
+            // valid per `PeerBuffers::new`); the default flags fence the copies before it.
             unsafe {
                 sys::cuStreamWriteValue32_v2(
                     cs.cu_stream(),
-                    buffers.ptr(me) + flag_offset(s, j),
+                    buffers.ptr(s) + flag_offset(me, j),
                     1,
                     sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
                 )
@@ -645,5 +813,30 @@ pub fn ce_combine_cuda(
             .result()?;
         }
     }
-    join(stream, copies, peers())
+    if t > 0 || any_sm {
+        // Reduce blocks, then (when some home is not served by copy engines) the SM push
+        // blocks, in one kernel so that they run side by side.
+        let push_blocks = if any_sm { config.sm_blocks } else { 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((config.num_sms + push_blocks) as u32, 1, 1),
+            block_dim: (CE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let fp = CeCombineParams {
+            reduce: params,
+            push,
+            reduce_blocks: to_i32("num_sms", config.num_sms)?,
+            pad: 0,
+        };
+        // SAFETY: `fp` matches `CeCombineParams`. Reduce: x holds N rows (the own block lies
+        // in [0, N)), send_index T*R and the prefixes R*R from the dispatch of these rows; the
+        // outputs T*H and T*K; slots of `lay.capacity >= T` rows fit the buffers; it reads a
+        // peer's slot rows only after that peer's flag for their chunk. Push: for each home s
+        // with rows[s] = m > 0 it reads rows [row_begin[s], + m) of x (the per-source counts
+        // sum to N) and their weights, and writes rows [0, m) of slot `me` in s's buffer
+        // (capacity >= m, checked), free since cached notify's barrier, which `stream`
+        // follows; it counts chunks in this rank's own header and flags them in the home's.
+        unsafe { fused.launch(stream, cfg, fp) }?;
+    }
+    join(stream, copies, streams())
 }

@@ -56,14 +56,15 @@ pub const COMBINE_ROUND_TOKENS: usize = 24;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Kernel names by the ids the device writes into error records.
-const KERNEL_NAMES: [&str; 7] = [
+const KERNEL_NAMES: [&str; 8] = [
     "intranode_unknown",
     "intranode_notify_dispatch",
     "intranode_cached_notify",
     "intranode_dispatch",
     "intranode_combine",
     "intranode_ce_wait",
-    "intranode_ce_reduce",
+    "intranode_ce_combine",
+    "intranode_ce_dispatch",
 ];
 
 /// Launch configuration of dispatch and combine.

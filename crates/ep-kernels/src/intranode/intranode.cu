@@ -1154,8 +1154,10 @@ EP_COMBINE_KERNEL(8)
 // ---------------------------------------------------------------------------------------------
 // Copy-engine path (launchers: src/intranode/copy_engine.rs; design: docs/design.md)
 //
-// The NVLink bytes move by copy engines (cuMemcpyDtoDAsync), not by SMs:
-//   * dispatch: `intranode_ce_pack` (SMs, local memory only) writes this rank's rows for each
+// The NVLink bytes of `copy_engine_peers` peers move by copy engines (cuMemcpyDtoDAsync), those
+// of the others by SM warps (next section); `intranode_ce_dispatch` = pack + SM pulls,
+// `intranode_ce_combine` = reduce + SM pushes:
+//   * dispatch: the pack (`ce_pack`, SMs, local memory only) writes this rank's rows for each
 //     peer d, in d's receive order, into slot d of this rank's own buffer and its local rows
 //     straight into recv_x; chunk counters in this rank's header count finished rows and the
 //     warp that completes a chunk raises flag [rank][chunk] in d's header. The receiver's copy
@@ -1163,8 +1165,8 @@ EP_COMBINE_KERNEL(8)
 //     device timeout) and pull it into recv_x with a copy engine.
 //   * combine: each rank's copy streams push its rows for home s (a contiguous block of its
 //     combine input) into slot [rank] of s's buffer, chunk by chunk, each followed by a stream
-//     write of flag [s][chunk] in the pushing rank's own header; `intranode_ce_reduce` on the
-//     home polls those flags over NVLink and sums the rows in rank order.
+//     write of flag [rank][chunk] in the home's header; the reduce (`ce_reduce`) on the home
+//     polls those flags in its own memory and sums the rows in rank order.
 //
 // Slots start at kRingBase: slot d at kRingBase + d * slot_bytes (offsets in the params).
 // Chunk c of a block of m rows: see `ce_chunk`, mirrored by `chunk_bounds` in copy_engine.rs.
@@ -1206,15 +1208,6 @@ EP_DEVICE CeChunk ce_chunk(int m, int idx, int first_rows, int max_rows) {
     return CeChunk{j, begin, min(begin + size, m)};
 }
 
-EP_DEVICE int4 ld_cg_v4(const int4* ptr) {
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr)
-                 : "memory");
-    return v;
-}
-
 constexpr int kCeThreads = 768;
 constexpr int kCePackUnroll = 7;
 
@@ -1252,12 +1245,12 @@ struct CePackParams {
 };
 EP_CHECK_PARAMS_SIZE(CePackParams, 232);
 
-// Grid: any number of blocks of kCeThreads; warp w of the grid packs tokens w, w + W, ... (token
-// order, so early chunks complete first).
-EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_pack(const CePackParams p) {
+// Blocks [0, nblocks) of kCeThreads; warp w of them packs tokens w, w + W, ... (token order, so
+// early chunks complete first).
+__device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     const int R = p.num_ranks, K = p.num_topk, S = p.num_scales, L = p.experts_per_rank;
     const int lane = ep::lane_id();
-    const int warps = static_cast<int>(gridDim.x) * (kCeThreads / ep::kWarpSize);
+    const int warps = nblocks * (kCeThreads / ep::kWarpSize);
     char* my_buf = buf(p.buffer_ptrs, p.rank);
     char* ce_base = my_buf + kRingBase;
     // Rows this rank sends to peer `lane` (block size there) and where its own block starts.
@@ -1268,8 +1261,7 @@ EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_pack(const CePackPa
     }
     const int own_base = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + p.rank] : 0;
 
-    for (int t = static_cast<int>(blockIdx.x) * (kCeThreads / ep::kWarpSize) + ep::warp_id();
-         t < p.num_tokens; t += warps) {
+    for (int t = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); t < p.num_tokens; t += warps) {
         const int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
         int idx[kMaxRanks];
 #pragma unroll
@@ -1393,11 +1385,15 @@ struct CeReduceParams {
 };
 EP_CHECK_PARAMS_SIZE(CeReduceParams, 176);
 
-// Grid: any number of blocks of kCeThreads; one warp per token, tokens in order over the grid.
-EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_reduce(const CeReduceParams p) {
+// Blocks [0, nblocks) of kCeThreads; one warp per token, tokens in order over the blocks. kR
+// bounds the ranks (R <= kR); each lane keeps kR * kU = 8 row loads in flight (kU = 8 / kR
+// consecutive int4 of every source), which is what bounds a reduce that is latency-bound.
+template <int kR>
+__device__ void ce_reduce(const CeReduceParams& p, int block, int nblocks) {
+    constexpr int kU = 8 / kR;
     const int R = p.num_ranks, K = p.num_topk;
     const int lane = ep::lane_id();
-    const int warps = static_cast<int>(gridDim.x) * (kCeThreads / ep::kWarpSize);
+    const int warps = nblocks * (kCeThreads / ep::kWarpSize);
     char* my_buf = buf(p.buffer_ptrs, p.rank);
     char* ce_base = my_buf + kRingBase;
     // Lane d tracks peer d: rows it returns (its block for this rank), chunks seen ready, and
@@ -1411,15 +1407,14 @@ EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_reduce(const CeRedu
     int ready = 0;
     bool dead = false;
 
-    for (int t = static_cast<int>(blockIdx.x) * (kCeThreads / ep::kWarpSize) + ep::warp_id();
-         t < p.num_tokens; t += warps) {
+    for (int t = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); t < p.num_tokens; t += warps) {
         int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
         if (lane < R && lane != p.rank && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
             while (!dead && ready <= c.index) {
                 const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
                 bool timed_out = false;
-                ep::wait_flag_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, ready),
+                ep::wait_flag_sys(ce_flag(my_buf, lane, ready),
                                   [](int v) { return v != 0; }, deadline, &timed_out);
                 if (timed_out) {
                     report_timeout(p.error_info, kCeReduceKernel, p.rank, lane, kSiteCeReduce);
@@ -1432,51 +1427,64 @@ EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_reduce(const CeRedu
                 my_idx = -1;
             }
         }
-        int idx[kMaxRanks];
+        // Source d's row index (-1 when d sends none; d >= R never sends).
+        int idx[kR];
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-            idx[d] = __shfl_sync(ep::kFullMask, my_idx, d);
+        for (int d = 0; d < kR; ++d) {
+            idx[d] = d < R ? __shfl_sync(ep::kFullMask, my_idx, d) : -1;
         }
-        for (int i = lane; i < p.row_int4; i += ep::kWarpSize) {
-            float acc[8];
+        const int4* const slots = reinterpret_cast<const int4*>(ce_base);
+        const int64_t slot_int4 = p.slot_bytes / 16;
+        for (int base = lane; base < p.row_int4; base += ep::kWarpSize * kU) {
+            int4 v[kR][kU];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                acc[j] = 0.0f;
-            }
-            int4 v[kMaxRanks];
+            for (int d = 0; d < kR; ++d) {
+                const int4* row = d == p.rank ? p.x + static_cast<int64_t>(own_base + idx[d]) * p.row_int4
+                                              : slots + d * slot_int4 + static_cast<int64_t>(idx[d]) * p.row_int4;
 #pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                if (d < R && idx[d] >= 0) {
-                    v[d] = d == p.rank
-                               ? ep::ld_nc_no_alloc(p.x + static_cast<int64_t>(own_base + idx[d]) * p.row_int4 + i)
-                               : ld_cg_v4(reinterpret_cast<const int4*>(ce_base + d * p.slot_bytes) +
-                                          static_cast<int64_t>(idx[d]) * p.row_int4 + i);
-                }
-            }
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                if (d < R && idx[d] >= 0) {
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[d]);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        acc[j] = __fadd_rn(acc[j], ep::bf16_to_f32(h[j]));
+                for (int u = 0; u < kU; ++u) {
+                    const int i = base + u * ep::kWarpSize;
+                    if (idx[d] >= 0 && i < p.row_int4) {
+                        v[d][u] = d == p.rank ? __ldg(row + i) : __ldcg(row + i);
                     }
                 }
             }
-            int4 o;
-            __nv_bfloat16* oh = reinterpret_cast<__nv_bfloat16*>(&o);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                oh[j] = ep::f32_to_bf16(acc[j]);
+            for (int u = 0; u < kU; ++u) {
+                const int i = base + u * ep::kWarpSize;
+                if (i >= p.row_int4) {
+                    break;
+                }
+                float acc[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    acc[j] = 0.0f;
+                }
+#pragma unroll
+                for (int d = 0; d < kR; ++d) {
+                    if (idx[d] >= 0) {
+                        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[d][u]);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            acc[j] = __fadd_rn(acc[j], ep::bf16_to_f32(h[j]));
+                        }
+                    }
+                }
+                int4 o;
+                __nv_bfloat16* oh = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    oh[j] = ep::f32_to_bf16(acc[j]);
+                }
+                p.combined_x[static_cast<int64_t>(t) * p.row_int4 + i] = o;
             }
-            p.combined_x[static_cast<int64_t>(t) * p.row_int4 + i] = o;
         }
         if (p.combined_topk_weights != nullptr) {
             for (int k = lane; k < K; k += ep::kWarpSize) {
                 float acc = 0.0f;
 #pragma unroll
-                for (int d = 0; d < kMaxRanks; ++d) {
-                    if (d < R && idx[d] >= 0) {
+                for (int d = 0; d < kR; ++d) {
+                    if (idx[d] >= 0) {
                         const float w =
                             d == p.rank
                                 ? p.topk_weights[static_cast<int64_t>(own_base + idx[d]) * K + k]
@@ -1488,5 +1496,275 @@ EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_reduce(const CeRedu
                 p.combined_topk_weights[static_cast<int64_t>(t) * K + k] = acc;
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy-engine path, SM peers. The copy engines of one GPU move about 360 GB/s to one peer but
+// only about 195 GB/s in total to three (scripts/gpu/probe, 4 x H200), so beyond 2 ranks the
+// copy engines serve `copy_engine_peers` peers and SM warps move the bytes of the others, with
+// the same slots, chunks and flags, so the receive side cannot tell which engine moved a chunk:
+//   * dispatch: `intranode_ce_sm_pull` on the receiver waits for each chunk's flag (raised by
+//     the source's pack kernel) and copies the chunk's rows and metadata from the source's
+//     slot into recv_x and the metadata outputs (NVLink loads, local stores);
+//   * combine: `intranode_ce_sm_push` copies this rank's rows for each home (a contiguous block
+//     of its combine input) into slot [rank] of the home's buffer (NVLink stores), counts them
+//     into the chunk counters of its own header, and the warp that completes a chunk raises
+//     flag [rank][chunk] in the home's header, which the home's reduce polls.
+// All warps stream each (chunk, peer) block side by side, chunk-major, so early chunks complete
+// first; in the push a warp fences and counts itself once per (chunk, peer).
+//
+// Both run as extra blocks of the pack and reduce kernels, not as kernels of their own on
+// another stream: the reduce waits for peers' pushes, and two streams may share one hardware
+// queue, where a push kernel queued behind its own rank's reduce would never start.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+enum CeSmSite : int { kSiteCeSmPull = 9 };
+enum CeSmKernelId : int { kCeSmPullKernel = 7 };
+
+constexpr int kCeSmUnroll = 7;
+
+// Bounds of chunk `c` of a block of `m` rows (`ce_chunk`'s schedule); begin >= m past the end.
+EP_DEVICE CeChunk ce_chunk_at(int m, int c, int first_rows, int max_rows) {
+    const int cap = max(max_rows, (m + 15) / 16);
+    int size = min(max(first_rows, cap / 256), cap);
+    int begin = 0;
+    for (int j = 0; j < c; ++j) {
+        begin += size;
+        size = min(2 * size, cap);
+    }
+    return CeChunk{c, min(begin, m), min(begin + size, m)};
+}
+
+// This warp's share (warp `gw` of `warps`) of copying `n` elements of T from `src` to `dst`:
+// elements gw * 32 + lane + k * warps * 32, kCeSmUnroll independent loads in flight per lane,
+// so that every warp of the kernel streams the same contiguous block side by side.
+template <typename T, bool kRemoteSrc>
+EP_DEVICE void warp_share_copy(T* dst, const T* src, int64_t n, int gw, int warps, int lane) {
+    const int64_t stride = static_cast<int64_t>(warps) * ep::kWarpSize;
+    int64_t i = static_cast<int64_t>(gw) * ep::kWarpSize + lane;
+    for (; i + (kCeSmUnroll - 1) * stride < n; i += kCeSmUnroll * stride) {
+        T v[kCeSmUnroll];
+#pragma unroll
+        for (int u = 0; u < kCeSmUnroll; ++u) {
+            v[u] = kRemoteSrc ? __ldcg(src + i + u * stride) : __ldg(src + i + u * stride);
+        }
+#pragma unroll
+        for (int u = 0; u < kCeSmUnroll; ++u) {
+            dst[i + u * stride] = v[u];
+        }
+    }
+    for (; i < n; i += stride) {
+        dst[i] = kRemoteSrc ? __ldcg(src + i) : __ldg(src + i);
+    }
+}
+
+}  // namespace
+
+// Mirrors `CeSmPushParams` in src/intranode/copy_engine.rs.
+struct CeSmPushParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;              // [N, row_int4] this rank's combine input
+    const float* topk_weights;  // [N, K] or null
+    int64_t slot_bytes;
+    int64_t off_weights;
+    int row_begin[kMaxRanks];  // first row of x returned to home d
+    int rows[kMaxRanks];       // rows returned to home d by this kernel (0: not by SMs)
+    int rank;
+    int num_ranks;
+    int row_int4;
+    int num_topk;
+    int first_chunk_rows;
+    int max_chunk_rows;
+    int pad[2];
+};
+EP_CHECK_PARAMS_SIZE(CeSmPushParams, 192);
+
+// Blocks [0, nblocks) of kCeThreads.
+__device__ void ce_sm_push(const CeSmPushParams& p, int block, int nblocks) {
+    const int lane = ep::lane_id();
+    const int warps = nblocks * (kCeThreads / ep::kWarpSize);
+    const int gw = block * (kCeThreads / ep::kWarpSize) + ep::warp_id();
+    const int K = p.num_topk;
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    for (int c = 0; c < kCeMaxChunks; ++c) {
+        bool any = false;
+        for (int d = 0; d < p.num_ranks; ++d) {
+            const CeChunk ch = ce_chunk_at(p.rows[d], c, p.first_chunk_rows, p.max_chunk_rows);
+            if (ch.begin >= ch.end) {
+                continue;
+            }
+            any = true;
+            // Rows [begin, end) are contiguous in x (from row_begin[d]) and in the slot.
+            char* slot = buf(p.buffer_ptrs, d) + kRingBase + p.rank * p.slot_bytes;
+            const int64_t src_row = p.row_begin[d] + ch.begin;
+            const int64_t rows = ch.end - ch.begin;
+            warp_share_copy<int4, false>(reinterpret_cast<int4*>(slot) + ch.begin * static_cast<int64_t>(p.row_int4),
+                                         p.x + src_row * p.row_int4, rows * p.row_int4, gw, warps, lane);
+            if (p.topk_weights != nullptr) {
+                warp_share_copy<float, false>(reinterpret_cast<float*>(slot + p.off_weights) + ch.begin * static_cast<int64_t>(K),
+                                              p.topk_weights + src_row * K, rows * K, gw, warps, lane);
+            }
+            // This warp's NVLink stores reach the system before it counts itself in; the warp
+            // completing the count (every warp of the kernel counts once) publishes the chunk.
+            ep::fence_acq_rel_sys();
+            __syncwarp();
+            if (lane == 0) {
+                const int done = ep::atomic_add_release_gpu(ce_count(my_buf, d, c), 1) + 1;
+                if (done == warps) {
+                    ep::fence_acq_rel_sys();
+                    ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, d), p.rank, c), 1);
+                }
+            }
+        }
+        if (!any) {
+            break;
+        }
+    }
+}
+
+// Mirrors `CeSmPullParams` in src/intranode/copy_engine.rs.
+struct CeSmPullParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    int4* recv_x;               // [N, row_int4]
+    float* recv_x_scales;       // [N, S] or null
+    int* recv_src_idx;          // [N]
+    int64_t* recv_topk_idx;     // [N, K] or null
+    float* recv_topk_weights;   // [N, K] or null
+    int* error_info;
+    uint64_t timeout_ns;
+    int64_t slot_bytes;
+    int64_t off_scales;
+    int64_t off_src;
+    int64_t off_topk_idx;
+    int64_t off_topk_weights;
+    int row_begin[kMaxRanks];  // first receive row of source s
+    int rows[kMaxRanks];       // rows from source s pulled by this kernel (0: not by SMs)
+    int rank;
+    int num_ranks;
+    int row_int4;
+    int num_scales;
+    int num_topk;
+    int first_chunk_rows;
+    int max_chunk_rows;
+    int sm_rows_mask;  // bit s: rows of source s move here (else only its metadata)
+};
+EP_CHECK_PARAMS_SIZE(CeSmPullParams, 256);
+
+// Blocks [0, nblocks) of kCeThreads. Copies every source's metadata (src index,
+// localised routing, scales) and the rows of the sources in `sm_rows_mask` (the others' rows
+// move by copy engines). A source whose flag does not come within the timeout is recorded
+// (naming it) and skipped; its rows stay unwritten.
+__device__ void ce_sm_pull(const CeSmPullParams& p, int block, int nblocks) {
+    const int lane = ep::lane_id();
+    const int warps = nblocks * (kCeThreads / ep::kWarpSize);
+    const int gw = block * (kCeThreads / ep::kWarpSize) + ep::warp_id();
+    const int K = p.num_topk, S = p.num_scales;
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    unsigned dead = 0;  // bit s: source s timed out
+    for (int c = 0; c < kCeMaxChunks; ++c) {
+        bool any = false;
+        for (int s = 0; s < p.num_ranks; ++s) {
+            const CeChunk ch = ce_chunk_at(p.rows[s], c, p.first_chunk_rows, p.max_chunk_rows);
+            if (ch.begin >= ch.end) {
+                continue;
+            }
+            any = true;
+            if ((dead >> s) & 1u) {
+                continue;
+            }
+            int ok = 1;
+            if (lane == 0) {
+                const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
+                bool timed_out = false;
+                ep::wait_flag_sys(ce_flag(my_buf, s, c), [](int v) { return v != 0; }, deadline, &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCeSmPullKernel, p.rank, s, kSiteCeSmPull);
+                    ok = 0;
+                }
+            }
+            if (!__shfl_sync(ep::kFullMask, ok, 0)) {
+                dead |= 1u << s;
+                continue;
+            }
+            // Rows [begin, end) of the slot and their metadata are contiguous, and so are
+            // receive rows row_begin[s] + [begin, end) of each output.
+            const char* slot = buf(p.buffer_ptrs, s) + kRingBase + p.rank * p.slot_bytes;
+            const int64_t dst_row = p.row_begin[s] + ch.begin;
+            const int64_t rows = ch.end - ch.begin;
+            if ((p.sm_rows_mask >> s) & 1) {
+                warp_share_copy<int4, true>(p.recv_x + dst_row * p.row_int4,
+                                            reinterpret_cast<const int4*>(slot) + ch.begin * static_cast<int64_t>(p.row_int4),
+                                            rows * p.row_int4, gw, warps, lane);
+            }
+            warp_share_copy<int, true>(p.recv_src_idx + dst_row,
+                                       reinterpret_cast<const int*>(slot + p.off_src) + ch.begin, rows, gw, warps, lane);
+            if (K > 0) {
+                warp_share_copy<long long, true>(
+                    reinterpret_cast<long long*>(p.recv_topk_idx) + dst_row * K,
+                    reinterpret_cast<const long long*>(slot + p.off_topk_idx) + ch.begin * static_cast<int64_t>(K), rows * K,
+                    gw, warps, lane);
+                warp_share_copy<float, true>(p.recv_topk_weights + dst_row * K,
+                                             reinterpret_cast<const float*>(slot + p.off_topk_weights) + ch.begin * static_cast<int64_t>(K),
+                                             rows * K, gw, warps, lane);
+            }
+            if (S > 0) {
+                warp_share_copy<float, true>(p.recv_x_scales + dst_row * S,
+                                             reinterpret_cast<const float*>(slot + p.off_scales) + ch.begin * static_cast<int64_t>(S),
+                                             rows * S, gw, warps, lane);
+            }
+        }
+        if (!any) {
+            break;
+        }
+    }
+}
+
+// Mirrors `CeDispatchParams` in src/intranode/copy_engine.rs.
+struct CeDispatchParams {
+    CePackParams pack;
+    CeSmPullParams pull;
+    int pack_blocks;  // blocks [0, pack_blocks) pack, the rest pull
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CeDispatchParams, 496);
+
+// Grid: pack_blocks + any number of pull blocks (none when no peer sends rows), all of
+// kCeThreads and resident at once (the pull waits only for peers' packs).
+EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_dispatch(const CeDispatchParams p) {
+    const int b = static_cast<int>(blockIdx.x);
+    if (b < p.pack_blocks) {
+        ce_pack(p.pack, b, p.pack_blocks);
+    } else {
+        ce_sm_pull(p.pull, b - p.pack_blocks, static_cast<int>(gridDim.x) - p.pack_blocks);
+    }
+}
+
+// Mirrors `CeCombineParams` in src/intranode/copy_engine.rs.
+struct CeCombineParams {
+    CeReduceParams reduce;
+    CeSmPushParams push;
+    int reduce_blocks;  // blocks [0, reduce_blocks) reduce, the rest push
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CeCombineParams, 376);
+
+// Grid: reduce_blocks + any number of push blocks (none when the copy engines serve every
+// home), all of kCeThreads and resident at once: the reduce waits for every peer's pushes,
+// which wait for nothing.
+EP_KERNEL void __launch_bounds__(kCeThreads, 1) intranode_ce_combine(const CeCombineParams p) {
+    const int b = static_cast<int>(blockIdx.x);
+    if (b < p.reduce_blocks) {
+        if (p.reduce.num_ranks <= 2) {
+            ce_reduce<2>(p.reduce, b, p.reduce_blocks);
+        } else if (p.reduce.num_ranks <= 4) {
+            ce_reduce<4>(p.reduce, b, p.reduce_blocks);
+        } else {
+            ce_reduce<8>(p.reduce, b, p.reduce_blocks);
+        }
+    } else {
+        ce_sm_push(p.push, b - p.reduce_blocks, static_cast<int>(gridDim.x) - p.reduce_blocks);
     }
 }

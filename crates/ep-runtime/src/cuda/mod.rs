@@ -187,14 +187,8 @@ impl CudaBuffer {
             peer_buffers,
             ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
                 (
-                    ki::CeConfig {
-                        num_sms: c.num_sms,
-                        ..ki::CeConfig::dispatch_default()
-                    },
-                    ki::CeConfig {
-                        num_sms: c.num_sms,
-                        ..ki::CeConfig::combine_default()
-                    },
+                    ki::CeConfig::dispatch_for(topo.num_ranks, c.num_sms),
+                    ki::CeConfig::combine_for(topo.num_ranks, c.num_sms),
                 )
             }),
             copies: ki::CopyStreams::new(&ctx, topo.num_ranks)?,
