@@ -10,3 +10,4 @@ nvcc --version | tail -n 2
 features="ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,deepseek-v3/cuda,ep-moe-tests/cuda"
 cargo check --workspace --all-targets --features "$features"
 cargo clippy -p ep-kernels -p ep-runtime -p moe-layer --all-targets --features "ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda" -- -D warnings
+bash scripts/gpu/probe/build.sh

@@ -10,7 +10,8 @@
 // (cp.async.bulk global -> shared -> global, one thread per block driving a ring of stages),
 // each pushing or pulling, and the hybrids (copy engines for one peer, SMs for the others).
 //
-// Build: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -o nvlink_probe nvlink_probe.cu
+// Build: scripts/gpu/probe/build.sh (nvcc, sm_90a; no Rust). Run on the GPU machine:
+// `.gpu/probe/nvlink_probe --mib 64`. Results for 4 x H200: docs/benchmarks.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
