@@ -645,18 +645,27 @@ fn main() -> Result<(), BoxError> {
     if path != "ring" {
         let notify_cfg = Config::new(24, 1, 1)?;
         let mut handles = notify_all(&node, &states, &notify_cfg)?;
-        // (copy-engine peers, pack/reduce SMs, SM-copy blocks): SMs in all = the last two.
-        let splits: Vec<(usize, usize, usize)> = if quick {
-            vec![
-                (1, 16, 8),
-                (1, 20, 4),
-                (1, 22, 2),
-                (1, 23, 1),
-                (1, 12, 12),
-                (0, 12, 12),
-                (r - 1, 20, 4),
-                (1, 24, 16),
-            ]
+        // (copy-engine peers, pack/reduce SMs, SM-copy blocks, dispatch push): SMs in all = the
+        // middle two.
+        let splits: Vec<(usize, usize, usize, bool)> = if quick {
+            let mut v = vec![
+                (1, 16, 8, true),
+                (1, 20, 4, true),
+                (1, 22, 2, true),
+                (1, 12, 12, true),
+                (0, 12, 12, true),
+                (r - 1, 20, 4, true),
+                (1, 24, 16, true),
+            ];
+            if r > 2 {
+                v.extend([
+                    (1, 16, 8, false),
+                    (1, 12, 12, false),
+                    (0, 12, 12, false),
+                    (1, 20, 4, false),
+                ]);
+            }
+            v
         } else {
             let mut v = Vec::new();
             for ce_peers in [0, 1, r - 1] {
@@ -669,7 +678,10 @@ fn main() -> Result<(), BoxError> {
                     (24, 8),
                     (32, 16),
                 ] {
-                    v.push((ce_peers, a, b));
+                    v.push((ce_peers, a, b, true));
+                    if r > 2 && ce_peers < r - 1 {
+                        v.push((ce_peers, a, b, false));
+                    }
                 }
             }
             v.dedup();
@@ -680,7 +692,7 @@ fn main() -> Result<(), BoxError> {
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
-        for &(copy_engine_peers, num_sms, sm_blocks) in &splits {
+        for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
             for &(first, max) in &ce_chunks {
                 let ce = CeConfig {
                     num_sms,
@@ -688,6 +700,7 @@ fn main() -> Result<(), BoxError> {
                     max_chunk_rows: max,
                     copy_engine_peers,
                     sm_blocks,
+                    dispatch_push,
                 };
                 for op in [Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine] {
                     let ms = time_op(
@@ -706,8 +719,13 @@ fn main() -> Result<(), BoxError> {
                     let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
                     let total = num_sms + if sm_used { sm_blocks } else { 0 };
                     let split = format!(
-                        "ce{copy_engine_peers}+{num_sms}+{}",
-                        if sm_used { sm_blocks } else { 0 }
+                        "ce{copy_engine_peers}+{num_sms}+{}{}",
+                        if sm_used { sm_blocks } else { 0 },
+                        if dispatch_push || op == Op::CeCombine {
+                            ""
+                        } else {
+                            " pull"
+                        }
                     );
                     let row = make_row(op, total, first, max, &ms, &states, split);
                     rows.push(row);

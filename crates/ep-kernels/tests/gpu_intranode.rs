@@ -907,13 +907,16 @@ fn main() {
             max_chunk_rows: 40,
             copy_engine_peers: 1,
             sm_blocks: 2,
+            dispatch_push: true,
         });
         cases.push(("ce-tiny-chunks".into(), c));
         // Every peer by SM copies (one block), and every peer by copy engines.
-        for (name, copy_engine_peers, sm_blocks, fp8) in [
-            ("ce-all-sm-one-block", 0, 1, false),
-            ("ce-all-sm-fp8", 0, 8, true),
-            ("ce-all-engines", r - 1, 8, false),
+        for (name, copy_engine_peers, sm_blocks, fp8, dispatch_push) in [
+            ("ce-all-sm-one-block", 0, 1, false, true),
+            ("ce-all-sm-fp8", 0, 8, true, true),
+            ("ce-all-sm-pull", 0, 8, false, false),
+            ("ce-all-sm-pull-fp8", 0, 3, true, false),
+            ("ce-all-engines", r - 1, 8, false, true),
         ] {
             let mut c = base_case(r);
             c.tokens = vec![1500; r];
@@ -922,6 +925,7 @@ fn main() {
             c.ce = Some(CeConfig {
                 copy_engine_peers,
                 sm_blocks,
+                dispatch_push,
                 ..CeConfig::dispatch_default()
             });
             cases.push((name.into(), c));
@@ -935,6 +939,7 @@ fn main() {
             max_chunk_rows: 1,
             copy_engine_peers: 1,
             sm_blocks: 3,
+            dispatch_push: false,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

@@ -98,8 +98,11 @@ pub enum NvlTransfer {
     Auto,
     /// SM kernels stream rows through per-(channel, peer) rings (DeepEP's design).
     SmRings,
-    /// The GPUs' copy engines move the rows (SMs only pack and reduce in local memory), when
-    /// the NVLink buffer holds the op; SM rings otherwise.
+    /// Contiguous per-peer blocks: the GPUs' copy engines move one peer's (the partner at
+    /// distance `R/2`), SM warps streaming whole chunks move the others', and the SMs that pack
+    /// and reduce touch only local memory; when the NVLink buffer holds the op, SM rings
+    /// otherwise. The `num_sms` of [`BufferConfig::config`] is split between packing or
+    /// reducing and the SM copies (`CeConfig::dispatch_for` / `combine_for` in `ep-kernels`).
     CopyEngine,
 }
 

@@ -51,6 +51,10 @@ pub struct CeConfig {
     /// not served by copy engines and every peer's metadata; combine pushes the rows of the
     /// peers not served by copy engines. Unused (no launch) when it has nothing to move.
     pub sm_blocks: usize,
+    /// Dispatch: between two peers that both serve each other by SM copies, the pack writes
+    /// the rows straight into the peer's buffer over NVLink (stores need no round trip) and the
+    /// peer's SM blocks copy them out locally, instead of the peer pulling them over NVLink.
+    pub dispatch_push: bool,
 }
 
 impl Default for CeConfig {
@@ -73,9 +77,10 @@ impl CeConfig {
 
     /// Dispatch split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: all
     /// but 2 SMs pack and 2 pull the metadata, chunks of 1024 rows doubling to 4096 (best at
-    /// <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 474 GB/s bf16, 371 fp8). More
-    /// ranks: two thirds pack and one third pull the peers beyond the copy engines' one,
-    /// chunks of 256 doubling to 1024 (284 / 244 GB/s at EP4: the SM rings are faster there).
+    /// <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 473 GB/s bf16, 372 fp8). More
+    /// ranks: two thirds pack (pushing the rows of the SM peers into their buffers) and one
+    /// third copies them out on the receiving side, chunks of 256 doubling to 1024 (about 310 /
+    /// 255 GB/s at EP4, where the SM rings reach 365 / 298).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(2);
         if num_ranks <= 2 {
@@ -85,6 +90,7 @@ impl CeConfig {
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: 2,
+                dispatch_push: true,
             }
         } else {
             Self {
@@ -93,14 +99,16 @@ impl CeConfig {
                 max_chunk_rows: 1024,
                 copy_engine_peers: 1,
                 sm_blocks: sms / 3,
+                dispatch_push: true,
             }
         }
     }
 
     /// Combine split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: every
     /// SM reduces (the copy engines push everything), chunks of 1024 rows doubling to 4096
-    /// (536 GB/s on 2 x H200, same shape). More ranks: half reduce and half push to the peers
-    /// beyond the copy engines' one, chunks of 256 doubling to 1024 (260 GB/s at EP4).
+    /// (575 GB/s on 2 x H200, same shape). More ranks: two thirds reduce and one third push to
+    /// the peers beyond the copy engines' one, chunks of 256 doubling to 1024 (335 GB/s at EP4,
+    /// where the SM rings reach 354).
     pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(2);
         if num_ranks <= 2 {
@@ -110,14 +118,16 @@ impl CeConfig {
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: 1,
+                dispatch_push: true,
             }
         } else {
             Self {
-                num_sms: sms - sms / 2,
+                num_sms: sms - sms / 3,
                 first_chunk_rows: 256,
                 max_chunk_rows: 1024,
                 copy_engine_peers: 1,
-                sm_blocks: sms / 2,
+                sm_blocks: sms / 3,
+                dispatch_push: true,
             }
         }
     }
@@ -213,7 +223,7 @@ struct CePackParams {
     experts_per_rank: i32,
     first_chunk_rows: i32,
     max_chunk_rows: i32,
-    pad: i32,
+    sm_push_mask: i32,
 }
 const _: () = assert!(std::mem::size_of::<CePackParams>() == 232);
 
@@ -305,8 +315,10 @@ struct CeSmPullParams {
     first_chunk_rows: i32,
     max_chunk_rows: i32,
     sm_rows_mask: i32,
+    local_mask: i32,
+    pad: i32,
 }
-const _: () = assert!(std::mem::size_of::<CeSmPullParams>() == 256);
+const _: () = assert!(std::mem::size_of::<CeSmPullParams>() == 264);
 
 /// Mirror of `CeDispatchParams` in intranode.cu: pack blocks, then SM pull blocks.
 #[repr(C)]
@@ -317,7 +329,7 @@ struct CeDispatchParams {
     pack_blocks: i32,
     pad: i32,
 }
-const _: () = assert!(std::mem::size_of::<CeDispatchParams>() == 496);
+const _: () = assert!(std::mem::size_of::<CeDispatchParams>() == 504);
 // SAFETY: repr(C) plain data mirroring `CeDispatchParams` in intranode.cu.
 unsafe impl KernelParams for CeDispatchParams {}
 
@@ -480,7 +492,7 @@ pub fn ce_dispatch_cuda(
     let fused = kernels.kernel(FILE, "intranode_ce_dispatch")?;
     let wait = kernels.kernel(FILE, "intranode_ce_wait")?;
     let (rsi, _g0) = args.recv_src_idx.device_ptr(stream);
-    let params = CePackParams {
+    let mut params = CePackParams {
         buffer_ptrs: buffers.ptrs(),
         x: payload.x,
         x_scales: payload.x_scales,
@@ -507,7 +519,7 @@ pub fn ce_dispatch_cuda(
         experts_per_rank: to_i32("num_experts", payload.experts_per_rank)?,
         first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
-        pad: 0,
+        sm_push_mask: 0,
     };
     // The copy streams of the sources served by copy engines start after the outputs exist
     // and notify reset the flags.
@@ -515,6 +527,16 @@ pub fn ce_dispatch_cuda(
     let any_peer = peers().next().is_some();
     let by_engine = |s: usize| copy_engine_peer(me, s, r, config.copy_engine_peers);
     let streams = || peers().filter(move |&s| by_engine(s));
+    // Peers this rank and they push dispatch rows to each other (both directions by SMs).
+    let pushed = |s: usize| {
+        config.dispatch_push
+            && s != me
+            && !copy_engine_peer(me, s, r, config.copy_engine_peers)
+            && !copy_engine_peer(s, me, r, config.copy_engine_peers)
+    };
+    for s in (0..r).filter(|&s| pushed(s)) {
+        params.sm_push_mask |= 1 << s;
+    }
     fork(stream, copies, streams())?;
     // Every source's metadata, and the rows of the sources the copy engines do not serve,
     // move by the SM pull kernel; the copy streams pull the other sources' rows.
@@ -542,6 +564,8 @@ pub fn ce_dispatch_cuda(
         first_chunk_rows: params.first_chunk_rows,
         max_chunk_rows: params.max_chunk_rows,
         sm_rows_mask: 0,
+        local_mask: params.sm_push_mask,
+        pad: 0,
     };
     // Receive row ranges per source (source-major order).
     let mut row_begin = [0usize; MAX_NVL_RANKS];

@@ -1241,7 +1241,7 @@ struct CePackParams {
     int experts_per_rank;
     int first_chunk_rows;
     int max_chunk_rows;
-    int pad;
+    int sm_push_mask;  // bit d: peer d's rows go straight into slot [rank] of d's buffer
 };
 EP_CHECK_PARAMS_SIZE(CePackParams, 232);
 
@@ -1253,6 +1253,13 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     const int warps = nblocks * (kCeThreads / ep::kWarpSize);
     char* my_buf = buf(p.buffer_ptrs, p.rank);
     char* ce_base = my_buf + kRingBase;
+    // Where the rows for peer d go: slot d of this rank's buffer (a copy engine or the peer's
+    // SM pull blocks fetch them), or slot [rank] of d's buffer (pushed here over NVLink; the
+    // peer copies them out locally).
+    auto slot_of = [&](int d) -> char* {
+        return (p.sm_push_mask >> d) & 1 ? buf(p.buffer_ptrs, d) + kRingBase + p.rank * p.slot_bytes
+                                         : ce_base + d * p.slot_bytes;
+    };
     // Rows this rank sends to peer `lane` (block size there) and where its own block starts.
     int m_lane = 0;
     if (lane < R) {
@@ -1284,7 +1291,7 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
                 if (d < R && idx[d] >= 0) {
                     int4* dst = d == p.rank
                                     ? p.recv_x + static_cast<int64_t>(own_base + idx[d]) * p.row_int4
-                                    : reinterpret_cast<int4*>(ce_base + d * p.slot_bytes) +
+                                    : reinterpret_cast<int4*>(slot_of(d)) +
                                           static_cast<int64_t>(idx[d]) * p.row_int4;
 #pragma unroll
                     for (int u = 0; u < kCePackUnroll; ++u) {
@@ -1304,7 +1311,7 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
             }
             const bool own = d == p.rank;
             const int64_t row = own ? own_base + idx[d] : idx[d];
-            char* slot = ce_base + d * p.slot_bytes;
+            char* slot = own ? ce_base : slot_of(d);
             if (lane == 0) {
                 (own ? p.recv_src_idx : reinterpret_cast<int*>(slot + p.off_src))[row] = t;
             }
@@ -1328,6 +1335,10 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
         // Count the rows into their chunks; the warp that completes a chunk raises the flag in
         // the destination's header (its rows, written by any warp of this GPU, were released to
         // the counter at gpu scope; the system fence orders them before the flag).
+        if (p.sm_push_mask != 0) {
+            // Rows pushed over NVLink reach the system before they are counted.
+            ep::fence_acq_rel_sys();
+        }
         __syncwarp();
         if (lane < R && lane != p.rank && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
@@ -1504,15 +1515,20 @@ __device__ void ce_reduce(const CeReduceParams& p, int block, int nblocks) {
 // only about 195 GB/s in total to three (scripts/gpu/probe, 4 x H200), so beyond 2 ranks the
 // copy engines serve `copy_engine_peers` peers and SM warps move the bytes of the others, with
 // the same slots, chunks and flags, so the receive side cannot tell which engine moved a chunk:
-//   * dispatch: `intranode_ce_sm_pull` on the receiver waits for each chunk's flag (raised by
-//     the source's pack kernel) and copies the chunk's rows and metadata from the source's
-//     slot into recv_x and the metadata outputs (NVLink loads, local stores);
-//   * combine: `intranode_ce_sm_push` copies this rank's rows for each home (a contiguous block
-//     of its combine input) into slot [rank] of the home's buffer (NVLink stores), counts them
-//     into the chunk counters of its own header, and the warp that completes a chunk raises
-//     flag [rank][chunk] in the home's header, which the home's reduce polls.
+//   * dispatch: the SM pull blocks (`ce_sm_pull`) on the receiver wait for each chunk's flag
+//     (raised by the source's pack) and copy the chunk's rows and metadata into recv_x and the
+//     metadata outputs: from the source's slot over NVLink, or, between peers that both use
+//     SM copies (`sm_push_mask` / `local_mask`), from the receiver's own slot [source], into
+//     which the source's pack stored the rows directly over NVLink;
+//   * combine: the SM push blocks (`ce_sm_push`) copy this rank's rows for each home (a
+//     contiguous block of its combine input) into slot [rank] of the home's buffer (NVLink
+//     stores), count them into the chunk counters of their own header, and the warp that
+//     completes a chunk raises flag [rank][chunk] in the home's header, which the home's reduce
+//     polls.
 // All warps stream each (chunk, peer) block side by side, chunk-major, so early chunks complete
-// first; in the push a warp fences and counts itself once per (chunk, peer).
+// first, and peers in rotated order (rank + 1, rank + 2, ... for pushes, rank - 1, ... for
+// pulls), so that each GPU talks to one SM peer at a time and no GPU is hit by two while
+// another idles; in the push a warp fences and counts itself once per (chunk, peer).
 //
 // Both run as extra blocks of the pack and reduce kernels, not as kernels of their own on
 // another stream: the reduce waits for peers' pushes, and two streams may share one hardware
@@ -1591,7 +1607,10 @@ __device__ void ce_sm_push(const CeSmPushParams& p, int block, int nblocks) {
     char* my_buf = buf(p.buffer_ptrs, p.rank);
     for (int c = 0; c < kCeMaxChunks; ++c) {
         bool any = false;
-        for (int d = 0; d < p.num_ranks; ++d) {
+        // Homes in the order rank + 1, rank + 2, ...: at any moment every GPU receives from
+        // one pusher, instead of several pushing into the same GPU while others idle.
+        for (int k = 1; k < p.num_ranks; ++k) {
+            const int d = (p.rank + k) % p.num_ranks;
             const CeChunk ch = ce_chunk_at(p.rows[d], c, p.first_chunk_rows, p.max_chunk_rows);
             if (ch.begin >= ch.end) {
                 continue;
@@ -1650,8 +1669,10 @@ struct CeSmPullParams {
     int first_chunk_rows;
     int max_chunk_rows;
     int sm_rows_mask;  // bit s: rows of source s move here (else only its metadata)
+    int local_mask;    // bit s: source s pushed its rows into slot [s] of this rank's buffer
+    int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeSmPullParams, 256);
+EP_CHECK_PARAMS_SIZE(CeSmPullParams, 264);
 
 // Blocks [0, nblocks) of kCeThreads. Copies every source's metadata (src index,
 // localised routing, scales) and the rows of the sources in `sm_rows_mask` (the others' rows
@@ -1666,7 +1687,10 @@ __device__ void ce_sm_pull(const CeSmPullParams& p, int block, int nblocks) {
     unsigned dead = 0;  // bit s: source s timed out
     for (int c = 0; c < kCeMaxChunks; ++c) {
         bool any = false;
-        for (int s = 0; s < p.num_ranks; ++s) {
+        // Sources in the order rank - 1, rank - 2, ...: at any moment every GPU is pulled from
+        // by one receiver, instead of several pulling from the same GPU while others idle.
+        for (int k = 1; k < p.num_ranks; ++k) {
+            const int s = (p.rank + p.num_ranks - k) % p.num_ranks;
             const CeChunk ch = ce_chunk_at(p.rows[s], c, p.first_chunk_rows, p.max_chunk_rows);
             if (ch.begin >= ch.end) {
                 continue;
@@ -1691,7 +1715,8 @@ __device__ void ce_sm_pull(const CeSmPullParams& p, int block, int nblocks) {
             }
             // Rows [begin, end) of the slot and their metadata are contiguous, and so are
             // receive rows row_begin[s] + [begin, end) of each output.
-            const char* slot = buf(p.buffer_ptrs, s) + kRingBase + p.rank * p.slot_bytes;
+            const char* slot = (p.local_mask >> s) & 1 ? my_buf + kRingBase + s * p.slot_bytes
+                                                       : buf(p.buffer_ptrs, s) + kRingBase + p.rank * p.slot_bytes;
             const int64_t dst_row = p.row_begin[s] + ch.begin;
             const int64_t rows = ch.end - ch.begin;
             if ((p.sm_rows_mask >> s) & 1) {
@@ -1729,7 +1754,7 @@ struct CeDispatchParams {
     int pack_blocks;  // blocks [0, pack_blocks) pack, the rest pull
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeDispatchParams, 496);
+EP_CHECK_PARAMS_SIZE(CeDispatchParams, 504);
 
 // Grid: pack_blocks + any number of pull blocks (none when no peer sends rows), all of
 // kCeThreads and resident at once (the pull waits only for peers' packs).
