@@ -75,14 +75,15 @@ impl CeConfig {
         Self::combine_for(2, 24)
     }
 
-    /// Dispatch split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: all
-    /// but 2 SMs pack and 2 pull the metadata, chunks of 1024 rows doubling to 4096 (best at
-    /// <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 473 GB/s bf16, 372 fp8). More
+    /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
+    /// ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 1024 rows doubling to 4096
+    /// (best at <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 475 GB/s bf16, 377 fp8).
+    /// More
     /// ranks: two thirds pack (pushing the rows of the SM peers into their buffers) and one
     /// third copies them out on the receiving side, chunks of 256 doubling to 1024 (about 310 /
     /// 255 GB/s at EP4, where the SM rings reach 365 / 298).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
-        let sms = sms.max(2);
+        let sms = sms.max(3);
         if num_ranks <= 2 {
             Self {
                 num_sms: sms - 2,
@@ -98,19 +99,19 @@ impl CeConfig {
                 first_chunk_rows: 256,
                 max_chunk_rows: 1024,
                 copy_engine_peers: 1,
-                sm_blocks: sms / 3,
+                sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
             }
         }
     }
 
-    /// Combine split of `sms` SMs for `num_ranks` ranks, one copy-engine peer. Two ranks: every
-    /// SM reduces (the copy engines push everything), chunks of 1024 rows doubling to 4096
-    /// (575 GB/s on 2 x H200, same shape). More ranks: two thirds reduce and one third push to
+    /// Combine split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
+    /// ranks: every SM reduces (the copy engines push everything), chunks of 1024 rows doubling
+    /// to 4096 (577 GB/s on 2 x H200, same shape). More ranks: two thirds reduce and one third push to
     /// the peers beyond the copy engines' one, chunks of 256 doubling to 1024 (335 GB/s at EP4,
     /// where the SM rings reach 354).
     pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
-        let sms = sms.max(2);
+        let sms = sms.max(3);
         if num_ranks <= 2 {
             Self {
                 num_sms: sms,
@@ -126,7 +127,7 @@ impl CeConfig {
                 first_chunk_rows: 256,
                 max_chunk_rows: 1024,
                 copy_engine_peers: 1,
-                sm_blocks: sms / 3,
+                sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
             }
         }
