@@ -17,6 +17,8 @@
 //! SMs, chunks and ring sizes) and the copy-engine path (`ce_dispatch_cuda` /
 //! `ce_combine_cuda`, swept over SMs and chunk sizes; `chunk` = first chunk rows, `ring` =
 //! largest chunk rows in its rows). `EP_BENCH_PATH=ring|ce` limits the run to one of them.
+//! `EP_BENCH_CE_SPLITS="ce:sms:blocks:push,..."` (e.g. `1:22:2:1`) and
+//! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep.
 //! Run (GPU machine): `bench_intranode` (built by `scripts/gpu/package.sh`), or here
@@ -113,6 +115,27 @@ impl Op {
 
 fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// `$name` as comma-separated tuples of `:`-separated numbers, each of `arity` numbers; `None`
+/// when unset, an error naming the variable when malformed.
+fn env_tuples(name: &str, arity: usize) -> Result<Option<Vec<Vec<usize>>>, BoxError> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let mut out = Vec::new();
+    for item in v.split(',').filter(|s| !s.is_empty()) {
+        let nums = item
+            .split(':')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{name}: {item:?}: {e}"))?;
+        if nums.len() != arity {
+            return Err(format!("{name}: {item:?} needs {arity} numbers separated by ':'").into());
+        }
+        out.push(nums);
+    }
+    Ok(Some(out))
 }
 
 fn median(v: &mut [f32]) -> f32 {
@@ -687,7 +710,13 @@ fn main() -> Result<(), BoxError> {
             v.dedup();
             v
         };
-        let ce_chunks: Vec<(usize, usize)> = if quick {
+        let splits = match env_tuples("EP_BENCH_CE_SPLITS", 4)? {
+            Some(v) => v.iter().map(|t| (t[0], t[1], t[2], t[3] != 0)).collect(),
+            None => splits,
+        };
+        let ce_chunks: Vec<(usize, usize)> = if let Some(v) = env_tuples("EP_BENCH_CE_CHUNKS", 2)? {
+            v.iter().map(|t| (t[0], t[1])).collect()
+        } else if quick {
             vec![(256, 1024), (512, 2048), (1024, 4096)]
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]

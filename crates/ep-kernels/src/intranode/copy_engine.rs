@@ -76,8 +76,8 @@ impl CeConfig {
     }
 
     /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
-    /// ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 1024 rows doubling to 4096
-    /// (best at <= 24 SMs on 2 x H200, 4096 x 7168 tokens, top-8 of 256: 475 GB/s bf16, 377 fp8).
+    /// ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 1536 rows doubling to 4096
+    /// (on 2 x H200, 4096 x 7168 tokens, top-8 of 256: about 480 GB/s bf16, 395 fp8).
     /// More
     /// ranks: two thirds pack (pushing the rows of the SM peers into their buffers) and one
     /// third copies them out on the receiving side, chunks of 256 doubling to 1024 (about 310 /
@@ -87,7 +87,7 @@ impl CeConfig {
         if num_ranks <= 2 {
             Self {
                 num_sms: sms - 2,
-                first_chunk_rows: 1024,
+                first_chunk_rows: 1536,
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: 2,
