@@ -352,6 +352,67 @@ fn flag_offset(peer: usize, chunk: usize) -> u64 {
     (17408 + 4 * (peer * CE_MAX_CHUNKS + chunk)) as u64
 }
 
+/// The checks every copy-engine op starts with: the config, `send_index` `[T, R]`, the `[R, R]`
+/// prefixes and one count per source. Returns `(R, rank, T, N)`, `N` the rows received.
+fn op_sizes(
+    config: &CeConfig,
+    buffers: &PeerBuffers,
+    send_index_len: usize,
+    rank_prefix_len: usize,
+    recv_per_source: &[usize],
+) -> Result<(usize, usize, usize, usize)> {
+    config.validate()?;
+    let r = buffers.num_ranks();
+    let t = send_index_len / r;
+    Error::check_len("send_index", t * r, send_index_len)?;
+    Error::check_len("rank_prefix_matrix", r * r, rank_prefix_len)?;
+    Error::check_len("recv_per_source", r, recv_per_source.len())?;
+    Ok((r, buffers.rank(), t, recv_per_source.iter().sum()))
+}
+
+/// A fused kernel's launch: `blocks` blocks of [`CE_THREADS`] (the pack or reduce blocks, then
+/// the SM copy blocks).
+fn fused_grid(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (CE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Errors unless the slots of `lay` hold this rank's `t` tokens and every source's block.
+fn check_slot_capacity(
+    buffers: &PeerBuffers,
+    lay: &CeSlotLayout,
+    t: usize,
+    recv_per_source: &[usize],
+    op: &str,
+) -> Result<()> {
+    if t > lay.capacity {
+        return Err(Error::invalid(
+            "num_tokens",
+            t,
+            format!(
+                "the NVLink buffers ({} bytes) hold {} tokens per rank for this {op}",
+                buffers.bytes(),
+                lay.capacity
+            ),
+        ));
+    }
+    if let Some((s, &m)) = recv_per_source
+        .iter()
+        .enumerate()
+        .find(|(_, &m)| m > lay.capacity)
+    {
+        return Err(Error::invalid(
+            "recv_per_source",
+            format!("{m} rows of rank {s}"),
+            format!("at most {} (the slot capacity)", lay.capacity),
+        ));
+    }
+    Ok(())
+}
+
 /// Inputs and outputs of [`ce_dispatch_cuda`] (`T` tokens, `H` hidden, `K` top-k, `R` ranks,
 /// `N` tokens received).
 #[derive(Debug)]
@@ -437,41 +498,18 @@ pub fn ce_dispatch_cuda(
     config: &CeConfig,
     args: CeDispatchArgs<'_>,
 ) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks();
-    let me = buffers.rank();
-    let t = args.send_index.len() / r;
-    Error::check_len("send_index", t * r, args.send_index.len())?;
-    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
-    Error::check_len("recv_per_source", r, args.recv_per_source.len())?;
-    let n: usize = args.recv_per_source.iter().sum();
+    let (r, me, t, n) = op_sizes(
+        config,
+        buffers,
+        args.send_index.len(),
+        args.rank_prefix_matrix.len(),
+        args.recv_per_source,
+    )?;
     let shape = dispatch_row_shape(&args.x, args.hidden)?;
     let (row_bytes, scales) = (shape.row_bytes, shape.scales);
     let k = args.num_topk;
     let lay = CeSlotLayout::dispatch(buffers.bytes(), r, row_bytes, scales, k);
-    if t > lay.capacity {
-        return Err(Error::invalid(
-            "num_tokens",
-            t,
-            format!(
-                "the NVLink buffers ({} bytes) hold {} tokens per rank for this op",
-                buffers.bytes(),
-                lay.capacity
-            ),
-        ));
-    }
-    if let Some((s, &m)) = args
-        .recv_per_source
-        .iter()
-        .enumerate()
-        .find(|(_, &m)| m > lay.capacity)
-    {
-        return Err(Error::invalid(
-            "recv_per_source",
-            format!("{m} rows from rank {s}"),
-            format!("at most {} (the slot capacity)", lay.capacity),
-        ));
-    }
+    check_slot_capacity(buffers, &lay, t, args.recv_per_source, "dispatch")?;
     let payload = dispatch_payload_ptrs(
         stream,
         shape,
@@ -586,11 +624,7 @@ pub fn ce_dispatch_cuda(
         // Pack blocks, then (when any peer sends rows here) the SM pull blocks, in one kernel
         // so that they run side by side.
         let pull_blocks = if any_peer { config.sm_blocks } else { 0 };
-        let cfg = LaunchConfig {
-            grid_dim: ((config.num_sms + pull_blocks) as u32, 1, 1),
-            block_dim: (CE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = fused_grid(config.num_sms + pull_blocks);
         let fp = CeDispatchParams {
             pack: params,
             pull,
@@ -682,14 +716,13 @@ pub fn ce_combine_cuda(
     config: &CeConfig,
     args: CeCombineArgs<'_>,
 ) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks();
-    let me = buffers.rank();
-    let t = args.send_index.len() / r;
-    Error::check_len("send_index", t * r, args.send_index.len())?;
-    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
-    Error::check_len("recv_per_source", r, args.recv_per_source.len())?;
-    let n: usize = args.recv_per_source.iter().sum();
+    let (r, me, t, n) = op_sizes(
+        config,
+        buffers,
+        args.send_index.len(),
+        args.rank_prefix_matrix.len(),
+        args.recv_per_source,
+    )?;
     let h = args.hidden;
     if h == 0 || h % 8 != 0 {
         return Err(Error::invalid(
@@ -710,29 +743,7 @@ pub fn ce_combine_cuda(
         k,
     )?;
     let lay = CeSlotLayout::combine(buffers.bytes(), r, h, k);
-    if t > lay.capacity {
-        return Err(Error::invalid(
-            "num_tokens",
-            t,
-            format!(
-                "the NVLink buffers ({} bytes) hold {} tokens per home for this combine",
-                buffers.bytes(),
-                lay.capacity
-            ),
-        ));
-    }
-    if let Some((s, &m)) = args
-        .recv_per_source
-        .iter()
-        .enumerate()
-        .find(|(_, &m)| m > lay.capacity)
-    {
-        return Err(Error::invalid(
-            "recv_per_source",
-            format!("{m} rows for rank {s}"),
-            format!("at most {} (the slot capacity)", lay.capacity),
-        ));
-    }
+    check_slot_capacity(buffers, &lay, t, args.recv_per_source, "combine")?;
     let (x_ptr, _gx) = args.x.device_ptr(stream);
     let (cx, _gcx) = args.combined_x.device_ptr(stream);
     check_align("x", x_ptr, 16)?;
@@ -842,11 +853,7 @@ pub fn ce_combine_cuda(
         // Reduce blocks, then (when some home is not served by copy engines) the SM push
         // blocks, in one kernel so that they run side by side.
         let push_blocks = if any_sm { config.sm_blocks } else { 0 };
-        let cfg = LaunchConfig {
-            grid_dim: ((config.num_sms + push_blocks) as u32, 1, 1),
-            block_dim: (CE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = fused_grid(config.num_sms + push_blocks);
         let fp = CeCombineParams {
             reduce: params,
             push,
