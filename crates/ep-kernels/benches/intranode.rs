@@ -721,43 +721,69 @@ fn main() -> Result<(), BoxError> {
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
+        // Dispatch variants to compare, "own_rows_last:copy_lanes" (`CeConfig`): 1:2 = own rows
+        // last, two copy streams per copy-engine peer (the defaults); 0:1 = one pack pass, one.
+        let variants: Vec<(bool, usize)> = match env_tuples("EP_BENCH_CE_VARIANTS", 2)? {
+            Some(v) => v.iter().map(|t| (t[0] != 0, t[1])).collect(),
+            None => vec![(true, 2)],
+        };
         for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
             for &(first, max) in &ce_chunks {
-                let ce = CeConfig {
-                    num_sms,
-                    first_chunk_rows: first,
-                    max_chunk_rows: max,
-                    copy_engine_peers,
-                    sm_blocks,
-                    dispatch_push,
-                };
-                for op in [Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine] {
-                    let ms = time_op(
-                        &node,
-                        &mut states,
-                        &mut handles,
-                        op,
-                        &notify_cfg,
-                        &notify_cfg,
-                        (&copies, &ce),
-                        warmup,
-                        iters,
-                    )?;
-                    // Combine launches the SM-copy kernel only when some home is not served by
-                    // copy engines; dispatch always does (metadata).
-                    let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
-                    let total = num_sms + if sm_used { sm_blocks } else { 0 };
-                    let split = format!(
-                        "ce{copy_engine_peers}+{num_sms}+{}{}",
-                        if sm_used { sm_blocks } else { 0 },
-                        if dispatch_push || op == Op::CeCombine {
-                            ""
-                        } else {
-                            " pull"
-                        }
-                    );
-                    let row = make_row(op, total, first, max, &ms, &states, split);
-                    rows.push(row);
+                for (vi, &(own_rows_last, copy_lanes)) in variants.iter().enumerate() {
+                    let ce = CeConfig {
+                        num_sms,
+                        first_chunk_rows: first,
+                        max_chunk_rows: max,
+                        copy_engine_peers,
+                        sm_blocks,
+                        dispatch_push,
+                        own_rows_last,
+                        copy_lanes,
+                    };
+                    // Combine does not depend on the variant: timed once.
+                    let ops: &[Op] = if vi == 0 {
+                        &[Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine]
+                    } else {
+                        &[Op::CeDispatchBf16, Op::CeDispatchFp8]
+                    };
+                    for &op in ops {
+                        let ms = time_op(
+                            &node,
+                            &mut states,
+                            &mut handles,
+                            op,
+                            &notify_cfg,
+                            &notify_cfg,
+                            (&copies, &ce),
+                            warmup,
+                            iters,
+                        )?;
+                        // Combine launches the SM-copy kernel only when some home is not served by
+                        // copy engines; dispatch always does (metadata).
+                        let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
+                        let total = num_sms + if sm_used { sm_blocks } else { 0 };
+                        let split = format!(
+                            "ce{copy_engine_peers}+{num_sms}+{}{}{}{}",
+                            if sm_used { sm_blocks } else { 0 },
+                            if dispatch_push || op == Op::CeCombine {
+                                ""
+                            } else {
+                                " pull"
+                            },
+                            if own_rows_last || op == Op::CeCombine {
+                                ""
+                            } else {
+                                " one-pass"
+                            },
+                            if op == Op::CeCombine {
+                                String::new()
+                            } else {
+                                format!(" lanes{copy_lanes}")
+                            }
+                        );
+                        let row = make_row(op, total, first, max, &ms, &states, split);
+                        rows.push(row);
+                    }
                 }
             }
         }

@@ -908,8 +908,20 @@ fn main() {
             copy_engine_peers: 1,
             sm_blocks: 2,
             dispatch_push: true,
+            own_rows_last: false,
+            copy_lanes: 1,
         });
-        cases.push(("ce-tiny-chunks".into(), c));
+        cases.push(("ce-tiny-chunks-one-pass".into(), c));
+        // The defaults but with one pack pass (each row read once, stored everywhere).
+        let mut c = base_case(r);
+        c.tokens = vec![1500; r];
+        c.cached = true;
+        c.ce = Some(CeConfig {
+            own_rows_last: false,
+            copy_lanes: 1,
+            ..CeConfig::dispatch_for(r, 24)
+        });
+        cases.push(("ce-one-pass-one-lane".into(), c));
         // Every peer by SM copies (one block), and every peer by copy engines.
         for (name, copy_engine_peers, sm_blocks, fp8, dispatch_push) in [
             ("ce-all-sm-one-block", 0, 1, false, true),
@@ -940,6 +952,8 @@ fn main() {
             copy_engine_peers: 1,
             sm_blocks: 3,
             dispatch_push: false,
+            own_rows_last: true,
+            copy_lanes: 2,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

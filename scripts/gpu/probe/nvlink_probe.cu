@@ -11,7 +11,8 @@
 // each pushing or pulling, and the hybrids (copy engines for one peer, SMs for the others).
 //
 // Build: scripts/gpu/probe/build.sh (nvcc, sm_90a; no Rust). Run on the GPU machine:
-// `.gpu/probe/nvlink_probe --mib 64`. Results for 4 x H200: docs/benchmarks.md.
+// `.gpu/probe/nvlink_probe --mib 64` (`--pack-only`: only the local pack and the shared-peer
+// cases). Results for 4 x H200: docs/benchmarks.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -120,6 +121,95 @@ __global__ void tma_copy(Jobs jobs, unsigned chunk) {
             // The stage is reused by load k + kStages: its store must have read the stage.
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
             load(k + kStages);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Pack (local memory only, the pattern of the copy-engine dispatch's pack): `rows` rows of
+// `row` bytes are read once each and stored to `ndst` destination buffers at the same index.
+struct PackJob {
+    const char* src;
+    char* dst[4];
+    int ndst;
+    int rows;
+    unsigned row;  // bytes, multiple of 16
+};
+
+// Registers: one warp per row, U 16-byte loads in flight per lane, then the stores.
+template <int U>
+__global__ void pack_regs(PackJob j) {
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    const int n16 = int(j.row / 16);
+    for (int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < j.rows; r += warps) {
+        const int4* src = reinterpret_cast<const int4*>(j.src + size_t(r) * j.row);
+        for (int base = 0; base < n16; base += 32 * U) {
+            int4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < n16) asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                                          : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                                          : "l"(src + i));
+            }
+            for (int d = 0; d < j.ndst; ++d) {
+                int4* dst = reinterpret_cast<int4*>(j.dst[d] + size_t(r) * j.row);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int i = base + u * 32 + lane;
+                    if (i < n16) dst[i] = v[u];
+                }
+            }
+        }
+    }
+}
+
+// TMA: one thread per block drives a ring of `stages` row-sized shared-memory stages; each row
+// is loaded once (bulk load) and stored to every destination (bulk stores, one group per row).
+__global__ void pack_tma(PackJob j, int stages) {
+    extern __shared__ __align__(128) char smem[];
+    __shared__ __align__(8) unsigned long long bar[32];
+    if (threadIdx.x != 0) return;
+    // Rows of this block: r = blockIdx.x + k * gridDim.x.
+    const int n = (j.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+    for (int s = 0; s < stages; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    auto load = [&](int k) {
+        const int s = k % stages;
+        const size_t r = blockIdx.x + size_t(k) * gridDim.x;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[s])),
+                     "r"(j.row)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                smem_u32(smem + size_t(s) * j.row)),
+            "l"(j.src + r * j.row), "r"(j.row), "r"(smem_u32(&bar[s]))
+            : "memory");
+    };
+    for (int k = 0; k < n && k < stages; ++k) load(k);
+    for (int k = 0; k < n; ++k) {
+        const int s = k % stages;
+        const unsigned parity = (k / stages) & 1;
+        unsigned done = 0;
+        while (!done) {
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(smem_u32(&bar[s])), "r"(parity)
+                : "memory");
+        }
+        const size_t r = blockIdx.x + size_t(k) * gridDim.x;
+        for (int d = 0; d < j.ndst; ++d)
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(j.dst[d] + r * j.row),
+                         "r"(smem_u32(smem + size_t(s) * j.row)), "r"(j.row)
+                         : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        // Refill the previous row's stage once its stores have read it (one group may pend).
+        if (k >= 1 && k - 1 + stages < n) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            load(k - 1 + stages);
         }
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -240,8 +330,11 @@ __global__ void fill(unsigned char* p, size_t n, int from, int to) {
 
 int main(int argc, char** argv) {
     size_t mib = 64;
-    for (int i = 1; i + 1 < argc; ++i)
-        if (!std::strcmp(argv[i], "--mib")) mib = std::strtoull(argv[i + 1], nullptr, 10);
+    bool pack_only = false;  // --pack-only: only the pack and the shared-peer cases
+    for (int i = 1; i < argc; ++i) {
+        if (i + 1 < argc && !std::strcmp(argv[i], "--mib")) mib = std::strtoull(argv[i + 1], nullptr, 10);
+        if (!std::strcmp(argv[i], "--pack-only")) pack_only = true;
+    }
     B = mib << 20;
     CK(cudaGetDeviceCount(&R));
     if (R < 2) { std::printf("needs 2 GPUs or more\n"); return 1; }
@@ -271,59 +364,158 @@ int main(int argc, char** argv) {
         verify(name, which);
         report(name, 0, us, np);
     };
-    ce_case("ce-push-one-peer", true, 1, 1, 1);
-    ce_case("ce-pull-one-peer", false, 1, 1, 1);
-    ce_case("ce-push-all", true, 0, 1, all);
-    ce_case("ce-pull-all", false, 0, 1, all);
-    ce_case("ce-push-all-16pieces", true, 0, 16, all);
-    ce_case("ce-pull-all-16pieces", false, 0, 16, all);
+    if (!pack_only) {
+        ce_case("ce-push-one-peer", true, 1, 1, 1);
+        ce_case("ce-pull-one-peer", false, 1, 1, 1);
+        ce_case("ce-push-all", true, 0, 1, all);
+        ce_case("ce-pull-all", false, 0, 1, all);
+        ce_case("ce-push-all-16pieces", true, 0, 16, all);
+        ce_case("ce-pull-all-16pieces", false, 0, 16, all);
 
-    for (int blocks : {8, 16, 24, 32, 48, 66, 132}) {
-        for (int push = 1; push >= 0; --push) {
-            const char* name = push ? "sm-push-all" : "sm-pull-all";
-            const double us = timed([&](Gpu& g) { sm(g, push, 0, blocks, 512); });
-            verify(name, 0);
-            report(name, blocks, us, all);
-        }
-    }
-    for (unsigned chunk : {16384u, 32768u}) {
         for (int blocks : {8, 16, 24, 32, 48, 66, 132}) {
             for (int push = 1; push >= 0; --push) {
-                char name[64];
-                std::snprintf(name, sizeof name, "tma-%s-all-%uk", push ? "push" : "pull", chunk / 1024);
-                const double us = timed([&](Gpu& g) { tma(g, push, 0, blocks, chunk); });
+                const char* name = push ? "sm-push-all" : "sm-pull-all";
+                const double us = timed([&](Gpu& g) { sm(g, push, 0, blocks, 512); });
                 verify(name, 0);
                 report(name, blocks, us, all);
             }
         }
-    }
-    for (int blocks : {8, 16, 24}) {
-        const double us = timed([&](Gpu& g) { sm(g, true, 1, blocks, 512); });
-        verify("sm-push-one-peer", 1);
-        report("sm-push-one-peer", blocks, us, 1);
-        const double ut = timed([&](Gpu& g) { tma(g, false, 1, blocks, 32768); });
-        verify("tma-pull-one-peer", 1);
-        report("tma-pull-one-peer", blocks, ut, 1);
-    }
-    if (others > 0) {
-        for (int blocks : {8, 16, 24, 32}) {
-            for (int push = 1; push >= 0; --push) {
-                char name[64];
-                std::snprintf(name, sizeof name, "hybrid-%s-ce1-sm", push ? "push" : "pull");
-                double us = timed([&](Gpu& g) {
-                    ce(g, push, 1, 1);
-                    sm(g, push, 2, blocks, 512);
-                });
-                verify(name, 0);
-                report(name, blocks, us, all);
-                std::snprintf(name, sizeof name, "hybrid-%s-ce1-tma", push ? "push" : "pull");
-                us = timed([&](Gpu& g) {
-                    ce(g, push, 1, 1);
-                    tma(g, push, 2, blocks, 32768);
-                });
-                verify(name, 0);
-                report(name, blocks, us, all);
+        for (unsigned chunk : {16384u, 32768u}) {
+            for (int blocks : {8, 16, 24, 32, 48, 66, 132}) {
+                for (int push = 1; push >= 0; --push) {
+                    char name[64];
+                    std::snprintf(name, sizeof name, "tma-%s-all-%uk", push ? "push" : "pull", chunk / 1024);
+                    const double us = timed([&](Gpu& g) { tma(g, push, 0, blocks, chunk); });
+                    verify(name, 0);
+                    report(name, blocks, us, all);
+                }
             }
+        }
+        for (int blocks : {8, 16, 24}) {
+            const double us = timed([&](Gpu& g) { sm(g, true, 1, blocks, 512); });
+            verify("sm-push-one-peer", 1);
+            report("sm-push-one-peer", blocks, us, 1);
+            const double ut = timed([&](Gpu& g) { tma(g, false, 1, blocks, 32768); });
+            verify("tma-pull-one-peer", 1);
+            report("tma-pull-one-peer", blocks, ut, 1);
+        }
+        if (others > 0) {
+            for (int blocks : {8, 16, 24, 32}) {
+                for (int push = 1; push >= 0; --push) {
+                    char name[64];
+                    std::snprintf(name, sizeof name, "hybrid-%s-ce1-sm", push ? "push" : "pull");
+                    double us = timed([&](Gpu& g) {
+                        ce(g, push, 1, 1);
+                        sm(g, push, 2, blocks, 512);
+                    });
+                    verify(name, 0);
+                    report(name, blocks, us, all);
+                    std::snprintf(name, sizeof name, "hybrid-%s-ce1-tma", push ? "push" : "pull");
+                    us = timed([&](Gpu& g) {
+                        ce(g, push, 1, 1);
+                        tma(g, push, 2, blocks, 32768);
+                    });
+                    verify(name, 0);
+                    report(name, blocks, us, all);
+                }
+            }
+        }
+    }  // !pack_only
+    // The pack of the copy-engine dispatch, alone and beside a copy-engine pull from the
+    // partner: 4096 rows of 14336 B (7168 bf16) to 2 local destinations (own rows + one slot).
+    {
+        const int rows = 4096;
+        const unsigned row = 14336;
+        const size_t pack_bytes = size_t(rows) * row;
+        std::vector<char*> psrc(R), pd0(R), pd1(R);
+        for (auto& g : gpus) {
+            CK(cudaSetDevice(g.dev));
+            CK(cudaMalloc(&psrc[g.dev], pack_bytes));
+            CK(cudaMalloc(&pd0[g.dev], pack_bytes));
+            CK(cudaMalloc(&pd1[g.dev], pack_bytes));
+            CK(cudaMemset(psrc[g.dev], 0x5A, pack_bytes));
+            CK(cudaFuncSetAttribute(pack_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
+        }
+        auto job = [&](Gpu& g) {
+            PackJob j{};
+            j.src = psrc[g.dev];
+            j.dst[0] = pd0[g.dev];
+            j.dst[1] = pd1[g.dev];
+            j.ndst = 2;
+            j.rows = rows;
+            j.row = row;
+            return j;
+        };
+        auto pack_report = [&](const char* name, int blocks, double us) {
+            const double gb = double(pack_bytes) * 3;  // read once, written twice
+            std::printf("%-26s blocks %3d  %9.1f us  local %7.1f GB/s (read + 2 writes)\n", name, blocks, us,
+                        gb / us / 1e3);
+            std::fflush(stdout);
+        };
+        for (int blocks : {12, 16, 22}) {
+            double us = timed([&](Gpu& g) { pack_regs<7><<<blocks, 768, 0, g.streams[R]>>>(job(g)); });
+            pack_report("pack-regs-768x7", blocks, us);
+            us = timed([&](Gpu& g) { pack_regs<7><<<blocks, 1024, 0, g.streams[R]>>>(job(g)); });
+            pack_report("pack-regs-1024x7", blocks, us);
+            us = timed([&](Gpu& g) { pack_regs<14><<<blocks, 512, 0, g.streams[R]>>>(job(g)); });
+            pack_report("pack-regs-512x14", blocks, us);
+            for (int stages : {4, 8, 14}) {
+                char name[64];
+                std::snprintf(name, sizeof name, "pack-tma-%dstages", stages);
+                us = timed([&](Gpu& g) {
+                    pack_tma<<<blocks, 32, size_t(stages) * row, g.streams[R]>>>(job(g), stages);
+                });
+                pack_report(name, blocks, us);
+            }
+        }
+        // Beside a copy-engine pull of the same bytes from the partner (both finish).
+        for (int blocks : {22}) {
+            double us = timed([&](Gpu& g) {
+                const int q = g.dev ^ 1;
+                if (q < R)
+                    CK(cudaMemcpyAsync(g.dst + size_t(q) * B, gpus[q].src + size_t(g.dev) * B,
+                                       std::min(B, pack_bytes), cudaMemcpyDefault, g.streams[q]));
+                pack_regs<7><<<blocks, 768, 0, g.streams[R]>>>(job(g));
+            });
+            pack_report("pack-regs-768x7+ce-pull", blocks, us);
+            us = timed([&](Gpu& g) {
+                const int q = g.dev ^ 1;
+                if (q < R)
+                    CK(cudaMemcpyAsync(g.dst + size_t(q) * B, gpus[q].src + size_t(g.dev) * B,
+                                       std::min(B, pack_bytes), cudaMemcpyDefault, g.streams[q]));
+                pack_tma<<<blocks, 32, size_t(14) * row, g.streams[R]>>>(job(g), 14);
+            });
+            pack_report("pack-tma-14+ce-pull", blocks, us);
+        }
+        for (auto& g : gpus) {
+            CK(cudaSetDevice(g.dev));
+            CK(cudaFree(psrc[g.dev]));
+            CK(cudaFree(pd0[g.dev]));
+            CK(cudaFree(pd1[g.dev]));
+        }
+    }
+    // One peer carried by a copy engine and SM stores at once: the share `f` of the bytes by
+    // the copy engine (push), the rest by `blocks` SMs pushing.
+    for (int blocks : {2, 4, 8}) {
+        for (double f : {0.9, 0.8, 0.7}) {
+            char name[64];
+            std::snprintf(name, sizeof name, "ce%.0f%%+sm-push-one-peer", f * 100);
+            const double us = timed([&](Gpu& g) {
+                const int q = g.dev ^ 1;
+                if (q >= R) return;
+                const size_t ce_bytes = (size_t(double(B) * f) / 4096) * 4096;
+                CK(cudaMemcpyAsync(gpus[q].dst + size_t(g.dev) * B, g.src + size_t(q) * B, ce_bytes,
+                                   cudaMemcpyDefault, g.streams[q]));
+                Jobs j{};
+                j.bytes = B - ce_bytes;
+                j.src[0] = g.src + size_t(q) * B + ce_bytes;
+                j.dst[0] = gpus[q].dst + size_t(g.dev) * B + ce_bytes;
+                j.n = 1;
+                sm_copy<4><<<blocks, 512, 0, g.streams[R]>>>(j);
+                CK(cudaGetLastError());
+            });
+            verify(name, 1);
+            report(name, blocks, us, 1);
         }
     }
     std::printf("done\n");

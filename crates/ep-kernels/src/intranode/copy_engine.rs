@@ -55,7 +55,18 @@ pub struct CeConfig {
     /// the rows straight into the peer's buffer over NVLink (stores need no round trip) and the
     /// peer's SM blocks copy them out locally, instead of the peer pulling them over NVLink.
     pub dispatch_push: bool,
+    /// Dispatch: the pack first stores every token's rows for the peers, then (a second pass
+    /// over the tokens, reading `x` again) this rank's own rows, so the peers' chunks, which
+    /// the copy engines and SM copies wait for, complete sooner. `false`: one pass, each row
+    /// read once and stored to every destination.
+    pub own_rows_last: bool,
+    /// Dispatch: copy streams per copy-engine peer (1 to [`MAX_COPY_LANES`]). Chunks take
+    /// them in turn, so that a chunk's wait and copy set-up overlap the previous chunk's copy.
+    pub copy_lanes: usize,
 }
+
+/// Most copy streams per peer ([`CeConfig::copy_lanes`]).
+pub const MAX_COPY_LANES: usize = 2;
 
 impl Default for CeConfig {
     /// The combine defaults ([`CeConfig::combine_default`]).
@@ -75,23 +86,25 @@ impl CeConfig {
         Self::combine_for(2, 24)
     }
 
-    /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
-    /// ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 1536 rows doubling to 4096
-    /// (on 2 x H200, 4096 x 7168 tokens, top-8 of 256: about 480 GB/s bf16, 395 fp8).
-    /// More
-    /// ranks: two thirds pack (pushing the rows of the SM peers into their buffers) and one
-    /// third copies them out on the receiving side, chunks of 256 doubling to 1024 (about 310 /
-    /// 255 GB/s at EP4, where the SM rings reach 365 / 298).
+    /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer, the
+    /// own rows packed last and two copy streams per copy-engine peer. Two ranks: all but 2 SMs
+    /// pack and 2 pull the metadata, chunks of 768 rows doubling to 4096 (on 2 x H200, 4096 x
+    /// 7168 tokens, top-8 of 256: about 548 GB/s bf16, 441 fp8). More ranks: two thirds pack
+    /// (pushing the rows of the SM peers into their buffers) and one third copies them out on
+    /// the receiving side, chunks of 256 doubling to 1024 (about 320 / 270 GB/s at EP4, where
+    /// the SM rings reach 370 / 300).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
             Self {
                 num_sms: sms - 2,
-                first_chunk_rows: 1536,
+                first_chunk_rows: 768,
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: 2,
                 dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
             }
         } else {
             Self {
@@ -101,6 +114,8 @@ impl CeConfig {
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
             }
         }
     }
@@ -120,6 +135,8 @@ impl CeConfig {
                 copy_engine_peers: 1,
                 sm_blocks: 1,
                 dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
             }
         } else {
             Self {
@@ -129,6 +146,8 @@ impl CeConfig {
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
             }
         }
     }
@@ -157,6 +176,13 @@ impl CeConfig {
                 format!("must be in [1, max_chunk_rows = {}]", self.max_chunk_rows),
             ));
         }
+        if self.copy_lanes == 0 || self.copy_lanes > MAX_COPY_LANES {
+            return Err(Error::invalid(
+                "copy_lanes",
+                self.copy_lanes,
+                format!("must be in [1, {MAX_COPY_LANES}]"),
+            ));
+        }
         if self.max_chunk_rows > 1 << 24 {
             return Err(Error::invalid(
                 "max_chunk_rows",
@@ -168,29 +194,34 @@ impl CeConfig {
     }
 }
 
-/// The copy streams of one rank: one per peer, so that a late peer delays only its own copies.
+/// The copy streams of one rank: [`MAX_COPY_LANES`] per peer, so that a late peer delays only
+/// its own copies.
 #[derive(Debug)]
 pub struct CopyStreams {
     streams: Vec<Arc<CudaStream>>,
 }
 
 impl CopyStreams {
-    /// Creates `num_ranks` streams on `ctx` (the one of this rank's own index stays unused).
+    /// Creates `MAX_COPY_LANES` streams per rank on `ctx` (those of this rank's own index stay
+    /// unused).
     pub fn new(ctx: &Arc<CudaContext>, num_ranks: usize) -> Result<Self> {
-        let streams = (0..num_ranks)
+        let streams = (0..num_ranks * MAX_COPY_LANES)
             .map(|_| ctx.new_stream())
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(Self { streams })
     }
 
-    fn get(&self, peer: usize) -> Result<&Arc<CudaStream>> {
-        self.streams.get(peer).ok_or_else(|| {
-            Error::invalid(
-                "copy_streams",
-                format!("{} streams", self.streams.len()),
-                format!("needs one per rank (peer {peer})"),
-            )
-        })
+    /// Copy stream `lane` of `peer`.
+    fn get(&self, peer: usize, lane: usize) -> Result<&Arc<CudaStream>> {
+        self.streams
+            .get(peer * MAX_COPY_LANES + lane % MAX_COPY_LANES)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "copy_streams",
+                    format!("{} streams", self.streams.len()),
+                    format!("needs {MAX_COPY_LANES} per rank (peer {peer})"),
+                )
+            })
     }
 }
 
@@ -225,8 +256,10 @@ struct CePackParams {
     first_chunk_rows: i32,
     max_chunk_rows: i32,
     sm_push_mask: i32,
+    own_rows_last: i32,
+    reserved: i32,
 }
-const _: () = assert!(std::mem::size_of::<CePackParams>() == 232);
+const _: () = assert!(std::mem::size_of::<CePackParams>() == 240);
 
 /// Mirror of `CeWaitParams` in intranode.cu.
 #[repr(C)]
@@ -330,7 +363,7 @@ struct CeDispatchParams {
     pack_blocks: i32,
     pad: i32,
 }
-const _: () = assert!(std::mem::size_of::<CeDispatchParams>() == 504);
+const _: () = assert!(std::mem::size_of::<CeDispatchParams>() == 512);
 // SAFETY: repr(C) plain data mirroring `CeDispatchParams` in intranode.cu.
 unsafe impl KernelParams for CeDispatchParams {}
 
@@ -452,10 +485,13 @@ fn fork(
     stream: &CudaStream,
     copies: &CopyStreams,
     peers: impl Iterator<Item = usize>,
+    lanes: usize,
 ) -> Result<()> {
     let ev = stream.record_event(None)?;
     for p in peers {
-        copies.get(p)?.wait(&ev)?;
+        for lane in 0..lanes {
+            copies.get(p, lane)?.wait(&ev)?;
+        }
     }
     Ok(())
 }
@@ -465,10 +501,13 @@ fn join(
     stream: &CudaStream,
     copies: &CopyStreams,
     peers: impl Iterator<Item = usize>,
+    lanes: usize,
 ) -> Result<()> {
     for p in peers {
-        let ev = copies.get(p)?.record_event(None)?;
-        stream.wait(&ev)?;
+        for lane in 0..lanes {
+            let ev = copies.get(p, lane)?.record_event(None)?;
+            stream.wait(&ev)?;
+        }
     }
     Ok(())
 }
@@ -559,6 +598,8 @@ pub fn ce_dispatch_cuda(
         first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         sm_push_mask: 0,
+        own_rows_last: i32::from(config.own_rows_last),
+        reserved: 0,
     };
     // The copy streams of the sources served by copy engines start after the outputs exist
     // and notify reset the flags.
@@ -576,7 +617,7 @@ pub fn ce_dispatch_cuda(
     for s in (0..r).filter(|&s| pushed(s)) {
         params.sm_push_mask |= 1 << s;
     }
-    fork(stream, copies, streams())?;
+    fork(stream, copies, streams(), config.copy_lanes)?;
     // Every source's metadata, and the rows of the sources the copy engines do not serve,
     // move by the SM pull kernel; the copy streams pull the other sources' rows.
     let mut pull = CeSmPullParams {
@@ -646,12 +687,12 @@ pub fn ce_dispatch_cuda(
     for s in streams() {
         let m = args.recv_per_source[s];
         let dst_row0 = row_begin[s];
-        let cs = copies.get(s)?;
         let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
         for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
             .into_iter()
             .enumerate()
         {
+            let cs = copies.get(s, j % config.copy_lanes)?;
             let wp = CeWaitParams {
                 flag: buffers.ptr(me) + flag_offset(s, j),
                 error_info: buffers.error_info(),
@@ -680,7 +721,7 @@ pub fn ce_dispatch_cuda(
             }?;
         }
     }
-    join(stream, copies, streams())
+    join(stream, copies, streams(), config.copy_lanes)
 }
 
 /// Inputs and outputs of [`ce_combine_cuda`] (`N` rows this rank holds in dispatch receive
@@ -755,7 +796,8 @@ pub fn ce_combine_cuda(
     let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
     let any_sm = peers().any(by_sm);
     let streams = || peers().filter(move |&s| !by_sm(s));
-    fork(stream, copies, streams())?;
+    // One copy stream per home: the weights copy and every chunk's flag stay in order.
+    fork(stream, copies, streams(), 1)?;
     let params = CeReduceParams {
         buffer_ptrs: buffers.ptrs(),
         x: x_ptr,
@@ -807,7 +849,7 @@ pub fn ce_combine_cuda(
             push.rows[s] = to_i32("recv_per_source", m)?;
             continue;
         }
-        let cs = copies.get(s)?;
+        let cs = copies.get(s, 0)?;
         let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
         if k > 0 {
             // SAFETY: m*K weights from row `src_row0` of topk_weights (N rows) into the home's
@@ -870,5 +912,5 @@ pub fn ce_combine_cuda(
         // follows; it counts chunks in this rank's own header and flags them in the home's.
         unsafe { fused.launch(stream, cfg, fp) }?;
     }
-    join(stream, copies, streams())
+    join(stream, copies, streams(), 1)
 }

@@ -1242,8 +1242,10 @@ struct CePackParams {
     int first_chunk_rows;
     int max_chunk_rows;
     int sm_push_mask;  // bit d: peer d's rows go straight into slot [rank] of d's buffer
+    int own_rows_last;  // 1: the peers' rows first (all tokens), then this rank's own rows
+    int reserved;
 };
-EP_CHECK_PARAMS_SIZE(CePackParams, 232);
+EP_CHECK_PARAMS_SIZE(CePackParams, 240);
 
 // Blocks [0, nblocks) of kCeThreads; warp w of them packs tokens w, w + W, ... (token order, so
 // early chunks complete first).
@@ -1268,12 +1270,27 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     }
     const int own_base = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + p.rank] : 0;
 
+    // Pass 0 stores the rows for the peers (and, unless `own_rows_last`, this rank's own rows);
+    // pass 1 this rank's own rows. Own rows last: the peers' chunks, which the copy engines and
+    // SM copies wait for, complete sooner, at the cost of reading x twice.
+    const int passes = p.own_rows_last ? 2 : 1;
+    for (int pass = 0; pass < passes; ++pass) {
+    // Destinations of this pass (bit d).
+    const uint32_t pass_mask = passes == 1 ? 0xffu : (pass == 0 ? 0xffu & ~(1u << p.rank) : 1u << p.rank);
     for (int t = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); t < p.num_tokens; t += warps) {
         const int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
         int idx[kMaxRanks];
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
-            idx[d] = __shfl_sync(ep::kFullMask, my_idx, d);
+            idx[d] = (pass_mask >> d) & 1u ? __shfl_sync(ep::kFullMask, my_idx, d) : -1;
+        }
+        bool any = false;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            any |= d < R && idx[d] >= 0;
+        }
+        if (!any) {
+            continue;
         }
         // Row: loaded once, stored to every destination.
         const int4* src = p.x + static_cast<int64_t>(t) * p.row_int4;
@@ -1335,12 +1352,12 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
         // Count the rows into their chunks; the warp that completes a chunk raises the flag in
         // the destination's header (its rows, written by any warp of this GPU, were released to
         // the counter at gpu scope; the system fence orders them before the flag).
-        if (p.sm_push_mask != 0) {
+        if (pass == 0 && p.sm_push_mask != 0) {
             // Rows pushed over NVLink reach the system before they are counted.
             ep::fence_acq_rel_sys();
         }
         __syncwarp();
-        if (lane < R && lane != p.rank && my_idx >= 0) {
+        if (pass == 0 && lane < R && lane != p.rank && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
             const int done = ep::atomic_add_release_gpu(ce_count(my_buf, lane, c.index), 1) + 1;
             if (done == c.end - c.begin) {
@@ -1348,6 +1365,7 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
                 ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index), 1);
             }
         }
+    }
     }
 }
 
@@ -1754,7 +1772,7 @@ struct CeDispatchParams {
     int pack_blocks;  // blocks [0, pack_blocks) pack, the rest pull
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeDispatchParams, 504);
+EP_CHECK_PARAMS_SIZE(CeDispatchParams, 512);
 
 // Grid: pack_blocks + any number of pull blocks (none when no peer sends rows), all of
 // kCeThreads and resident at once (the pull waits only for peers' packs).
