@@ -717,7 +717,7 @@ fn main() -> Result<(), BoxError> {
         let ce_chunks: Vec<(usize, usize)> = if let Some(v) = env_tuples("EP_BENCH_CE_CHUNKS", 2)? {
             v.iter().map(|t| (t[0], t[1])).collect()
         } else if quick {
-            vec![(256, 1024), (512, 2048), (1024, 4096)]
+            vec![(256, 1024), (512, 2048), (768, 4096), (1024, 4096)]
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
