@@ -62,6 +62,7 @@ pub struct CeConfig {
     pub own_rows_last: bool,
     /// Dispatch: copy streams per copy-engine peer (1 to [`MAX_COPY_LANES`]). Chunks take
     /// them in turn, so that a chunk's wait and copy set-up overlap the previous chunk's copy.
+    /// Combine always uses one per home (its weights copy and chunk flags stay in order).
     pub copy_lanes: usize,
 }
 
