@@ -721,15 +721,19 @@ fn main() -> Result<(), BoxError> {
         } else {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
-        // Dispatch variants to compare, "own_rows_last:copy_lanes" (`CeConfig`): 1:2 = own rows
-        // last, two copy streams per copy-engine peer (the defaults); 0:1 = one pack pass, one.
-        let variants: Vec<(bool, usize)> = match env_tuples("EP_BENCH_CE_VARIANTS", 2)? {
-            Some(v) => v.iter().map(|t| (t[0] != 0, t[1])).collect(),
-            None => vec![(true, 2)],
+        // Dispatch variants to compare, "own_rows_last:copy_lanes:local_copy_out" (`CeConfig`):
+        // 1:2:0 = own rows last, two copy streams per copy-engine peer, pushed rows copied out by
+        // SMs (the defaults); 0:1:0 = one pack pass, one stream; 1:2:1 = pushed rows copied out
+        // by the local copy engines.
+        let variants: Vec<(bool, usize, bool)> = match env_tuples("EP_BENCH_CE_VARIANTS", 3)? {
+            Some(v) => v.iter().map(|t| (t[0] != 0, t[1], t[2] != 0)).collect(),
+            None => vec![(true, 2, false)],
         };
         for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
             for &(first, max) in &ce_chunks {
-                for (vi, &(own_rows_last, copy_lanes)) in variants.iter().enumerate() {
+                for (vi, &(own_rows_last, copy_lanes, local_copy_out)) in
+                    variants.iter().enumerate()
+                {
                     let ce = CeConfig {
                         num_sms,
                         first_chunk_rows: first,
@@ -739,6 +743,7 @@ fn main() -> Result<(), BoxError> {
                         dispatch_push,
                         own_rows_last,
                         copy_lanes,
+                        local_copy_out,
                     };
                     // Combine does not depend on the variant: timed once.
                     let ops: &[Op] = if vi == 0 {
@@ -763,7 +768,7 @@ fn main() -> Result<(), BoxError> {
                         let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
                         let total = num_sms + if sm_used { sm_blocks } else { 0 };
                         let split = format!(
-                            "ce{copy_engine_peers}+{num_sms}+{}{}{}{}",
+                            "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}",
                             if sm_used { sm_blocks } else { 0 },
                             if dispatch_push || op == Op::CeCombine {
                                 ""
@@ -779,6 +784,11 @@ fn main() -> Result<(), BoxError> {
                                 String::new()
                             } else {
                                 format!(" lanes{copy_lanes}")
+                            },
+                            if local_copy_out && op != Op::CeCombine {
+                                " ce-out"
+                            } else {
+                                ""
                             }
                         );
                         let row = make_row(op, total, first, max, &ms, &states, split);

@@ -910,6 +910,7 @@ fn main() {
             dispatch_push: true,
             own_rows_last: false,
             copy_lanes: 1,
+            local_copy_out: false,
         });
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
         // The defaults but with one pack pass (each row read once, stored everywhere).
@@ -922,6 +923,23 @@ fn main() {
             ..CeConfig::dispatch_for(r, 24)
         });
         cases.push(("ce-one-pass-one-lane".into(), c));
+        // Pushed rows copied out by the local copy engines (every peer pushed: none by
+        // engines, and the default split).
+        for (name, copy_engine_peers, fp8) in [
+            ("ce-local-copy-out-all-sm", 0, false),
+            ("ce-local-copy-out-fp8", 1, true),
+        ] {
+            let mut c = base_case(r);
+            c.tokens = vec![1500; r];
+            c.cached = true;
+            c.fp8 = fp8;
+            c.ce = Some(CeConfig {
+                copy_engine_peers,
+                local_copy_out: true,
+                ..CeConfig::dispatch_for(r, 24)
+            });
+            cases.push((name.into(), c));
+        }
         // Every peer by SM copies (one block), and every peer by copy engines.
         for (name, copy_engine_peers, sm_blocks, fp8, dispatch_push) in [
             ("ce-all-sm-one-block", 0, 1, false, true),
@@ -954,6 +972,7 @@ fn main() {
             dispatch_push: false,
             own_rows_last: true,
             copy_lanes: 2,
+            local_copy_out: true,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

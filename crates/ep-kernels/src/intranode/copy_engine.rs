@@ -64,6 +64,11 @@ pub struct CeConfig {
     /// them in turn, so that a chunk's wait and copy set-up overlap the previous chunk's copy.
     /// Combine always uses one per home (its weights copy and chunk flags stay in order).
     pub copy_lanes: usize,
+    /// Dispatch, with `dispatch_push`: the rows the peers pushed into this rank's buffer are
+    /// copied out into `recv_x` by this GPU's copy engines (one contiguous block per chunk, on
+    /// the source's copy streams) instead of by the SM copy blocks, which then move only the
+    /// metadata; the SMs saved can pack (and push) instead.
+    pub local_copy_out: bool,
 }
 
 /// Most copy streams per peer ([`CeConfig::copy_lanes`]).
@@ -90,10 +95,11 @@ impl CeConfig {
     /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer, the
     /// own rows packed last and two copy streams per copy-engine peer. Two ranks: all but 2 SMs
     /// pack and 2 pull the metadata, chunks of 768 rows doubling to 4096 (on 2 x H200, 4096 x
-    /// 7168 tokens, top-8 of 256: about 548 GB/s bf16, 441 fp8). More ranks: two thirds pack
-    /// (pushing the rows of the SM peers into their buffers) and one third copies them out on
-    /// the receiving side, chunks of 256 doubling to 1024 (about 320 / 270 GB/s at EP4, where
-    /// the SM rings reach 370 / 300).
+    /// 7168 tokens, top-8 of 256: about 548 GB/s bf16, 441 fp8). More ranks: two thirds of the SMs
+    /// pack (pushing the rows of the SM peers into their buffers), the receiver's copy engines
+    /// copy the pushed rows out (`local_copy_out`) and the other third moves the metadata,
+    /// chunks of 1024 doubling to 4096 (about 354 / 291 GB/s at EP4, where the SM rings reach
+    /// 369 / 299).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -106,17 +112,19 @@ impl CeConfig {
                 dispatch_push: true,
                 own_rows_last: true,
                 copy_lanes: 2,
+                local_copy_out: false,
             }
         } else {
             Self {
                 num_sms: sms - sms / 3,
-                first_chunk_rows: 256,
-                max_chunk_rows: 1024,
+                first_chunk_rows: 1024,
+                max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
                 own_rows_last: true,
                 copy_lanes: 2,
+                local_copy_out: true,
             }
         }
     }
@@ -138,6 +146,7 @@ impl CeConfig {
                 dispatch_push: true,
                 own_rows_last: true,
                 copy_lanes: 2,
+                local_copy_out: false,
             }
         } else {
             Self {
@@ -149,6 +158,7 @@ impl CeConfig {
                 dispatch_push: true,
                 own_rows_last: true,
                 copy_lanes: 2,
+                local_copy_out: false,
             }
         }
     }
@@ -607,7 +617,6 @@ pub fn ce_dispatch_cuda(
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
     let any_peer = peers().next().is_some();
     let by_engine = |s: usize| copy_engine_peer(me, s, r, config.copy_engine_peers);
-    let streams = || peers().filter(move |&s| by_engine(s));
     // Peers this rank and they push dispatch rows to each other (both directions by SMs).
     let pushed = |s: usize| {
         config.dispatch_push
@@ -615,6 +624,9 @@ pub fn ce_dispatch_cuda(
             && !copy_engine_peer(me, s, r, config.copy_engine_peers)
             && !copy_engine_peer(s, me, r, config.copy_engine_peers)
     };
+    // Sources whose pushed rows this GPU's copy engines copy out of its own buffer.
+    let copied_out = move |s: usize| config.local_copy_out && pushed(s);
+    let streams = || peers().filter(move |&s| by_engine(s) || copied_out(s));
     for s in (0..r).filter(|&s| pushed(s)) {
         params.sm_push_mask |= 1 << s;
     }
@@ -658,7 +670,7 @@ pub fn ce_dispatch_cuda(
     for s in peers() {
         pull.row_begin[s] = to_i32("recv_per_source", row_begin[s])?;
         pull.rows[s] = to_i32("recv_per_source", args.recv_per_source[s])?;
-        if !by_engine(s) {
+        if !by_engine(s) && !copied_out(s) {
             pull.sm_rows_mask |= 1 << s;
         }
     }
@@ -683,12 +695,17 @@ pub fn ce_dispatch_cuda(
         // [row_begin[s], + m), inside the N-row outputs.
         unsafe { fused.launch(stream, cfg, fp) }?;
     }
-    // The copy-engine sources' chunks, each pulled once its flag is up. Launched after the
-    // kernel: a wait kernel that shares a hardware queue with it must not hold it back.
+    // The copy-engine sources' chunks, each pulled once its flag is up (or, for sources that
+    // pushed them, copied out of this rank's own buffer). Launched after the kernel: a wait
+    // kernel that shares a hardware queue with it must not hold it back.
     for s in streams() {
         let m = args.recv_per_source[s];
         let dst_row0 = row_begin[s];
-        let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
+        let slot = if copied_out(s) {
+            buffers.ptr(me) + (RING_BASE + s * lay.slot_bytes) as u64
+        } else {
+            buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64
+        };
         for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
             .into_iter()
             .enumerate()
@@ -709,8 +726,8 @@ pub fn ce_dispatch_cuda(
             // SAFETY: `wp` matches `CeWaitParams`; the flag lies in this rank's header and the
             // error record is the buffers' (valid per `PeerBuffers::new`).
             unsafe { wait.launch(cs, one, wp) }?;
-            // SAFETY: the source rows [b, e) of slot `me` in peer `s`'s buffer were published
-            // by the flag awaited above; the destination rows lie in recv_x (N rows, checked);
+            // SAFETY: the source rows [b, e) of slot `me` in peer `s`'s buffer (or of slot `s`
+            // in this rank's, where `s` pushed them) were published by the flag awaited above; the destination rows lie in recv_x (N rows, checked);
             // `stream` joins `cs` before the views' guards are released.
             unsafe {
                 copy(
