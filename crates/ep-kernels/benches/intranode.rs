@@ -722,12 +722,15 @@ fn main() -> Result<(), BoxError> {
             vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
         };
         // Dispatch variants to compare, "own_rows_last:copy_lanes:local_copy_out" (`CeConfig`):
-        // 1:2:0 = own rows last, two copy streams per copy-engine peer, pushed rows copied out by
-        // SMs (the defaults); 0:1:0 = one pack pass, one stream; 1:2:1 = pushed rows copied out
-        // by the local copy engines.
+        // 1:2:x = own rows last, two copy streams per copy-engine peer, pushed rows copied out by
+        // the local copy engines (x = 1) or by SMs (x = 0); 0:1:0 = one pack pass, one stream.
+        // Default: `CeConfig::dispatch_for`'s choice for this rank count.
         let variants: Vec<(bool, usize, bool)> = match env_tuples("EP_BENCH_CE_VARIANTS", 3)? {
             Some(v) => v.iter().map(|t| (t[0] != 0, t[1], t[2] != 0)).collect(),
-            None => vec![(true, 2, false)],
+            None => {
+                let d = CeConfig::dispatch_for(r, 24);
+                vec![(d.own_rows_last, d.copy_lanes, d.local_copy_out)]
+            }
         };
         for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
             for &(first, max) in &ce_chunks {

@@ -972,7 +972,7 @@ fn main() {
             dispatch_push: false,
             own_rows_last: true,
             copy_lanes: 2,
-            local_copy_out: true,
+            local_copy_out: false,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

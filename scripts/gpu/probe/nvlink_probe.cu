@@ -68,6 +68,39 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Hopper 1-D bulk copies (one issuing thread): mbarriers, global -> shared loads that complete
+// on an mbarrier, shared -> global stores tracked by bulk groups.
+__device__ __forceinline__ void mbar_init(unsigned long long* bars, int n) {
+    for (int s = 0; s < n; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bars[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, unsigned len, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(len) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst_smem)),
+        "l"(src), "r"(len), "r"(smem_u32(bar))
+        : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+    }
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, unsigned len) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src_smem)),
+                 "r"(len)
+                 : "memory");
+}
+
 // TMA copy: one thread per block; a ring of `kStages` shared-memory stages of `chunk` bytes.
 // Loads run up to kStages chunks ahead of the stores.
 constexpr int kStages = 4;
@@ -83,39 +116,20 @@ __global__ void tma_copy(Jobs jobs, unsigned chunk) {
     const size_t lo = std::min(jobs.bytes, per * blk);
     const size_t hi = std::min(jobs.bytes, lo + per);
     const int n = int((hi - lo + chunk - 1) / chunk);
-    for (int s = 0; s < kStages; ++s)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init(bar, kStages);
     auto load = [&](int k) {
         const int s = k % kStages;
         const size_t off = lo + size_t(k) * chunk;
         const unsigned len = unsigned(std::min<size_t>(chunk, hi - off));
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[s])),
-                     "r"(len)
-                     : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                smem_u32(smem + size_t(s) * chunk)),
-            "l"(jobs.src[job] + off), "r"(len), "r"(smem_u32(&bar[s]))
-            : "memory");
+        bulk_load(smem + size_t(s) * chunk, jobs.src[job] + off, len, &bar[s]);
     };
     for (int k = 0; k < n && k < kStages; ++k) load(k);
     for (int k = 0; k < n; ++k) {
         const int s = k % kStages;
-        const unsigned parity = (k / kStages) & 1;
-        unsigned done = 0;
-        while (!done) {
-            asm volatile(
-                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                : "=r"(done)
-                : "r"(smem_u32(&bar[s])), "r"(parity)
-                : "memory");
-        }
+        mbar_wait(&bar[s], (k / kStages) & 1);
         const size_t off = lo + size_t(k) * chunk;
         const unsigned len = unsigned(std::min<size_t>(chunk, hi - off));
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(jobs.dst[job] + off),
-                     "r"(smem_u32(smem + size_t(s) * chunk)), "r"(len)
-                     : "memory");
+        bulk_store(jobs.dst[job] + off, smem + size_t(s) * chunk, len);
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         if (k + kStages < n) {
             // The stage is reused by load k + kStages: its store must have read the stage.
@@ -173,38 +187,18 @@ __global__ void pack_tma(PackJob j, int stages) {
     if (threadIdx.x != 0) return;
     // Rows of this block: r = blockIdx.x + k * gridDim.x.
     const int n = (j.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
-    for (int s = 0; s < stages; ++s)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init(bar, stages);
     auto load = [&](int k) {
         const int s = k % stages;
         const size_t r = blockIdx.x + size_t(k) * gridDim.x;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar[s])),
-                     "r"(j.row)
-                     : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                smem_u32(smem + size_t(s) * j.row)),
-            "l"(j.src + r * j.row), "r"(j.row), "r"(smem_u32(&bar[s]))
-            : "memory");
+        bulk_load(smem + size_t(s) * j.row, j.src + r * j.row, j.row, &bar[s]);
     };
     for (int k = 0; k < n && k < stages; ++k) load(k);
     for (int k = 0; k < n; ++k) {
         const int s = k % stages;
-        const unsigned parity = (k / stages) & 1;
-        unsigned done = 0;
-        while (!done) {
-            asm volatile(
-                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                : "=r"(done)
-                : "r"(smem_u32(&bar[s])), "r"(parity)
-                : "memory");
-        }
+        mbar_wait(&bar[s], (k / stages) & 1);
         const size_t r = blockIdx.x + size_t(k) * gridDim.x;
-        for (int d = 0; d < j.ndst; ++d)
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(j.dst[d] + r * j.row),
-                         "r"(smem_u32(smem + size_t(s) * j.row)), "r"(j.row)
-                         : "memory");
+        for (int d = 0; d < j.ndst; ++d) bulk_store(j.dst[d] + r * j.row, smem + size_t(s) * j.row, j.row);
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         // Refill the previous row's stage once its stores have read it (one group may pend).
         if (k >= 1 && k - 1 + stages < n) {

@@ -1247,8 +1247,8 @@ struct CePackParams {
 };
 EP_CHECK_PARAMS_SIZE(CePackParams, 240);
 
-// Blocks [0, nblocks) of kCeThreads; warp w of them packs tokens w, w + W, ... (token order, so
-// early chunks complete first).
+// Blocks [0, nblocks) of kCeThreads; warp w of them takes work items w, w + W, ... (token order
+// within each pass, so early chunks complete first).
 __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     const int R = p.num_ranks, K = p.num_topk, S = p.num_scales, L = p.experts_per_rank;
     const int lane = ep::lane_id();
@@ -1273,11 +1273,14 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     // Pass 0 stores the rows for the peers (and, unless `own_rows_last`, this rank's own rows);
     // pass 1 this rank's own rows. Own rows last: the peers' chunks, which the copy engines and
     // SM copies wait for, complete sooner, at the cost of reading x twice.
+    // Work item i is token i % T of pass i / T.
     const int passes = p.own_rows_last ? 2 : 1;
-    for (int pass = 0; pass < passes; ++pass) {
-    // Destinations of this pass (bit d).
-    const uint32_t pass_mask = passes == 1 ? 0xffu : (pass == 0 ? 0xffu & ~(1u << p.rank) : 1u << p.rank);
-    for (int t = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); t < p.num_tokens; t += warps) {
+    const int T = p.num_tokens;
+    for (int i = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); i < passes * T; i += warps) {
+        const int pass = i / T;
+        const int t = i - pass * T;
+        // Destinations of this pass (bit d).
+        const uint32_t pass_mask = passes == 1 ? 0xffu : (pass == 0 ? 0xffu & ~(1u << p.rank) : 1u << p.rank);
         const int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
         int idx[kMaxRanks];
 #pragma unroll
@@ -1365,7 +1368,6 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
                 ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index), 1);
             }
         }
-    }
     }
 }
 
