@@ -961,6 +961,20 @@ fn main() {
                 to_case(round_trip(rng, r_n, 40, 640, e, &|_| 40, Routing::Hot, fmt))
             });
         }
+        // Rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB).
+        runner.case(&format!("r{r_n}/round_trip/bf16/two_chunk_rows"), |rng| {
+            let e = random_e(rng, r_n);
+            to_case(round_trip(
+                rng,
+                r_n,
+                24,
+                4096,
+                e,
+                &|g| g.random_range(0..=24),
+                Routing::Random,
+                LowLatencyFormat::Bf16,
+            ))
+        });
         runner.case(&format!("r{r_n}/round_trip/fp8/deepseek_size"), |rng| {
             let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
             to_case(round_trip(

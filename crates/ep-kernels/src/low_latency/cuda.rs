@@ -273,7 +273,8 @@ fn align16(v: usize) -> usize {
 /// Dynamic shared memory of `ll_dispatch` (see the kernel's comment): the send phase's
 /// staging, destinations and top-k, or the receive phase's layout, whichever is larger.
 fn dispatch_smem_bytes(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -> usize {
-    let send = layout.msg_stride + LL_MAX_TOPK * 8 + 4 * num_tokens * num_topk;
+    let send =
+        layout.msg_stride + LL_MAX_TOPK * 8 + 4 * (num_tokens * num_topk + layout.num_experts);
     let recv = 4 * (2 * layout.num_experts + layout.num_local_experts() + 1);
     align16(send.max(recv))
 }
@@ -408,7 +409,7 @@ pub fn combine_cuda(
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
     let kernel = kernels.kernel(FILE, "ll_combine")?;
-    let send_smem = 4 * (2 * layout.num_experts + 1);
+    let send_smem = 4 * (3 * layout.num_experts + 1 + layout.num_ranks);
     let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
     let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     let (x_ptr, _gx) = x.device_ptr(stream);

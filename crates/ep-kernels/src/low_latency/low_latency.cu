@@ -285,12 +285,59 @@ EP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// In place: s_pre[1..=n] holds n values; on return s_pre[i] is the sum of the first i of them
+// (s_pre[0] = 0). Every thread of the block calls it, after a barrier that made the values
+// visible; the caller's next barrier makes the result visible. One warp scan per 1024 values
+// and one over the warps' totals, instead of a single warp walking all n.
+__device__ void block_prefix_sum(int* s_pre, int n) {
+    static_assert(kWarps == ep::kWarpSize, "one warp scans the warps' totals");
+    __shared__ int s_tot[kWarps];
+    const int tid = threadIdx.x, lane = ep::lane_id(), warp = ep::warp_id();
+    int carry = 0;
+    for (int base = 0; base < n; base += kThreads) {
+        const int i = base + tid;
+        int v = i < n ? s_pre[i + 1] : 0;
+#pragma unroll
+        for (int d = 1; d < ep::kWarpSize; d <<= 1) {
+            const int o = __shfl_up_sync(ep::kFullMask, v, d);
+            v += lane >= d ? o : 0;
+        }
+        if (lane == ep::kWarpSize - 1) {
+            s_tot[warp] = v;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            int w = s_tot[lane];
+#pragma unroll
+            for (int d = 1; d < ep::kWarpSize; d <<= 1) {
+                const int o = __shfl_up_sync(ep::kFullMask, w, d);
+                w += lane >= d ? o : 0;
+            }
+            s_tot[lane] = w;
+        }
+        __syncthreads();
+        if (i < n) {
+            s_pre[i + 1] = v + carry + (warp > 0 ? s_tot[warp - 1] : 0);
+        }
+        carry += s_tot[kWarps - 1];
+        __syncthreads();  // s_tot is rewritten by the next tile
+    }
+    if (tid == 0) {
+        s_pre[0] = 0;
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // Dispatch
 // ------------------------------------------------------------------------------------------
 
-__device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_topk, uint32_t set,
-                              uint32_t tag) {
+// Block per token: the token is cast once (staged in shared memory) and written to each rank
+// that holds one of its experts, with an index entry per (t, k). `s_count[e]` (this rank's
+// selections of expert e) tells the warp that publishes an expert's last selection that it is
+// the last: it sends the count signal `-n - 1` then. Experts nobody selected are signalled
+// at once.
+__device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int* s_topk,
+                              const int* s_count, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int T = p.num_tokens, K = p.num_topk, H = b.hidden, R = b.num_ranks;
     const int E = b.num_experts, L = E / R, M = b.max_tokens;
@@ -307,6 +354,23 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
     // Deterministic padding after the scales.
     for (int i = msg_bytes + tid; i < msg_vecs * 16; i += kThreads) {
         stage[i] = 0;
+    }
+
+    // The count signal of expert e (n selections) into its rank's slot for this source.
+    auto signal = [&](int e, int n) {
+        const int r = e / L;
+        if (ld_vol(active + r) != 0) {
+            uint8_t* sig = set_base(b, peer_base(b, r), set) + b.off_signals +
+                           (static_cast<uint64_t>(e - r * L) * R + b.rank) * 8;
+            put_signal(sig, (static_cast<uint64_t>(tag) << 32) |
+                                static_cast<uint64_t>(static_cast<uint32_t>(-n - 1)));
+        }
+    };
+    for (int e = blockIdx.x + tid * static_cast<int>(gridDim.x); e < E;
+         e += kThreads * static_cast<int>(gridDim.x)) {
+        if (s_count[e] == 0) {
+            signal(e, 0);
+        }
     }
 
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -426,38 +490,15 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, int* s_top
         }
         __syncthreads();
         // Publish: every (t, k) counts once for its expert (also when the rank is inactive,
-        // so the counters always balance).
+        // so the counters always balance); the last one signals the expert's rank.
         if (tid < K) {
             const int e = s_topk[t * K + tid];
-            if (e >= 0) {
-                // gpu scope suffices: the signalling thread acquires it on this GPU and
-                // then publishes at system scope (causality is transitive).
-                ep::atomic_add_release_gpu(send_done + e, 1);
-            }
-        }
-    }
-
-    // Count signals: one warp per expert, spread over the blocks.
-    const int total = T * K;
-    for (int e = warp * gridDim.x + blockIdx.x; e < E; e += gridDim.x * kWarps) {
-        int n = 0;
-        for (int j = lane; j < total; j += ep::kWarpSize) {
-            n += s_topk[j] == e ? 1 : 0;
-        }
-        n = ep::warp_reduce_sum(n);
-        if (lane == 0) {
-            // Local wait for the blocks sending this expert's messages (all blocks are
-            // resident: the grid is at most one block per SM).
-            const ep::Deadline deadline = ep::Deadline::after(b.timeout_ns);
-            while (ep::ld_acquire_gpu(send_done + e) < n && !deadline.expired()) {
-            }
-            atomicSub(send_done + e, n);
-            const int r = e / L;
-            if (ld_vol(active + r) != 0) {
-                uint8_t* sig = set_base(b, peer_base(b, r), set) + b.off_signals +
-                               (static_cast<uint64_t>(e - r * L) * R + b.rank) * 8;
-                put_signal(sig, (static_cast<uint64_t>(tag) << 32) |
-                                    static_cast<uint64_t>(static_cast<uint32_t>(-n - 1)));
+            if (e >= 0 && ep::atomic_add_release_gpu(send_done + e, 1) == s_count[e] - 1) {
+                // The atomics form a release sequence: with the fence (an acquire pattern)
+                // every earlier selection's messages precede the signal's release.
+                atomicExch(send_done + e, 0);
+                ep::fence_acq_rel_sys();
+                signal(e, s_count[e]);
             }
         }
     }
@@ -492,26 +533,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         s_pre[l + 1] = acc;
     }
     __syncthreads();
-    if (warp == 0) {
-        // Inclusive scan of the per-expert totals, 32 at a time with a carry.
-        int carry = 0;
-        for (int base = 0; base < L; base += ep::kWarpSize) {
-            const int l = base + lane;
-            int v = l < L ? s_pre[l + 1] : 0;
-#pragma unroll
-            for (int d = 1; d < ep::kWarpSize; d <<= 1) {
-                const int o = __shfl_up_sync(ep::kFullMask, v, d);
-                v += lane >= d ? o : 0;
-            }
-            if (l < L) {
-                s_pre[l + 1] = v + carry;
-            }
-            carry += __shfl_sync(ep::kFullMask, v, ep::kWarpSize - 1);
-        }
-        if (lane == 0) {
-            s_pre[0] = 0;
-        }
-    }
+    block_prefix_sum(s_pre, L);
     __syncthreads();
     for (int l = blockIdx.x; l < L; l += gridDim.x) {
         if (tid == 0) {
@@ -593,8 +615,11 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
 // ------------------------------------------------------------------------------------------
 
 // Rows of all units (local expert l, home rank s) are spread over the whole grid in chunks of
-// 32 lanes x kCopyUnroll vectors; each finished chunk counts in `unit_done[u]` (local), and the
-// thread owning unit u flags the home once all of the unit's chunks are out.
+// 32 lanes x kCopyUnroll vectors. The units' row offsets and the mask are staged in shared
+// memory first, so a chunk's loads (the rows and their source token and top-k slot) go out
+// together, with no dependent global load before them. Each finished chunk counts in
+// `unit_done[u]` (local); the warp that finishes a unit's last chunk flags the home, and units
+// without rows are flagged at once.
 __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int H = b.hidden, R = b.num_ranks, E = b.num_experts, L = E / R, M = b.max_tokens;
@@ -606,43 +631,41 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
     const int64_t row_bytes = 2 * static_cast<int64_t>(H);
     constexpr int kChunkVecs = ep::kWarpSize * kCopyUnroll;
     const int chunks = ep::ceil_div(vpr, kChunkVecs);
-    int* s_items = reinterpret_cast<int*>(smem);  // [E] chunks per unit, then prefix [E + 1]
+    // [E] chunks per unit, prefix [E + 1], row offset per unit [E], mask snapshot [R].
+    int* s_items = reinterpret_cast<int*>(smem);
     int* s_pre = s_items + E;
+    int* s_off = s_pre + E + 1;
+    int* s_active = s_off + E;
 
     // Units are numbered u = l * R + s, as layout_range.
     for (int u = tid; u < E; u += kThreads) {
-        s_pre[u + 1] = p.layout_range[static_cast<int64_t>(u) * 2 + 1] * chunks;
+        const int2 range = *reinterpret_cast<const int2*>(p.layout_range + static_cast<int64_t>(u) * 2);
+        s_off[u] = range.x;
+        s_items[u] = range.y * chunks;
+        s_pre[u + 1] = range.y * chunks;
+    }
+    for (int r = tid; r < R; r += kThreads) {
+        s_active[r] = ld_vol(active + r);
     }
     __syncthreads();
-    if (warp == 0) {
-        int carry = 0;
-        for (int base = 0; base < E; base += ep::kWarpSize) {
-            const int u = base + lane;
-            int v = u < E ? s_pre[u + 1] : 0;
-            if (u < E) {
-                s_items[u] = v;
-            }
-#pragma unroll
-            for (int d = 1; d < ep::kWarpSize; d <<= 1) {
-                const int o = __shfl_up_sync(ep::kFullMask, v, d);
-                v += lane >= d ? o : 0;
-            }
-            if (u < E) {
-                s_pre[u + 1] = v + carry;
-            }
-            carry += __shfl_sync(ep::kFullMask, v, ep::kWarpSize - 1);
-        }
-        if (lane == 0) {
-            s_pre[0] = 0;
-        }
-    }
+    block_prefix_sum(s_pre, E);
     __syncthreads();
 
-    const int64_t items = s_pre[E];
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items;
-         item += warps) {
-        const int j = static_cast<int>(item);
+    // Units without rows: their flag goes out now (one thread per unit, over the blocks).
+    for (int u = blockIdx.x + tid * static_cast<int>(gridDim.x); u < E;
+         u += kThreads * static_cast<int>(gridDim.x)) {
+        const int s = u % R;
+        if (s_items[u] == 0 && s_active[s] != 0) {
+            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
+                         static_cast<int64_t>(b.rank * L + u / R) * 4,
+                     static_cast<int>(tag));
+        }
+    }
+
+    // Items fit in an int: s_pre is an int prefix sum.
+    const int items = s_pre[E];
+    const int warps = static_cast<int>(gridDim.x) * kWarps;
+    for (int j = static_cast<int>(blockIdx.x) * kWarps + warp; j < items; j += warps) {
         int lo = 0, hi = E - 1;
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
@@ -653,27 +676,26 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
             }
         }
         const int u = lo;
-        const int l = u / R;
-        const int s = u - l * R;
-        const int r = (j - s_pre[u]) / chunks;
-        const int chunk = (j - s_pre[u]) - r * chunks;
-        if (ld_vol(active + s) != 0) {
-            const int off = p.layout_range[static_cast<int64_t>(u) * 2];
-            const int64_t src_row = static_cast<int64_t>(l) * R * M + off + r;
+        const int s = u % R;
+        if (s_active[s] != 0) {
+            const int r = (j - s_pre[u]) / chunks;
+            const int chunk = (j - s_pre[u]) - r * chunks;
+            const int64_t src_row = static_cast<int64_t>(u / R) * R * M + s_off[u] + r;
+            const int4* src = reinterpret_cast<const int4*>(p.x + src_row * H);
+            // The row's loads and its (t, k) are in flight together.
             const int t = p.src_info[src_row];
             const int k = p.src_topk[src_row];
+            int4 v[kCopyUnroll];
+#pragma unroll
+            for (int q = 0; q < kCopyUnroll; ++q) {
+                const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                if (i < vpr) {
+                    v[q] = ep::ld_nc_no_alloc(src + i);
+                }
+            }
             if (t >= 0 && t < M && k >= 0 && k < b.max_topk) {
                 uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
                                (static_cast<int64_t>(t) * b.max_topk + k) * row_bytes;
-                const int4* src = reinterpret_cast<const int4*>(p.x + src_row * H);
-                int4 v[kCopyUnroll];
-#pragma unroll
-                for (int q = 0; q < kCopyUnroll; ++q) {
-                    const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
-                    if (i < vpr) {
-                        v[q] = ep::ld_nc_no_alloc(src + i);
-                    }
-                }
 #pragma unroll
                 for (int q = 0; q < kCopyUnroll; ++q) {
                     const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
@@ -684,27 +706,17 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
             }
         }
         __syncwarp();
-        if (lane == 0) {
-            ep::atomic_add_release_gpu(unit_done + u, 1);
-        }
-    }
-
-    // Flags: one thread per unit, units spread over the blocks.
-    for (int u = blockIdx.x + tid * static_cast<int>(gridDim.x); u < E;
-         u += kThreads * static_cast<int>(gridDim.x)) {
-        const int need = s_items[u];
-        const ep::Deadline deadline = ep::Deadline::after(b.timeout_ns);
-        while (ep::ld_acquire_gpu(unit_done + u) < need && !deadline.expired()) {
-        }
-        atomicSub(unit_done + u, need);
-        const int s = u % R;
-        if (ld_vol(active + s) != 0) {
-            // The fence orders the unit's rows (acquired above) before the flag: fence +
-            // relaxed store of this thread form a release pattern.
-            ep::fence_acq_rel_sys();
-            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
-                         static_cast<int64_t>(b.rank * L + u / R) * 4,
-                     static_cast<int>(tag));
+        if (lane == 0 && ep::atomic_add_release_gpu(unit_done + u, 1) == s_items[u] - 1) {
+            // The unit's last chunk (the atomics form a release sequence, so every chunk's
+            // stores precede this one's read): reset the counter for the next op, then fence
+            // and flag the home (fence + relaxed store form a release pattern).
+            atomicExch(unit_done + u, 0);
+            if (s_active[s] != 0) {
+                ep::fence_acq_rel_sys();
+                put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
+                             static_cast<int64_t>(b.rank * L + u / R) * 4,
+                         static_cast<int>(tag));
+            }
         }
     }
 }
@@ -806,8 +818,8 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
 // ------------------------------------------------------------------------------------------
 
 // Grid: at most one block per SM (blocks wait for each other's sends). Dynamic shared memory:
-// max(send: msg_stride + kMaxTopk * 8 + 4 * T * K, receive: 4 * (2 * E + L + 1)) bytes (the
-// receive phase reuses the send phase's space).
+// max(send: msg_stride + kMaxTopk * 8 + 4 * (T * K + E), receive: 4 * (2 * E + L + 1)) bytes
+// (the receive phase reuses the send phase's space).
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant__ DispatchParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
@@ -815,12 +827,22 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
     __shared__ uint32_t s_seq;
     op_begin(ctl, kKindDispatch, p.phases, &s_seq);
     int* s_topk = reinterpret_cast<int*>(smem + b.msg_stride + kMaxTopk * 8);
+    // Selections per expert of this rank [E], after the top-k table.
+    int* s_count = s_topk + p.num_tokens * p.num_topk;
     if (p.phases & kPhaseSend) {
+        for (int e = threadIdx.x; e < b.num_experts; e += kThreads) {
+            s_count[e] = 0;
+        }
+        __syncthreads();
         const int total = p.num_tokens * p.num_topk;
         for (int i = threadIdx.x; i < total; i += kThreads) {
             // Entries outside [0, E) (the host twin rejects them) are treated as -1.
             const int64_t e = p.topk_idx[i];
-            s_topk[i] = e >= 0 && e < b.num_experts ? static_cast<int>(e) : -1;
+            const bool valid = e >= 0 && e < b.num_experts;
+            s_topk[i] = valid ? static_cast<int>(e) : -1;
+            if (valid) {
+                atomicAdd(s_count + e, 1);
+            }
         }
     }
     __syncthreads();
@@ -828,7 +850,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
     const uint32_t set = seq & 1u;
     const uint32_t tag = tag_of(seq);
     if (p.phases & kPhaseSend) {
-        dispatch_send(p, smem, s_topk, set, tag);
+        dispatch_send(p, smem, s_topk, s_count, set, tag);
     }
     if (p.phases & kPhaseRecv) {
         __syncthreads();
@@ -841,7 +863,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
 }
 
 // Grid: at most one block per SM. Dynamic shared memory:
-// max(send: 4 * (2 * E + 1), receive: kMaxTopk * 8 + 4 * R) bytes.
+// max(send: 4 * (3 * E + 1 + R), receive: kMaxTopk * 8 + 4 * R) bytes.
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__ CombineParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
