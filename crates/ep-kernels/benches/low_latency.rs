@@ -11,7 +11,8 @@
 //! the rank, dispatch fp8 `H + H/128*4 + 16` bytes and combine bf16 `2H` bytes. With the
 //! `nccl` feature, an NCCL grouped send/recv all-to-all of the same bytes per peer is timed
 //! too. Prints a table; writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_ITERS` sets the
-//! number of timed replays (default 200).
+//! number of timed replays (default 200), `EP_BENCH_TOKENS` the tokens per rank (default 128,
+//! the decode batch), `EP_BENCH_EXPERTS` the expert counts (default `256,288`).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -31,7 +32,8 @@ use rand::{Rng, SeedableRng};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-const TOKENS: usize = 128;
+/// Tokens per rank unless `EP_BENCH_TOKENS` says otherwise.
+const DEFAULT_TOKENS: usize = 128;
 const HIDDEN: usize = 7168;
 const TOPK: usize = 8;
 const FORMAT: LowLatencyFormat = LowLatencyFormat::Fp8;
@@ -40,6 +42,8 @@ const HOOK_GAP: Duration = Duration::from_micros(100);
 
 /// One rank: stream, buffer, inputs and outputs.
 struct Rank {
+    /// Tokens this rank dispatches per op (also the buffer's `max_tokens_per_rank`).
+    tokens: usize,
     stream: Arc<CudaStream>,
     buf: LowLatencyBuffer,
     x: CudaSlice<bf16>,
@@ -59,7 +63,7 @@ impl Rank {
             &self.buf,
             &self.x,
             &self.topk,
-            TOKENS,
+            self.tokens,
             TOPK,
             FORMAT,
             phases,
@@ -76,7 +80,7 @@ impl Rank {
             &self.recv,
             &self.topk,
             &self.w,
-            TOKENS,
+            self.tokens,
             TOPK,
             phases,
             &mut self.out,
@@ -98,8 +102,13 @@ impl Rank {
     }
 }
 
-fn setup(num_ranks: usize, num_experts: usize, seed: u64) -> Result<Vec<Rank>, BoxError> {
-    let layout = LowLatencyLayout::new(TOKENS, HIDDEN, num_ranks, num_experts)?;
+fn setup(
+    num_ranks: usize,
+    num_experts: usize,
+    tokens: usize,
+    seed: u64,
+) -> Result<Vec<Rank>, BoxError> {
+    let layout = LowLatencyLayout::new(tokens, HIDDEN, num_ranks, num_experts)?;
     let ctxs = (0..num_ranks)
         .map(CudaContext::new)
         .collect::<Result<Vec<_>, _>>()?;
@@ -120,18 +129,18 @@ fn setup(num_ranks: usize, num_experts: usize, seed: u64) -> Result<Vec<Rank>, B
         let mut rng = StdRng::seed_from_u64(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9));
         let stream = ctx.new_stream()?;
         let buf = LowLatencyBuffer::new(&stream, layout, r)?;
-        let mut topk = Vec::with_capacity(TOKENS * TOPK);
+        let mut topk = Vec::with_capacity(tokens * TOPK);
         let mut send_counts = vec![0usize; num_ranks];
-        for _ in 0..TOKENS {
+        for _ in 0..tokens {
             for e in sample(&mut rng, num_experts, TOPK) {
                 topk.push(e as i64);
                 send_counts[e / l] += 1;
             }
         }
-        let x: Vec<bf16> = (0..TOKENS * HIDDEN)
+        let x: Vec<bf16> = (0..tokens * HIDDEN)
             .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
             .collect();
-        let w: Vec<f32> = (0..TOKENS * TOPK)
+        let w: Vec<f32> = (0..tokens * TOPK)
             .map(|_| rng.random_range(0.0f32..1.0))
             .collect();
         let expert_out: Vec<bf16> = (0..rows * HIDDEN)
@@ -143,7 +152,8 @@ fn setup(num_ranks: usize, num_experts: usize, seed: u64) -> Result<Vec<Rank>, B
             w: stream.clone_htod(&w)?,
             recv: LowLatencyRecv::alloc(&stream, &layout, FORMAT)?,
             expert_out: stream.clone_htod(&expert_out)?,
-            out: stream.alloc_zeros(TOKENS * HIDDEN)?,
+            out: stream.alloc_zeros(tokens * HIDDEN)?,
+            tokens,
             stream,
             buf,
             send_counts,
@@ -403,9 +413,18 @@ fn main() -> Result<(), BoxError> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(200)
         .max(1);
+    let tokens: usize = std::env::var("EP_BENCH_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_TOKENS)
+        .max(1);
+    let experts_list: Vec<usize> = std::env::var("EP_BENCH_EXPERTS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|e| e.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![256, 288]);
     let warmup = 20;
     println!(
-        "low-latency EP{num_ranks}: {TOKENS} tokens/rank, hidden {HIDDEN}, top-{TOPK}, fp8 dispatch, \
+        "low-latency EP{num_ranks}: {tokens} tokens/rank, hidden {HIDDEN}, top-{TOPK}, fp8 dispatch, \
          bf16 combine; {iters} CUDA-graph replays (median of replays, then of ranks)"
     );
     let mut table = String::new();
@@ -415,11 +434,11 @@ fn main() -> Result<(), BoxError> {
         "experts", "op", "us", "GB/s/rank"
     );
     let mut json = Vec::new();
-    for experts in [256usize, 288] {
+    for experts in experts_list {
         if experts % num_ranks != 0 {
             continue;
         }
-        let mut ranks = setup(num_ranks, experts, 0x5eed ^ experts as u64)?;
+        let mut ranks = setup(num_ranks, experts, tokens, 0x5eed ^ experts as u64)?;
         let per_rank = each(&mut ranks, |_, rank| time_rank(rank, warmup, iters))?;
         let sels: Vec<f64> = ranks
             .iter()
@@ -495,7 +514,7 @@ fn main() -> Result<(), BoxError> {
     }
     print!("{table}");
     let doc = format!(
-        "{{\"bench\": \"low_latency\", \"ranks\": {num_ranks}, \"tokens\": {TOKENS}, \"hidden\": {HIDDEN}, \
+        "{{\"bench\": \"low_latency\", \"ranks\": {num_ranks}, \"tokens\": {tokens}, \"hidden\": {HIDDEN}, \
          \"topk\": {TOPK}, \"iters\": {iters}, \"configs\": [{}]}}\n",
         json.join(", ")
     );
