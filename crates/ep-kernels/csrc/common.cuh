@@ -130,8 +130,8 @@ EP_DEVICE void st_release_gpu(int* ptr, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-EP_DEVICE void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
-    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+EP_DEVICE void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
 EP_DEVICE void st_relaxed_sys(int* ptr, int v) {

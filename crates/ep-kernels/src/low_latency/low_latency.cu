@@ -49,8 +49,12 @@ constexpr uint32_t kPhaseSend = 1u;
 constexpr uint32_t kPhaseRecv = 2u;
 // Largest top-k (Rust: `LL_MAX_TOPK`): rows per token in the combine region.
 constexpr int kMaxTopk = 16;
-// Vectors per lane of one copy work item (a chunk of 32 x 8 16-byte vectors).
-constexpr int kCopyUnroll = 8;
+// 16-byte vectors per lane of one copy work item (a chunk of 32 x n vectors), measured at EP2
+// and EP4 (`docs/benchmarks.md`): the combine send keeps 8 (4 or 2: +2 to +6 us, fewer bytes
+// in flight per warp); the dispatch receive copies 4 (8 left half the warps without work:
+// about 1 us slower; 2 is no better).
+constexpr int kSendUnroll = 8;
+constexpr int kRecvUnroll = 4;
 
 // Control words (u32) at offset 0 of the buffer (Rust: `layout.rs`).
 constexpr int kCtlOpSeq = 0;
@@ -156,11 +160,11 @@ EP_DEVICE uint8_t* peer_base(const LlBuffer& b, int r) {
 // put per peer) replaces them for peers that load/store cannot reach.
 EP_DEVICE void put_v4(uint8_t* dst, int4 v) { ep::st_no_alloc(reinterpret_cast<int4*>(dst), v); }
 
+// The caller fences (`fence.acq_rel.sys`) after the data and before its signals and flags.
 EP_DEVICE void put_signal(uint8_t* dst, uint64_t v) {
-    ep::st_release_sys_u64(reinterpret_cast<uint64_t*>(dst), v);
+    ep::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(dst), v);
 }
 
-// The caller fences (`fence.acq_rel.sys`) after the data and before its flags.
 EP_DEVICE void put_flag(uint8_t* dst, int v) { ep::st_relaxed_sys(reinterpret_cast<int*>(dst), v); }
 
 // A 16-byte load of data that peers wrote during this kernel: L2 (the coherence point for
@@ -190,24 +194,37 @@ EP_DEVICE int ld_vol(const int* ptr) { return ep::ld_volatile(ptr); }
 
 EP_DEVICE uint32_t tag_of(uint32_t seq) { return (seq & 0x7fffffffu) + 1u; }
 
+// Timeline trace (experiment builds only: `EP_NVCC_FLAGS=-DEP_LL_TRACE=1`). Per kind, the
+// earliest block start and the latest time each block / warp passed a point; the last block of
+// every 256th op (full send + receive launches only) prints them relative to the start.
+#ifndef EP_LL_TRACE
+#define EP_LL_TRACE 0
+#endif
+#if EP_LL_TRACE
+__device__ unsigned long long g_trace_start[2] = {~0ull, ~0ull};
+__device__ unsigned long long g_trace_point[2][5];
+#define LL_TRACE_START(kind) \
+    do { if (threadIdx.x == 0) atomicMin(&g_trace_start[kind], ep::globaltimer_ns()); } while (0)
+#define LL_TRACE(kind, i) atomicMax(&g_trace_point[kind][i], ep::globaltimer_ns())
+#else
+#define LL_TRACE_START(kind) do {} while (0)
+#define LL_TRACE(kind, i) do {} while (0)
+#endif
+
 // ------------------------------------------------------------------------------------------
 // Op sequencing (see the file comment)
 // ------------------------------------------------------------------------------------------
 
-// Thread 0 reads this launch's op sequence number into `*s_seq` (shared memory); it is the
-// same in every block. Readable by all threads after the caller's next __syncthreads.
-__device__ void op_begin(uint32_t* ctl, int kind, uint32_t phases, uint32_t* s_seq) {
-    if (threadIdx.x == 0) {
-        const int* words = reinterpret_cast<const int*>(ctl);
-        uint32_t seq;
-        if ((phases & kPhaseSend) != 0) {
-            seq = static_cast<uint32_t>(ld_vol(words + kCtlOpSeq));
-        } else {
-            const uint32_t head = static_cast<uint32_t>(ld_vol(words + kCtlPendHead + kind));
-            seq = static_cast<uint32_t>(ld_vol(words + kCtlPendSeq + kind * 2 + (head & 1u)));
-        }
-        *s_seq = seq;
+// This launch's op sequence number (the same in every block); called by one thread, which
+// shares it through shared memory. The caller issues its other start-up loads before it uses
+// the value, so their latencies overlap.
+__device__ uint32_t op_begin(const uint32_t* ctl, int kind, uint32_t phases) {
+    const int* words = reinterpret_cast<const int*>(ctl);
+    if ((phases & kPhaseSend) != 0) {
+        return static_cast<uint32_t>(ld_vol(words + kCtlOpSeq));
     }
+    const uint32_t head = static_cast<uint32_t>(ld_vol(words + kCtlPendHead + kind));
+    return static_cast<uint32_t>(ld_vol(words + kCtlPendSeq + kind * 2 + (head & 1u)));
 }
 
 // Called by every block at its end: the last block to arrive (so after every block read the
@@ -231,6 +248,23 @@ __device__ void op_end(uint32_t* ctl, int kind, uint32_t phases, uint32_t seq) {
             } else {
                 ctl[kCtlPendHead + kind] += 1u;
             }
+#if EP_LL_TRACE
+            const unsigned long long now = ep::globaltimer_ns();
+            const unsigned long long t0 = g_trace_start[kind];
+            if (phases == (kPhaseSend | kPhaseRecv) && seq % 256u == 128u) {
+                long long d[5];
+                for (int i = 0; i < 5; ++i) {
+                    const unsigned long long v = g_trace_point[kind][i];
+                    d[i] = v == 0 ? -1 : static_cast<long long>(v - t0);
+                }
+                printf("LLTRACE kind=%d seq=%u start=%llu p1=%lld p2=%lld p3=%lld p4=%lld p5=%lld end=%lld\n",
+                       kind, seq, t0, d[0], d[1], d[2], d[3], d[4], static_cast<long long>(now - t0));
+            }
+            g_trace_start[kind] = ~0ull;
+            for (int i = 0; i < 5; ++i) {
+                g_trace_point[kind][i] = 0;
+            }
+#endif
             __threadfence();
         }
     }
@@ -494,18 +528,23 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         if (tid < K) {
             const int e = s_topk[t * K + tid];
             if (e >= 0 && ep::atomic_add_release_gpu(send_done + e, 1) == s_count[e] - 1) {
-                // The atomics form a release sequence: with the fence (an acquire pattern)
-                // every earlier selection's messages precede the signal's release.
+                // The atomics form a release sequence: the fence (acquire, then release
+                // pattern with the relaxed signal store) orders every earlier selection's
+                // messages before the signal.
                 atomicExch(send_done + e, 0);
                 ep::fence_acq_rel_sys();
                 signal(e, s_count[e]);
+                LL_TRACE(kKindDispatch, 2);
             }
         }
+    }
+    if (tid == 0) {
+        LL_TRACE(kKindDispatch, 1);
     }
 }
 
 // Every block waits for all L x R signals, computes the whole packed layout in shared memory,
-// and then the grid's warps share all rows (chunks of 32 lanes x kCopyUnroll vectors), so the
+// and then the grid's warps share all rows (chunks of 32 lanes x kRecvUnroll vectors), so the
 // copy is balanced however the tokens are spread over the experts.
 __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, int* s_pre,
                               uint32_t set, uint32_t tag) {
@@ -524,6 +563,9 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         s_cnt[i] = wait_count(sigs + i, tag, active + i % R, b.timeout_ns);
     }
     __syncthreads();
+    if (tid == 0) {
+        LL_TRACE(kKindDispatch, 3);
+    }
     for (int l = tid; l < L; l += kThreads) {
         int acc = 0;
         for (int s = 0; s < R; ++s) {
@@ -545,7 +587,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         }
     }
 
-    constexpr int kChunkVecs = ep::kWarpSize * kCopyUnroll;
+    constexpr int kChunkVecs = ep::kWarpSize * kRecvUnroll;
     const int chunks = ep::ceil_div(payload_vecs, kChunkVecs);
     const int64_t items = static_cast<int64_t>(s_pre[L]) * chunks;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -580,9 +622,9 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
                              (static_cast<uint64_t>(s) * M + t) * static_cast<uint64_t>(b.msg_stride);
         const int64_t out_row = l * rows_per_expert + row;
         uint8_t* dst = p.recv_x + out_row * payload;
-        int4 v[kCopyUnroll];
+        int4 v[kRecvUnroll];
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
+        for (int u = 0; u < kRecvUnroll; ++u) {
             const int i = chunk * kChunkVecs + u * ep::kWarpSize + lane;
             if (i < payload_vecs) {
                 v[u] = ld_cg_v4(msg + 16 + i * 16);
@@ -601,12 +643,15 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
             }
         }
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
+        for (int u = 0; u < kRecvUnroll; ++u) {
             const int i = chunk * kChunkVecs + u * ep::kWarpSize + lane;
             if (i < payload_vecs) {
                 *reinterpret_cast<int4*>(dst + i * 16) = v[u];
             }
         }
+    }
+    if (lane == 0) {
+        LL_TRACE(kKindDispatch, 4);
     }
 }
 
@@ -614,42 +659,65 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
 // Combine
 // ------------------------------------------------------------------------------------------
 
+// Shared memory of the combine send phase: [E] chunks per unit, prefix [E + 1], row offset per
+// unit [E], mask snapshot [R].
+struct CombineSendSmem {
+    int* items;
+    int* pre;
+    int* off;
+    int* active;
+    __device__ explicit CombineSendSmem(uint8_t* smem, int E)
+        : items(reinterpret_cast<int*>(smem)), pre(items + E), off(pre + E + 1), active(off + E) {}
+};
+
+// The combine send phase's first loads, into shared memory (no barrier: the caller's next one
+// makes them visible): the units' ranges and the mask.
+__device__ void combine_stage(const CombineParams& p, uint8_t* smem) {
+    const LlBuffer& b = p.buf;
+    const int H = b.hidden, R = b.num_ranks, E = b.num_experts;
+    const int tid = threadIdx.x;
+    const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
+    const int chunks = ep::ceil_div(H / 8, ep::kWarpSize * kSendUnroll);
+    const CombineSendSmem sm(smem, E);
+    // Units are numbered u = l * R + s, as layout_range.
+    for (int u = tid; u < E; u += kThreads) {
+        const int2 range = *reinterpret_cast<const int2*>(p.layout_range + static_cast<int64_t>(u) * 2);
+        sm.off[u] = range.x;
+        sm.items[u] = range.y * chunks;
+        sm.pre[u + 1] = range.y * chunks;
+    }
+    for (int r = tid; r < R; r += kThreads) {
+        sm.active[r] = ld_vol(active + r);
+    }
+}
+
 // Rows of all units (local expert l, home rank s) are spread over the whole grid in chunks of
-// 32 lanes x kCopyUnroll vectors. The units' row offsets and the mask are staged in shared
+// 32 lanes x kSendUnroll vectors. The units' row offsets and the mask are staged in shared
 // memory first, so a chunk's loads (the rows and their source token and top-k slot) go out
 // together, with no dependent global load before them. Each finished chunk counts in
 // `unit_done[u]` (local); the warp that finishes a unit's last chunk flags the home, and units
 // without rows are flagged at once.
+// Called after `combine_stage` and a barrier.
 __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int H = b.hidden, R = b.num_ranks, E = b.num_experts, L = E / R, M = b.max_tokens;
     const int tid = threadIdx.x, lane = ep::lane_id(), warp = ep::warp_id();
-    int* active = reinterpret_cast<int*>(b.local + b.off_active);
     // unit_done [L*R] follows send_done [E] (L * R == E).
     int* unit_done = reinterpret_cast<int*>(b.local + b.off_send_done) + E;
     const int vpr = H / 8;  // 16-byte vectors per bf16 row
     const int64_t row_bytes = 2 * static_cast<int64_t>(H);
-    constexpr int kChunkVecs = ep::kWarpSize * kCopyUnroll;
+    constexpr int kChunkVecs = ep::kWarpSize * kSendUnroll;
     const int chunks = ep::ceil_div(vpr, kChunkVecs);
-    // [E] chunks per unit, prefix [E + 1], row offset per unit [E], mask snapshot [R].
-    int* s_items = reinterpret_cast<int*>(smem);
-    int* s_pre = s_items + E;
-    int* s_off = s_pre + E + 1;
-    int* s_active = s_off + E;
-
-    // Units are numbered u = l * R + s, as layout_range.
-    for (int u = tid; u < E; u += kThreads) {
-        const int2 range = *reinterpret_cast<const int2*>(p.layout_range + static_cast<int64_t>(u) * 2);
-        s_off[u] = range.x;
-        s_items[u] = range.y * chunks;
-        s_pre[u + 1] = range.y * chunks;
-    }
-    for (int r = tid; r < R; r += kThreads) {
-        s_active[r] = ld_vol(active + r);
-    }
-    __syncthreads();
+    const CombineSendSmem sm(smem, E);
+    const int* s_items = sm.items;
+    int* s_pre = sm.pre;
+    const int* s_off = sm.off;
+    const int* s_active = sm.active;
     block_prefix_sum(s_pre, E);
     __syncthreads();
+    if (tid == 0) {
+        LL_TRACE(kKindCombine, 0);
+    }
 
     // Units without rows: their flag goes out now (one thread per unit, over the blocks).
     for (int u = blockIdx.x + tid * static_cast<int>(gridDim.x); u < E;
@@ -685,9 +753,9 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
             // The row's loads and its (t, k) are in flight together.
             const int t = p.src_info[src_row];
             const int k = p.src_topk[src_row];
-            int4 v[kCopyUnroll];
+            int4 v[kSendUnroll];
 #pragma unroll
-            for (int q = 0; q < kCopyUnroll; ++q) {
+            for (int q = 0; q < kSendUnroll; ++q) {
                 const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
                 if (i < vpr) {
                     v[q] = ep::ld_nc_no_alloc(src + i);
@@ -697,7 +765,7 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
                 uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
                                (static_cast<int64_t>(t) * b.max_topk + k) * row_bytes;
 #pragma unroll
-                for (int q = 0; q < kCopyUnroll; ++q) {
+                for (int q = 0; q < kSendUnroll; ++q) {
                     const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
                     if (i < vpr) {
                         put_v4(dst + static_cast<int64_t>(i) * 16, v[q]);
@@ -716,8 +784,12 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
                 put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
                              static_cast<int64_t>(b.rank * L + u / R) * 4,
                          static_cast<int>(tag));
+                LL_TRACE(kKindCombine, 2);
             }
         }
+    }
+    if (lane == 0) {
+        LL_TRACE(kKindCombine, 1);
     }
 }
 
@@ -747,6 +819,9 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
         wait_flag(flags + e, tag, active + e / L, b.timeout_ns);
     }
     __syncthreads();
+    if (tid == 0) {
+        LL_TRACE(kKindCombine, 3);
+    }
     // One snapshot of the mask for the whole block.
     for (int r = tid; r < R; r += kThreads) {
         s_active[r] = ld_vol(active + r);
@@ -809,6 +884,9 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
         }
         __syncthreads();
     }
+    if (tid == 0) {
+        LL_TRACE(kKindCombine, 4);
+    }
 }
 
 }  // namespace
@@ -825,27 +903,37 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
     const LlBuffer& b = p.buf;
     uint32_t* ctl = reinterpret_cast<uint32_t*>(b.local);
     __shared__ uint32_t s_seq;
-    op_begin(ctl, kKindDispatch, p.phases, &s_seq);
+    LL_TRACE_START(kKindDispatch);
     int* s_topk = reinterpret_cast<int*>(smem + b.msg_stride + kMaxTopk * 8);
     // Selections per expert of this rank [E], after the top-k table.
     int* s_count = s_topk + p.num_tokens * p.num_topk;
-    if (p.phases & kPhaseSend) {
+    const bool sends = (p.phases & kPhaseSend) != 0;
+    const int total = sends ? p.num_tokens * p.num_topk : 0;
+    // Start-up loads in flight together: each thread's first top-k entry and the op sequence.
+    const int64_t first_e = static_cast<int>(threadIdx.x) < total ? p.topk_idx[threadIdx.x] : -1;
+    const uint32_t seq0 = threadIdx.x == 0 ? op_begin(ctl, kKindDispatch, p.phases) : 0u;
+    if (sends) {
         for (int e = threadIdx.x; e < b.num_experts; e += kThreads) {
             s_count[e] = 0;
         }
-        __syncthreads();
-        const int total = p.num_tokens * p.num_topk;
-        for (int i = threadIdx.x; i < total; i += kThreads) {
-            // Entries outside [0, E) (the host twin rejects them) are treated as -1.
-            const int64_t e = p.topk_idx[i];
-            const bool valid = e >= 0 && e < b.num_experts;
-            s_topk[i] = valid ? static_cast<int>(e) : -1;
-            if (valid) {
-                atomicAdd(s_count + e, 1);
-            }
-        }
     }
     __syncthreads();
+    for (int i = threadIdx.x; i < total; i += kThreads) {
+        // Entries outside [0, E) (the host twin rejects them) are treated as -1.
+        const int64_t e = i == static_cast<int>(threadIdx.x) ? first_e : p.topk_idx[i];
+        const bool valid = e >= 0 && e < b.num_experts;
+        s_topk[i] = valid ? static_cast<int>(e) : -1;
+        if (valid) {
+            atomicAdd(s_count + e, 1);
+        }
+    }
+    if (threadIdx.x == 0) {
+        s_seq = seq0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        LL_TRACE(kKindDispatch, 0);
+    }
     const uint32_t seq = s_seq;
     const uint32_t set = seq & 1u;
     const uint32_t tag = tag_of(seq);
@@ -868,7 +956,16 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
     __shared__ uint32_t s_seq;
-    op_begin(reinterpret_cast<uint32_t*>(b.local), kKindCombine, p.phases, &s_seq);
+    LL_TRACE_START(kKindCombine);
+    // The op sequence and the send phase's layout loads are in flight together.
+    const uint32_t seq0 =
+        threadIdx.x == 0 ? op_begin(reinterpret_cast<const uint32_t*>(b.local), kKindCombine, p.phases) : 0u;
+    if (p.phases & kPhaseSend) {
+        combine_stage(p, smem);
+    }
+    if (threadIdx.x == 0) {
+        s_seq = seq0;
+    }
     __syncthreads();
     const uint32_t seq = s_seq;
     const uint32_t set = seq & 1u;
