@@ -789,6 +789,16 @@ fn check_case(node: &mut Node, rng: &mut StdRng, case: &Case) -> CaseResult {
     Ok(())
 }
 
+/// A cached copy-engine-path case of `tokens` tokens per rank with the given split.
+fn ce_case(r: usize, tokens: usize, fp8: bool, ce: CeConfig) -> Case {
+    let mut c = base_case(r);
+    c.tokens = vec![tokens; r];
+    c.cached = true;
+    c.fp8 = fp8;
+    c.ce = Some(ce);
+    c
+}
+
 fn base_case(r: usize) -> Case {
     Case {
         tokens: vec![300; r],
@@ -898,30 +908,34 @@ fn main() {
             })
             .collect();
         cases.extend(ce_cases);
-        let mut c = base_case(r);
-        c.tokens = vec![1000; r];
-        c.cached = true;
-        c.ce = Some(CeConfig {
-            num_sms: 3,
-            first_chunk_rows: 5,
-            max_chunk_rows: 40,
-            copy_engine_peers: 1,
-            sm_blocks: 2,
-            dispatch_push: true,
-            own_rows_last: false,
-            copy_lanes: 1,
-            local_copy_out: false,
-        });
+        let c = ce_case(
+            r,
+            1000,
+            false,
+            CeConfig {
+                num_sms: 3,
+                first_chunk_rows: 5,
+                max_chunk_rows: 40,
+                copy_engine_peers: 1,
+                sm_blocks: 2,
+                dispatch_push: true,
+                own_rows_last: false,
+                copy_lanes: 1,
+                local_copy_out: false,
+            },
+        );
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
         // The defaults but with one pack pass (each row read once, stored everywhere).
-        let mut c = base_case(r);
-        c.tokens = vec![1500; r];
-        c.cached = true;
-        c.ce = Some(CeConfig {
-            own_rows_last: false,
-            copy_lanes: 1,
-            ..CeConfig::dispatch_for(r, 24)
-        });
+        let c = ce_case(
+            r,
+            1500,
+            false,
+            CeConfig {
+                own_rows_last: false,
+                copy_lanes: 1,
+                ..CeConfig::dispatch_for(r, 24)
+            },
+        );
         cases.push(("ce-one-pass-one-lane".into(), c));
         // Pushed rows copied out by the local copy engines (every peer pushed: none by
         // engines, and the default split).
@@ -929,16 +943,12 @@ fn main() {
             ("ce-local-copy-out-all-sm", 0, false),
             ("ce-local-copy-out-fp8", 1, true),
         ] {
-            let mut c = base_case(r);
-            c.tokens = vec![1500; r];
-            c.cached = true;
-            c.fp8 = fp8;
-            c.ce = Some(CeConfig {
+            let ce = CeConfig {
                 copy_engine_peers,
                 local_copy_out: true,
                 ..CeConfig::dispatch_for(r, 24)
-            });
-            cases.push((name.into(), c));
+            };
+            cases.push((name.into(), ce_case(r, 1500, fp8, ce)));
         }
         // Every peer by SM copies (one block), and every peer by copy engines.
         for (name, copy_engine_peers, sm_blocks, fp8, dispatch_push) in [
@@ -948,17 +958,13 @@ fn main() {
             ("ce-all-sm-pull-fp8", 0, 3, true, false),
             ("ce-all-engines", r - 1, 8, false, true),
         ] {
-            let mut c = base_case(r);
-            c.tokens = vec![1500; r];
-            c.cached = true;
-            c.fp8 = fp8;
-            c.ce = Some(CeConfig {
+            let ce = CeConfig {
                 copy_engine_peers,
                 sm_blocks,
                 dispatch_push,
                 ..CeConfig::dispatch_default()
-            });
-            cases.push((name.into(), c));
+            };
+            cases.push((name.into(), ce_case(r, 1500, fp8, ce)));
         }
         let mut c = base_case(r);
         c.tokens = vec![2000; r];
