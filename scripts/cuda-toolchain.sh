@@ -13,6 +13,7 @@
 #       lib64/             one symlink per shared library + unversioned names
 #       lib64/stubs/       link-only libcuda.so (SONAME libcuda.so.1); never shipped
 #       lib -> lib64
+#       cutlass -> wheel   CUTLASS 3 headers (nvidia-cutlass), for the grouped GEMMs
 # Versions are pinned to the GPU machine's CUDA 13.0.2 (cubins must match its driver stack).
 # Idempotent: a second run only checks a stamp and prints the environment.
 # All logs go to stderr; stdout carries only `export` lines.
@@ -40,9 +41,10 @@ PINS=(
     nvidia-curand==10.4.0.35
     nvidia-nccl-cu13==2.28.3
     nvidia-nvshmem-cu13==3.4.5
+    nvidia-cutlass==4.2.0.0
 )
 # Bump when the layout below changes so existing installs are rebuilt.
-LAYOUT_VERSION=3
+LAYOUT_VERSION=4
 STAMP="$ROOT/.ep-toolchain-stamp"
 STAMP_TEXT="layout=$LAYOUT_VERSION pins=${PINS[*]}"
 
@@ -126,6 +128,12 @@ ln -s lib64 "$ROOT/lib"
 
 # NVSHMEM keeps its own prefix (include/, lib/ with host .so, device .a/.bc).
 ln -s "$NVSHMEM" "$ROOT/nvshmem"
+
+# CUTLASS 3 / CuTe headers (include/, tools/util/include/) from the nvidia-cutlass wheel, for
+# ep-kernels' grouped GEMMs (its build.rs looks for $CUDA_ROOT/cutlass).
+CUTLASS="$SITE/cutlass_library/source"
+[[ -f "$CUTLASS/include/cutlass/cutlass.h" ]] || die "CUTLASS headers not found at $CUTLASS/include"
+ln -s "$CUTLASS" "$ROOT/cutlass"
 
 # The link-only libcuda stub: no wheel ships the driver library. Export every `cu*` function
 # that cuda.h declares (default, per-thread-stream variants, and the `#define cuX cuX_v2`

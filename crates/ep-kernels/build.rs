@@ -9,6 +9,15 @@
 //! `-rdc=true` and device-linked with `libnvshmem_device.a` (from `NVSHMEM_HOME`, else
 //! `$CUDA_ROOT/nvshmem`) into the cubin.
 //!
+//! Files whose first line is `// ep-kernels: host library (CUTLASS)` are not cubins: they hold
+//! CUTLASS kernels together with the host code that builds their parameters (TMA descriptors)
+//! and launches them through the CUDA runtime. Each is compiled to an object file with the
+//! CUTLASS headers (from `CUTLASS_HOME`, else `$CUDA_ROOT/cutlass`, which
+//! `scripts/cuda-toolchain.sh` links to the pinned `nvidia-cutlass` wheel), the objects are
+//! archived into `libep_kernels_host.a`, and the crate links it with the static CUDA runtime
+//! (`libcudart_static.a` of the toolchain) and the C++ standard library. Their C entry points
+//! are declared in the Rust launchers (`src/gemm/cuda.rs`).
+//!
 //! Environment: `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH` (else `nvcc` on `PATH`) locate the
 //! toolchain (`scripts/cuda-toolchain.sh` prints them); `EP_NVCC_FLAGS` adds flags (e.g. `-G`,
 //! `-DEP_DEBUG`). ptxas resource usage (`-Xptxas -v`) is written to the build log
@@ -39,7 +48,7 @@ fn main() {
     }
     for var in CUDA_ROOT_VARS
         .iter()
-        .chain(&["EP_NVCC_FLAGS", "NVSHMEM_HOME"])
+        .chain(&["EP_NVCC_FLAGS", "NVSHMEM_HOME", "CUTLASS_HOME"])
     {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -55,7 +64,21 @@ struct Source {
     key: String,
     path: PathBuf,
     uses_nvshmem: bool,
+    /// Compiled to an object of `libep_kernels_host.a` (CUTLASS + host launch code).
+    host_library: bool,
 }
+
+/// Extra nvcc flags of host-library sources (CUTLASS needs relaxed constexpr; the objects go
+/// into a static library linked into position-independent executables).
+const HOST_LIBRARY_FLAGS: [&str; 4] = [
+    "--expt-relaxed-constexpr",
+    "-DNDEBUG",
+    "-Xcompiler",
+    "-fPIC",
+];
+
+/// The first line that marks a source as part of the host library.
+const HOST_LIBRARY_MARKER: &str = "// ep-kernels: host library (CUTLASS)";
 
 fn build() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
@@ -96,10 +119,15 @@ fn build() -> Result<(), String> {
             let l = l.trim_start();
             l.starts_with("#include") && l.contains("nvshmem")
         });
+        let host_library = text
+            .lines()
+            .next()
+            .is_some_and(|l| l.trim() == HOST_LIBRARY_MARKER);
         sources.push(Source {
             key,
             path,
             uses_nvshmem,
+            host_library,
         });
     }
     // Watch `src/` too (cargo scans it recursively), so that a new .cu file is picked up. Any
@@ -123,6 +151,19 @@ fn build() -> Result<(), String> {
     if cccl.is_dir() {
         include_flags.push(format!("-I{}", cccl.display()));
     }
+    let cutlass = if sources.iter().any(|s| s.host_library) {
+        let root = find_cutlass(&cuda_root)?;
+        let version = fs::read_to_string(root.join("include/cutlass/version.h")).map_err(|e| {
+            format!(
+                "cannot read CUTLASS's version.h under {}: {e}",
+                root.display()
+            )
+        })?;
+        headers_text.push_str(&version);
+        Some(root)
+    } else {
+        None
+    };
     let ctx = Ctx {
         headers_text: &headers_text,
         nvcc: &nvcc,
@@ -130,6 +171,7 @@ fn build() -> Result<(), String> {
         out_dir: &out_dir,
         include_flags: &include_flags,
         extra: &extra,
+        cutlass: cutlass.as_deref(),
     };
 
     // Compile in parallel, as many at once as cargo allows for this build.
@@ -161,8 +203,14 @@ fn build() -> Result<(), String> {
          pub(crate) static CUBINS: &[(&str, &[u8])] = &[\n",
     );
     let mut errors = Vec::new();
+    let mut objects = Vec::new();
     for (source, result) in sources.iter().zip(results) {
         match result {
+            Ok((object, log)) if source.host_library => {
+                println!("== nvcc {} (host library)", source.key);
+                report(&source.key, &log);
+                objects.push(object);
+            }
             Ok((cubin, log)) => {
                 println!("== nvcc {}", source.key);
                 report(&source.key, &log);
@@ -181,7 +229,51 @@ fn build() -> Result<(), String> {
         return Err(errors.join("\n\n"));
     }
     table.push_str("];\n");
-    fs::write(out_dir.join("cubins.rs"), table).map_err(|e| format!("cannot write cubins.rs: {e}"))
+    fs::write(out_dir.join("cubins.rs"), table)
+        .map_err(|e| format!("cannot write cubins.rs: {e}"))?;
+    if !objects.is_empty() {
+        link_host_library(&out_dir, &cuda_root, &objects)?;
+    }
+    Ok(())
+}
+
+/// Archives the host-library objects into `libep_kernels_host.a` and links it, with the static
+/// CUDA runtime and the C++ standard library.
+fn link_host_library(out_dir: &Path, cuda_root: &Path, objects: &[PathBuf]) -> Result<(), String> {
+    let lib = out_dir.join("libep_kernels_host.a");
+    let _ = fs::remove_file(&lib);
+    let out = Command::new("ar")
+        .arg("crs")
+        .arg(&lib)
+        .args(objects)
+        .output()
+        .map_err(|e| format!("cannot run ar: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ar failed on {}: {}",
+            lib.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let runtime = ["lib64", "lib"]
+        .iter()
+        .map(|d| cuda_root.join(d))
+        .find(|d| d.join("libcudart_static.a").is_file())
+        .ok_or_else(|| {
+            format!(
+                "libcudart_static.a not found under {}/lib64 or /lib (the host library links the \
+                 static CUDA runtime)",
+                cuda_root.display()
+            )
+        })?;
+    println!("cargo:rustc-link-search=native={}", out_dir.display());
+    println!("cargo:rustc-link-lib=static=ep_kernels_host");
+    println!("cargo:rustc-link-search=native={}", runtime.display());
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for lib in ["stdc++", "dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
+    Ok(())
 }
 
 /// What every compilation shares.
@@ -193,6 +285,9 @@ struct Ctx<'a> {
     out_dir: &'a Path,
     include_flags: &'a [String],
     extra: &'a [String],
+    /// CUTLASS's source root (with `include/` and `tools/util/include/`), when a host-library
+    /// source needs it.
+    cutlass: Option<&'a Path>,
 }
 
 impl Ctx<'_> {
@@ -203,9 +298,10 @@ impl Ctx<'_> {
     /// stored beside it is reused, and its saved compiler log replayed.
     fn compile(&self, source: &Source) -> Result<(PathBuf, String), String> {
         let stem = source.key.replace('/', "__");
-        let cubin = self.out_dir.join(format!("{stem}.cubin"));
-        let stamp = self.out_dir.join(format!("{stem}.cubin.key"));
-        let log_path = self.out_dir.join(format!("{stem}.cubin.log"));
+        let ext = if source.host_library { "o" } else { "cubin" };
+        let cubin = self.out_dir.join(format!("{stem}.{ext}"));
+        let stamp = self.out_dir.join(format!("{stem}.{ext}.key"));
+        let log_path = self.out_dir.join(format!("{stem}.{ext}.log"));
         let text = fs::read_to_string(&source.path)
             .map_err(|e| format!("cannot read {}: {e}", source.path.display()))?;
         let key = {
@@ -219,6 +315,7 @@ impl Ctx<'_> {
             )
                 .hash(&mut h);
             BASE_FLAGS.hash(&mut h);
+            (source.host_library, self.cutlass, HOST_LIBRARY_FLAGS).hash(&mut h);
             format!("{:016x}", h.finish())
         };
         if cubin.is_file() && fs::read_to_string(&stamp).is_ok_and(|k| k == key) {
@@ -232,7 +329,18 @@ impl Ctx<'_> {
             .args(self.include_flags)
             .args(self.extra);
         let mut link = None;
-        if source.uses_nvshmem {
+        if source.host_library {
+            let cutlass = self.cutlass.ok_or("host library source without CUTLASS")?;
+            cmd.args(HOST_LIBRARY_FLAGS)
+                .arg(format!("-I{}", cutlass.join("include").display()))
+                .arg(format!(
+                    "-I{}",
+                    cutlass.join("tools/util/include").display()
+                ))
+                .arg("-c")
+                .arg("-o")
+                .arg(&cubin);
+        } else if source.uses_nvshmem {
             let nvshmem = find_nvshmem(self.cuda_root)?;
             let obj = self.out_dir.join(format!("{stem}.o"));
             cmd.arg("-rdc=true")
@@ -343,6 +451,26 @@ fn find_nvcc() -> Result<PathBuf, String> {
          Run `eval \"$(scripts/cuda-toolchain.sh)\"` to install CUDA 13.0 and set CUDA_ROOT.",
         tried.join(", ")
     ))
+}
+
+/// CUTLASS's source root: `CUTLASS_HOME`, else `$CUDA_ROOT/cutlass` (made by
+/// `scripts/cuda-toolchain.sh` from the pinned `nvidia-cutlass` wheel).
+fn find_cutlass(cuda_root: &Path) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = env::var_os("CUTLASS_HOME")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([cuda_root.join("cutlass")])
+        .collect();
+    candidates
+        .iter()
+        .find(|p| p.join("include/cutlass/cutlass.h").is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "a host-library source needs CUTLASS 3 headers, not found under {candidates:?}; \
+                 run `eval \"$(scripts/cuda-toolchain.sh)\"` (pins nvidia-cutlass) or set CUTLASS_HOME"
+            )
+        })
 }
 
 /// NVSHMEM's prefix (with `include/` and `lib/libnvshmem_device.a`).

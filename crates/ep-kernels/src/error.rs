@@ -30,6 +30,15 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] cudarc::driver::DriverError),
+    /// A kernel of the host library (CUTLASS) refused its arguments or failed to launch.
+    #[cfg(feature = "cuda")]
+    #[error("kernel `{kernel}` failed: {message}")]
+    Launch {
+        /// The kernel.
+        kernel: &'static str,
+        /// What its entry point reported.
+        message: String,
+    },
     /// A kernel reported that a peer never signalled within the timeout.
     #[error("timed out waiting for rank {rank} in kernel `{kernel}`")]
     PeerTimeout {

@@ -1,0 +1,371 @@
+//! Launchers of the grouped GEMMs (CUTLASS kernels of the host library, see
+//! `csrc/grouped_gemm_sm90.cuh`) and of SwiGLU (`swiglu.cu`). Host twins: [`super::host`].
+
+use std::ffi::{c_char, CStr};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use half::bf16;
+
+use super::{GemmTiles, GroupLayout, GroupedGemmShape, MAX_GROUPS};
+use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
+use crate::error::{Error, Result};
+
+/// Mirror of `ep::gemm::GroupedGemmArgs` in `csrc/grouped_gemm_sm90.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GroupedGemmArgs {
+    a: CUdeviceptr,
+    b: CUdeviceptr,
+    d: CUdeviceptr,
+    counts: CUdeviceptr,
+    workspace: CUdeviceptr,
+    workspace_bytes: u64,
+    rows: i64,
+    groups: i32,
+    n: i32,
+    k: i32,
+    layout: i32,
+    m_max: i32,
+    alignment: i32,
+    sm_count: i32,
+    reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<GroupedGemmArgs>() == 88);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, rows) == 48);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, layout) == 68);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, sm_count) == 80);
+
+type RunFn = unsafe extern "C" fn(*const GroupedGemmArgs, CUstream, *mut c_char, u64) -> i32;
+type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
+
+extern "C" {
+    fn ep_grouped_gemm_bf16_wide_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_wide_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+    fn ep_grouped_gemm_bf16_wide_m_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_wide_m_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+    fn ep_grouped_gemm_bf16_narrow_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_narrow_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+}
+
+/// The entry points of a resolved tile configuration.
+fn entry_points(tiles: GemmTiles) -> (&'static str, WorkspaceFn, RunFn) {
+    match tiles {
+        GemmTiles::Narrow => (
+            "grouped_gemm_bf16_narrow",
+            ep_grouped_gemm_bf16_narrow_workspace,
+            ep_grouped_gemm_bf16_narrow_run,
+        ),
+        GemmTiles::WideM => (
+            "grouped_gemm_bf16_wide_m",
+            ep_grouped_gemm_bf16_wide_m_workspace,
+            ep_grouped_gemm_bf16_wide_m_run,
+        ),
+        GemmTiles::Wide | GemmTiles::Auto => (
+            "grouped_gemm_bf16_wide",
+            ep_grouped_gemm_bf16_wide_workspace,
+            ep_grouped_gemm_bf16_wide_run,
+        ),
+    }
+}
+
+/// Device memory a grouped GEMM needs besides its operands: the per-group tables the setup
+/// kernel writes (shapes, pointers, strides) and CUTLASS's own workspace (TMA descriptors per
+/// SM). One workspace serves any number of GEMMs issued one after another on one stream; GEMMs
+/// that may run at the same time (other streams) need one each.
+#[derive(Debug)]
+pub struct GroupedGemmWorkspace {
+    buf: CudaSlice<u8>,
+    max_groups: usize,
+    sm_count: u32,
+}
+
+impl GroupedGemmWorkspace {
+    /// A workspace for GEMMs of up to `max_groups` groups on `stream`'s device, using every SM.
+    pub fn new(stream: &Arc<CudaStream>, max_groups: usize) -> Result<Self> {
+        let sms = Kernels::for_stream(stream)?.props().sm_count;
+        Self::with_sm_count(stream, max_groups, sms)
+    }
+
+    /// Like [`GroupedGemmWorkspace::new`], for GEMMs that occupy at most `sm_count` SMs (the
+    /// persistent kernels' grid; fewer leave SMs to kernels on other streams, e.g.
+    /// communication).
+    pub fn with_sm_count(
+        stream: &Arc<CudaStream>,
+        max_groups: usize,
+        sm_count: u32,
+    ) -> Result<Self> {
+        let props = *Kernels::for_stream(stream)?.props();
+        if max_groups == 0 || max_groups > MAX_GROUPS {
+            return Err(Error::invalid(
+                "max_groups",
+                max_groups,
+                format!("must be in 1..={MAX_GROUPS}"),
+            ));
+        }
+        if sm_count == 0 || sm_count > props.sm_count {
+            return Err(Error::invalid(
+                "sm_count",
+                sm_count,
+                format!("must be in 1..={} (the device's SMs)", props.sm_count),
+            ));
+        }
+        let bytes = [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow]
+            .into_iter()
+            .map(|t| {
+                let (_, workspace, _) = entry_points(t);
+                // SAFETY: pure host computation on two integers (no device access).
+                unsafe { workspace(max_groups as i32, sm_count as i32) }
+            })
+            .max()
+            .unwrap_or(0);
+        // The experts' intermediates are allocated stream-ordered on every forward.
+        crate::cuda::retain_pool_memory(stream.context())?;
+        let buf = stream.alloc_zeros::<u8>(bytes as usize)?;
+        Ok(Self {
+            buf,
+            max_groups,
+            sm_count,
+        })
+    }
+
+    /// Most groups a GEMM using this workspace may have.
+    pub fn max_groups(&self) -> usize {
+        self.max_groups
+    }
+
+    /// SMs the GEMMs may occupy.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+}
+
+/// Grouped GEMM on `stream`: for every group `g` and valid row `r` of `shape.layout`,
+/// `d[r, :] = a[r, :] x b[g]^T` (bf16 in and out, f32 accumulation). `a` is `[rows, k]`,
+/// `b` `[groups, n, k]`, `d` `[rows, n]`, `counts` `[groups]` i32 on the device: read by the
+/// kernels only, never by the host. Same result as the host twin [`super::grouped_gemm`] up to
+/// the summation order.
+///
+/// Checked before launch: sizes and lengths, 16-byte aligned operands, the workspace's device
+/// and group capacity. Checked on the device: the counts against the layout (a negative count,
+/// one above `m_max`, or contiguous groups running past `a` print the offending entry and
+/// trap, which fails the stream).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_bf16_cuda(
+    stream: &Arc<CudaStream>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    tiles: GemmTiles,
+    d: &mut impl DevicePtrMut<bf16>,
+    workspace: &mut GroupedGemmWorkspace,
+) -> Result<()> {
+    shape.check()?;
+    let GroupedGemmShape {
+        groups,
+        rows,
+        n,
+        k,
+        layout,
+    } = *shape;
+    Error::check_len("a", rows * k, a.len())?;
+    Error::check_len("b", groups * n * k, b.len())?;
+    Error::check_len("counts", groups, counts.len())?;
+    Error::check_len("d", rows * n, d.len())?;
+    if groups > workspace.max_groups {
+        return Err(Error::invalid(
+            "workspace",
+            format!("sized for {} groups", workspace.max_groups),
+            format!("this GEMM has {groups} groups"),
+        ));
+    }
+    if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
+        return Err(Error::invalid(
+            "workspace",
+            format!("memory of device {}", workspace.buf.context().ordinal()),
+            format!(
+                "must be on the stream's device {}",
+                stream.context().ordinal()
+            ),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let tiles = tiles.resolve(layout, rows, groups);
+    let (kernel, _, run) = entry_points(tiles);
+    let (m_max, alignment) = layout.params();
+    stream.context().bind_to_thread()?;
+    let (a_ptr, _ga) = a.device_ptr(stream);
+    let (b_ptr, _gb) = b.device_ptr(stream);
+    let (c_ptr, _gc) = counts.device_ptr(stream);
+    let (d_ptr, _gd) = d.device_ptr_mut(stream);
+    for (arg, ptr) in [("a", a_ptr), ("b", b_ptr), ("d", d_ptr)] {
+        check_align(arg, ptr, 16)?;
+    }
+    let ws_bytes = workspace.buf.len() as u64;
+    let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
+    let args = GroupedGemmArgs {
+        a: a_ptr,
+        b: b_ptr,
+        d: d_ptr,
+        counts: c_ptr,
+        workspace: ws_ptr,
+        workspace_bytes: ws_bytes,
+        rows: rows as i64,
+        // The casts fit: `shape.check` bounds groups by MAX_GROUPS and n, k by i32::MAX.
+        groups: groups as i32,
+        n: n as i32,
+        k: k as i32,
+        layout: layout.code(),
+        m_max,
+        alignment,
+        sm_count: workspace.sm_count as i32,
+        reserved: 0,
+    };
+    let mut message = [0 as c_char; 256];
+    // SAFETY: `args` mirrors `GroupedGemmArgs` (size and offsets asserted); `a`, `b`, `d`,
+    // `counts` hold the elements the shape implies (checked above) and stay borrowed, with
+    // cudarc's guards keeping stream order, until the launches are queued; the kernels only
+    // touch rows the device counts make valid, which the setup kernel checks against `rows`;
+    // the workspace is this context's and holds `ws_bytes`, which the entry point checks
+    // against what the configuration needs; `stream` is a live stream of the bound context;
+    // `message` outlives the call, which writes at most `message.len()` bytes.
+    let code = unsafe {
+        run(
+            &args,
+            stream.cu_stream(),
+            message.as_mut_ptr(),
+            message.len() as u64,
+        )
+    };
+    if code != 0 {
+        // SAFETY: the entry point wrote a NUL-terminated string (snprintf) into `message`,
+        // which was zeroed and is never fully overwritten by a terminator-less string.
+        let text = unsafe { CStr::from_ptr(message.as_ptr()) };
+        return Err(Error::Launch {
+            kernel,
+            message: format!("{} (code {code})", text.to_string_lossy()),
+        });
+    }
+    Ok(())
+}
+
+/// The cubin of `swiglu.cu`.
+const SWIGLU_FILE: &str = "gemm/swiglu";
+/// Threads per block (`kThreads` in `swiglu.cu`); one warp per row.
+const SWIGLU_THREADS: u32 = 256;
+/// Resident blocks per SM the grid is capped at (grid-stride loops cover the rest).
+const SWIGLU_BLOCKS_PER_SM: u32 = 4;
+
+/// Mirror of `struct SwigluParams` in `swiglu.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SwigluParams {
+    h: CUdeviceptr,
+    counts: CUdeviceptr,
+    out: CUdeviceptr,
+    rows: i64,
+    groups: i32,
+    inter: i32,
+    layout: i32,
+    m_max: i32,
+    alignment: i32,
+    reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<SwigluParams>() == 56);
+const _: () = assert!(std::mem::offset_of!(SwigluParams, groups) == 32);
+const _: () = assert!(std::mem::offset_of!(SwigluParams, alignment) == 48);
+
+// SAFETY: `repr(C)` plain data mirroring `SwigluParams` in swiglu.cu (size asserted both
+// sides, field offsets here).
+unsafe impl KernelParams for SwigluParams {}
+
+/// SwiGLU on `stream` over the valid rows of `layout`: `out[r, j] = silu(h[r, j]) *
+/// h[r, inter + j]` with `h` `[rows, 2 * inter]` (the stacked gate_up GEMM's output),
+/// `out` `[rows, inter]`, `counts` `[groups]` on the device. Rows outside every group's count
+/// are neither read nor written. Same result as the host twin [`super::swiglu`] up to the
+/// `exp` rounding.
+pub fn swiglu_cuda(
+    stream: &Arc<CudaStream>,
+    h: &impl DevicePtr<bf16>,
+    counts: &impl DevicePtr<i32>,
+    layout: GroupLayout,
+    rows: usize,
+    inter: usize,
+    out: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    let groups = counts.len();
+    layout.check(groups, rows)?;
+    if inter == 0 || inter % 8 != 0 || inter > i32::MAX as usize {
+        return Err(Error::invalid(
+            "inter",
+            inter,
+            "must be a positive multiple of 8 (16-byte rows) below 2^31",
+        ));
+    }
+    Error::check_len("h", rows * 2 * inter, h.len())?;
+    Error::check_len("out", rows * inter, out.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(SWIGLU_FILE, "swiglu_grouped")?;
+    let (h_ptr, _gh) = h.device_ptr(stream);
+    let (c_ptr, _gc) = counts.device_ptr(stream);
+    let (o_ptr, _go) = out.device_ptr_mut(stream);
+    check_align("h", h_ptr, 16)?;
+    check_align("out", o_ptr, 16)?;
+    let (m_max, alignment) = layout.params();
+    let params = SwigluParams {
+        h: h_ptr,
+        counts: c_ptr,
+        out: o_ptr,
+        rows: rows as i64,
+        // Fit: `layout.check` bounds groups by MAX_GROUPS; inter checked above.
+        groups: groups as i32,
+        inter: inter as i32,
+        layout: layout.code(),
+        m_max,
+        alignment,
+        reserved: 0,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_for(
+                rows as u64,
+                u64::from(SWIGLU_THREADS / 32),
+                kernels.props(),
+                SWIGLU_BLOCKS_PER_SM,
+            ),
+            1,
+            1,
+        ),
+        block_dim: (SWIGLU_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` matches `SwigluParams`; `h` holds `rows * 2 * inter` bf16, `out`
+    // `rows * inter`, `counts` `groups` i32 (checked above), 16-byte aligned with 16-byte rows;
+    // the kernel touches only rows inside the groups' counts, which lie within `rows` for any
+    // counts accepted by the layout (masked: blocks of m_max; contiguous: rows past `rows` are
+    // skipped by the grid-stride bound). The guards keep stream order until the launch is
+    // queued.
+    unsafe { kernel.launch(stream, cfg, params) }
+}

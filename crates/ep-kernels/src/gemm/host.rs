@@ -1,0 +1,220 @@
+//! Host twins of the grouped GEMM and SwiGLU kernels: the same functions over plain slices,
+//! accumulated in f32 and rounded to bf16 once, as the kernels do (the kernels' summation
+//! order differs, so they agree to bf16 rounding, not bit for bit).
+
+use half::bf16;
+
+use super::{GroupLayout, GroupedGemmShape};
+use crate::error::{Error, Result};
+
+/// The first row of every group of `layout`, checking `counts` (one per group) against it and
+/// against the `rows` of `A`: no negative count, `counts[g] <= m_max` (masked), and the groups'
+/// rows within `A` (contiguous). Errors name the count that breaks the rule.
+pub fn group_starts(counts: &[i32], layout: GroupLayout, rows: usize) -> Result<Vec<usize>> {
+    layout.check(counts.len(), rows)?;
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut next = 0usize;
+    for (g, &c) in counts.iter().enumerate() {
+        let c = usize::try_from(c).map_err(|_| {
+            Error::invalid(
+                "counts",
+                format!("counts[{g}] = {c}"),
+                "must not be negative",
+            )
+        })?;
+        let start = match layout {
+            GroupLayout::Masked { m_max } => {
+                if c > m_max {
+                    return Err(Error::invalid(
+                        "counts",
+                        format!("counts[{g}] = {c}"),
+                        format!("must be <= m_max = {m_max}"),
+                    ));
+                }
+                g * m_max
+            }
+            GroupLayout::Contiguous { alignment } => {
+                let start = next;
+                next = start + c.div_ceil(alignment) * alignment;
+                if start + c > rows {
+                    return Err(Error::invalid(
+                        "counts",
+                        format!("counts[0..={g}] covering {} rows", start + c),
+                        format!("must fit in the {rows} rows of a"),
+                    ));
+                }
+                start
+            }
+        };
+        starts.push(start);
+    }
+    Ok(starts)
+}
+
+/// One row of a group's GEMM: `out[j] = sum_i a_row[i] * b_g[j, i]` in f32 (`b_g = [n, k]`).
+pub fn gemm_row(a_row: &[bf16], b_g: &[bf16], n: usize, out: &mut [f32]) {
+    let k = a_row.len();
+    let a: Vec<f32> = a_row.iter().map(|v| v.to_f32()).collect();
+    for (j, o) in out.iter_mut().enumerate().take(n) {
+        let w = &b_g[j * k..(j + 1) * k];
+        *o = a.iter().zip(w).map(|(x, y)| x * y.to_f32()).sum();
+    }
+}
+
+/// Host twin of `grouped_gemm_bf16_cuda`: for every valid row `r` of group `g`,
+/// `d[r, :] = bf16(a[r, :] x b[g]^T)`; rows outside every group's count are left as they are.
+/// `a` is `[rows, k]`, `b` `[groups, n, k]`, `d` `[rows, n]`.
+pub fn grouped_gemm(
+    a: &[bf16],
+    b: &[bf16],
+    counts: &[i32],
+    shape: &GroupedGemmShape,
+    d: &mut [bf16],
+) -> Result<()> {
+    shape.check()?;
+    if counts.len() != shape.groups {
+        return Err(Error::Length {
+            arg: "counts",
+            expected: shape.groups,
+            got: counts.len(),
+        });
+    }
+    let (n, k) = (shape.n, shape.k);
+    Error::check_len("a", shape.rows * k, a.len())?;
+    Error::check_len("b", shape.groups * n * k, b.len())?;
+    Error::check_len("d", shape.rows * n, d.len())?;
+    let starts = group_starts(counts, shape.layout, shape.rows)?;
+    let mut acc = vec![0f32; n];
+    for (g, (&start, &c)) in starts.iter().zip(counts).enumerate() {
+        let b_g = &b[g * n * k..(g + 1) * n * k];
+        for r in start..start + c as usize {
+            gemm_row(&a[r * k..(r + 1) * k], b_g, n, &mut acc);
+            for (o, v) in d[r * n..(r + 1) * n].iter_mut().zip(&acc) {
+                *o = bf16::from_f32(*v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `silu(x) = x / (1 + exp(-x))` in f32.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Host twin of `swiglu_cuda`: for every valid row `r` of `layout`,
+/// `out[r, j] = bf16(silu(h[r, j]) * h[r, inter + j])`; other rows are left as they are.
+/// `h` is `[rows, 2 * inter]`, `out` `[rows, inter]`.
+pub fn swiglu(
+    h: &[bf16],
+    counts: &[i32],
+    layout: GroupLayout,
+    rows: usize,
+    inter: usize,
+    out: &mut [bf16],
+) -> Result<()> {
+    if inter == 0 {
+        return Err(Error::invalid("inter", inter, "must be positive"));
+    }
+    Error::check_len("h", rows * 2 * inter, h.len())?;
+    Error::check_len("out", rows * inter, out.len())?;
+    let starts = group_starts(counts, layout, rows)?;
+    for (&start, &c) in starts.iter().zip(counts) {
+        for r in start..start + c as usize {
+            let row = &h[r * 2 * inter..(r + 1) * 2 * inter];
+            let (gate, up) = row.split_at(inter);
+            for ((o, g), u) in out[r * inter..(r + 1) * inter].iter_mut().zip(gate).zip(up) {
+                *o = bf16::from_f32(silu(g.to_f32()) * u.to_f32());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf(v: &[f32]) -> Vec<bf16> {
+        v.iter().map(|&x| bf16::from_f32(x)).collect()
+    }
+
+    #[test]
+    fn contiguous_starts_follow_aligned_counts() {
+        let layout = GroupLayout::Contiguous { alignment: 4 };
+        assert_eq!(
+            group_starts(&[3, 0, 5, 1], layout, 17).unwrap(),
+            [0, 4, 4, 12]
+        );
+        // The last group's rows must fit in a.
+        assert!(group_starts(&[3, 0, 5, 1], layout, 12).is_err());
+        assert!(group_starts(&[-1], layout, 12).is_err());
+    }
+
+    #[test]
+    fn masked_starts_are_block_starts_and_counts_are_capped() {
+        let layout = GroupLayout::Masked { m_max: 8 };
+        assert_eq!(group_starts(&[0, 8, 3], layout, 24).unwrap(), [0, 8, 16]);
+        let err = group_starts(&[0, 9, 3], layout, 24)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("counts[1] = 9") && err.contains("m_max = 8"),
+            "{err}"
+        );
+        // rows must be groups * m_max.
+        assert!(group_starts(&[0, 1, 3], layout, 23).is_err());
+    }
+
+    #[test]
+    fn grouped_gemm_computes_each_group_with_its_weight_and_leaves_other_rows() {
+        // Two groups, k = 8, n = 8; group 0 has 1 row, group 1 has 2 (masked, m_max 2).
+        let (k, n) = (8, 8);
+        let a: Vec<bf16> = bf(&(0..4 * k).map(|i| (i % 5) as f32 - 2.0).collect::<Vec<_>>());
+        let mut b = vec![bf16::ZERO; 2 * n * k];
+        for j in 0..n {
+            b[j * k + j] = bf16::from_f32(1.0); // group 0: identity
+            b[n * k + j * k + j] = bf16::from_f32(2.0); // group 1: 2 x identity
+        }
+        let shape = GroupedGemmShape {
+            groups: 2,
+            rows: 4,
+            n,
+            k,
+            layout: GroupLayout::Masked { m_max: 2 },
+        };
+        let sentinel = bf16::from_f32(-7.0);
+        let mut d = vec![sentinel; 4 * n];
+        grouped_gemm(&a, &b, &[1, 2], &shape, &mut d).unwrap();
+        assert_eq!(&d[0..n], &a[0..k]);
+        assert!(
+            d[n..2 * n].iter().all(|&v| v == sentinel),
+            "row 1 is past count 1"
+        );
+        for r in 2..4 {
+            for j in 0..n {
+                assert_eq!(d[r * n + j].to_f32(), 2.0 * a[r * k + j].to_f32());
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_multiplies_silu_of_gate_by_up_on_valid_rows() {
+        let inter = 2;
+        let h = bf(&[1.0, -2.0, 3.0, 4.0, /* row 1 */ 0.5, 0.5, 0.5, 0.5]);
+        let sentinel = bf16::from_f32(9.0);
+        let mut out = vec![sentinel; 2 * inter];
+        swiglu(
+            &h,
+            &[1],
+            GroupLayout::Contiguous { alignment: 1 },
+            2,
+            inter,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out[0], bf16::from_f32(silu(1.0) * 3.0));
+        assert_eq!(out[1], bf16::from_f32(silu(-2.0) * 4.0));
+        assert_eq!(&out[2..], &[sentinel, sentinel]);
+    }
+}

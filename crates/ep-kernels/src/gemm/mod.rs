@@ -1,0 +1,174 @@
+//! Grouped GEMMs of the routed experts: one GEMM per local expert ("group") over the rows that
+//! expert received, with the row counts on the device, in the two layouts expert parallelism
+//! produces:
+//!
+//! - [`GroupLayout::Contiguous`] (normal mode): `A = [rows, K]`, the rows of each group
+//!   together, group `g` starting at `sum_{j<g} align_up(counts[j], alignment)`;
+//! - [`GroupLayout::Masked`] (low-latency mode): `A = [groups, m_max, K]` as the low-latency
+//!   receive leaves it, `counts[g] <= m_max` valid rows in block `g`.
+//!
+//! `B = [groups, N, K]` (each expert's weight in `nn.Linear` order, out x in) and
+//! `D = [rows, N]`, row for row with `A`. Rows past a group's count are never read nor written.
+//! bf16 in and out, f32 accumulation. [`swiglu`] joins the experts' two GEMMs: the stacked
+//! `gate_up` GEMM (`N = 2I`) gives `[gate | up]`, SwiGLU gives `silu(gate) * up` (`[rows, I]`)
+//! for the `down` GEMM (`N = H`, `K = I`).
+//!
+//! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3 ptr-array kernels for sm_90a (TMA, WGMMA,
+//! persistent grouped scheduler; `csrc/grouped_gemm_sm90.cuh`) in three tile configurations
+//! ([`GemmTiles`]); a setup kernel writes each group's shape and pointers from the device
+//! counts, so no count is read by the host. The host twins ([`host`]) compute the same
+//! functions in f32 and are the test reference.
+//!
+//! The module is shaped for more element types: a block-scaled FP8 kernel would be one more
+//! CUTLASS translation unit and launcher beside the bf16 ones, with the same layouts.
+
+pub mod host;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::*;
+
+pub use host::{group_starts, grouped_gemm, swiglu};
+
+use crate::error::{Error, Result};
+
+/// Most groups (local experts) one grouped GEMM takes.
+pub const MAX_GROUPS: usize = 1024;
+
+/// How the rows of the groups lie in `A` (and `D`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupLayout {
+    /// Groups one after another; each group's first row is a multiple of `alignment` (>= 1).
+    Contiguous {
+        /// Row alignment of every group's start.
+        alignment: usize,
+    },
+    /// Group `g` owns rows `g * m_max .. (g + 1) * m_max`, of which the first `counts[g]` are
+    /// valid.
+    Masked {
+        /// Rows per group block.
+        m_max: usize,
+    },
+}
+
+impl GroupLayout {
+    /// Checks the layout against `groups` groups and `rows` rows of `A`.
+    pub fn check(&self, groups: usize, rows: usize) -> Result<()> {
+        if groups == 0 || groups > MAX_GROUPS {
+            return Err(Error::invalid(
+                "groups",
+                groups,
+                format!("must be in 1..={MAX_GROUPS}"),
+            ));
+        }
+        match *self {
+            GroupLayout::Contiguous { alignment } => {
+                if alignment == 0 || alignment > i32::MAX as usize {
+                    return Err(Error::invalid(
+                        "alignment",
+                        alignment,
+                        "must be in 1..=i32::MAX",
+                    ));
+                }
+            }
+            GroupLayout::Masked { m_max } => {
+                if m_max == 0 || m_max > i32::MAX as usize {
+                    return Err(Error::invalid("m_max", m_max, "must be in 1..=i32::MAX"));
+                }
+                if groups.checked_mul(m_max) != Some(rows) {
+                    return Err(Error::invalid(
+                        "a",
+                        format!("{rows} rows"),
+                        format!("the masked layout needs groups * m_max = {groups} * {m_max} rows"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layout code of the kernels (`kContiguous` / `kMasked`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn code(&self) -> i32 {
+        match self {
+            GroupLayout::Contiguous { .. } => 0,
+            GroupLayout::Masked { .. } => 1,
+        }
+    }
+
+    /// `(m_max, alignment)` as the kernels take them (the unused one is 1).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn params(&self) -> (i32, i32) {
+        // Both fit in an i32: checked by `check`.
+        match *self {
+            GroupLayout::Contiguous { alignment } => (1, alignment as i32),
+            GroupLayout::Masked { m_max } => (m_max as i32, 1),
+        }
+    }
+}
+
+/// The tile configuration of a CUDA grouped GEMM (one CUTLASS instantiation each; measured in
+/// `docs/benchmarks.md`, "Grouped GEMM").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmTiles {
+    /// [`GemmTiles::Narrow`] for the masked layout; for the contiguous layout
+    /// [`GemmTiles::WideM`] with at least 512 rows per group on average, else
+    /// [`GemmTiles::Wide`] (it holds up even at a few rows per group).
+    #[default]
+    Auto,
+    /// 128 x 256 cooperative tiles, clusters of 2 CTAs along N sharing the A tile.
+    Wide,
+    /// 128 x 256 cooperative tiles, clusters of 2 CTAs along M sharing the B tile (the
+    /// weights): best when every group has several M tiles.
+    WideM,
+    /// 64 x 128 ping-pong tiles, clusters of 2 along N: few rows per group (decode).
+    Narrow,
+}
+
+impl GemmTiles {
+    /// The configuration `Auto` picks for `layout` with `rows` rows over `groups` groups.
+    pub fn resolve(self, layout: GroupLayout, rows: usize, groups: usize) -> GemmTiles {
+        match self {
+            GemmTiles::Auto => match layout {
+                GroupLayout::Masked { .. } => GemmTiles::Narrow,
+                GroupLayout::Contiguous { .. } if rows >= 512 * groups.max(1) => GemmTiles::WideM,
+                GroupLayout::Contiguous { .. } => GemmTiles::Wide,
+            },
+            other => other,
+        }
+    }
+}
+
+/// The sizes of one grouped GEMM: `D [rows, n] = A [rows, k] x B [groups, n, k]^T` per group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedGemmShape {
+    /// Number of groups `G`.
+    pub groups: usize,
+    /// Rows of `A` and `D` (masked: `groups * m_max`).
+    pub rows: usize,
+    /// Output columns `N`.
+    pub n: usize,
+    /// Reduction length `K`.
+    pub k: usize,
+    /// Where each group's rows are.
+    pub layout: GroupLayout,
+}
+
+impl GroupedGemmShape {
+    /// Checks the sizes: the layout, and `n` and `k` positive multiples of 8 (rows of 16 bytes,
+    /// as the TMA loads and stores need).
+    pub fn check(&self) -> Result<()> {
+        self.layout.check(self.groups, self.rows)?;
+        for (arg, v) in [("n", self.n), ("k", self.k)] {
+            if v == 0 || v % 8 != 0 || v > i32::MAX as usize {
+                return Err(Error::invalid(
+                    arg,
+                    v,
+                    "must be a positive multiple of 8 (16-byte bf16 rows) below 2^31",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
