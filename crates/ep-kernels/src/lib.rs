@@ -6,18 +6,26 @@
 //! reference the CUDA kernels are tested against, element by element.
 //!
 //! Modules follow the data path and DeepEP's split by mode:
+//! - [`routing`]: each token's top-k experts and weights from the gate's scores;
 //! - [`layout`]: per-rank / per-node / per-expert token counts and `is_token_in_rank`;
 //! - [`fp8`]: per-token 1x128 fp8 e4m3 quantisation (optionally UE8M0 scales) and back;
 //! - [`intranode`]: the normal (high-throughput) mode: notify (prefix matrices, receive
 //!   counts), the dispatch receive order, and the combine reduction;
 //! - [`low_latency`]: the decode mode: fixed per-(expert, source) slots, pack/unpack and the
-//!   weighted combine.
+//!   weighted combine;
+//! - [`expert_order`]: received rows to expert-major order for the grouped GEMM, and the
+//!   weighted sum back per token;
+//! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a)
+//!   and the SwiGLU between them.
 
 pub mod error;
+pub mod expert_order;
 pub mod fp8;
+pub mod gemm;
 pub mod intranode;
 pub mod layout;
 pub mod low_latency;
+pub mod routing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

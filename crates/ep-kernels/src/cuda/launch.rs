@@ -226,3 +226,47 @@ pub fn grid_for(
     let cap = u64::from(props.sm_count.max(1)) * u64::from(blocks_per_sm.max(1));
     u32::try_from(needed.clamp(1, cap)).unwrap_or(u32::MAX)
 }
+
+/// Sets every byte of `dst` to `byte` on `stream` (asynchronous, capturable in a CUDA graph;
+/// e.g. `0xff` makes every i32 `-1`).
+pub fn fill_bytes_cuda<T>(
+    stream: &cudarc::driver::CudaStream,
+    dst: &mut impl cudarc::driver::DevicePtrMut<T>,
+    byte: u8,
+) -> Result<()> {
+    let bytes = dst.len() * std::mem::size_of::<T>();
+    if bytes == 0 {
+        return Ok(());
+    }
+    stream.context().bind_to_thread()?;
+    let (ptr, _guard) = dst.device_ptr_mut(stream);
+    // SAFETY: `ptr` addresses `bytes` bytes of `dst`, borrowed mutably until the memset is
+    // queued (the guard keeps cudarc's stream ordering); `stream` is a live stream of the
+    // bound context.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, bytes, stream.cu_stream()) }?;
+    Ok(())
+}
+
+/// Keeps the memory that stream-ordered frees return in the device's current memory pool
+/// instead of handing it back to the driver at every synchronisation (the pool's release
+/// threshold becomes unlimited). Without it, a step that allocates hundreds of megabytes (a
+/// low-latency receive buffer, the grouped GEMMs' intermediates) maps that memory again on
+/// every call, which costs milliseconds of host time. Idempotent.
+pub fn retain_pool_memory(ctx: &cudarc::driver::CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: `pool` and `threshold` are valid out/in pointers for the duration of the calls;
+    // `cu_device()` is this context's device; the attribute takes a `u64`.
+    unsafe {
+        sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
+}

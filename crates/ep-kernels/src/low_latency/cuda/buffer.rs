@@ -150,6 +150,30 @@ impl LowLatencyBuffer {
         Ok(raw.into_iter().map(|v| v != 0).collect())
     }
 
+    /// Enqueues a copy of the active-ranks mask into `dst` (host-mapped, `num_ranks` words) on
+    /// `stream` without waiting (capturable in a CUDA graph): `dst` holds the mask once the
+    /// stream has passed this point (record an event after it and query that).
+    pub fn copy_active_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &crate::intranode::HostMappedI32,
+    ) -> Result<()> {
+        Error::check_len("dst", self.layout.num_ranks, dst.len())?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the mask holds `num_ranks` i32 inside this allocation and `dst` is a live
+        // host-mapped buffer of as many words on this context; the copy is ordered on
+        // `stream`, and the caller keeps `dst` alive until the stream has passed it.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.device_ptr(),
+                self.ptr + self.layout.off_active as u64,
+                self.layout.num_ranks * std::mem::size_of::<i32>(),
+                stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
     /// Overwrites the active-ranks mask (mask a rank on purpose, or mark all active again).
     /// Ordered on `stream`; synchronises it.
     pub fn set_active_ranks(&self, stream: &Arc<CudaStream>, active: &[bool]) -> Result<()> {

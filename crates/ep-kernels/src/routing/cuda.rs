@@ -1,0 +1,120 @@
+//! Typed launcher of the routing kernel (`routing.cu`); host twin: [`super::route_topk`].
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+
+use super::{GroupScore, TopkSpec};
+use crate::cuda::{grid_for, KernelParams, Kernels};
+use crate::error::{Error, Result};
+
+/// The cubin of `routing.cu`.
+const FILE: &str = "routing/routing";
+/// Threads per block (`kThreads`); one warp per token.
+const THREADS: u32 = 128;
+/// Resident blocks per SM the grid is capped at.
+const BLOCKS_PER_SM: u32 = 8;
+
+/// Mirror of `struct RouteTopkParams` in `routing.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RouteTopkParams {
+    scores: CUdeviceptr,
+    bias: CUdeviceptr,
+    topk_idx: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    num_tokens: i64,
+    num_experts: i32,
+    top_k: i32,
+    n_group: i32,
+    topk_group: i32,
+    group_score: i32,
+    norm_topk_prob: i32,
+    scaling: f32,
+    reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<RouteTopkParams>() == 72);
+const _: () = assert!(std::mem::offset_of!(RouteTopkParams, num_experts) == 40);
+const _: () = assert!(std::mem::offset_of!(RouteTopkParams, scaling) == 64);
+
+// SAFETY: `repr(C)` plain data mirroring `RouteTopkParams` in routing.cu (size asserted both
+// sides, field offsets here).
+unsafe impl KernelParams for RouteTopkParams {}
+
+/// Routes the tokens of `scores` (`[T, E]` f32, on the device) with optional `bias` (`[E]`)
+/// into `topk_idx` (`[T, K]` i64) and `topk_weights` (`[T, K]` f32) on `stream`. Same result
+/// as the host twin [`super::route_topk`], bit for bit. Nothing is read back to the host.
+pub fn route_topk_cuda(
+    stream: &Arc<CudaStream>,
+    scores: &impl DevicePtr<f32>,
+    bias: Option<&dyn DevicePtr<f32>>,
+    spec: &TopkSpec,
+    topk_idx: &mut impl DevicePtrMut<i64>,
+    topk_weights: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    spec.check(true)?;
+    let (e, k) = (spec.num_experts, spec.top_k);
+    if scores.len() % e != 0 {
+        return Err(Error::invalid(
+            "scores",
+            format!("{} values", scores.len()),
+            format!("must be whole rows of num_experts = {e}"),
+        ));
+    }
+    let t = scores.len() / e;
+    if let Some(b) = bias {
+        Error::check_len("bias", e, b.len())?;
+    }
+    Error::check_len("topk_idx", t * k, topk_idx.len())?;
+    Error::check_len("topk_weights", t * k, topk_weights.len())?;
+    if t == 0 {
+        return Ok(());
+    }
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "route_topk")?;
+    let (s_ptr, _gs) = scores.device_ptr(stream);
+    let bias_guard = bias.map(|b| b.device_ptr(stream));
+    let (i_ptr, _gi) = topk_idx.device_ptr_mut(stream);
+    let (w_ptr, _gw) = topk_weights.device_ptr_mut(stream);
+    let grouped = spec.group_score != GroupScore::None && spec.n_group > 1;
+    let params = RouteTopkParams {
+        scores: s_ptr,
+        bias: bias_guard.as_ref().map_or(0, |(p, _)| *p),
+        topk_idx: i_ptr,
+        topk_weights: w_ptr,
+        num_tokens: t as i64,
+        // Fit: bounded by `spec.check(true)`.
+        num_experts: e as i32,
+        top_k: k as i32,
+        n_group: if grouped { spec.n_group as i32 } else { 1 },
+        topk_group: if grouped { spec.topk_group as i32 } else { 1 },
+        group_score: match spec.group_score {
+            GroupScore::None => 0,
+            GroupScore::Top2Sum => 1,
+            GroupScore::Max => 2,
+        },
+        norm_topk_prob: i32::from(spec.norm_topk_prob),
+        scaling: spec.scaling,
+        reserved: 0,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_for(
+                t as u64,
+                u64::from(THREADS / 32),
+                kernels.props(),
+                BLOCKS_PER_SM,
+            ),
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` matches `RouteTopkParams`; `scores` holds `t * e` f32, `bias` (if any)
+    // `e`, the outputs `t * k` (checked above); the kernel reads and writes only those rows;
+    // `e <= 1024` and `k, n_group <= 32` fit its shared arrays and lanes (checked by the
+    // spec). The guards keep stream order until the launch is queued.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
