@@ -112,10 +112,53 @@ impl Buffer {
         self.host_all_gather(&[]).map(|_| ())
     }
 
+    /// Waits for the last low-latency op and fails naming the first rank the device masked
+    /// during it (low-latency ops on CUDA buffers report a device timeout without waiting, one
+    /// op later; this call reports it now). The host backend reports timeouts as they happen,
+    /// so there this only returns `Ok`.
+    pub fn low_latency_check(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.low_latency_check(self);
+        }
+        Ok(())
+    }
+
+    /// Reports, without waiting, a rank the device masked during the last low-latency op or
+    /// replay whose completion the host can already see (`Ok` when none, or when nothing is
+    /// known yet).
+    pub fn low_latency_poll(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.low_latency_poll(self);
+        }
+        Ok(())
+    }
+
+    /// Tells a CUDA buffer that a replay of a captured step containing its low-latency ops was
+    /// just launched on candle's stream (so that [`Buffer::low_latency_poll`] can see its
+    /// outcome). A no-op for the host backend.
+    pub fn low_latency_note_replay(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.low_latency_note_replay();
+        }
+        Ok(())
+    }
+
     /// The CUDA stream the buffer's communication kernels run on (`None` for CPU buffers).
     #[cfg(feature = "cuda")]
     pub fn comm_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
         self.cuda.as_ref().map(|c| c.comm_stream())
+    }
+
+    /// A group of one rank on `device` (CPU, or a CUDA device for a CUDA buffer): every op is
+    /// local, and on CUDA the layer around it runs entirely on the GPU.
+    pub fn single(device: &Device, config: BufferConfig) -> Result<Self> {
+        let transport = LocalTransport::group(1)
+            .pop()
+            .ok_or_else(|| Error::invalid("num_ranks", 1, "a local group of one rank"))?;
+        Self::new(Arc::new(transport), Topology::new(0, 1, 1)?, config, device)
     }
 
     /// `num_ranks` CPU ranks as threads of this process: element `i` is rank `i`'s buffer

@@ -35,6 +35,28 @@ impl EventOverlap {
         }
     }
 
+    /// The current end of `device`'s compute stream (candle's stream): complete for the CPU.
+    pub fn record(device: &candle_core::Device) -> Result<Self> {
+        match device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(d) => {
+                let ev = d.cuda_stream().record_event(None)?;
+                Ok(Self::from_cuda(std::sync::Arc::new(ev)))
+            }
+            _ => Ok(Self::complete()),
+        }
+    }
+
+    /// Makes `device`'s compute stream (candle's stream) wait for this event (a no-op for the
+    /// CPU and for complete events).
+    pub fn compute_wait(&self, device: &candle_core::Device) -> Result<()> {
+        match device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(d) => self.stream_wait(&d.cuda_stream()),
+            _ => self.wait(),
+        }
+    }
+
     /// Whether the work has finished.
     pub fn is_complete(&self) -> Result<bool> {
         match &self.inner {

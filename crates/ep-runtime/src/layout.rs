@@ -19,7 +19,8 @@ pub struct DispatchLayout {
     pub is_token_in_rank: Tensor,
     /// Completion of the layout computation.
     pub event: EventOverlap,
-    pub(crate) host: kl::DispatchLayout,
+    /// The host twin's layout (host backend only: CUDA buffers never read the routing back).
+    pub(crate) host: Option<kl::DispatchLayout>,
     pub(crate) num_experts: usize,
     pub(crate) num_tokens: usize,
 }
@@ -78,12 +79,17 @@ impl Buffer {
             ));
         }
         let placement = self.placement(num_experts)?;
-        let (idx, t, k) = read_topk_idx(topk_idx, &placement)?;
-        let host = kl::get_dispatch_layout(&idx, t, k, &placement)?;
+        // CUDA buffers: the layout kernel reads the routing on the device (entries outside
+        // [0, num_experts) other than -1 are skipped there); nothing comes back to the host.
         #[cfg(feature = "cuda")]
         if let Some(c) = &self.cuda {
-            return c.get_dispatch_layout(topk_idx, k, &placement, host);
+            check_shape("topk_idx", topk_idx, &[None, None])?;
+            check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
+            let k = topk_idx.dims2()?.1;
+            return c.get_dispatch_layout(topk_idx, k, &placement);
         }
+        let (idx, t, k) = read_topk_idx(topk_idx, &placement)?;
+        let host = kl::get_dispatch_layout(&idx, t, k, &placement)?;
         let dev = &self.device;
         let r = self.topology.num_ranks;
         let in_rank: Vec<u8> = host.is_token_in_rank.iter().map(|&b| b as u8).collect();
@@ -105,7 +111,7 @@ impl Buffer {
             )?,
             is_token_in_rank: Tensor::from_vec(in_rank, (t, r), dev)?,
             event: EventOverlap::complete(),
-            host,
+            host: Some(host),
             num_experts,
             num_tokens: t,
         })

@@ -60,6 +60,10 @@ pub mod transport;
 pub use bootstrap::{Store, StoreConfig};
 pub use buffer::Buffer;
 pub use config::{BufferConfig, Config, LowLatencySizing, NvlTransfer};
+#[cfg(feature = "cuda")]
+pub use cuda::graph;
+#[cfg(feature = "cuda")]
+pub use cuda::tensor as device_tensor;
 pub use error::{Error, Result};
 pub use event::EventOverlap;
 pub use layout::DispatchLayout;

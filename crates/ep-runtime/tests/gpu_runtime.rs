@@ -554,28 +554,31 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
         // The CUDA side through the send hook.
         let hook = c.cuda.low_latency_dispatch_send(&ad).map_err(err)?;
         let od = hook.recv().map_err(err)?;
-        if od.recv_count_host != oh.recv_count_host {
+        let (count_d, count_h) = (
+            od.recv_count_host().map_err(err)?,
+            oh.recv_count_host().map_err(err)?,
+        );
+        if count_d != count_h {
             return Err(format!(
-                "recv_count {:?} (cuda) vs {:?} (host)",
-                od.recv_count_host, oh.recv_count_host
+                "recv_count {count_d:?} (cuda) vs {count_h:?} (host)"
             ));
         }
         same("recv_count", &od.recv_count, &oh.recv_count)?;
-        same_ll_rows("recv_x", &od.recv_x, &oh.recv_x, &oh.recv_count_host)?;
+        same_ll_rows("recv_x", &od.recv_x, &oh.recv_x, &count_h)?;
         if fp8 {
             let pick = |o: &Option<Tensor>| o.clone().ok_or_else(|| "scales missing".to_string());
             same_ll_rows(
                 "recv_x_scales",
                 &pick(&od.recv_x_scales)?,
                 &pick(&oh.recv_x_scales)?,
-                &oh.recv_count_host,
+                &count_h,
             )?;
         }
         same("src_info", od.handle.src_info(), oh.handle.src_info())?;
         same(
             "layout_range",
-            od.handle.layout_range(),
-            oh.handle.layout_range(),
+            &od.handle.layout_range().map_err(err)?,
+            &oh.handle.layout_range().map_err(err)?,
         )?;
         if !fp8 {
             // Identity experts: combine the received rows back.

@@ -125,7 +125,7 @@ fn check_round_trip(
                 }
             }
             assert_eq!(counts[le] as usize, row);
-            assert_eq!(out.recv_count_host[le], row);
+            assert_eq!(out.recv_count_host().unwrap()[le], row);
         }
         // Expert: y = x (dequantised) * 2 + rank, bf16.
         let xin = match &out.recv_x_scales {

@@ -2,22 +2,27 @@
 //! send / receive phases, device-side buffer-set parity and the device active-ranks mask.
 
 use super::memory::{PeerMap, PeerRecord};
-use super::tensor::{alloc, wrap, DeviceTensor};
+use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::{gather_records, kernel_err, lock, CudaBuffer};
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::low_latency::{LowLatencyCombineOutput, LowLatencyDispatchOutput, LowLatencyHandle};
 use candle_core::{DType, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream};
+use ep_kernels::intranode as ki;
 use ep_kernels::low_latency::{
     self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout, LowLatencyRecv, Phases,
-    RecvLayout,
 };
 use ep_kernels::FP8_GROUP;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// The low-latency buffer of a CUDA [`Buffer`], mapped on every rank.
+///
+/// The device masks a peer that times out (and the op completes without it). The host learns
+/// of it without waiting: every op ends with an asynchronous copy of the device mask into
+/// host-mapped memory and an event; the next op (or [`Buffer::low_latency_check`]) reads that
+/// copy once the event has completed and reports newly masked ranks then.
 #[derive(Debug)]
 pub(crate) struct LlState {
     /// Peers' buffers mapped here (dropped before `buffer`).
@@ -27,6 +32,10 @@ pub(crate) struct LlState {
     key: (usize, usize, usize),
     /// The mask as last written to / read from the device.
     known_mask: Vec<bool>,
+    /// Host-mapped copy of the device mask, written at the end of each op.
+    mask_copy: ki::HostMappedI32,
+    /// Recorded after the last op's mask copy.
+    mask_event: Option<cudarc::driver::CudaEvent>,
 }
 
 impl LlState {
@@ -46,12 +55,15 @@ impl LlState {
             buffer,
             key: (m, h, e),
             known_mask: vec![true; r],
+            mask_copy: ki::HostMappedI32::new(&ctx, r, 1)?,
+            mask_event: None,
         })
     }
 }
 
-/// Receive buffers of one low-latency dispatch whose `recv_x` (and, for fp8, `recv_x_scales`)
-/// memory is owned by the output tensors; the kernel-side struct only aliases it.
+/// Receive buffers of one low-latency dispatch whose `recv_x` (and, for fp8, `recv_x_scales`),
+/// `recv_count` and `recv_src_info` memory is owned by the output tensors; the kernel-side
+/// struct only aliases it.
 #[derive(Debug)]
 pub(crate) struct CudaLlDispatchData {
     recv: ManuallyDrop<LowLatencyRecv>,
@@ -67,13 +79,37 @@ impl Drop for CudaLlDispatchData {
         let LowLatencyRecv {
             recv_x,
             recv_x_scales,
+            recv_count,
+            recv_src_info,
             ..
         } = recv;
         // The aliases must not free memory the tensors own.
         let _ = recv_x.leak();
+        let _ = recv_count.leak();
+        let _ = recv_src_info.leak();
         if self.scales_aliased {
             let _ = recv_x_scales.leak();
         }
+    }
+}
+
+impl CudaLlDispatchData {
+    /// `[L, R]` i64 `offset << 32 | count` ranges from the kernel's `(offset, count)` pairs
+    /// (a device-to-host read, on request only).
+    pub(crate) fn layout_range(
+        &self,
+        l: usize,
+        r: usize,
+        dev: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let stream = self.recv.recv_layout_range.stream().clone();
+        let pairs = stream.clone_dtoh(&self.recv.recv_layout_range)?;
+        let packed: Vec<i64> = pairs
+            .chunks_exact(2)
+            .take(l * r)
+            .map(|p| ((p[0] as i64) << 32) | p[1] as i64)
+            .collect();
+        Ok(Tensor::from_vec(packed, (l, r), dev)?)
     }
 }
 
@@ -81,9 +117,11 @@ impl Drop for CudaLlDispatchData {
 pub(crate) enum LlPending {
     /// A dispatch.
     Dispatch {
-        /// The receive buffers (the output tensors own `recv_x` / scales).
+        /// The receive buffers (the output tensors own `recv_x`, scales, counts, sources).
         data: Box<CudaLlDispatchData>,
         recv_x: Tensor,
+        recv_count: Tensor,
+        src_info: Tensor,
         recv_x_scales: Option<Tensor>,
         x: Tensor,
         topk: Tensor,
@@ -106,12 +144,10 @@ pub(crate) enum LlPending {
     },
 }
 
-/// Host-side parts of a low-latency handle, computed by the shared checks.
+/// Sizes of a low-latency dispatch, from the shared checks (no routing: it stays on the
+/// device).
 pub(crate) struct LlHostPlan {
     pub placement: ep_kernels::layout::ExpertPlacement,
-    pub topk_idx: Vec<i64>,
-    pub slots: Vec<i32>,
-    pub send_counts: Vec<i32>,
     pub max_tokens: usize,
     pub hidden: usize,
 }
@@ -149,10 +185,75 @@ impl CudaBuffer {
         Ok(g)
     }
 
-    /// Reads the device mask after an op (synchronises the communication stream); ranks newly
-    /// masked by a device timeout are masked in `buf` too and the first is the error.
-    fn ll_check_mask(&self, buf: &Buffer, st: &mut LlState, what: &str) -> Result<()> {
-        let dev = st.buffer.active_ranks(&self.comm)?;
+    /// Ends an op on the communication stream: copies the device mask to host-mapped memory
+    /// and records an event (no wait).
+    fn ll_end_op(&self, st: &mut LlState) -> Result<()> {
+        st.buffer.copy_active_ranks(&self.comm, &st.mask_copy)?;
+        // An event recorded while capturing a CUDA graph cannot be queried afterwards: a
+        // captured step's replays are tracked by `low_latency_note_replay` instead.
+        let capturing = !matches!(
+            self.comm.capture_status()?,
+            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        );
+        st.mask_event = if capturing {
+            None
+        } else {
+            Some(self.comm.record_event(None)?)
+        };
+        Ok(())
+    }
+
+    /// After a replay of a captured low-latency step was launched on candle's stream: records
+    /// the event whose completion makes the step's mask copy readable.
+    pub(crate) fn low_latency_note_replay(&self) -> Result<()> {
+        let mut g = lock(&self.ll);
+        if let Some(st) = g.as_mut() {
+            st.mask_event = Some(self.compute.record_event(None)?);
+        }
+        Ok(())
+    }
+
+    /// [`Self::ll_poll_mask`] outside an op.
+    pub(crate) fn low_latency_poll(&self, buf: &Buffer) -> Result<()> {
+        let mut g = lock(&self.ll);
+        match g.as_mut() {
+            Some(st) => self.ll_poll_mask(buf, st, "low-latency op"),
+            None => Ok(()),
+        }
+    }
+
+    /// Reports ranks the device masked in the previous op, without waiting: reads the
+    /// host-mapped mask copy of that op if its event has completed (else nothing is known yet;
+    /// [`Buffer::low_latency_check`] waits). Newly masked ranks are masked in `buf` too; the
+    /// first is the error (returned by the op that looked, after it completed on every rank).
+    fn ll_poll_mask(&self, buf: &Buffer, st: &mut LlState, what: &str) -> Result<()> {
+        // Querying an event is not allowed while a graph is being captured; the captured
+        // step's replays are polled afterwards.
+        if !matches!(
+            self.comm.capture_status()?,
+            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        ) {
+            return Ok(());
+        }
+        let done = match &st.mask_event {
+            Some(ev) => ev.try_is_complete()?,
+            None => false,
+        };
+        if !done {
+            return Ok(());
+        }
+        let dev: Vec<bool> = st.mask_copy.to_vec().iter().map(|&v| v != 0).collect();
+        self.ll_report_mask(buf, st, dev, what)
+    }
+
+    /// Compares a mask read from the device with the known one (see [`Self::ll_poll_mask`]).
+    fn ll_report_mask(
+        &self,
+        buf: &Buffer,
+        st: &mut LlState,
+        dev: Vec<bool>,
+        what: &str,
+    ) -> Result<()> {
         let newly: Vec<usize> = (0..dev.len())
             .filter(|&p| st.known_mask[p] && !dev[p])
             .collect();
@@ -173,6 +274,18 @@ impl CudaBuffer {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Waits for the last low-latency op and reports the ranks the device masked during it
+    /// (synchronises the communication stream).
+    pub(crate) fn low_latency_check(&self, buf: &Buffer) -> Result<()> {
+        let _op = lock(&self.op);
+        let mut g = lock(&self.ll);
+        let Some(st) = g.as_mut() else {
+            return Ok(());
+        };
+        let dev = st.buffer.active_ranks(&self.comm)?;
+        self.ll_report_mask(buf, st, dev, "low-latency op")
     }
 
     /// The send phase of a low-latency dispatch (arguments already checked).
@@ -207,36 +320,49 @@ impl CudaBuffer {
             (true, false) => LowLatencyFormat::Fp8,
             (true, true) => LowLatencyFormat::Fp8Ue8m0,
         };
-        self.begin(None)?;
-        let comm = &self.comm;
+        // Every buffer of the op is allocated on the compute stream (candle's), before the
+        // communication stream joins it: their frees then land on the compute stream too, which
+        // keeps a captured step's streams joined and orders frees after the kernels without
+        // event tracking.
+        let cs = &self.compute;
         let rows = l * r * m;
         let groups = h / FP8_GROUP;
+        // Rows past the counts are never read (documented as unspecified): no memset.
         let (recv_x_t, recv_x_u8) = if use_fp8 {
-            let s = alloc::<float8::F8E4M3>(comm, rows * h)?;
-            let a = alias::<_, u8>(comm, &s, rows * h);
+            let s = alloc_uninit::<float8::F8E4M3>(cs, rows * h)?;
+            let a = alias::<_, u8>(cs, &s, rows * h);
             (wrap(s, (l, r * m, h), &self.dev), a)
         } else {
-            let s = alloc::<half::bf16>(comm, rows * h)?;
-            let a = alias::<_, u8>(comm, &s, rows * h * 2);
+            let s = alloc_uninit::<half::bf16>(cs, rows * h)?;
+            let a = alias::<_, u8>(cs, &s, rows * h * 2);
             (wrap(s, (l, r * m, h), &self.dev), a)
         };
-        let scales = alloc::<f32>(comm, rows * groups)?;
+        let scales = alloc_uninit::<f32>(cs, (rows * groups).max(1))?;
         let (recv_x_scales, scales_for_recv, scales_aliased) = if use_fp8 {
-            let a = alias::<_, f32>(comm, &scales, rows * groups);
+            let a = alias::<_, f32>(cs, &scales, rows * groups);
             (Some(wrap(scales, (l, r * m, groups), &self.dev)), a, true)
         } else {
             (None, scales, false)
         };
-        let src_info = comm.clone_htod(&vec![-1i32; rows])?;
+        // -1 in every row (no host copy: capturable in a CUDA graph).
+        let mut src_info = alloc_uninit::<i32>(cs, rows)?;
+        ep_kernels::cuda::fill_bytes_cuda(cs, &mut src_info, 0xff)?;
+        let src_info_alias = alias::<_, i32>(cs, &src_info, rows);
+        let src_info_t = wrap(src_info, (l, r * m), &self.dev);
+        let recv_count = alloc::<i32>(cs, l)?;
+        let recv_count_alias = alias::<_, i32>(cs, &recv_count, l);
+        let recv_count_t = wrap(recv_count, l, &self.dev);
         let mut recv = LowLatencyRecv {
             format,
             recv_x: recv_x_u8,
             recv_x_scales: scales_for_recv,
-            recv_count: comm.alloc_zeros(l)?,
-            recv_src_info: src_info,
-            recv_src_topk: comm.alloc_zeros(rows)?,
-            recv_layout_range: comm.alloc_zeros(l * r * 2)?,
+            recv_count: recv_count_alias,
+            recv_src_info: src_info_alias,
+            recv_src_topk: alloc::<i32>(cs, rows)?,
+            recv_layout_range: alloc::<i32>(cs, l * r * 2)?,
         };
+        self.begin(None)?;
+        let comm = &self.comm;
         let launched = {
             let x_d = DeviceTensor::new("x", x)?;
             let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
@@ -252,7 +378,7 @@ impl CudaBuffer {
                 &mut recv,
             )
         };
-        let mut owners = vec![recv_x_t.clone()];
+        let mut owners = vec![recv_x_t.clone(), recv_count_t.clone(), src_info_t.clone()];
         owners.extend(recv_x_scales.iter().cloned());
         let data = Box::new(CudaLlDispatchData {
             recv: ManuallyDrop::new(recv),
@@ -263,6 +389,8 @@ impl CudaBuffer {
         Ok(LlPending::Dispatch {
             data,
             recv_x: recv_x_t,
+            recv_count: recv_count_t,
+            src_info: src_info_t,
             recv_x_scales,
             x: x.clone(),
             topk: topk_idx.clone(),
@@ -283,6 +411,8 @@ impl CudaBuffer {
         let LlPending::Dispatch {
             mut data,
             recv_x,
+            recv_count,
+            src_info,
             recv_x_scales,
             x,
             topk,
@@ -300,7 +430,6 @@ impl CudaBuffer {
         let st = g.as_mut().ok_or_else(|| {
             Error::invalid("low_latency", "None", "the low-latency buffer is gone")
         })?;
-        let r = self.num_ranks;
         let comm = &self.comm;
         {
             let x_d = DeviceTensor::new("x", &x)?;
@@ -318,27 +447,12 @@ impl CudaBuffer {
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
+        // The previous op's mask first (its copy is overwritten by this op's).
+        let masked = self.ll_poll_mask(buf, st, "low_latency_dispatch");
+        self.ll_end_op(st)?;
         let event = self.finish(async_finish)?;
-        let masked = self.ll_check_mask(buf, st, "low_latency_dispatch");
         drop(g);
-        let l = plan.placement.experts_per_rank();
         let m = plan.max_tokens;
-        let ranges = comm.clone_dtoh(&data.recv.recv_layout_range)?;
-        let mut counts = vec![0i32; l * r];
-        for (i, c) in counts.iter_mut().enumerate() {
-            *c = ranges[2 * i + 1];
-        }
-        let layout = RecvLayout::from_counts(counts, r);
-        let packed: Vec<i64> = layout
-            .offsets
-            .iter()
-            .zip(&layout.counts)
-            .map(|(&o, &c)| ((o as i64) << 32) | c as i64)
-            .collect();
-        let dev = &self.dev;
-        let recv_count = comm.clone_dtod(&data.recv.recv_count)?;
-        let src_info = comm.clone_dtod(&data.recv.recv_src_info)?;
-        let recv_count_host: Vec<usize> = layout.recv_count.iter().map(|&c| c as usize).collect();
         let inner = crate::low_latency::dispatch::LlHandleInner {
             buffer_id: self.buffer_id,
             placement: plan.placement,
@@ -346,23 +460,18 @@ impl CudaBuffer {
             num_topk,
             hidden: plan.hidden,
             max_tokens: m,
-            topk_idx: plan.topk_idx,
-            slots: plan.slots,
-            send_counts: plan.send_counts,
-            src_info: wrap(src_info, (l, r * m), dev),
-            layout_range: Tensor::from_vec(
-                packed,
-                (l, r),
-                &candle_core::Device::Cuda(dev.clone()),
-            )?,
-            layout,
+            topk_idx: Vec::new(),
+            slots: Vec::new(),
+            send_counts: Vec::new(),
+            src_info,
+            layout_range: None,
+            layout: None,
             cuda: Some(Arc::from(data)),
         };
         let out = LowLatencyDispatchOutput {
             recv_x,
             recv_x_scales,
-            recv_count: wrap(recv_count, l, dev),
-            recv_count_host,
+            recv_count,
             handle: LowLatencyHandle {
                 inner: Arc::new(inner),
             },
@@ -398,9 +507,10 @@ impl CudaBuffer {
         let _op = lock(&self.op);
         let g = self.ll_state(buf, h.max_tokens, hid, h.placement.num_experts)?;
         let st = g.as_ref().expect("built by ll_state");
+        // Allocated on the compute stream before the join (see `ll_dispatch_send`).
+        let mut o = alloc::<half::bf16>(&self.compute, t * hid)?;
         self.begin(None)?;
         let comm = &self.comm;
-        let mut o = alloc::<half::bf16>(comm, t * hid)?;
         {
             let x_d = DeviceTensor::new("x", x)?;
             let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
@@ -477,8 +587,9 @@ impl CudaBuffer {
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
+        let masked = self.ll_poll_mask(buf, st, "low_latency_combine");
+        self.ll_end_op(st)?;
         let event = self.finish(async_finish)?;
-        let masked = self.ll_check_mask(buf, st, "low_latency_combine");
         drop(g);
         let combined = wrap(out, (t, hid), &self.dev);
         let combined_x = match user_out {

@@ -13,10 +13,11 @@
 //! (RDMA / NVSHMEM) transport, which is not available yet.
 
 pub(crate) mod cast;
+pub mod graph;
 mod low_latency;
 mod memory;
 mod normal;
-pub(crate) mod tensor;
+pub mod tensor;
 
 pub(crate) use low_latency::{CudaLlDispatchData, LlHostPlan};
 pub(crate) use normal::{CudaHandleData, FreshDispatch};
@@ -134,6 +135,8 @@ impl CudaBuffer {
         let compute = dev.cuda_stream();
         let ctx: Arc<CudaContext> = compute.context().clone();
         ctx.bind_to_thread()?;
+        // Ops allocate their outputs stream-ordered on every call: keep freed memory pooled.
+        ep_kernels::cuda::retain_pool_memory(&ctx).map_err(|e| kernel_err(e, cfg.timeout))?;
         let comm = ctx.new_stream()?;
         let bytes = cfg.num_nvl_bytes.unwrap_or_else(|| {
             let rings = ki::buffer_size_hint(

@@ -64,14 +64,12 @@ fn check_payload_dtype(x: &Tensor) -> Result<()> {
 }
 
 impl CudaBuffer {
-    /// Layout kernel on candle's stream. `host` is the host twin's result (already computed by
-    /// the shared checks), kept for host-side users of the layout.
+    /// Layout kernel on candle's stream (no host read).
     pub(crate) fn get_dispatch_layout(
         &self,
         topk_idx: &Tensor,
         num_topk: usize,
         placement: &ExpertPlacement,
-        host: kl::DispatchLayout,
     ) -> Result<DispatchLayout> {
         let t = topk_idx.dims2()?.0;
         let (ntpr, ntpn, ntpe, itir) =
@@ -87,7 +85,7 @@ impl CudaBuffer {
             num_tokens_per_expert: ntpe,
             is_token_in_rank: itir,
             event,
-            host,
+            host: None,
             num_experts: placement.num_experts,
             num_tokens: t,
         })

@@ -1,4 +1,6 @@
-//! Moving between candle CUDA tensors and cudarc slices.
+//! Moving between candle CUDA tensors and cudarc slices: the one place where the crates above
+//! the kernels borrow a tensor's device memory for a launch ([`DeviceTensor`]) and hand kernel
+//! outputs back as tensors ([`wrap`]). Re-exported as `ep_runtime::device_tensor`.
 
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
@@ -10,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// A contiguous CUDA tensor, borrowed for a launch: hold it while views of it are in use.
-pub(crate) struct DeviceTensor<'a> {
+pub struct DeviceTensor<'a> {
     arg: &'static str,
     guard: StorageRef<'a>,
     range: Range<usize>,
@@ -18,7 +20,7 @@ pub(crate) struct DeviceTensor<'a> {
 
 impl<'a> DeviceTensor<'a> {
     /// Borrows `t`, which must be a contiguous CUDA tensor.
-    pub(crate) fn new(arg: &'static str, t: &'a Tensor) -> Result<Self> {
+    pub fn new(arg: &'static str, t: &'a Tensor) -> Result<Self> {
         let (guard, layout) = t.storage_and_layout();
         if !matches!(&*guard, Storage::Cuda(_)) {
             return Err(Error::invalid(
@@ -42,7 +44,7 @@ impl<'a> DeviceTensor<'a> {
     }
 
     /// The elements as a typed view (the dtype must be `T`'s).
-    pub(crate) fn view<T: CudaDType + DeviceRepr>(&self) -> Result<CudaView<'_, T>> {
+    pub fn view<T: CudaDType + DeviceRepr>(&self) -> Result<CudaView<'_, T>> {
         let Storage::Cuda(s) = &*self.guard else {
             unreachable!("checked in DeviceTensor::new")
         };
@@ -59,7 +61,7 @@ impl<'a> DeviceTensor<'a> {
 
 /// Allocates `len` zeroed elements on `stream` (at least one, so empty outputs are valid
 /// allocations; use [`exact`] for a view of exactly `len`).
-pub(crate) fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     len: usize,
 ) -> Result<CudaSlice<T>> {
@@ -67,11 +69,20 @@ pub(crate) fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 }
 
 /// Wraps `slice` (at least `shape`'s element count) as a candle tensor of `dev`.
-pub(crate) fn wrap<T: CudaDType>(
+pub fn wrap<T: CudaDType>(
     slice: CudaSlice<T>,
     shape: impl Into<Shape>,
     dev: &CudaDevice,
 ) -> Tensor {
     let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+/// Allocates `len` (at least one) elements on `stream` without initialising them: for kernel
+/// outputs that are written before they are read (the caller guarantees it; reading an
+/// unwritten element reads whatever the memory held).
+pub fn alloc_uninit<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: a fresh device allocation; `T: DeviceRepr` is plain data for which any bit
+    // pattern is a value, and the contents are only read after kernels wrote them.
+    Ok(unsafe { stream.alloc::<T>(len.max(1)) }?)
 }

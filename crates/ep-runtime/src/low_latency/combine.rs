@@ -102,11 +102,6 @@ impl Buffer {
         self.check_device("topk_idx", args.topk_idx)?;
         check_shape("topk_idx", args.topk_idx, &[Some(t), Some(k)])?;
         check_dtype("topk_idx", args.topk_idx, &[DType::I64], "i64")?;
-        if args.topk_idx.flatten_all()?.to_vec1::<i64>()? != h.topk_idx {
-            return Err(Error::HandleMismatch(
-                "topk_idx differs from the routing of the dispatch that made the handle".into(),
-            ));
-        }
         self.check_device("topk_weights", args.topk_weights)?;
         check_shape("topk_weights", args.topk_weights, &[Some(t), Some(k)])?;
         check_dtype("topk_weights", args.topk_weights, &[DType::F32], "f32")?;
@@ -130,6 +125,15 @@ impl Buffer {
                 finish: Box::new(move || c.ll_combine_recv(self, pending)),
             });
         }
+        // Host backend: the routing must be the dispatch's (CUDA buffers never read it back).
+        if args.topk_idx.flatten_all()?.to_vec1::<i64>()? != h.topk_idx {
+            return Err(Error::HandleMismatch(
+                "topk_idx differs from the routing of the dispatch that made the handle".into(),
+            ));
+        }
+        let layout = h.layout.as_ref().ok_or_else(|| {
+            Error::HandleMismatch("the low-latency handle was made by a CUDA buffer".into())
+        })?;
         let weights = args.topk_weights.flatten_all()?.to_vec1::<f32>()?;
         let xb = tensor_bytes(args.x)?;
         let row = hid * args.x.dtype().size_in_bytes();
@@ -138,8 +142,8 @@ impl Buffer {
             .map(|s| {
                 let mut rows = Vec::new();
                 for le in 0..l {
-                    let off = h.layout.offsets[le * r + s] as usize;
-                    let c = h.layout.counts[le * r + s] as usize;
+                    let off = layout.offsets[le * r + s] as usize;
+                    let c = layout.counts[le * r + s] as usize;
                     let base = le * r * m;
                     rows.extend_from_slice(&xb[(base + off) * row..(base + off + c) * row]);
                 }

@@ -67,14 +67,22 @@ pub struct LowLatencyDispatchOutput {
     pub recv_x: Tensor,
     /// `[L, R * M, H / 128]` f32 scales with `use_fp8`.
     pub recv_x_scales: Option<Tensor>,
-    /// `[L]` i32 tokens received per local expert.
+    /// `[L]` i32 tokens received per local expert (on the buffer's device; CUDA buffers never
+    /// read it back: see [`LowLatencyDispatchOutput::recv_count_host`]).
     pub recv_count: Tensor,
-    /// Host copy of `recv_count`.
-    pub recv_count_host: Vec<usize>,
     /// The record of this dispatch, for combine.
     pub handle: LowLatencyHandle,
     /// Completion of the dispatch.
     pub event: EventOverlap,
+}
+
+impl LowLatencyDispatchOutput {
+    /// A host copy of `recv_count` (for CUDA buffers a device-to-host read that waits for the
+    /// dispatch: keep it off the hot path).
+    pub fn recv_count_host(&self) -> Result<Vec<usize>> {
+        let counts = self.recv_count.to_vec1::<i32>()?;
+        Ok(counts.iter().map(|&c| c.max(0) as usize).collect())
+    }
 }
 
 /// The record of a low-latency dispatch.
@@ -91,16 +99,17 @@ pub(crate) struct LlHandleInner {
     pub num_topk: usize,
     pub hidden: usize,
     pub max_tokens: usize,
-    /// This rank's routing, `[T, K]`.
+    /// This rank's routing, `[T, K]` (host backend only; empty for CUDA buffers).
     pub topk_idx: Vec<i64>,
-    /// Slot of each `(t, k)` in its expert's region for this source.
+    /// Slot of each `(t, k)` in its expert's region for this source (host backend only).
     pub slots: Vec<i32>,
-    /// `[E]` tokens this rank sent to each expert.
+    /// `[E]` tokens this rank sent to each expert (host backend only).
     pub send_counts: Vec<i32>,
-    /// Where each source's tokens sit in `recv_x`.
-    pub layout: RecvLayout,
+    /// Where each source's tokens sit in `recv_x` (host backend only).
+    pub layout: Option<RecvLayout>,
     pub src_info: Tensor,
-    pub layout_range: Tensor,
+    /// `[L, R]` packed ranges (host backend; CUDA handles compute it on request).
+    pub layout_range: Option<Tensor>,
     /// The receive buffers the CUDA combine reads (handles made by CUDA buffers).
     #[cfg(feature = "cuda")]
     pub cuda: Option<std::sync::Arc<crate::cuda::CudaLlDispatchData>>,
@@ -112,9 +121,26 @@ impl LowLatencyHandle {
         &self.inner.src_info
     }
 
-    /// `[L, R]` i64: `offset << 32 | count` of each source's rows in `recv_x[l]`.
-    pub fn layout_range(&self) -> &Tensor {
-        &self.inner.layout_range
+    /// `[L, R]` i64: `offset << 32 | count` of each source's rows in `recv_x[l]`, on the
+    /// buffer's device. For CUDA buffers this reads the kernel's ranges back to the host (it
+    /// waits for the dispatch): an inspection call, not for the hot path.
+    pub fn layout_range(&self) -> Result<Tensor> {
+        if let Some(t) = &self.inner.layout_range {
+            return Ok(t.clone());
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.inner.cuda {
+            return c.layout_range(
+                self.inner.placement.experts_per_rank(),
+                self.inner.placement.num_ranks,
+                self.inner.src_info.device(),
+            );
+        }
+        Err(Error::invalid(
+            "handle",
+            "a handle without ranges",
+            "made by neither backend",
+        ))
     }
 
     /// Tokens this rank dispatched.
@@ -207,9 +233,6 @@ impl Buffer {
                 args.async_finish,
                 crate::cuda::LlHostPlan {
                     placement: plan.placement,
-                    topk_idx: plan.topk_idx,
-                    slots: plan.slots,
-                    send_counts: plan.send_counts,
                     max_tokens: plan.max_tokens,
                     hidden: plan.hidden,
                 },
@@ -269,25 +292,26 @@ impl Buffer {
         self.check_device("topk_idx", args.topk_idx)?;
         check_shape("topk_idx", args.topk_idx, &[Some(t), None])?;
         let placement = self.placement(args.num_experts)?;
-        let (topk_idx, _, k) = read_topk_idx(args.topk_idx, &placement)?;
-        let (slots, send_counts) = kll::send_slots(&topk_idx, t, k, &placement)?;
-        // CUDA buffers send from the device: no host payload.
+        // CUDA buffers send from the device and never read the routing back: no host plan.
         #[cfg(feature = "cuda")]
         if self.cuda.is_some() {
+            check_dtype("topk_idx", args.topk_idx, &[DType::I64], "i64")?;
             let plan = LlDispatchPlan {
                 placement,
                 num_tokens: t,
-                num_topk: k,
+                num_topk: args.topk_idx.dims2()?.1,
                 hidden: h,
                 max_tokens: m,
                 fp8: args.use_fp8,
                 out_dtype: x.dtype(),
-                topk_idx,
-                slots,
-                send_counts,
+                topk_idx: Vec::new(),
+                slots: Vec::new(),
+                send_counts: Vec::new(),
             };
             return Ok((plan, Vec::new()));
         }
+        let (topk_idx, _, k) = read_topk_idx(args.topk_idx, &placement)?;
+        let (slots, send_counts) = kll::send_slots(&topk_idx, t, k, &placement)?;
 
         // Payload rows: fp8 bytes + scales, or the tokens in their own dtype.
         let (payload, scales, row, out_dtype) = if args.use_fp8 {
@@ -425,7 +449,6 @@ impl Buffer {
             .zip(&layout.counts)
             .map(|(&o, &c)| ((o as i64) << 32) | c as i64)
             .collect();
-        let recv_count_host: Vec<usize> = layout.recv_count.iter().map(|&c| c as usize).collect();
         let out = LowLatencyDispatchOutput {
             recv_x: tensor_from_bytes(&recv, plan.out_dtype, &[l, r * m, h])?,
             recv_x_scales: if plan.fp8 {
@@ -434,7 +457,6 @@ impl Buffer {
                 None
             },
             recv_count: Tensor::from_slice(&layout.recv_count, l, dev)?,
-            recv_count_host,
             handle: LowLatencyHandle {
                 inner: Arc::new(LlHandleInner {
                     buffer_id: self.id,
@@ -447,8 +469,8 @@ impl Buffer {
                     slots: plan.slots,
                     send_counts: plan.send_counts,
                     src_info: Tensor::from_vec(src_info, (l, r * m), dev)?,
-                    layout_range: Tensor::from_vec(ranges, (l, r), dev)?,
-                    layout,
+                    layout_range: Some(Tensor::from_vec(ranges, (l, r), dev)?),
+                    layout: Some(layout),
                     #[cfg(feature = "cuda")]
                     cuda: None,
                 }),

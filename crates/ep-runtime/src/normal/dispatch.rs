@@ -239,6 +239,60 @@ impl Buffer {
             ));
         }
         let placement = self.placement(num_experts)?;
+        // CUDA buffers: shapes and dtypes only; the routing stays on the device.
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            let num_topk = match args.topk_idx {
+                Some(idx) => {
+                    self.check_device("topk_idx", idx)?;
+                    check_shape("topk_idx", idx, &[Some(t), None])?;
+                    check_dtype("topk_idx", idx, &[DType::I64], "i64")?;
+                    idx.dims2()?.1
+                }
+                None => 0,
+            };
+            match (args.topk_weights, args.topk_idx) {
+                (Some(_), None) => {
+                    return Err(Error::invalid(
+                        "topk_weights",
+                        "Some",
+                        "needs topk_idx as well",
+                    ))
+                }
+                (Some(w), Some(_)) => {
+                    self.check_device("topk_weights", w)?;
+                    check_shape("topk_weights", w, &[Some(t), Some(num_topk)])?;
+                    check_dtype("topk_weights", w, &[DType::F32], "f32")?;
+                }
+                _ => {}
+            }
+            match args.layout {
+                Some(l) if l.num_tokens != t => {
+                    return Err(Error::invalid(
+                        "layout",
+                        format!("a layout of {} tokens", l.num_tokens),
+                        format!("must be for x's {t} tokens"),
+                    ))
+                }
+                None if args.topk_idx.is_none() => {
+                    return Err(Error::invalid(
+                        "topk_idx",
+                        "None",
+                        "needed to compute the layout when none is given",
+                    ))
+                }
+                _ => {}
+            }
+            return c.dispatch_fresh(crate::cuda::FreshDispatch {
+                args,
+                num_tokens: t,
+                hidden: cx.hidden,
+                fp8: cx.fp8,
+                num_experts,
+                placement,
+                num_topk,
+            });
+        }
         let topk = match args.topk_idx {
             Some(idx) => {
                 self.check_device("topk_idx", idx)?;
@@ -274,7 +328,13 @@ impl Buffer {
                         format!("must be for x's {t} tokens"),
                     ));
                 }
-                &l.host
+                l.host.as_ref().ok_or_else(|| {
+                    Error::invalid(
+                        "layout",
+                        "a layout made by a CUDA buffer",
+                        "a CPU buffer needs a layout of its own backend",
+                    )
+                })?
             }
             None => {
                 let Some((idx, k)) = &topk else {
@@ -288,19 +348,6 @@ impl Buffer {
                 &computed
             }
         };
-
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.dispatch_fresh(crate::cuda::FreshDispatch {
-                args,
-                num_tokens: t,
-                hidden: cx.hidden,
-                fp8: cx.fp8,
-                num_experts,
-                placement,
-                num_topk: topk.as_ref().map_or(0, |(_, k)| *k),
-            });
-        }
 
         // Notify: every rank learns every rank's counts.
         let mut counts = layout.num_tokens_per_rank.clone();
