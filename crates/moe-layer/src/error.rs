@@ -20,6 +20,9 @@ pub enum Error {
     /// The expert-parallel runtime failed (a peer, a bad input to dispatch/combine, ...).
     #[error(transparent)]
     Runtime(#[from] ep_runtime::Error),
+    /// A kernel of `ep-kernels` refused its arguments or failed to launch.
+    #[error(transparent)]
+    Kernel(#[from] ep_kernels::Error),
     /// A candle operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,155 +1,45 @@
-//! SwiGLU experts: the dense [`Mlp`] (shared experts, dense layers) and [`Experts`], the shard
-//! of routed experts one rank holds, with the two expert-GEMM shapes of expert parallelism:
-//! grouped rows with top-k routing (normal mode) and per-expert packed blocks (low-latency mode).
+//! [`Experts`]: the shard of routed experts one rank holds, with the two expert-GEMM shapes of
+//! expert parallelism: rows with their top-k routing (normal mode) and per-expert blocks with
+//! row counts (low-latency mode).
+//!
+//! The weights are stacked once, when the shard is built: `gate_up` `[L, 2I, H]` (each
+//! expert's `gate_proj` then `up_proj`) and `down` `[L, H, I]`; each expert's [`Mlp`] is a view
+//! of them. On CUDA with bf16 weights (and `H`, `I` multiples of 8) the forward passes run
+//! as grouped GEMMs on the device (`crate::grouped`): no routing or count is read by the host.
+//! On the CPU (and for other dtypes) each expert runs over its rows, grouped on the host.
 
-use candle_core::{DType, Device, Error, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::MoeConfig;
-
-/// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
-#[derive(Clone, Debug)]
-pub struct Mlp {
-    /// `[I, H]`.
-    gate_proj: Tensor,
-    /// `[I, H]`.
-    up_proj: Tensor,
-    /// `[H, I]`.
-    down_proj: Tensor,
-}
-
-impl Mlp {
-    /// Builds an MLP from `gate_proj` `[I, H]`, `up_proj` `[I, H]` and `down_proj` `[H, I]`,
-    /// which must share one dtype and device.
-    pub fn new(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Result<Self> {
-        let (i, h) = gate_proj.dims2().map_err(|_| {
-            Error::Msg(format!(
-                "Mlp::new: gate_proj has shape {:?}, expected [intermediate, hidden]",
-                gate_proj.dims()
-            ))
-        })?;
-        if up_proj.dims() != [i, h] {
-            return Err(Error::Msg(format!(
-                "Mlp::new: up_proj has shape {:?}, expected [{i}, {h}] like gate_proj",
-                up_proj.dims()
-            )));
-        }
-        if down_proj.dims() != [h, i] {
-            return Err(Error::Msg(format!(
-                "Mlp::new: down_proj has shape {:?}, expected [{h}, {i}] (gate_proj is [{i}, {h}])",
-                down_proj.dims()
-            )));
-        }
-        for (name, t) in [("up_proj", &up_proj), ("down_proj", &down_proj)] {
-            if t.dtype() != gate_proj.dtype() {
-                return Err(Error::Msg(format!(
-                    "Mlp::new: {name} has dtype {:?}, expected {:?} like gate_proj",
-                    t.dtype(),
-                    gate_proj.dtype()
-                )));
-            }
-            if !t.device().same_device(gate_proj.device()) {
-                return Err(Error::Msg(format!(
-                    "Mlp::new: {name} is on {:?}, expected {:?} like gate_proj",
-                    t.device(),
-                    gate_proj.device()
-                )));
-            }
-        }
-        Ok(Self {
-            gate_proj,
-            up_proj,
-            down_proj,
-        })
-    }
-
-    /// Loads `gate_proj.weight` `[I, H]`, `up_proj.weight` `[I, H]` and `down_proj.weight`
-    /// `[H, I]` under `vb` (e.g. the layer's `mlp.shared_experts`, or `mlp` of a dense layer).
-    /// A mis-shaped tensor gives an error naming its full path, the expected and the found shape.
-    pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
-        let gate = vb.pp("gate_proj").get((intermediate, hidden), "weight")?;
-        let up = vb.pp("up_proj").get((intermediate, hidden), "weight")?;
-        let down = vb.pp("down_proj").get((hidden, intermediate), "weight")?;
-        Self::new(gate, up, down)
-    }
-
-    /// Hidden size `H`.
-    pub fn hidden_size(&self) -> usize {
-        self.gate_proj.dims()[1]
-    }
-
-    /// Inner width `I`.
-    pub fn intermediate_size(&self) -> usize {
-        self.gate_proj.dims()[0]
-    }
-
-    /// Weight dtype.
-    pub fn dtype(&self) -> DType {
-        self.gate_proj.dtype()
-    }
-
-    /// Weight device.
-    pub fn device(&self) -> &Device {
-        self.gate_proj.device()
-    }
-
-    /// `gate_proj` weight `[I, H]`.
-    pub fn gate_proj(&self) -> &Tensor {
-        &self.gate_proj
-    }
-
-    /// `up_proj` weight `[I, H]`.
-    pub fn up_proj(&self) -> &Tensor {
-        &self.up_proj
-    }
-
-    /// `down_proj` weight `[H, I]`.
-    pub fn down_proj(&self) -> &Tensor {
-        &self.down_proj
-    }
-
-    /// Applies the MLP to `x` `[..., H]` of any float dtype: computed in the weights' dtype,
-    /// returned in `x`'s dtype and shape.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.hidden_size();
-        let dims = x.dims().to_vec();
-        if dims.last() != Some(&h) {
-            return Err(Error::Msg(format!(
-                "Mlp: x has shape {dims:?}, expected last dimension hidden_size = {h}"
-            )));
-        }
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        if rows == 0 {
-            return crate::empty::empty(dims, x.dtype(), x.device());
-        }
-        let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
-        let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
-        let up = xs.matmul(&self.up_proj.t()?)?;
-        let y = (gate * up)?.matmul(&self.down_proj.t()?)?;
-        y.to_dtype(x.dtype())?.reshape(dims)
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        Mlp::forward(self, xs)
-    }
-}
+use crate::error::{Error, Result};
+pub use crate::mlp::Mlp;
 
 /// The routed experts `first_expert .. first_expert + num_local` that one rank holds.
 #[derive(Clone, Debug)]
 pub struct Experts {
     first_expert: usize,
+    /// `[L, 2I, H]`: gate_proj rows then up_proj rows of every expert.
+    gate_up: Tensor,
+    /// `[L, H, I]`.
+    down: Tensor,
+    /// Views of the stacked weights, one per expert.
     experts: Vec<Mlp>,
+    /// The device grouped GEMMs' state (CUDA, bf16), created on first use.
+    #[cfg(feature = "cuda")]
+    grouped: std::sync::Arc<crate::grouped::GroupedState>,
 }
 
 impl Experts {
-    /// Builds the shard from its experts, local expert `l` being global expert
-    /// `first_expert + l`. All experts must share shapes, dtype and device; at least one is needed.
+    /// Builds the shard from its experts (copied into stacked weights), local expert `l` being
+    /// global expert `first_expert + l`. All experts must share shapes, dtype and device; at
+    /// least one is needed.
     pub fn new(first_expert: usize, experts: Vec<Mlp>) -> Result<Self> {
         let Some(first) = experts.first() else {
-            return Err(Error::Msg(
-                "Experts::new: experts is empty, at least one local expert is needed".to_string(),
+            return Err(Error::invalid(
+                "experts",
+                "[]",
+                "at least one local expert is needed",
             ));
         };
         let (h, i, dtype) = (
@@ -159,32 +49,107 @@ impl Experts {
         );
         for (l, m) in experts.iter().enumerate() {
             if m.hidden_size() != h || m.intermediate_size() != i {
-                return Err(Error::Msg(format!(
-                    "Experts::new: expert {} has [intermediate, hidden] = [{}, {}], expected [{i}, {h}] like expert {first_expert}",
-                    first_expert + l,
-                    m.intermediate_size(),
-                    m.hidden_size()
-                )));
+                return Err(Error::invalid(
+                    "experts",
+                    format!(
+                        "expert {} of [intermediate, hidden] = [{}, {}]",
+                        first_expert + l,
+                        m.intermediate_size(),
+                        m.hidden_size()
+                    ),
+                    format!("must be [{i}, {h}] like expert {first_expert}"),
+                ));
             }
             if m.dtype() != dtype || !m.device().same_device(first.device()) {
-                return Err(Error::Msg(format!(
-                    "Experts::new: expert {} has dtype {:?} on {:?}, expected {dtype:?} on {:?} like expert {first_expert}",
-                    first_expert + l,
-                    m.dtype(),
-                    m.device(),
-                    first.device()
-                )));
+                return Err(Error::invalid(
+                    "experts",
+                    format!(
+                        "expert {} of {:?} on {:?}",
+                        first_expert + l,
+                        m.dtype(),
+                        m.device()
+                    ),
+                    format!(
+                        "must be {dtype:?} on {:?} like expert {first_expert}",
+                        first.device()
+                    ),
+                ));
             }
         }
+        let gate_up: Vec<Tensor> = experts
+            .iter()
+            .map(|m| Tensor::cat(&[m.gate_proj(), m.up_proj()], 0))
+            .collect::<candle_core::Result<_>>()?;
+        let down: Vec<&Tensor> = experts.iter().map(Mlp::down_proj).collect();
+        Self::from_stacked(
+            first_expert,
+            Tensor::stack(&gate_up, 0)?,
+            Tensor::stack(&down, 0)?,
+        )
+    }
+
+    /// Builds the shard from stacked weights: `gate_up` `[L, 2I, H]` (each expert's
+    /// `gate_proj` rows, then its `up_proj` rows) and `down` `[L, H, I]`, one dtype and device.
+    pub fn from_stacked(first_expert: usize, gate_up: Tensor, down: Tensor) -> Result<Self> {
+        let (l, i2, h) = gate_up.dims3().map_err(|_| {
+            Error::invalid(
+                "gate_up",
+                format!("shape {:?}", gate_up.dims()),
+                "must be [num_local, 2 * intermediate, hidden]",
+            )
+        })?;
+        if l == 0 || i2 == 0 || i2 % 2 != 0 || h == 0 {
+            return Err(Error::invalid(
+                "gate_up",
+                format!("shape {:?}", gate_up.dims()),
+                "must be [num_local >= 1, 2 * intermediate >= 2, hidden >= 1]",
+            ));
+        }
+        let i = i2 / 2;
+        if down.dims() != [l, h, i] {
+            return Err(Error::invalid(
+                "down",
+                format!("shape {:?}", down.dims()),
+                format!(
+                    "must be [{l}, {h}, {i}] to match gate_up {:?}",
+                    gate_up.dims()
+                ),
+            ));
+        }
+        if down.dtype() != gate_up.dtype() || !down.device().same_device(gate_up.device()) {
+            return Err(Error::invalid(
+                "down",
+                format!("{:?} on {:?}", down.dtype(), down.device()),
+                format!(
+                    "must be {:?} on {:?} like gate_up",
+                    gate_up.dtype(),
+                    gate_up.device()
+                ),
+            ));
+        }
+        let gate_up = gate_up.contiguous()?;
+        let down = down.contiguous()?;
+        let experts = (0..l)
+            .map(|e| {
+                let gu = gate_up.get(e)?;
+                Mlp::new(gu.narrow(0, 0, i)?, gu.narrow(0, i, i)?, down.get(e)?)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
             first_expert,
+            gate_up,
+            down,
             experts,
+            #[cfg(feature = "cuda")]
+            grouped: Default::default(),
         })
     }
 
     /// Loads global experts `first_expert .. first_expert + num_local` from `vb` at the layer's
     /// `mlp.experts` prefix, reading `{e}.gate_proj.weight`, `{e}.up_proj.weight` and
     /// `{e}.down_proj.weight` for those ids only: other experts' tensors are never touched.
+    /// Each expert is copied into the stacked weights as it is read (memory: the stack plus
+    /// one expert).
     pub fn load(
         vb: VarBuilder,
         cfg: &MoeConfig,
@@ -193,21 +158,40 @@ impl Experts {
     ) -> Result<Self> {
         cfg.validate()?;
         if num_local == 0 {
-            return Err(Error::Msg(
-                "Experts::load: num_local = 0, at least one local expert is needed".to_string(),
+            return Err(Error::invalid(
+                "num_local",
+                0,
+                "at least one local expert is needed",
             ));
         }
         let end = first_expert.saturating_add(num_local);
         if end > cfg.n_routed_experts {
-            return Err(Error::Msg(format!(
-                "Experts::load: first_expert {first_expert} + num_local {num_local} = {end} exceeds n_routed_experts = {}",
-                cfg.n_routed_experts
-            )));
+            return Err(Error::invalid(
+                "num_local",
+                num_local,
+                format!(
+                    "first_expert {first_expert} + num_local = {end} exceeds n_routed_experts = {}",
+                    cfg.n_routed_experts
+                ),
+            ));
         }
-        let experts = (first_expert..end)
-            .map(|e| Mlp::load(vb.pp(e), cfg.hidden_size, cfg.moe_intermediate_size))
-            .collect::<Result<Vec<_>>>()?;
-        Self::new(first_expert, experts)
+        let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        let mut stacked: Option<(Tensor, Tensor)> = None;
+        for (l, e) in (first_expert..end).enumerate() {
+            let m = Mlp::load(vb.pp(e), h, i)?;
+            let (gate_up, down) = match &stacked {
+                Some(s) => s,
+                None => stacked.insert((
+                    Tensor::zeros((num_local, 2 * i, h), m.dtype(), m.device())?,
+                    Tensor::zeros((num_local, h, i), m.dtype(), m.device())?,
+                )),
+            };
+            let gu = Tensor::cat(&[m.gate_proj(), m.up_proj()], 0)?.unsqueeze(0)?;
+            gate_up.slice_set(&gu, 0, l)?;
+            down.slice_set(&m.down_proj().unsqueeze(0)?, 0, l)?;
+        }
+        let (gate_up, down) = stacked.expect("num_local >= 1");
+        Self::from_stacked(first_expert, gate_up, down)
     }
 
     /// Global id of local expert 0.
@@ -222,91 +206,157 @@ impl Experts {
 
     /// Hidden size `H`.
     pub fn hidden_size(&self) -> usize {
-        self.experts[0].hidden_size()
+        self.gate_up.dims()[2]
     }
 
     /// Inner width `I` of each expert.
     pub fn intermediate_size(&self) -> usize {
-        self.experts[0].intermediate_size()
+        self.down.dims()[2]
     }
 
     /// Weight dtype.
     pub fn dtype(&self) -> DType {
-        self.experts[0].dtype()
+        self.gate_up.dtype()
     }
 
     /// Weight device.
     pub fn device(&self) -> &Device {
-        self.experts[0].device()
+        self.gate_up.device()
     }
 
-    /// The local experts, local id order.
+    /// The local experts, local id order (views of the stacked weights).
     pub fn experts(&self) -> &[Mlp] {
         &self.experts
+    }
+
+    /// The stacked `[L, 2I, H]` gate_proj / up_proj weights.
+    pub fn gate_up(&self) -> &Tensor {
+        &self.gate_up
+    }
+
+    /// The stacked `[L, H, I]` down_proj weights.
+    pub fn down(&self) -> &Tensor {
+        &self.down
+    }
+
+    /// Whether the forward passes run as device grouped GEMMs (CUDA, bf16 weights, `H` and `I`
+    /// multiples of 8, at most 1024 local experts).
+    pub fn uses_grouped_gemm(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            crate::grouped::eligible(self)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// The device grouped GEMMs' state.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn grouped_state(&self) -> &crate::grouped::GroupedState {
+        &self.grouped
+    }
+
+    /// Checks `x: [N, H]`, `topk_idx_local: [N, K]`, `topk_weights: [N, K]`; returns `(N, K)`.
+    fn check_routed(&self, x: &Tensor, idx: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
+        let h = self.hidden_size();
+        let n = match x.dims2() {
+            Ok((n, xh)) if xh == h => n,
+            _ => {
+                return Err(Error::invalid(
+                    "x",
+                    format!("shape {:?}", x.dims()),
+                    format!("must be [tokens, hidden_size = {h}]"),
+                ))
+            }
+        };
+        let k = match idx.dims2() {
+            Ok((ni, k)) if ni == n => k,
+            _ => {
+                return Err(Error::invalid(
+                    "topk_idx_local",
+                    format!("shape {:?}", idx.dims()),
+                    format!("must be [{n}, K] like x"),
+                ))
+            }
+        };
+        if w.dims() != [n, k] {
+            return Err(Error::invalid(
+                "topk_weights",
+                format!("shape {:?}", w.dims()),
+                format!("must be [{n}, {k}] like topk_idx_local"),
+            ));
+        }
+        Ok((n, k))
     }
 
     /// Normal-mode grouped GEMM. `x` `[N, H]`, `topk_idx_local` `[N, K]` (i64 local expert ids,
     /// `-1` = not here) and `topk_weights` `[N, K]` (f32). Returns `[N, H]` in `x`'s dtype with
     /// row `n = sum_{k: idx>=0} w[n,k] * expert_{idx[n,k]}(x[n])`.
+    ///
+    /// With grouped GEMMs ([`Experts::uses_grouped_gemm`]) the rows are permuted to expert-major
+    /// order, run through the contiguous grouped GEMMs and summed back on the device (an id
+    /// outside `-1..L` traps there); otherwise rows are grouped on the host.
     pub fn forward_grouped(
         &self,
         x: &Tensor,
         topk_idx_local: &Tensor,
         topk_weights: &Tensor,
     ) -> Result<Tensor> {
-        let y = self.forward_grouped_f32(x, topk_idx_local, topk_weights)?;
-        if y.elem_count() == 0 {
-            return crate::empty::empty(y.dims(), x.dtype(), x.device());
+        let (n, k) = self.check_routed(x, topk_idx_local, topk_weights)?;
+        if n == 0 {
+            return Ok(crate::empty::empty(
+                (0, self.hidden_size()),
+                x.dtype(),
+                x.device(),
+            )?);
         }
-        y.to_dtype(x.dtype())
+        #[cfg(feature = "cuda")]
+        if self.uses_grouped_gemm() && k > 0 {
+            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights)?;
+            return Ok(y.to_dtype(x.dtype())?);
+        }
+        let y = self.host_grouped_f32(x, topk_idx_local, topk_weights, n, k)?;
+        Ok(y.to_dtype(x.dtype())?)
     }
 
-    /// [`Experts::forward_grouped`] returning the f32 accumulator instead of casting to `x`'s dtype.
-    ///
-    /// Rows are grouped by local expert; each expert runs its SwiGLU once on its rows, the
-    /// outputs are scaled by their weights and summed into the result with one `index_add`.
+    /// [`Experts::forward_grouped`] returning f32.
     pub fn forward_grouped_f32(
         &self,
         x: &Tensor,
         topk_idx_local: &Tensor,
         topk_weights: &Tensor,
     ) -> Result<Tensor> {
-        let (n, h) = x.dims2().map_err(|_| {
-            Error::Msg(format!(
-                "Experts::forward_grouped: x has shape {:?}, expected [tokens, hidden_size = {}]",
-                x.dims(),
-                self.hidden_size()
-            ))
-        })?;
-        if h != self.hidden_size() {
-            return Err(Error::Msg(format!(
-                "Experts::forward_grouped: x has hidden size {h}, expected hidden_size = {}",
-                self.hidden_size()
-            )));
-        }
-        let (ni, k) = topk_idx_local.dims2().map_err(|_| {
-            Error::Msg(format!(
-                "Experts::forward_grouped: topk_idx_local has shape {:?}, expected [{n}, K]",
-                topk_idx_local.dims()
-            ))
-        })?;
-        if ni != n {
-            return Err(Error::Msg(format!(
-                "Experts::forward_grouped: topk_idx_local has {ni} rows, expected {n} like x"
-            )));
-        }
-        if topk_weights.dims() != [n, k] {
-            return Err(Error::Msg(format!(
-                "Experts::forward_grouped: topk_weights has shape {:?}, expected [{n}, {k}] like topk_idx_local",
-                topk_weights.dims()
-            )));
-        }
-        let dev = x.device();
+        let (n, k) = self.check_routed(x, topk_idx_local, topk_weights)?;
         if n == 0 {
-            return crate::empty::empty((0, h), DType::F32, dev);
+            return Ok(crate::empty::empty(
+                (0, self.hidden_size()),
+                DType::F32,
+                x.device(),
+            )?);
         }
+        #[cfg(feature = "cuda")]
+        if self.uses_grouped_gemm() && k > 0 {
+            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights)?;
+            return Ok(y.to_dtype(DType::F32)?);
+        }
+        self.host_grouped_f32(x, topk_idx_local, topk_weights, n, k)
+    }
+
+    /// Rows grouped by local expert on the host; each expert runs its SwiGLU once on its rows,
+    /// the outputs are scaled by their weights and summed into the result with one `index_add`.
+    fn host_grouped_f32(
+        &self,
+        x: &Tensor,
+        topk_idx_local: &Tensor,
+        topk_weights: &Tensor,
+        n: usize,
+        k: usize,
+    ) -> Result<Tensor> {
+        let (h, dev) = (self.hidden_size(), x.device());
         if k == 0 {
-            return Tensor::zeros((n, h), DType::F32, dev);
+            return Ok(Tensor::zeros((n, h), DType::F32, dev)?);
         }
         let idx: Vec<i64> = topk_idx_local
             .to_dtype(DType::I64)?
@@ -316,33 +366,23 @@ impl Experts {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1()?;
-
         let num_local = self.num_local();
         let mut rows: Vec<Vec<u32>> = vec![Vec::new(); num_local];
         let mut row_w: Vec<Vec<f32>> = vec![Vec::new(); num_local];
         for (pos, (&e, &wt)) in idx.iter().zip(&w).enumerate() {
-            if e < 0 {
-                if e != -1 {
-                    return Err(Error::Msg(format!(
-                        "Experts::forward_grouped: topk_idx_local[{}, {}] = {e}, expected -1 or 0..{num_local}",
-                        pos / k,
-                        pos % k
-                    )));
-                }
+            if e == -1 {
                 continue;
             }
-            let l = e as usize;
-            if l >= num_local {
-                return Err(Error::Msg(format!(
-                    "Experts::forward_grouped: topk_idx_local[{}, {}] = {e} is not below num_local = {num_local}",
-                    pos / k,
-                    pos % k
-                )));
+            if e < 0 || e as usize >= num_local {
+                return Err(Error::invalid(
+                    "topk_idx_local",
+                    format!("topk_idx_local[{}, {}] = {e}", pos / k, pos % k),
+                    format!("must be -1 or a local expert id below num_local = {num_local}"),
+                ));
             }
-            rows[l].push((pos / k) as u32);
-            row_w[l].push(wt);
+            rows[e as usize].push((pos / k) as u32);
+            row_w[e as usize].push(wt);
         }
-
         let mut all_rows = Vec::new();
         let mut outputs = Vec::new();
         for (l, (r, wl)) in rows.into_iter().zip(row_w).enumerate() {
@@ -363,41 +403,67 @@ impl Experts {
         }
         let ids = Tensor::cat(&all_rows, 0)?;
         let ys = Tensor::cat(&outputs, 0)?;
-        acc.index_add(&ids, &ys, 0)
+        Ok(acc.index_add(&ids, &ys, 0)?)
     }
 
-    /// Low-latency-mode expert GEMM on packed blocks: `x` `[L, M, H]`, `counts[l]` valid rows of
-    /// block `l`. Returns `[L, M, H]` in `x`'s dtype where row `m < counts[l]` of block `l` is
-    /// `expert_l(x[l, m])` and the rows past `counts[l]` are zero.
-    pub fn forward_packed(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        let (l, m, h) = x.dims3().map_err(|_| {
-            Error::Msg(format!(
-                "Experts::forward_packed: x has shape {:?}, expected [num_local = {}, max_rows, hidden_size = {}]",
-                x.dims(),
-                self.num_local(),
-                self.hidden_size()
-            ))
-        })?;
-        if l != self.num_local() || h != self.hidden_size() {
-            return Err(Error::Msg(format!(
-                "Experts::forward_packed: x has shape {:?}, expected [num_local = {}, max_rows, hidden_size = {}]",
-                x.dims(),
-                self.num_local(),
-                self.hidden_size()
-            )));
+    /// Checks `x: [L, M, H]`; returns `M`.
+    fn check_blocks(&self, x: &Tensor, what: &'static str) -> Result<usize> {
+        match x.dims3() {
+            Ok((l, m, h)) if l == self.num_local() && h == self.hidden_size() => Ok(m),
+            _ => Err(Error::invalid(
+                what,
+                format!("shape {:?}", x.dims()),
+                format!(
+                    "must be [num_local = {}, max_rows, hidden_size = {}]",
+                    self.num_local(),
+                    self.hidden_size()
+                ),
+            )),
         }
+    }
+
+    /// Low-latency-mode expert GEMM on packed blocks with host counts: `x` `[L, M, H]`,
+    /// `counts[l]` valid rows of block `l`. Returns `[L, M, H]` in `x`'s dtype where row
+    /// `m < counts[l]` of block `l` is `expert_l(x[l, m])` and the rows past `counts[l]` are
+    /// zero.
+    pub fn forward_packed(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        let m = self.check_blocks(x, "x")?;
+        let l = self.num_local();
         if counts.len() != l {
-            return Err(Error::Msg(format!(
-                "Experts::forward_packed: counts has {} entries, expected num_local = {l}",
-                counts.len()
-            )));
+            return Err(Error::invalid(
+                "counts",
+                format!("{} entries", counts.len()),
+                format!("must have num_local = {l}"),
+            ));
         }
         if let Some((e, &c)) = counts.iter().enumerate().find(|(_, &c)| c > m) {
-            return Err(Error::Msg(format!(
-                "Experts::forward_packed: counts[{e}] = {c} exceeds the block size max_rows = {m}"
-            )));
+            return Err(Error::invalid(
+                "counts",
+                format!("counts[{e}] = {c}"),
+                format!("must be <= the block size max_rows = {m}"),
+            ));
         }
         let dev = x.device();
+        #[cfg(feature = "cuda")]
+        if self.uses_grouped_gemm() {
+            let c: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+            let counts_dev = Tensor::from_vec(c, l, dev)?;
+            let y = crate::grouped::forward_masked(self, x, &counts_dev)?;
+            // Rows past the counts: zero, as documented.
+            let rows = Tensor::arange(0u32, m as u32, dev)?.reshape((1, m, 1))?;
+            let limit = Tensor::from_vec(
+                counts.iter().map(|&c| c as u32).collect::<Vec<_>>(),
+                (l, 1, 1),
+                dev,
+            )?;
+            let keep = rows.broadcast_lt(&limit)?;
+            let zeros = Tensor::zeros(y.dims(), y.dtype(), dev)?;
+            return Ok(keep
+                .broadcast_as(y.dims())?
+                .where_cond(&y, &zeros)?
+                .to_dtype(x.dtype())?);
+        }
+        let h = self.hidden_size();
         let mut blocks = Vec::with_capacity(l);
         for (e, &c) in counts.iter().enumerate() {
             let block = if c == 0 {
@@ -412,6 +478,42 @@ impl Experts {
             };
             blocks.push(block);
         }
-        Tensor::stack(&blocks, 0)
+        Ok(Tensor::stack(&blocks, 0)?)
+    }
+
+    /// Low-latency-mode expert GEMM with the counts on the device (the low-latency dispatch's
+    /// `recv_count`): `x` `[L, M, H]`, `counts` `[L]` i32 on `x`'s device. Returns `[L, M, H]` (bf16 with grouped
+    /// GEMMs, else `x`'s dtype) where row `m < counts[l]` of block `l` is `expert_l(x[l, m])`;
+    /// **rows past the counts are not written** (their content is unspecified). Nothing is read
+    /// back to the host with grouped GEMMs; otherwise the counts are read first.
+    pub fn forward_masked(&self, x: &Tensor, counts: &Tensor) -> Result<Tensor> {
+        let m = self.check_blocks(x, "x")?;
+        let l = self.num_local();
+        if counts.dims() != [l] || counts.dtype() != DType::I32 {
+            return Err(Error::invalid(
+                "counts",
+                format!("a {:?} tensor of shape {:?}", counts.dtype(), counts.dims()),
+                format!("must be i32 [num_local = {l}]"),
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        if self.uses_grouped_gemm() {
+            return crate::grouped::forward_masked(self, x, counts);
+        }
+        let host: Vec<i32> = counts.to_vec1()?;
+        let host = host
+            .iter()
+            .enumerate()
+            .map(|(e, &c)| {
+                usize::try_from(c).ok().filter(|&c| c <= m).ok_or_else(|| {
+                    Error::invalid(
+                        "counts",
+                        format!("counts[{e}] = {c}"),
+                        format!("must be in 0..={m}"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.forward_packed(x, &host)
     }
 }

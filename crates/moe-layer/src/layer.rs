@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::{
-    Buffer, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+    Buffer, CombineArgs, DispatchArgs, EventOverlap, LowLatencyCombineArgs, LowLatencyDispatchArgs,
 };
 use std::sync::Arc;
 
@@ -37,7 +37,8 @@ pub struct MoeLayerOptions {
     pub low_latency_max_tokens: usize,
     /// Send tokens as fp8 e4m3 with 1x128 scales (hidden must be a multiple of 128).
     pub fp8_dispatch: bool,
-    /// Round-up-to-8 per-expert receive counts in normal mode (for GEMM alignment).
+    /// Per-expert receive counts of normal mode rounded up to a multiple of this (DeepEP's
+    /// `expert_alignment`; default 1: the grouped GEMMs need no alignment).
     pub expert_alignment: usize,
 }
 
@@ -198,6 +199,11 @@ impl MoeLayer {
         &self.experts
     }
 
+    /// The shared experts, if any.
+    pub fn shared(&self) -> Option<&Mlp> {
+        self.shared.as_ref()
+    }
+
     /// The options.
     pub fn options(&self) -> &MoeLayerOptions {
         &self.options
@@ -275,10 +281,6 @@ impl MoeLayer {
         if t == 0 {
             return Ok(crate::empty::empty(dims, x.dtype(), x.device())?);
         }
-        let shared = match shared {
-            Some(s) => Some(s),
-            None => self.shared_forward(&x2)?,
-        };
         let out = match shared {
             Some(s) => {
                 (routed.to_dtype(DType::F32)? + s.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?
@@ -295,14 +297,20 @@ impl MoeLayer {
         })
     }
 
-    /// Normal mode; returns the combined routed output (and no shared output: it is computed
-    /// by the caller).
+    /// Normal mode; returns the combined routed output and the shared experts' output.
+    ///
+    /// Stream timeline on CUDA (see `docs/design.md`): routing, layout and the fp8 cast on the
+    /// compute stream, then the shared experts on the compute stream while the dispatch runs
+    /// on the communication stream (it waits only for the routing's event); the host waits once,
+    /// for the received-token count; the expert GEMMs wait for the dispatch's event; the combine
+    /// waits for the GEMMs' event, and the compute stream for the combine.
     fn routed_normal(
         &self,
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let dev = x.device();
         let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
         let (send_x, scales) = if self.options.fp8_dispatch {
             let (q, s) = per_token_cast_to_fp8(x, false)?;
@@ -310,14 +318,23 @@ impl MoeLayer {
         } else {
             (x.clone(), None)
         };
+        let routed = EventOverlap::record(dev)?;
+        let shared = if x.dims()[0] == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
         let mut args = DispatchArgs::new(&send_x)
             .topk(idx, w)
             .layout(&layout)
-            .expert_alignment(self.options.expert_alignment);
+            .expert_alignment(self.options.expert_alignment)
+            .previous_event(&routed)
+            .async_finish(true);
         if let Some(s) = &scales {
             args = args.x_scales(s);
         }
         let out = self.buffer.dispatch(&args)?;
+        out.event.compute_wait(dev)?;
         let recv_x = match &out.recv_x_scales {
             Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
             None => out.recv_x.clone(),
@@ -328,11 +345,15 @@ impl MoeLayer {
             .as_ref()
             .expect("routing was dispatched");
         let y = self.experts.forward_grouped(&recv_x, recv_idx, recv_w)?;
-        let combined = self.buffer.combine(&CombineArgs::new(&y, &out.handle))?;
-        Ok((combined.combined_x, None))
+        let computed = EventOverlap::record(dev)?;
+        let combined = self
+            .buffer
+            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
+        Ok((combined.combined_x, shared))
     }
 
-    /// Low-latency mode; the shared experts run between the send and receive phases.
+    /// Low-latency mode; the shared experts run between the send and receive phases. No host
+    /// synchronisation: the expert GEMMs read the received counts on the device.
     fn routed_low_latency(
         &self,
         x: &Tensor,
@@ -355,11 +376,12 @@ impl MoeLayer {
             Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
             None => out.recv_x.clone(),
         };
-        let y = self.experts.forward_packed(&recv_x, &out.recv_count_host)?;
+        let y = self.experts.forward_masked(&recv_x, &out.recv_count)?;
+        let y = y.to_dtype(recv_x.dtype())?;
         let combined = self
             .buffer
             .low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
-        Ok((combined.combined_x, Some(shared).flatten()))
+        Ok((combined.combined_x, shared))
     }
 }
 

@@ -34,12 +34,20 @@ pub mod dense;
 mod empty;
 pub mod error;
 pub mod experts;
+#[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
+mod grouped;
 mod layer;
+pub mod mlp;
 pub mod router;
 
 pub use config::MoeConfig;
 pub use ep_runtime;
 pub use error::{Error, Result};
-pub use experts::{Experts, Mlp};
+pub use experts::Experts;
+#[cfg(feature = "cuda")]
+pub use graph::DecodeGraph;
 pub use layer::{Mode, MoeLayer, MoeLayerOptions};
+pub use mlp::Mlp;
 pub use router::{Router, Routing};

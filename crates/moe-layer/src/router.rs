@@ -1,15 +1,14 @@
 //! The gate: per-token expert choice and weights, DeepSeek-V3 grouped top-k (`noaux_tc`) or
 //! plain softmax top-k.
 //!
-//! Logits and scores are computed with candle ops in f32 on the input's device; the selection
-//! (a few hundred experts per token) runs on the host over the `[T, E]` scores, with ties broken
-//! towards the lower expert (and group) id so that every rank and every backend agrees. The
-//! outputs are placed back on the input's device.
-
-use std::cmp::Ordering;
+//! Logits and scores are computed with candle ops in f32 on the input's device. The selection
+//! is `ep_kernels::routing`: on CUDA its kernel (one warp per token; nothing is read back to
+//! the host), on the CPU its host twin, with ties broken towards the lower expert (and group)
+//! id so that every rank and every backend agrees.
 
 use candle_core::{DType, Device, Error, Result, Tensor};
 use candle_nn::VarBuilder;
+use ep_kernels::routing::{self, GroupScore, TopkSpec};
 
 use crate::config::{MoeConfig, ScoringFunc, TopkMethod};
 
@@ -28,15 +27,10 @@ pub struct Routing {
 pub struct Router {
     /// `[E, H]` f32.
     weight: Tensor,
-    /// `[E]` f32 selection bias (`noaux_tc` only).
-    bias: Option<Vec<f32>>,
-    top_k: usize,
-    n_group: usize,
-    topk_group: usize,
+    /// `[E]` f32 selection bias (`noaux_tc` only), on the host and on the weight's device.
+    bias: Option<(Vec<f32>, Tensor)>,
     scoring: ScoringFunc,
-    method: TopkMethod,
-    norm_topk_prob: bool,
-    scaling: f32,
+    spec: TopkSpec,
 }
 
 impl Router {
@@ -67,19 +61,33 @@ impl Router {
                         b.dims()
                     )));
                 }
-                Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+                let host = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let dev = Tensor::from_slice(&host, e, weight.device())?;
+                Some((host, dev))
             }
         };
-        Ok(Self {
-            weight: weight.to_dtype(DType::F32)?.contiguous()?,
-            bias,
+        let group_score = match cfg.topk_method {
+            _ if cfg.n_group <= 1 => GroupScore::None,
+            TopkMethod::Greedy => GroupScore::None,
+            TopkMethod::NoauxTc => GroupScore::Top2Sum,
+            TopkMethod::GroupLimitedGreedy => GroupScore::Max,
+        };
+        let spec = TopkSpec {
+            num_experts: e,
             top_k: cfg.num_experts_per_tok,
             n_group: cfg.n_group,
             topk_group: cfg.topk_group,
-            scoring: cfg.scoring_func,
-            method: cfg.topk_method,
+            group_score,
             norm_topk_prob: cfg.norm_topk_prob,
             scaling: cfg.routed_scaling_factor as f32,
+        };
+        spec.check(false)
+            .map_err(|err| Error::Msg(format!("Router::new: {err}")))?;
+        Ok(Self {
+            weight: weight.to_dtype(DType::F32)?.contiguous()?,
+            bias,
+            scoring: cfg.scoring_func,
+            spec,
         })
     }
 
@@ -113,7 +121,12 @@ impl Router {
 
     /// Experts per token `K`.
     pub fn top_k(&self) -> usize {
-        self.top_k
+        self.spec.top_k
+    }
+
+    /// The selection rule.
+    pub fn spec(&self) -> &TopkSpec {
+        &self.spec
     }
 
     /// The gate weight `[E, H]` in f32.
@@ -123,7 +136,7 @@ impl Router {
 
     /// The selection bias `[E]`, if any.
     pub fn bias(&self) -> Option<&[f32]> {
-        self.bias.as_deref()
+        self.bias.as_ref().map(|(h, _)| h.as_slice())
     }
 
     /// Expert scores `[T, E]` f32 (sigmoid or softmax of `x @ W^T` computed in f32), on `x`'s device.
@@ -155,108 +168,92 @@ impl Router {
     }
 
     /// Routes `x` (`[T, H]`, any float dtype, CPU or CUDA): `topk_idx` `[T, K]` i64 and
-    /// `topk_weights` `[T, K]` f32, both on `x`'s device.
+    /// `topk_weights` `[T, K]` f32, both on `x`'s device. On CUDA nothing is read back to the
+    /// host.
     pub fn forward(&self, x: &Tensor) -> Result<Routing> {
         let scores = self.scores(x)?;
-        let t = scores.dims()[0];
-        let e = self.num_experts();
-        let k = self.top_k;
-        let host: Vec<f32> = scores.flatten_all()?.to_vec1()?;
-        let mut idx = Vec::with_capacity(t * k);
-        let mut weights = Vec::with_capacity(t * k);
-        let mut scratch = Scratch::default();
-        for row in host.chunks_exact(e) {
-            self.select(row, &mut scratch, &mut idx, &mut weights);
+        self.select(&scores)
+    }
+
+    /// The selection of [`Router::forward`] from given `[T, E]` f32 scores.
+    pub fn select(&self, scores: &Tensor) -> Result<Routing> {
+        let (t, e) = scores.dims2()?;
+        let k = self.spec.top_k;
+        if e != self.num_experts() || scores.dtype() != DType::F32 {
+            return Err(Error::Msg(format!(
+                "Router::select: scores are {:?} {:?}, expected f32 [T, {}]",
+                scores.dtype(),
+                scores.dims(),
+                self.num_experts()
+            )));
         }
-        let dev: &Device = x.device();
+        let dev: &Device = scores.device();
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = dev {
+            return self.select_cuda(cuda, scores, t);
+        }
+        let host: Vec<f32> = scores.flatten_all()?.to_vec1()?;
+        let mut idx = vec![0i64; t * k];
+        let mut weights = vec![0f32; t * k];
+        routing::route_topk(
+            &host,
+            self.bias.as_ref().map(|(h, _)| h.as_slice()),
+            &self.spec,
+            &mut idx,
+            &mut weights,
+        )
+        .map_err(|err| Error::Msg(format!("Router: {err}")))?;
         Ok(Routing {
             topk_idx: Tensor::from_vec(idx, (t, k), dev)?,
             topk_weights: Tensor::from_vec(weights, (t, k), dev)?,
         })
     }
 
-    /// Chooses the experts of one token from its scores and appends ids and weights.
-    fn select(&self, scores: &[f32], s: &mut Scratch, idx: &mut Vec<i64>, weights: &mut Vec<f32>) {
-        let e = scores.len();
-        s.key.clear();
-        match (&self.bias, self.method) {
-            (Some(bias), TopkMethod::NoauxTc) => {
-                s.key.extend(scores.iter().zip(bias).map(|(a, b)| a + b))
-            }
-            _ => s.key.extend_from_slice(scores),
+    /// The routing kernel on candle's stream.
+    #[cfg(feature = "cuda")]
+    fn select_cuda(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        scores: &Tensor,
+        t: usize,
+    ) -> Result<Routing> {
+        use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
+        let k = self.spec.top_k;
+        let stream = dev.cuda_stream();
+        let scores = scores.contiguous()?;
+        let bias = match &self.bias {
+            Some((_, b)) => Some(b.to_device(scores.device())?),
+            None => None,
+        };
+        let err = |e: ep_runtime::Error| Error::Msg(format!("Router: {e}"));
+        let mut idx = alloc_uninit::<i64>(&stream, t * k).map_err(err)?;
+        let mut weights = alloc_uninit::<f32>(&stream, t * k).map_err(err)?;
+        {
+            let s_d = DeviceTensor::new("scores", &scores).map_err(err)?;
+            let b_d = bias
+                .as_ref()
+                .map(|b| DeviceTensor::new("bias", b))
+                .transpose()
+                .map_err(err)?;
+            let b_v = b_d
+                .as_ref()
+                .map(|b| b.view::<f32>())
+                .transpose()
+                .map_err(err)?;
+            routing::route_topk_cuda(
+                &stream,
+                &s_d.view::<f32>().map_err(err)?,
+                b_v.as_ref()
+                    .map(|b| b as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<f32>),
+                &self.spec,
+                &mut idx.slice_mut(0..t * k),
+                &mut weights.slice_mut(0..t * k),
+            )
+            .map_err(|e| Error::Msg(format!("Router: {e}")))?;
         }
-        let key = &s.key;
-        // Descending key, lower id first on ties.
-        let better =
-            |a: &usize, b: &usize| -> Ordering { key[*b].total_cmp(&key[*a]).then(a.cmp(b)) };
-
-        s.candidates.clear();
-        if self.method == TopkMethod::Greedy || self.n_group == 1 {
-            s.candidates.extend(0..e);
-        } else {
-            let per_group = e / self.n_group;
-            s.group_score.clear();
-            for g in 0..self.n_group {
-                let members = &key[g * per_group..(g + 1) * per_group];
-                let score = match self.method {
-                    TopkMethod::NoauxTc => top2_sum(members),
-                    _ => members.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-                };
-                s.group_score.push(score);
-            }
-            s.groups.clear();
-            s.groups.extend(0..self.n_group);
-            let gs = &s.group_score;
-            s.groups
-                .sort_by(|a, b| gs[*b].total_cmp(&gs[*a]).then(a.cmp(b)));
-            s.groups.truncate(self.topk_group);
-            s.groups.sort_unstable();
-            for &g in &s.groups {
-                s.candidates.extend(g * per_group..(g + 1) * per_group);
-            }
-        }
-        s.candidates.sort_by(better);
-        let chosen = &s.candidates[..self.top_k];
-
-        let start = weights.len();
-        weights.extend(chosen.iter().map(|&c| scores[c]));
-        if self.norm_topk_prob {
-            let sum: f32 = weights[start..].iter().sum::<f32>() + 1e-20;
-            for w in &mut weights[start..] {
-                *w /= sum;
-            }
-        }
-        for w in &mut weights[start..] {
-            *w *= self.scaling;
-        }
-        idx.extend(chosen.iter().map(|&c| c as i64));
-    }
-}
-
-/// Reused per-token buffers of the selection.
-#[derive(Default)]
-struct Scratch {
-    key: Vec<f32>,
-    group_score: Vec<f32>,
-    groups: Vec<usize>,
-    candidates: Vec<usize>,
-}
-
-/// Sum of the two largest values (the single value for a group of one).
-fn top2_sum(v: &[f32]) -> f32 {
-    let mut first = f32::NEG_INFINITY;
-    let mut second = f32::NEG_INFINITY;
-    for &x in v {
-        if x.total_cmp(&first) == Ordering::Greater {
-            second = first;
-            first = x;
-        } else if x.total_cmp(&second) == Ordering::Greater {
-            second = x;
-        }
-    }
-    if v.len() < 2 {
-        first
-    } else {
-        first + second
+        Ok(Routing {
+            topk_idx: wrap(idx, (t, k), dev),
+            topk_weights: wrap(weights, (t, k), dev),
+        })
     }
 }

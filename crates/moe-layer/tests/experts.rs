@@ -44,10 +44,10 @@ fn random_mlp(i: usize) -> Result<Mlp> {
 }
 
 fn random_experts(first: usize, n: usize) -> Result<Experts> {
-    Experts::new(
+    Ok(Experts::new(
         first,
         (0..n).map(|_| random_mlp(I)).collect::<Result<Vec<_>>>()?,
-    )
+    )?)
 }
 
 /// Host copy of an MLP's weights for the naive reference.

@@ -1,0 +1,453 @@
+//! `bench_grouped_gemm`: the experts' grouped GEMMs (gate_up -> SwiGLU -> down) at
+//! DeepSeek-V3 shapes (hidden 7168, expert inner 2048), in both layouts, beside the peers a
+//! candle user has, all in one process on one GPU:
+//!
+//! - ours: `ep_kernels::gemm` (CUTLASS grouped GEMMs + SwiGLU) on expert-major rows;
+//! - dense cuBLAS (candle matmul) on the same number of rows with one expert's weights: the
+//!   FLOP-rate anchor;
+//! - candle-nn 0.11's `moe::moe_gemm` (WMMA) on the same routing (it gathers the token rows
+//!   itself, so its input is the un-permuted `[T, H]`);
+//! - the GPU's device-to-device copy bandwidth (bytes read + written over time), the anchor of
+//!   the weight-bound decode cases.
+//!
+//! FLOPs are `rows x 3 x 2 x H x I`; weight bytes are `3 x H x I x 2` per expert with rows.
+//! Each method's time is the median over `EP_BENCH_ROUNDS` rounds (default 3; every round
+//! runs every method, so clock and power drift spread over all of them) of the median of
+//! `EP_BENCH_ITERS` (default 10) event-timed runs after at least 200 ms of warm-up (sustained
+//! clocks: a method timed right after an idle spell runs up to 15% faster on H200).
+//! Prints a table; writes JSON lines to `$EP_BENCH_OUT` if set.
+//! `scripts/gpu/anchors/torch_grouped_mm.py` runs PyTorch's `torch._grouped_mm` on the same
+//! cases (run it in the same device command).
+
+use std::cell::RefCell;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use candle_core::{DType, Device, Storage, Tensor, D};
+use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use half::bf16;
+use moe_layer::ep_runtime::device_tensor::alloc_uninit;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+type BoxError = Box<dyn std::error::Error>;
+
+const HIDDEN: usize = 7168;
+const INTER: usize = 2048;
+const TOPK: usize = 8;
+const MAX_EXPERTS: usize = 256;
+
+/// One benchmark case.
+struct Case {
+    name: String,
+    experts: usize,
+    layout: GroupLayout,
+    /// `[T * K]` expert of each (token, k) (the routing moe_gemm takes).
+    topk_ids: Vec<u32>,
+    tokens: usize,
+}
+
+impl Case {
+    fn counts(&self) -> Vec<i32> {
+        let mut c = vec![0i32; self.experts];
+        for &e in &self.topk_ids {
+            c[e as usize] += 1;
+        }
+        c
+    }
+
+    fn rows(&self) -> usize {
+        match self.layout {
+            GroupLayout::Masked { m_max } => self.experts * m_max,
+            GroupLayout::Contiguous { .. } => self.topk_ids.len(),
+        }
+    }
+}
+
+/// Balanced routing: token t's k-th expert is (t * K + k) mod E (K distinct experts per token
+/// when E >= K), so every expert gets T * K / E rows.
+fn balanced(tokens: usize, experts: usize) -> Vec<u32> {
+    (0..tokens * TOPK)
+        .map(|i| ((i / TOPK * TOPK + i % TOPK) % experts) as u32)
+        .collect()
+}
+
+/// Zipf-like routing: K distinct experts per token drawn with weight 1 / (rank + 1)^1.2 over a
+/// random order of the experts, a fifth of the experts never chosen.
+fn zipf(rng: &mut StdRng, tokens: usize, experts: usize) -> Vec<u32> {
+    let mut order: Vec<usize> = (0..experts).collect();
+    for i in (1..experts).rev() {
+        order.swap(i, rng.random_range(0..=i));
+    }
+    let live = experts - experts / 5;
+    let w: Vec<f64> = (0..live)
+        .map(|r| 1.0 / (r as f64 + 1.0).powf(1.2))
+        .collect();
+    let mut out = Vec::with_capacity(tokens * TOPK);
+    for _ in 0..tokens {
+        let mut chosen: Vec<usize> = Vec::with_capacity(TOPK);
+        while chosen.len() < TOPK {
+            let total: f64 = (0..live)
+                .filter(|r| !chosen.contains(r))
+                .map(|r| w[r])
+                .sum();
+            let mut x = rng.random_range(0.0..total);
+            for r in (0..live).filter(|r| !chosen.contains(r)) {
+                x -= w[r];
+                if x <= 0.0 {
+                    chosen.push(r);
+                    break;
+                }
+            }
+            if x > 0.0 {
+                let last = (0..live).rev().find(|r| !chosen.contains(r)).unwrap_or(0);
+                chosen.push(last);
+            }
+        }
+        out.extend(chosen.iter().map(|&r| order[r] as u32));
+    }
+    out
+}
+
+/// The elements of a contiguous CUDA tensor of `T`, borrowed from its storage guard.
+fn view<'a, T: candle_core::cuda_backend::CudaDType>(
+    storage: &'a Storage,
+    layout: &candle_core::Layout,
+) -> Result<CudaView<'a, T>, BoxError> {
+    let Storage::Cuda(s) = storage else {
+        return Err("not a CUDA tensor".into());
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or("tensor must be contiguous")?;
+    let full: &CudaSlice<T> = s.as_cuda_slice::<T>()?;
+    Ok(full.slice(start..end))
+}
+
+/// Median milliseconds of `f` on `stream` over `iters` event-timed runs (after one warm-up).
+fn time_ms(
+    stream: &Arc<CudaStream>,
+    iters: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    // Warm up for at least 200 ms, so that every method is timed at the clocks and power a
+    // sustained load gets (the first method after an idle spell would otherwise run boosted).
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_millis(200) {
+        f()?;
+        stream.synchronize()?;
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        f()?;
+        let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        end.synchronize()?;
+        times.push(f64::from(start.elapsed_ms(&end)?));
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Random bf16 `[shape]` with standard deviation `std`, built in chunks along dim 0.
+fn randn_bf16(dev: &Device, shape: &[usize], std: f64) -> Result<Tensor, BoxError> {
+    let per: usize = shape[1..].iter().product();
+    let chunk = (1usize << 28) / per.max(1);
+    let mut parts = Vec::new();
+    let mut done = 0;
+    while done < shape[0] {
+        let n = chunk.max(1).min(shape[0] - done);
+        let mut s = shape.to_vec();
+        s[0] = n;
+        parts.push(Tensor::randn(0f32, std as f32, s, dev)?.to_dtype(DType::BF16)?);
+        done += n;
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// `silu(gate) * up` of a `[rows, 2I]` tensor (candle ops).
+fn candle_swiglu(h: &Tensor) -> Result<Tensor, BoxError> {
+    let gate = h.narrow(D::Minus1, 0, INTER)?;
+    let up = h.narrow(D::Minus1, INTER, INTER)?;
+    Ok((gate.silu()? * up)?)
+}
+
+struct Row {
+    case: String,
+    what: &'static str,
+    ms: f64,
+    tflops: f64,
+    weight_gbs: f64,
+}
+
+fn main() -> Result<(), BoxError> {
+    let iters: usize = std::env::var("EP_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let rounds: usize = std::env::var("EP_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dev = Device::new_cuda(0)?;
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let stream = cuda.cuda_stream();
+    let mut rng = StdRng::seed_from_u64(7);
+
+    // Copy bandwidth: 2 GiB device to device, bytes read + written.
+    let copy_bytes = 2usize << 30;
+    let src = stream.alloc_zeros::<u8>(copy_bytes)?;
+    let mut dst = stream.alloc_zeros::<u8>(copy_bytes)?;
+    let copy_ms = time_ms(&stream, iters, &mut || {
+        stream.memcpy_dtod(&src, &mut dst)?;
+        Ok(())
+    })?;
+    let copy_gbs = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    drop((src, dst));
+    println!(
+        "device-to-device copy: {copy_ms:.3} ms for 2 GiB -> {copy_gbs:.0} GB/s (read + write)"
+    );
+
+    let w1 = randn_bf16(&dev, &[MAX_EXPERTS, 2 * INTER, HIDDEN], 0.02)?;
+    let w2 = randn_bf16(&dev, &[MAX_EXPERTS, HIDDEN, INTER], 0.02)?;
+    let mut ws = GroupedGemmWorkspace::new(&stream, MAX_EXPERTS)?;
+
+    let contiguous = GroupLayout::Contiguous { alignment: 1 };
+    let mut cases = vec![
+        Case {
+            name: "contiguous 256 x 128".into(),
+            experts: 256,
+            layout: contiguous,
+            topk_ids: balanced(4096, 256),
+            tokens: 4096,
+        },
+        Case {
+            name: "contiguous 32 x 1024".into(),
+            experts: 32,
+            layout: contiguous,
+            topk_ids: balanced(4096, 32),
+            tokens: 4096,
+        },
+        Case {
+            name: "contiguous 8 x 4096".into(),
+            experts: 8,
+            layout: contiguous,
+            topk_ids: balanced(4096, 8),
+            tokens: 4096,
+        },
+    ];
+    cases.push(Case {
+        name: "contiguous 256 zipf (32768 rows)".into(),
+        experts: 256,
+        layout: contiguous,
+        topk_ids: zipf(&mut rng, 4096, 256),
+        tokens: 4096,
+    });
+    cases.push(Case {
+        name: "masked 256 x 4 (m_max 128)".into(),
+        experts: 256,
+        layout: GroupLayout::Masked { m_max: 128 },
+        topk_ids: balanced(128, 256),
+        tokens: 128,
+    });
+    cases.push(Case {
+        name: "masked 32 x 32 (m_max 1024)".into(),
+        experts: 32,
+        layout: GroupLayout::Masked { m_max: 1024 },
+        topk_ids: balanced(128, 32),
+        tokens: 128,
+    });
+
+    let mut rows_out: Vec<Row> = Vec::new();
+    for case in &cases {
+        let e = case.experts;
+        let counts = case.counts();
+        let routed: usize = counts.iter().map(|&c| c as usize).sum();
+        let used = counts.iter().filter(|&&c| c > 0).count();
+        let flops = routed as f64 * 6.0 * HIDDEN as f64 * INTER as f64;
+        let weight_bytes = used as f64 * 3.0 * (HIDDEN * INTER * 2) as f64;
+        let w1e = w1.narrow(0, 0, e)?;
+        let w2e = w2.narrow(0, 0, e)?;
+        let rows = case.rows();
+
+        // Inputs of every method.
+        let a = randn_bf16(&dev, &[rows, HIDDEN], 1.0)?;
+        let counts_dev = stream.clone_htod(&counts)?;
+        let x = randn_bf16(&dev, &[routed, HIDDEN], 1.0)?;
+        let (w1t, w2t) = (w1.get(0)?.t()?, w2.get(0)?.t()?);
+        let xs = randn_bf16(&dev, &[case.tokens, HIDDEN], 1.0)?;
+        let mut order: Vec<u32> = (0..case.topk_ids.len() as u32).collect();
+        order.sort_by_key(|&i| case.topk_ids[i as usize]);
+        let sorted_experts: Vec<u32> = order.iter().map(|&i| case.topk_ids[i as usize]).collect();
+        let sorted_ids = Tensor::from_vec(order, case.topk_ids.len(), &dev)?;
+        let expert_ids = Tensor::from_vec(sorted_experts, case.topk_ids.len(), &dev)?;
+        let topk_w = Tensor::ones(case.topk_ids.len(), DType::F32, &dev)?;
+        let prefill = case.tokens > 128;
+
+        let (a_g, a_l) = a.storage_and_layout();
+        let (w1_g, w1_l) = w1e.storage_and_layout();
+        let (w2_g, w2_l) = w2e.storage_and_layout();
+        let (a_s, w1_s, w2_s) = (
+            view::<bf16>(&a_g, a_l)?,
+            view::<bf16>(&w1_g, w1_l)?,
+            view::<bf16>(&w2_g, w2_l)?,
+        );
+        let bufs = RefCell::new((
+            alloc_uninit::<bf16>(&stream, rows * 2 * INTER)?,
+            alloc_uninit::<bf16>(&stream, rows * INTER)?,
+            alloc_uninit::<bf16>(&stream, rows * HIDDEN)?,
+        ));
+        let ws_cell = RefCell::new(&mut ws);
+        let up = GroupedGemmShape {
+            groups: e,
+            rows,
+            n: 2 * INTER,
+            k: HIDDEN,
+            layout: case.layout,
+        };
+        let down = GroupedGemmShape {
+            groups: e,
+            rows,
+            n: HIDDEN,
+            k: INTER,
+            layout: case.layout,
+        };
+        let ours = |tiles: GemmTiles| {
+            let (bufs, ws_cell, a_s, w1_s, w2_s, counts_dev, stream) =
+                (&bufs, &ws_cell, &a_s, &w1_s, &w2_s, &counts_dev, &stream);
+            move || -> Result<(), BoxError> {
+                let mut b = bufs.borrow_mut();
+                let (h, act, y) = &mut *b;
+                let mut ws = ws_cell.borrow_mut();
+                gemm::grouped_gemm_bf16_cuda(
+                    stream, a_s, w1_s, counts_dev, &up, tiles, h, &mut ws,
+                )?;
+                gemm::swiglu_cuda(stream, &*h, counts_dev, case.layout, rows, INTER, act)?;
+                gemm::grouped_gemm_bf16_cuda(
+                    stream, &*act, w2_s, counts_dev, &down, tiles, y, &mut ws,
+                )?;
+                Ok(())
+            }
+        };
+        let swiglu_only = || -> Result<(), BoxError> {
+            let mut b = bufs.borrow_mut();
+            let (h, act, _) = &mut *b;
+            gemm::swiglu_cuda(&stream, &*h, &counts_dev, case.layout, rows, INTER, act)?;
+            Ok(())
+        };
+        let dense = || -> Result<(), BoxError> {
+            let h = x.matmul(&w1t)?;
+            let act = candle_swiglu(&h)?;
+            let _y = act.matmul(&w2t)?;
+            Ok(())
+        };
+        let candle_moe = || -> Result<(), BoxError> {
+            let h = candle_nn::moe::moe_gemm(
+                &xs,
+                &w1e,
+                &None,
+                &sorted_ids,
+                &expert_ids,
+                TOPK,
+                prefill,
+            )?;
+            let act = candle_swiglu(&h)?;
+            let _y = candle_nn::moe::moe_gemm(
+                &act,
+                &w2e,
+                &Some(topk_w.clone()),
+                &sorted_ids,
+                &expert_ids,
+                TOPK,
+                prefill,
+            )?;
+            Ok(())
+        };
+        type Method<'m> = (
+            &'static str,
+            usize,
+            Box<dyn FnMut() -> Result<(), BoxError> + 'm>,
+        );
+        let mut methods: Vec<Method<'_>> = vec![
+            ("ours (auto tiles)", iters, Box::new(ours(GemmTiles::Auto))),
+            (
+                "ours wide 128x256 1x2",
+                iters,
+                Box::new(ours(GemmTiles::Wide)),
+            ),
+            (
+                "ours wide 128x256 2x1",
+                iters,
+                Box::new(ours(GemmTiles::WideM)),
+            ),
+            (
+                "ours narrow 64x128",
+                iters,
+                Box::new(ours(GemmTiles::Narrow)),
+            ),
+            ("  of which swiglu", iters, Box::new(swiglu_only)),
+            ("dense cuBLAS (candle matmul)", iters, Box::new(dense)),
+            ("candle-nn moe_gemm", 3, Box::new(candle_moe)),
+        ];
+        // Rounds over the methods, so that clock and power drift spread over all of them.
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); methods.len()];
+        for _ in 0..rounds {
+            for (i, (_, n, f)) in methods.iter_mut().enumerate() {
+                times[i].push(time_ms(&stream, *n, f)?);
+            }
+        }
+        for ((what, _, _), mut t) in methods.iter().zip(times) {
+            t.sort_by(f64::total_cmp);
+            let ms = t[t.len() / 2];
+            rows_out.push(Row {
+                case: case.name.clone(),
+                what,
+                ms,
+                tflops: flops / (ms * 1e-3) / 1e12,
+                weight_gbs: weight_bytes / (ms * 1e-3) / 1e9,
+            });
+        }
+        println!("{} done", case.name);
+    }
+
+    let mut table = String::new();
+    writeln!(
+        table,
+        "\nbf16, H = {HIDDEN}, I = {INTER}; copy bandwidth {copy_gbs:.0} GB/s"
+    )?;
+    writeln!(
+        table,
+        "{:<34} {:<30} {:>9} {:>9} {:>10} {:>8}",
+        "case", "what", "ms", "TFLOP/s", "weight GB/s", "of copy"
+    )?;
+    for r in &rows_out {
+        writeln!(
+            table,
+            "{:<34} {:<30} {:>9.3} {:>9.1} {:>10.0} {:>7.0}%",
+            r.case,
+            r.what,
+            r.ms,
+            r.tflops,
+            r.weight_gbs,
+            100.0 * r.weight_gbs / copy_gbs
+        )?;
+    }
+    print!("{table}");
+    if let Ok(path) = std::env::var("EP_BENCH_OUT") {
+        let mut f = std::fs::File::create(path)?;
+        writeln!(f, "{{\"copy_gbs\": {copy_gbs:.1}}}")?;
+        for r in &rows_out {
+            writeln!(
+                f,
+                "{{\"case\": {:?}, \"what\": {:?}, \"ms\": {:.4}, \"tflops\": {:.2}, \"weight_gbs\": {:.1}}}",
+                r.case, r.what, r.ms, r.tflops, r.weight_gbs
+            )?;
+        }
+    }
+    Ok(())
+}

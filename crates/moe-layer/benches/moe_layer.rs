@@ -1,0 +1,438 @@
+//! `bench_moe_layer`: the layer a user calls, `MoeLayer`, at DeepSeek-V3 shapes (hidden 7168,
+//! expert inner 2048, 256 routed experts top-8 in 8 groups, 1 shared expert, bf16), from 1 to
+//! 8192 tokens per rank, beside its floors measured in the same run:
+//!
+//! - the weight-read floor: the bytes the step must read (the routed experts chosen at least
+//!   once, the shared expert and the router) over the device-to-device copy bandwidth (read +
+//!   write bytes of a 2 GiB copy, over time);
+//! - dense cuBLAS (candle matmul) on the same routed FLOPs: `T x K` rows through one expert's
+//!   MLP plus `T` rows through the shared expert's.
+//!
+//! Decode sizes (T <= 128) run in low-latency mode, eagerly and as a captured CUDA graph
+//! (`MoeLayer::capture_decode`); larger ones in normal mode. The split (router, dispatch,
+//! grouped GEMMs, combine, shared experts) times each part alone with events on the same
+//! inputs (decode parts each captured as a graph: GPU time without launch overhead); their sum
+//! against the layer's time shows what the overlap hides. Times are medians
+//! of `EP_BENCH_ITERS` (default 10) event-timed runs after warm-up.
+//!
+//! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
+//! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
+//! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::{DType, Device, Tensor, D};
+use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::{
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
+    LowLatencyDispatchArgs, Topology,
+};
+use moe_layer::ep_runtime::graph::capture;
+use moe_layer::{Experts, Mlp, Mode, MoeLayer, MoeLayerOptions, Router};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const H: usize = 7168;
+const I: usize = 2048;
+const E: usize = 256;
+const K: usize = 8;
+const LL_MAX: usize = 128;
+
+fn config() -> MoeConfig {
+    MoeConfig {
+        hidden_size: H,
+        moe_intermediate_size: I,
+        n_routed_experts: E,
+        num_experts_per_tok: K,
+        n_shared_experts: Some(1),
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+        scoring_func: ScoringFunc::Sigmoid,
+        topk_method: TopkMethod::NoauxTc,
+    }
+}
+
+fn stream_of(dev: &Device) -> Arc<CudaStream> {
+    match dev {
+        Device::Cuda(d) => d.cuda_stream(),
+        _ => unreachable!("the benchmark runs on CUDA devices"),
+    }
+}
+
+/// Median milliseconds of `f` on `stream` (event-timed, after two warm-up calls).
+fn time_ms(
+    stream: &Arc<CudaStream>,
+    iters: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    for _ in 0..2 {
+        f()?;
+    }
+    stream.synchronize()?;
+    let mut t = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        f()?;
+        let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        b.synchronize()?;
+        t.push(f64::from(a.elapsed_ms(&b)?));
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// Median milliseconds of one replay of `f` captured as a CUDA graph: the GPU time of the work
+/// without the host's launch overhead.
+fn graph_ms(
+    dev: &Device,
+    iters: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    f()?;
+    let (graph, ()) = capture(dev, || {
+        f().map_err(|e| moe_layer::ep_runtime::Error::Unsupported(e.to_string()))
+    })?;
+    time_ms(&stream_of(dev), iters, &mut || {
+        graph.launch()?;
+        Ok(())
+    })
+}
+
+/// Random bf16 `[shape]` on `dev`, built in chunks along dim 0.
+fn randn_bf16(dev: &Device, shape: &[usize], std: f32) -> Result<Tensor, BoxError> {
+    let per: usize = shape[1..].iter().product();
+    let chunk = ((1usize << 28) / per.max(1)).max(1);
+    let mut parts = Vec::new();
+    let mut done = 0;
+    while done < shape[0] {
+        let n = chunk.min(shape[0] - done);
+        let mut s = shape.to_vec();
+        s[0] = n;
+        parts.push(Tensor::randn(0f32, std, s, dev)?.to_dtype(DType::BF16)?);
+        done += n;
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// This rank's layer over random weights (router and shared expert seeded alike on every rank).
+fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> {
+    let cfg = config();
+    let topo = buffer.topology();
+    let l = E / topo.num_ranks;
+    // Logits of unit scale (a gate of std 1/sqrt(H) on unit-scale tokens): routing spread over
+    // the experts as a trained DeepSeek-V3 router's is; larger logits saturate the sigmoid and
+    // the bias alone would pick the same experts for every token.
+    let gate =
+        Tensor::randn(0f32, 1.0 / (H as f32).sqrt(), (E, H), &Device::Cpu)?.to_device(dev)?;
+    let bias = Tensor::randn(0f32, 0.01, E, &Device::Cpu)?.to_device(dev)?;
+    let router = Router::new(gate, Some(bias), &cfg)?;
+    let std_in = 1.0 / (H as f32).sqrt();
+    let std_out = 1.0 / (I as f32).sqrt();
+    let experts = Experts::from_stacked(
+        topo.rank * l,
+        randn_bf16(dev, &[l, 2 * I, H], std_in)?,
+        randn_bf16(dev, &[l, H, I], std_out)?,
+    )?;
+    let shared = Mlp::new(
+        randn_bf16(dev, &[I, H], std_in)?,
+        randn_bf16(dev, &[I, H], std_in)?,
+        randn_bf16(dev, &[H, I], std_out)?,
+    )?;
+    let opts = MoeLayerOptions {
+        mode: Mode::Auto,
+        low_latency_max_tokens: LL_MAX,
+        fp8_dispatch: false,
+        expert_alignment: 1,
+    };
+    Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
+}
+
+/// One row of the report.
+#[derive(Debug, Default, Clone)]
+struct Row {
+    tokens: usize,
+    mode: &'static str,
+    layer_ms: f64,
+    graph_ms: Option<f64>,
+    router_ms: f64,
+    dispatch_ms: f64,
+    gemm_ms: f64,
+    combine_ms: f64,
+    shared_ms: f64,
+    floor_ms: f64,
+    floor_gb: f64,
+    dense_ms: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_tokens(
+    layer: &MoeLayer,
+    dev: &Device,
+    t: usize,
+    iters: usize,
+    copy_gbs: f64,
+    dense: &(Tensor, Tensor),
+) -> Result<Row, BoxError> {
+    let stream = stream_of(dev);
+    let x = randn_bf16(dev, &[t, H], 1.0)?;
+    let mode = if t <= LL_MAX {
+        Mode::LowLatency
+    } else {
+        Mode::Normal
+    };
+    let mut row = Row {
+        tokens: t,
+        mode: if mode == Mode::LowLatency {
+            "low-latency"
+        } else {
+            "normal"
+        },
+        ..Default::default()
+    };
+    row.layer_ms = time_ms(&stream, iters, &mut || {
+        layer.forward_with_mode(&x, mode)?;
+        Ok(())
+    })?;
+    if mode == Mode::LowLatency {
+        let g = layer.capture_decode(t, DType::BF16)?;
+        g.input().slice_set(&x, 0, 0)?;
+        row.graph_ms = Some(time_ms(&stream, iters, &mut || {
+            g.replay_in_place()?;
+            Ok(())
+        })?);
+    }
+    // The split, each part alone on the same inputs (decode parts as captured graphs, so that
+    // they show GPU time, not the host's launch overhead; prefill parts eagerly).
+    let routing = layer.router().forward(&x)?;
+    let (idx, w) = (&routing.topk_idx, &routing.topk_weights);
+    let buf = layer.buffer();
+    let shared = layer.shared().ok_or("no shared expert")?;
+    let part = |f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
+        if mode == Mode::LowLatency {
+            graph_ms(dev, iters, f)
+        } else {
+            time_ms(&stream, iters, f)
+        }
+    };
+    row.router_ms = part(&mut || {
+        layer.router().forward(&x)?;
+        Ok(())
+    })?;
+    row.shared_ms = part(&mut || {
+        shared.forward(&x)?;
+        Ok(())
+    })?;
+    if mode == Mode::LowLatency {
+        let args = LowLatencyDispatchArgs::new(&x, idx, LL_MAX, E);
+        row.dispatch_ms = part(&mut || {
+            buf.low_latency_dispatch(&args)?;
+            Ok(())
+        })?;
+        let out = buf.low_latency_dispatch(&args)?;
+        row.gemm_ms = part(&mut || {
+            layer.experts().forward_masked(&out.recv_x, &out.recv_count)?;
+            Ok(())
+        })?;
+        let y = layer.experts().forward_masked(&out.recv_x, &out.recv_count)?;
+        row.combine_ms = part(&mut || {
+            buf.low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
+            Ok(())
+        })?;
+    } else {
+        row.dispatch_ms = part(&mut || {
+            let layout = buf.get_dispatch_layout(idx, E)?;
+            buf.dispatch(&DispatchArgs::new(&x).topk(idx, w).layout(&layout))?;
+            Ok(())
+        })?;
+        let layout = buf.get_dispatch_layout(idx, E)?;
+        let out = buf.dispatch(&DispatchArgs::new(&x).topk(idx, w).layout(&layout))?;
+        let (ri, rw) = (
+            out.recv_topk_idx.as_ref().ok_or("no routing")?,
+            out.recv_topk_weights.as_ref().ok_or("no weights")?,
+        );
+        row.gemm_ms = part(&mut || {
+            layer.experts().forward_grouped(&out.recv_x, ri, rw)?;
+            Ok(())
+        })?;
+        let y = layer.experts().forward_grouped(&out.recv_x, ri, rw)?;
+        row.combine_ms = part(&mut || {
+            buf.combine(&CombineArgs::new(&y, &out.handle))?;
+            Ok(())
+        })?;
+    }
+    // Floors: bytes over the copy bandwidth, and dense cuBLAS on the same FLOPs.
+    let chosen: Vec<i64> = idx.flatten_all()?.to_vec1()?;
+    let mut used = vec![false; E];
+    for &e in &chosen {
+        used[e as usize] = true;
+    }
+    let experts_read = used.iter().filter(|&&u| u).count() as f64;
+    let per_expert = (3 * H * I * 2) as f64;
+    let bytes = (experts_read + 1.0) * per_expert + (E * H * 4) as f64;
+    row.floor_gb = bytes / 1e9;
+    row.floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
+    let xr = randn_bf16(dev, &[t * K, H], 1.0)?;
+    let (w1t, w2t) = dense;
+    row.dense_ms = time_ms(&stream, iters, &mut || {
+        let h = xr.matmul(w1t)?;
+        let act = (h.narrow(D::Minus1, 0, I)?.silu()? * h.narrow(D::Minus1, I, I)?)?;
+        act.matmul(w2t)?;
+        let hs = x.matmul(&shared.gate_proj().t()?)?.silu()?;
+        let us = x.matmul(&shared.up_proj().t()?)?;
+        (hs * us)?.matmul(&shared.down_proj().t()?)?;
+        Ok(())
+    })?;
+    Ok(row)
+}
+
+fn run_rank(
+    rank: usize,
+    world: usize,
+    transport: LocalTransport,
+    tokens: &[usize],
+    iters: usize,
+) -> Result<Vec<Row>, BoxError> {
+    let dev = Device::new_cuda(rank)?;
+    let stream = stream_of(&dev);
+    let bcfg = BufferConfig::default().with_low_latency(LL_MAX, H, E);
+    let buffer = Arc::new(Buffer::new(
+        Arc::new(transport),
+        Topology::new(rank, world, world)?,
+        bcfg,
+        &dev,
+    )?);
+    // Copy bandwidth (read + write bytes).
+    let bytes = 2usize << 30;
+    let src = stream.alloc_zeros::<u8>(bytes)?;
+    let mut dst = stream.alloc_zeros::<u8>(bytes)?;
+    let copy_ms = time_ms(&stream, iters, &mut || {
+        stream.memcpy_dtod(&src, &mut dst)?;
+        Ok(())
+    })?;
+    drop((src, dst));
+    let copy_gbs = 2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    let layer = build_layer(&dev, buffer)?;
+    let dense = (
+        layer.experts().gate_up().get(0)?.t()?,
+        layer.experts().down().get(0)?.t()?,
+    );
+    let mut rows = Vec::new();
+    for &t in tokens {
+        let row = bench_tokens(&layer, &dev, t, iters, copy_gbs, &dense)?;
+        if rank == 0 {
+            println!(
+                "T={t}: layer {:.3} ms{} (floor {:.3} ms, dense {:.3} ms)",
+                row.layer_ms,
+                row.graph_ms
+                    .map_or(String::new(), |g| format!(", graph {g:.3} ms")),
+                row.floor_ms,
+                row.dense_ms
+            );
+        }
+        rows.push(row);
+    }
+    if rank == 0 {
+        println!("copy bandwidth {copy_gbs:.0} GB/s");
+    }
+    Ok(rows)
+}
+
+fn main() -> Result<(), BoxError> {
+    let iters: usize = std::env::var("EP_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let world: usize = std::env::var("EP_BENCH_RANKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let tokens: Vec<usize> = std::env::var("EP_BENCH_TOKENS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 8, 32, 128, 512, 1024, 2048, 4096, 8192]);
+    let transports = LocalTransport::group(world);
+    let results: Vec<Result<Vec<Row>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = transports
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let tokens = &tokens;
+                s.spawn(move || run_rank(rank, world, t, tokens, iters).map_err(|e| e.to_string()))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
+            .collect()
+    });
+    let mut rows = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) if rank == 0 => rows = Some(v),
+            Ok(_) => {}
+            Err(e) => return Err(format!("rank {rank}: {e}").into()),
+        }
+    }
+    let rows = rows.ok_or("rank 0 reported nothing")?;
+    let mut table = String::new();
+    writeln!(
+        table,
+        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s); times in ms"
+    )?;
+    writeln!(
+        table,
+        "{:>6} {:<11} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9}",
+        "tokens",
+        "mode",
+        "layer",
+        "graph",
+        "router",
+        "dispatch",
+        "gemms",
+        "combine",
+        "shared",
+        "floor",
+        "dense",
+        "x floor",
+        "x dense"
+    )?;
+    for r in &rows {
+        let best = r.graph_ms.map_or(r.layer_ms, |g| g.min(r.layer_ms));
+        writeln!(
+            table,
+            "{:>6} {:<11} {:>8.3} {:>8} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>8.3} {:>8.2} {:>9.2}",
+            r.tokens,
+            r.mode,
+            r.layer_ms,
+            r.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
+            r.router_ms,
+            r.dispatch_ms,
+            r.gemm_ms,
+            r.combine_ms,
+            r.shared_ms,
+            r.floor_ms,
+            r.dense_ms,
+            best / r.floor_ms,
+            best / r.dense_ms
+        )?;
+    }
+    print!("{table}");
+    if let Ok(path) = std::env::var("EP_BENCH_OUT") {
+        let mut f = std::fs::File::create(path)?;
+        for r in &rows {
+            writeln!(
+                f,
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"ranks\": {world}}}",
+                r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
+                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.floor_ms, r.floor_gb, r.dense_ms
+            )?;
+        }
+    }
+    Ok(())
+}

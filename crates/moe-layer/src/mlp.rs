@@ -1,0 +1,134 @@
+//! [`Mlp`]: a bias-free SwiGLU MLP, the shared experts and the dense layers of a model (and
+//! one routed expert's view of the stacked weights, see [`crate::Experts`]).
+
+use candle_core::{DType, Device, Error, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+/// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    /// `[I, H]`.
+    gate_proj: Tensor,
+    /// `[I, H]`.
+    up_proj: Tensor,
+    /// `[H, I]`.
+    down_proj: Tensor,
+}
+
+impl Mlp {
+    /// Builds an MLP from `gate_proj` `[I, H]`, `up_proj` `[I, H]` and `down_proj` `[H, I]`,
+    /// which must share one dtype and device.
+    pub fn new(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Result<Self> {
+        let (i, h) = gate_proj.dims2().map_err(|_| {
+            Error::Msg(format!(
+                "Mlp::new: gate_proj has shape {:?}, expected [intermediate, hidden]",
+                gate_proj.dims()
+            ))
+        })?;
+        if up_proj.dims() != [i, h] {
+            return Err(Error::Msg(format!(
+                "Mlp::new: up_proj has shape {:?}, expected [{i}, {h}] like gate_proj",
+                up_proj.dims()
+            )));
+        }
+        if down_proj.dims() != [h, i] {
+            return Err(Error::Msg(format!(
+                "Mlp::new: down_proj has shape {:?}, expected [{h}, {i}] (gate_proj is [{i}, {h}])",
+                down_proj.dims()
+            )));
+        }
+        for (name, t) in [("up_proj", &up_proj), ("down_proj", &down_proj)] {
+            if t.dtype() != gate_proj.dtype() {
+                return Err(Error::Msg(format!(
+                    "Mlp::new: {name} has dtype {:?}, expected {:?} like gate_proj",
+                    t.dtype(),
+                    gate_proj.dtype()
+                )));
+            }
+            if !t.device().same_device(gate_proj.device()) {
+                return Err(Error::Msg(format!(
+                    "Mlp::new: {name} is on {:?}, expected {:?} like gate_proj",
+                    t.device(),
+                    gate_proj.device()
+                )));
+            }
+        }
+        Ok(Self {
+            gate_proj,
+            up_proj,
+            down_proj,
+        })
+    }
+
+    /// Loads `gate_proj.weight` `[I, H]`, `up_proj.weight` `[I, H]` and `down_proj.weight`
+    /// `[H, I]` under `vb` (e.g. the layer's `mlp.shared_experts`, or `mlp` of a dense layer).
+    /// A mis-shaped tensor gives an error naming its full path, the expected and the found shape.
+    pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
+        let gate = vb.pp("gate_proj").get((intermediate, hidden), "weight")?;
+        let up = vb.pp("up_proj").get((intermediate, hidden), "weight")?;
+        let down = vb.pp("down_proj").get((hidden, intermediate), "weight")?;
+        Self::new(gate, up, down)
+    }
+
+    /// Hidden size `H`.
+    pub fn hidden_size(&self) -> usize {
+        self.gate_proj.dims()[1]
+    }
+
+    /// Inner width `I`.
+    pub fn intermediate_size(&self) -> usize {
+        self.gate_proj.dims()[0]
+    }
+
+    /// Weight dtype.
+    pub fn dtype(&self) -> DType {
+        self.gate_proj.dtype()
+    }
+
+    /// Weight device.
+    pub fn device(&self) -> &Device {
+        self.gate_proj.device()
+    }
+
+    /// `gate_proj` weight `[I, H]`.
+    pub fn gate_proj(&self) -> &Tensor {
+        &self.gate_proj
+    }
+
+    /// `up_proj` weight `[I, H]`.
+    pub fn up_proj(&self) -> &Tensor {
+        &self.up_proj
+    }
+
+    /// `down_proj` weight `[H, I]`.
+    pub fn down_proj(&self) -> &Tensor {
+        &self.down_proj
+    }
+
+    /// Applies the MLP to `x` `[..., H]` of any float dtype: computed in the weights' dtype,
+    /// returned in `x`'s dtype and shape.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_size();
+        let dims = x.dims().to_vec();
+        if dims.last() != Some(&h) {
+            return Err(Error::Msg(format!(
+                "Mlp: x has shape {dims:?}, expected last dimension hidden_size = {h}"
+            )));
+        }
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        if rows == 0 {
+            return crate::empty::empty(dims, x.dtype(), x.device());
+        }
+        let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
+        let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
+        let up = xs.matmul(&self.up_proj.t()?)?;
+        let y = (gate * up)?.matmul(&self.down_proj.t()?)?;
+        y.to_dtype(x.dtype())?.reshape(dims)
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        Mlp::forward(self, xs)
+    }
+}

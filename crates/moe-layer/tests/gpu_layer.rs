@@ -1,0 +1,344 @@
+//! GPU tests of the layer a user calls: `MoeLayer` on one CUDA device (a one-rank CUDA buffer)
+//! against the CPU reference, in both modes, and a captured decode step against eager runs.
+//!
+//! The reference is the CPU `Experts` (f32, on the bf16-rounded weights) run with the routing
+//! the GPU router chose (the router is tested bit for bit against its host twin in
+//! `ep-kernels`' `gpu_expert_path`; near-ties in f32 scores computed by two backends could
+//! otherwise pick different experts), plus the shared experts. Tolerance: `||got - ref|| /
+//! ||ref|| <= 1e-2` over the batch and `<= 3e-2` per token (bf16 activations between the
+//! GEMMs and in the combine). Captured replays must equal eager runs within 1e-3 relative on
+//! fresh inputs every step.
+//!
+//! Run on one GPU: prints one line per case, then `N passed, N failed`. A first argument
+//! filters cases by name.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use moe_layer::ep_runtime::{Buffer, BufferConfig};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn cfg(h: usize, i: usize, e: usize, k: usize, groups: (usize, usize)) -> MoeConfig {
+    MoeConfig {
+        hidden_size: h,
+        moe_intermediate_size: i,
+        n_routed_experts: e,
+        num_experts_per_tok: k,
+        n_shared_experts: Some(1),
+        n_group: groups.0,
+        topk_group: groups.1,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+        scoring_func: ScoringFunc::Sigmoid,
+        topk_method: TopkMethod::NoauxTc,
+    }
+}
+
+/// Random layer weights (bf16-rounded f32 on the CPU) under the HF names of `mlp.`.
+fn weights(c: &MoeConfig, hot: bool) -> R<HashMap<String, Tensor>> {
+    let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+    let cpu = Device::Cpu;
+    let rnd = |shape: &[usize], std: f32| -> R<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, &cpu)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?)
+    };
+    let mut m = HashMap::new();
+    m.insert("gate.weight".to_string(), rnd(&[e, h], 0.05)?);
+    let mut bias = Tensor::randn(0f32, 0.1, e, &cpu)?.to_vec1::<f32>()?;
+    if hot {
+        bias[0] = 10.0;
+    }
+    m.insert(
+        "gate.e_score_correction_bias".to_string(),
+        Tensor::from_vec(bias, e, &cpu)?,
+    );
+    let std_in = 1.0 / (h as f32).sqrt();
+    let std_out = 1.0 / (i as f32).sqrt();
+    for x in 0..e {
+        m.insert(
+            format!("experts.{x}.gate_proj.weight"),
+            rnd(&[i, h], std_in)?,
+        );
+        m.insert(format!("experts.{x}.up_proj.weight"), rnd(&[i, h], std_in)?);
+        m.insert(
+            format!("experts.{x}.down_proj.weight"),
+            rnd(&[h, i], std_out)?,
+        );
+    }
+    m.insert(
+        "shared_experts.gate_proj.weight".into(),
+        rnd(&[i, h], std_in)?,
+    );
+    m.insert(
+        "shared_experts.up_proj.weight".into(),
+        rnd(&[i, h], std_in)?,
+    );
+    m.insert(
+        "shared_experts.down_proj.weight".into(),
+        rnd(&[h, i], std_out)?,
+    );
+    Ok(m)
+}
+
+/// The GPU layer (bf16, one-rank CUDA buffer) and the CPU reference layer (f32) over the same
+/// weights.
+struct Pair {
+    gpu: MoeLayer,
+    cpu: MoeLayer,
+    dev: Device,
+}
+
+fn pair(c: &MoeConfig, hot: bool, ll_tokens: usize, fp8: bool) -> R<Pair> {
+    let dev = Device::new_cuda(0)?;
+    let w = weights(c, hot)?;
+    let to_dev: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(k, v)| {
+            let v = if k.ends_with("e_score_correction_bias") {
+                v.to_device(&dev)
+            } else {
+                v.to_dtype(DType::BF16).and_then(|t| t.to_device(&dev))
+            };
+            v.map(|t| (k.clone(), t))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let bcfg =
+        BufferConfig::default().with_low_latency(ll_tokens, c.hidden_size, c.n_routed_experts);
+    let opts = MoeLayerOptions {
+        mode: Mode::Auto,
+        low_latency_max_tokens: ll_tokens,
+        fp8_dispatch: fp8,
+        expert_alignment: 1,
+    };
+    let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
+    let gpu = MoeLayer::load(
+        VarBuilder::from_tensors(to_dev, DType::BF16, &dev),
+        c,
+        gbuf,
+        opts,
+    )?;
+    let cbuf = Arc::new(Buffer::single(&Device::Cpu, bcfg)?);
+    let cpu_opts = MoeLayerOptions {
+        fp8_dispatch: false,
+        ..opts
+    };
+    let cpu = MoeLayer::load(
+        VarBuilder::from_tensors(w, DType::F32, &Device::Cpu),
+        c,
+        cbuf,
+        cpu_opts,
+    )?;
+    if !gpu.experts().uses_grouped_gemm() {
+        return Err("the GPU layer does not use the grouped GEMMs".into());
+    }
+    Ok(Pair { gpu, cpu, dev })
+}
+
+/// The reference output for GPU input `x` (CPU experts with the GPU router's choice; with fp8
+/// dispatch, on the tokens as the fp8 round trip leaves them).
+fn reference(p: &Pair, x: &Tensor) -> R<Tensor> {
+    let routing = p.gpu.router().forward(x)?;
+    let xc = x.to_device(&Device::Cpu)?;
+    let sent = if p.gpu.options().fp8_dispatch {
+        let (q, s) = per_token_cast_to_fp8(&xc, false)?;
+        per_token_cast_back(&q, &s, DType::F32)?
+    } else {
+        xc.to_dtype(DType::F32)?
+    };
+    let xc = xc.to_dtype(DType::F32)?;
+    let idx = routing.topk_idx.to_device(&Device::Cpu)?;
+    let w = routing.topk_weights.to_device(&Device::Cpu)?;
+    let mut y = p.cpu.experts().forward_grouped_f32(&sent, &idx, &w)?;
+    let shared = p.cpu.shared().ok_or("no shared expert")?;
+    y = (y + shared.forward(&xc)?)?;
+    Ok(y)
+}
+
+fn rel(got: &Tensor, want: &Tensor) -> R<(f64, f64)> {
+    let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let w = want.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let gv = g.to_vec2::<f32>()?;
+    let wv = w.to_vec2::<f32>()?;
+    let (mut e2, mut r2, mut worst) = (0f64, 0f64, 0f64);
+    for (gr, wr) in gv.iter().zip(&wv) {
+        let mut te = 0f64;
+        let mut tr = 0f64;
+        for (a, b) in gr.iter().zip(wr) {
+            if !a.is_finite() {
+                return Err(format!("non-finite output {a}").into());
+            }
+            te += f64::from(a - b).powi(2);
+            tr += f64::from(*b).powi(2);
+        }
+        e2 += te;
+        r2 += tr;
+        worst = worst.max((te / tr.max(1e-30)).sqrt());
+    }
+    Ok(((e2 / r2.max(1e-30)).sqrt(), worst))
+}
+
+fn layer_case(p: &Pair, t: usize, mode: Mode) -> R<()> {
+    let h = p.gpu.router().hidden_size();
+    let x = if t == 0 {
+        // CUDA refuses zero-byte allocations: an empty view of a real tensor.
+        Tensor::zeros((1, h), DType::BF16, &p.dev)?.narrow(0, 0, 0)?
+    } else {
+        Tensor::randn(0f32, 1.0, (t, h), &p.dev)?.to_dtype(DType::BF16)?
+    };
+    let y = p.gpu.forward_with_mode(&x, mode)?;
+    if y.dims() != [t, h] {
+        return Err(format!("output shape {:?}", y.dims()).into());
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let want = reference(p, &x)?;
+    let (all, worst) = rel(&y, &want)?;
+    if all > 1e-2 || worst > 3e-2 {
+        return Err(format!("relative error {all:.2e} (worst token {worst:.2e})").into());
+    }
+    println!("       T={t} {mode:?}: rel {all:.1e}, worst token {worst:.1e}");
+    Ok(())
+}
+
+fn graph_case(p: &Pair, t: usize, steps: usize) -> R<()> {
+    let h = p.gpu.router().hidden_size();
+    let g = p.gpu.capture_decode(t, DType::BF16)?;
+    for step in 0..steps {
+        let x =
+            Tensor::randn(0f32, 1.0 + step as f32 * 0.1, (t, h), &p.dev)?.to_dtype(DType::BF16)?;
+        let replayed = g.replay(&x)?;
+        let eager = p.gpu.forward_with_mode(&x, Mode::LowLatency)?;
+        let (all, worst) = rel(&replayed, &eager)?;
+        if all > 1e-3 || worst > 1e-3 {
+            return Err(format!(
+                "step {step}: replay differs from eager by {all:.2e} (worst {worst:.2e})"
+            )
+            .into());
+        }
+        if step == steps - 1 {
+            let (r, _) = rel(&replayed, &reference(p, &x)?)?;
+            if r > 1e-2 {
+                return Err(
+                    format!("step {step}: replay differs from the reference by {r:.2e}").into(),
+                );
+            }
+        }
+    }
+    p.gpu.buffer().low_latency_check()?;
+    Ok(())
+}
+
+fn main() {
+    let filter = std::env::args().nth(1);
+    let (mut passed, mut failed) = (0, 0);
+    let case_filter = filter.clone();
+    let mut run = |name: &str, f: &mut dyn FnMut() -> R<()>| {
+        if case_filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            return;
+        }
+        let start = std::time::Instant::now();
+        let out = catch_unwind(AssertUnwindSafe(&mut *f));
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        match out {
+            Ok(Ok(())) => {
+                passed += 1;
+                println!("ok     {name} ({ms:.0} ms)");
+            }
+            Ok(Err(e)) => {
+                failed += 1;
+                println!("FAILED {name} ({ms:.0} ms): {e}");
+            }
+            Err(_) => {
+                failed += 1;
+                println!("FAILED {name} ({ms:.0} ms): panicked");
+            }
+        }
+    };
+    // (name, config, hot expert, fp8 dispatch, low-latency mode possible)
+    let setups: Vec<(&str, MoeConfig, bool, bool, bool)> = vec![
+        (
+            "h1024-e32-fp8",
+            cfg(1024, 128, 32, 4, (4, 2)),
+            false,
+            true,
+            true,
+        ),
+        (
+            "h1024-e32-bf16",
+            cfg(1024, 128, 32, 4, (4, 2)),
+            false,
+            false,
+            true,
+        ),
+        (
+            "h1000-not-multiple-of-128",
+            cfg(1000, 200, 16, 4, (4, 2)),
+            false,
+            false,
+            false,
+        ),
+        ("hot-expert", cfg(512, 64, 16, 4, (1, 1)), true, false, true),
+        (
+            "ds-v3-shapes-e32",
+            cfg(7168, 2048, 32, 8, (8, 4)),
+            false,
+            true,
+            true,
+        ),
+    ];
+    for (name, c, hot, fp8, ll) in setups {
+        if filter
+            .as_deref()
+            .is_some_and(|f| !f.starts_with(name) && !name.contains(f))
+        {
+            continue;
+        }
+        let p = match pair(&c, hot, 64, fp8) {
+            Ok(p) => p,
+            Err(e) => {
+                run(&format!("{name}/setup"), &mut || Err(e.to_string().into()));
+                continue;
+            }
+        };
+        for t in [0usize, 1, 300] {
+            run(&format!("{name}/normal/T={t}"), &mut || {
+                layer_case(&p, t, Mode::Normal)
+            });
+        }
+        if !ll {
+            // The low-latency kernels move rows of 128-channel groups: a clear error, before
+            // any kernel runs.
+            run(
+                &format!("{name}/low-latency/clear-error"),
+                &mut || match layer_case(&p, 4, Mode::LowLatency) {
+                    Err(e) if e.to_string().contains("hidden") => Ok(()),
+                    Err(e) => Err(format!("error does not name hidden: {e}").into()),
+                    Ok(()) => Err("low-latency mode accepted hidden % 128 != 0".into()),
+                },
+            );
+            continue;
+        }
+        for t in [0usize, 1, 7, 64] {
+            run(&format!("{name}/low-latency/T={t}"), &mut || {
+                layer_case(&p, t, Mode::LowLatency)
+            });
+        }
+        run(&format!("{name}/auto/T=65"), &mut || {
+            layer_case(&p, 65, Mode::Auto)
+        });
+        run(&format!("{name}/graph/T=16x8-steps"), &mut || {
+            graph_case(&p, 16, 8)
+        });
+    }
+    println!("{passed} passed, {failed} failed");
+    std::process::exit(if failed == 0 { 0 } else { 1 });
+}
