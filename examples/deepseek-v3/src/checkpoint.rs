@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::config::DeepSeekV3Config;
+use crate::progress::Progress;
 use crate::tokenizer::{build_tokenizer_json, plain_text_tokens};
 
 /// Seed of the embedded default checkpoint.
@@ -144,6 +145,17 @@ pub fn shard_file_name(i: usize, n: usize) -> String {
 /// (f32) with `model.safetensors.index.json`, `config.json` and `tokenizer.json`. The same
 /// seed always gives the same files.
 pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize) -> Result<()> {
+    generate_reporting(dir, cfg, seed, num_shards, false)
+}
+
+/// [`generate`], reporting progress on stderr when `progress` is set.
+pub fn generate_reporting(
+    dir: &Path,
+    cfg: &DeepSeekV3Config,
+    seed: u64,
+    num_shards: usize,
+    progress: bool,
+) -> Result<()> {
     cfg.validate()?;
     if num_shards == 0 {
         bail!("--shards must be at least 1");
@@ -154,7 +166,14 @@ pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize
     let mut weight_map = BTreeMap::new();
     let mut total_bytes = 0usize;
     let plain = plain_text_tokens(cfg.vocab_size);
-    for (name, shape, init) in tensor_specs(cfg) {
+    let specs = tensor_specs(cfg);
+    let mut report = Progress::new(
+        format!("writing {}", dir.display()),
+        specs.len() as u64 + 1,
+        "tensors",
+        progress,
+    );
+    for (name, shape, init) in specs {
         let numel: usize = shape.iter().product();
         let mut data: Vec<f32> = match init {
             Init::Linear(gain) => {
@@ -181,6 +200,7 @@ pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize
         let shard = shard_of(&name, cfg.num_hidden_layers, num_shards);
         weight_map.insert(name.clone(), shard_file_name(shard, num_shards));
         shards[shard].insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+        report.inc(1);
     }
     for (i, tensors) in shards.iter().enumerate() {
         let path = dir.join(shard_file_name(i, num_shards));
@@ -201,6 +221,8 @@ pub fn generate(dir: &Path, cfg: &DeepSeekV3Config, seed: u64, num_shards: usize
         build_tokenizer_json(cfg.vocab_size)?,
     )?;
     std::fs::write(dir.join(COMPLETE_MARKER), format!("seed {seed}\n"))?;
+    report.inc(1);
+    report.finish();
     Ok(())
 }
 
@@ -222,10 +244,11 @@ pub fn default_checkpoint_dir() -> PathBuf {
     ))
 }
 
-/// Returns the default checkpoint's folder, generating it first when missing. Safe when many
-/// processes start at once: each writes a private folder and renames it into place; the first
-/// rename wins and the others' identical copies are removed.
-pub fn ensure_default_checkpoint() -> Result<PathBuf> {
+/// Returns the default checkpoint's folder, generating it first when missing (saying so on
+/// stderr, with progress, when `report` is set). Safe when many processes start at once: each
+/// writes a private folder and renames it into place; the first rename wins and the others'
+/// identical copies are removed.
+pub fn ensure_default_checkpoint(report: bool) -> Result<PathBuf> {
     let dir = default_checkpoint_dir();
     if dir.join(COMPLETE_MARKER).exists() {
         return Ok(dir);
@@ -239,7 +262,13 @@ pub fn ensure_default_checkpoint() -> Result<PathBuf> {
         std::process::id()
     ));
     tracing::info!(dir = %dir.display(), "generating the default tiny checkpoint");
-    generate(&tmp, &DeepSeekV3Config::tiny(), DEFAULT_SEED, 2)?;
+    if report {
+        eprintln!(
+            "generating the default tiny checkpoint into {} (first use; nothing is downloaded)",
+            dir.display()
+        );
+    }
+    generate_reporting(&tmp, &DeepSeekV3Config::tiny(), DEFAULT_SEED, 2, report)?;
     if std::fs::rename(&tmp, &dir).is_err() {
         // Another process got there first (or a stale incomplete folder is in the way).
         std::fs::remove_dir_all(&tmp).ok();

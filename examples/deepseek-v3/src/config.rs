@@ -239,6 +239,46 @@ impl DeepSeekV3Config {
         MoeConfig::from_json_str(&json.to_string()).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
+    /// Number of weights (all experts counted), as the checkpoint generator writes them.
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let heads = self.num_attention_heads;
+        let qd = self.q_head_dim();
+        let mlp = |inter: usize| 3 * h * inter;
+        let q = match self.q_lora_rank {
+            None => h * heads * qd,
+            Some(r) => h * r + r + r * heads * qd,
+        };
+        let attn = q
+            + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + heads * self.v_head_dim * h;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|i| {
+                let ffn = if self.is_moe_layer(i) {
+                    let e = self.n_routed_experts.unwrap_or(0);
+                    let bias = if self.topk_method == "noaux_tc" { e } else { 0 };
+                    e * h
+                        + bias
+                        + e * mlp(self.moe_intermediate_size)
+                        + self
+                            .n_shared_experts
+                            .map_or(0, |n| mlp(self.moe_intermediate_size * n))
+                } else {
+                    mlp(self.intermediate_size)
+                };
+                attn + ffn + 2 * h
+            })
+            .sum();
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * h
+        };
+        self.vocab_size * h + layers + h + head
+    }
+
     /// The tiny preset written by the checkpoint generator: hidden 128 (the smallest width the
     /// fp8 and GPU low-latency paths take: a multiple of 128), 4 layers (1 dense),
     /// 16 routed experts top-4 in 4 groups (2 used), 1 shared expert, vocabulary 320.
@@ -332,6 +372,43 @@ mod tests {
         assert_eq!(moe.n_routed_experts, 256);
         assert_eq!(moe.num_experts_per_tok, 8);
         assert_eq!(cfg.rope_scaling.as_ref().unwrap().factor, 40.0);
+    }
+
+    #[test]
+    fn the_shipped_v2_lite_config_is_v2_lite_shaped() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/deepseek-v2-lite.json");
+        let cfg = DeepSeekV3Config::from_file(path).unwrap();
+        assert_eq!(cfg.q_lora_rank, None);
+        assert!(!cfg.is_moe_layer(0) && cfg.is_moe_layer(1) && cfg.is_moe_layer(26));
+        let moe = cfg.moe_config().unwrap();
+        assert_eq!(
+            (
+                moe.n_routed_experts,
+                moe.num_experts_per_tok,
+                moe.n_shared_experts
+            ),
+            (64, 6, Some(2))
+        );
+        assert_eq!(moe.scoring_func, moe_layer::config::ScoringFunc::Softmax);
+        assert_eq!(moe.topk_method, moe_layer::config::TopkMethod::Greedy);
+        assert!(!moe.norm_topk_prob && moe.routed_scaling_factor == 1.0);
+        // About 15.7 B weights: 31 GB in bf16.
+        let n = cfg.num_parameters() as f64 / 1e9;
+        assert!((15.6..15.8).contains(&n), "{n} B parameters");
+    }
+
+    #[test]
+    fn parameter_count_matches_the_generated_tensors() {
+        let tiny = DeepSeekV3Config::tiny();
+        let dir = std::env::temp_dir().join(format!("dsv3-params-{}", std::process::id()));
+        crate::checkpoint::generate(&dir, &tiny, 1, 1).unwrap();
+        let index: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let bytes = index["metadata"]["total_size"].as_u64().unwrap() as usize;
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(tiny.num_parameters() * 4, bytes);
     }
 
     #[test]

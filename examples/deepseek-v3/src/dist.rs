@@ -62,8 +62,8 @@ pub fn select_device(info: &RankInfo, cpu: bool) -> Result<Device> {
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(Device::new_cuda(info.local_rank)
-            .with_context(|| format!("cannot open GPU {} (LOCAL_RANK)", info.local_rank))?)
+        Device::new_cuda(info.local_rank)
+            .with_context(|| format!("cannot open GPU {} (LOCAL_RANK)", info.local_rank))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -86,9 +86,10 @@ impl Dist {
     /// `MASTER_ADDR:MASTER_PORT` (hosted by rank 0) and a buffer over it.
     pub fn init(info: RankInfo, device: &Device, config: BufferConfig) -> Result<Self> {
         if info.world_size == 1 {
-            let buffer = Buffer::local_group(1, 1, config)?
-                .pop()
-                .context("local group of one rank is empty")?;
+            // A group of one on this rank's device: a CUDA buffer on a GPU, so the MoE layers
+            // run entirely on the device.
+            let buffer = Buffer::single(device, config)
+                .with_context(|| format!("cannot build the EP buffer on {device:?}"))?;
             return Ok(Self {
                 info,
                 buffer: Arc::new(buffer),

@@ -8,10 +8,12 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
+use candle_core::{Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::dist::Dist;
-use crate::model::{DeepSeekV3, SeqCache, SeqInput, StepKind};
+use crate::kv_cache::KvCache;
+use crate::model::{DeepSeekV3, SeqInput, StepKind};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Sequence id, unique for the lifetime of a job.
@@ -53,26 +55,31 @@ pub struct StepPlan {
 }
 
 struct SeqState {
-    cache: SeqCache,
     last: u32,
     sampler: Sampler,
 }
 
-/// One rank's model and the sequences it owns.
+/// One rank's model, its KV cache and the sequences it owns.
 pub struct Engine {
     model: DeepSeekV3,
+    cache: KvCache,
     rank: usize,
     seqs: HashMap<SeqId, SeqState>,
 }
 
 impl Engine {
-    /// An engine for rank `rank`.
-    pub fn new(model: DeepSeekV3, rank: usize) -> Self {
-        Self {
+    /// An engine for rank `rank` with room for `max_seqs` live sequences (the KV cache is
+    /// allocated here, for [`DeepSeekV3::max_positions`] positions each).
+    pub fn new(model: DeepSeekV3, rank: usize, max_seqs: usize) -> Result<Self> {
+        let cache = model
+            .new_kv_cache(max_seqs)
+            .with_context(|| format!("rank {rank}: cannot allocate the KV cache"))?;
+        Ok(Self {
             model,
+            cache,
             rank,
             seqs: HashMap::new(),
-        }
+        })
     }
 
     /// The model.
@@ -89,77 +96,82 @@ impl Engine {
     pub fn run(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
         for id in &plan.free {
             self.seqs.remove(id);
+            self.cache.remove(*id)?;
         }
         match &plan.op {
             StepOp::Idle | StepOp::Shutdown => Ok(Vec::new()),
             StepOp::Prefill(new) => {
                 let mine: Vec<&NewSeq> = new.iter().filter(|n| n.rank == self.rank).collect();
-                let mut states: Vec<(SeqId, SeqState)> = Vec::with_capacity(mine.len());
                 for n in &mine {
                     if self.seqs.contains_key(&n.id) {
                         bail!("rank {}: sequence {} started twice", self.rank, n.id);
                     }
-                    states.push((
+                    self.cache.insert(n.id)?;
+                    self.seqs.insert(
                         n.id,
                         SeqState {
-                            cache: self.model.new_cache(),
                             last: 0,
                             sampler: Sampler::new(n.sampling),
                         },
-                    ));
+                    );
                 }
-                let prompts: Vec<&[u32]> = mine.iter().map(|n| n.prompt.as_slice()).collect();
-                let out = self.forward_and_sample(&mut states, &prompts, StepKind::Prefill)?;
-                self.seqs.extend(states);
-                Ok(out)
+                let inputs: Vec<SeqInput<'_>> = mine
+                    .iter()
+                    .map(|n| SeqInput {
+                        seq: n.id,
+                        tokens: &n.prompt,
+                    })
+                    .collect();
+                self.forward_and_sample(&inputs, StepKind::Prefill)
             }
             StepOp::Decode => {
-                let mut ids: Vec<SeqId> = self.seqs.keys().copied().collect();
-                ids.sort_unstable();
-                let mut states: Vec<(SeqId, SeqState)> = ids
+                // Slot order: the batch is every live sequence, read from the cache as views.
+                let ids: Vec<SeqId> = self.cache.keys().to_vec();
+                let last: Vec<[u32; 1]> = ids.iter().map(|id| [self.seqs[id].last]).collect();
+                let inputs: Vec<SeqInput<'_>> = ids
                     .iter()
-                    .map(|id| (*id, self.seqs.remove(id).expect("id from the map")))
+                    .zip(&last)
+                    .map(|(&seq, t)| SeqInput { seq, tokens: t })
                     .collect();
-                let inputs: Vec<[u32; 1]> = states.iter().map(|(_, s)| [s.last]).collect();
-                let inputs: Vec<&[u32]> = inputs.iter().map(|a| a.as_slice()).collect();
-                let out = self.forward_and_sample(&mut states, &inputs, StepKind::Decode);
-                self.seqs.extend(states);
-                out
+                self.forward_and_sample(&inputs, StepKind::Decode)
             }
         }
     }
 
     fn forward_and_sample(
-        &self,
-        states: &mut [(SeqId, SeqState)],
-        tokens: &[&[u32]],
+        &mut self,
+        inputs: &[SeqInput<'_>],
         kind: StepKind,
     ) -> Result<Vec<(SeqId, u32)>> {
-        let mut inputs: Vec<SeqInput<'_>> = states
-            .iter_mut()
-            .zip(tokens)
-            .map(|((_, s), t)| SeqInput {
-                tokens: t,
-                cache: &mut s.cache,
-            })
-            .collect();
         let logits = self
             .model
-            .forward(&mut inputs, kind)
+            .forward(&mut self.cache, inputs, kind)
             .with_context(|| format!("rank {}: {kind:?} step failed", self.rank))?;
-        drop(inputs);
-        if states.is_empty() {
+        if inputs.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = DeepSeekV3::logits_rows(&logits)?;
-        Ok(states
-            .iter_mut()
-            .zip(rows)
-            .map(|((id, s), row)| {
-                s.last = s.sampler.sample(&row);
-                (*id, s.last)
-            })
-            .collect())
+        self.sample(inputs, &logits)
+            .with_context(|| format!("rank {}: sampling failed", self.rank))
+    }
+
+    /// Picks each sequence's next token: greedy ones by an argmax on the device (only the ids
+    /// come back), the others from their logits row on the host.
+    fn sample(&mut self, inputs: &[SeqInput<'_>], logits: &Tensor) -> Result<Vec<(SeqId, u32)>> {
+        let greedy: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+        let mut out = Vec::with_capacity(inputs.len());
+        for (i, input) in inputs.iter().enumerate() {
+            let s = self
+                .seqs
+                .get_mut(&input.seq)
+                .context("sampled a sequence this rank does not own")?;
+            s.last = if s.sampler.is_greedy() {
+                greedy[i]
+            } else {
+                s.sampler.sample(&logits.get(i)?.to_vec1::<f32>()?)
+            };
+            out.push((input.seq, s.last));
+        }
+        Ok(out)
     }
 }
 
@@ -183,13 +195,19 @@ impl Cluster {
             bail!("only rank 0 plans steps");
         }
         let bytes = serde_json::to_vec(plan)?;
-        self.dist.all_gather(&bytes)?;
+        self.dist
+            .all_gather(&bytes)
+            .context("rank 0: cannot send the step plan")?;
         self.run_and_gather(plan)
     }
 
     fn run_and_gather(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
         let mine = self.engine.run(plan)?;
-        let all = self.dist.all_gather(&serde_json::to_vec(&mine)?)?;
+        let rank = self.dist.info.rank;
+        let all = self
+            .dist
+            .all_gather(&serde_json::to_vec(&mine)?)
+            .with_context(|| format!("rank {rank}: cannot gather the sampled tokens"))?;
         let mut tokens = Vec::new();
         for (rank, bytes) in all.iter().enumerate() {
             let part: Vec<(SeqId, u32)> = serde_json::from_slice(bytes)
@@ -202,7 +220,11 @@ impl Cluster {
     /// Ranks other than 0: follow rank 0's plans until it shuts the job down.
     pub fn follow(&mut self) -> Result<()> {
         loop {
-            let all = self.dist.all_gather(&[])?;
+            let rank = self.dist.info.rank;
+            let all = self
+                .dist
+                .all_gather(&[])
+                .with_context(|| format!("rank {rank}: cannot receive the step plan"))?;
             let plan: StepPlan = serde_json::from_slice(
                 all.first()
                     .context("all-gather returned no message from rank 0")?,

@@ -1,7 +1,8 @@
 //! Loads a checkpoint folder (`config.json`, sharded `*.safetensors` with an optional
-//! `model.safetensors.index.json`, `tokenizer.json`) into a [`DeepSeekV3`] model. The
-//! safetensors files are memory-mapped, so each rank reads only the tensors it asks for: the
-//! shared weights and its own experts.
+//! `model.safetensors.index.json`, `tokenizer.json`) into a [`DeepSeekV3`] model, or builds one
+//! with random weights made on the device ([`load_random`]). The safetensors files are
+//! memory-mapped, so each rank reads only the tensors it asks for: the shared weights and its
+//! own experts.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,13 +10,17 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use indicatif::{ProgressBar, ProgressStyle};
 use moe_layer::dense::DenseMoe;
 use moe_layer::experts::Mlp;
 
+use crate::attention::Attention;
 use crate::config::DeepSeekV3Config;
-use crate::model::{Attention, DecoderLayer, DeepSeekV3, Ffn, Rotary};
-use crate::tokenizer::TextTokenizer;
+use crate::init::RandomInit;
+use crate::kv_cache::KvShape;
+use crate::model::{DecoderLayer, DeepSeekV3, Ffn};
+use crate::progress::Progress;
+use crate::rotary::Rotary;
+use crate::tokenizer::{build_tokenizer_json, TextTokenizer};
 
 /// How MoE layers are built.
 pub enum MoeBackend {
@@ -42,7 +47,7 @@ pub struct LoadOptions {
     pub max_positions: usize,
     /// How MoE layers are built.
     pub moe: MoeBackend,
-    /// Whether to draw a progress bar (rank 0 of a node usually).
+    /// Whether to report progress on stderr (rank 0 of a node usually).
     pub progress: bool,
 }
 
@@ -98,6 +103,41 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     let config = DeepSeekV3Config::from_file(dir.join("config.json"))?;
     let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
+    let files = safetensors_files(dir)?;
+    // SAFETY: the files are memory-mapped read-only; like every safetensors loader we rely on
+    // them not being modified while the model is alive.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device)? };
+    build(
+        config,
+        tokenizer,
+        vb,
+        opts,
+        &format!("loading {}", dir.display()),
+    )
+    .with_context(|| format!("{}: cannot load the model", dir.display()))
+}
+
+/// Builds a model of configuration `config` with random weights drawn on `opts.device`
+/// ([`RandomInit`], seed `seed`) and the generator's byte-level tokenizer for its vocabulary.
+pub fn load_random(config: DeepSeekV3Config, seed: u64, opts: LoadOptions) -> Result<LoadedModel> {
+    config.validate()?;
+    let tokenizer = TextTokenizer::from_json(&build_tokenizer_json(config.vocab_size)?)?;
+    let vb = VarBuilder::from_backend(
+        Box::new(RandomInit::new(seed)),
+        opts.dtype,
+        opts.device.clone(),
+    );
+    build(config, tokenizer, vb, opts, "random init")
+}
+
+/// The model of `config` from the tensors of `vb`.
+fn build(
+    config: DeepSeekV3Config,
+    tokenizer: TextTokenizer,
+    vb: VarBuilder,
+    opts: LoadOptions,
+    what: &str,
+) -> Result<LoadedModel> {
     if tokenizer.vocab_size() > config.vocab_size {
         bail!(
             "tokenizer.json has {} tokens but config.json's vocab_size is {}",
@@ -105,10 +145,6 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
             config.vocab_size
         );
     }
-    let files = safetensors_files(dir)?;
-    // SAFETY: the files are memory-mapped read-only; like every safetensors loader we rely on
-    // them not being modified while the model is alive.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device)? };
     let max_positions = opts
         .max_positions
         .min(config.max_position_embeddings)
@@ -124,18 +160,12 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     } else {
         None
     };
-
-    let bar = if opts.progress {
-        ProgressBar::new(config.num_hidden_layers as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    let mut progress = Progress::new(
+        what,
+        config.num_hidden_layers as u64,
+        "layers",
+        opts.progress,
     );
-    bar.set_message(dir.display().to_string());
-
     let embed = candle_nn::embedding(
         config.vocab_size,
         config.hidden_size,
@@ -174,9 +204,9 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
                 ffn,
             })
         })()
-        .with_context(|| format!("{}: cannot load layer {i}", dir.display()))?;
+        .with_context(|| format!("cannot load layer {i}"))?;
         layers.push(layer);
-        bar.inc(1);
+        progress.inc(1);
     }
     let norm = candle_nn::rms_norm(config.hidden_size, config.rms_norm_eps, vb.pp("model.norm"))?;
     let lm_head = if config.tie_word_embeddings {
@@ -184,8 +214,14 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     } else {
         candle_nn::linear_no_bias(config.hidden_size, config.vocab_size, vb.pp("lm_head"))?
     };
-    bar.finish_and_clear();
-    let model = DeepSeekV3::new(embed, layers, norm, lm_head, max_positions)?;
+    progress.finish();
+    let kv_shape = KvShape {
+        layers: config.num_hidden_layers,
+        heads: config.num_attention_heads,
+        k_dim: config.q_head_dim(),
+        v_dim: config.v_head_dim,
+    };
+    let model = DeepSeekV3::new(embed, layers, norm, lm_head, rotary, kv_shape)?;
     Ok(LoadedModel {
         config,
         model,

@@ -55,6 +55,11 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler always takes the argmax (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0
+    }
+
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let t = self.params.temperature;
@@ -69,6 +74,18 @@ impl Sampler {
             .collect();
         let sum: f32 = probs.iter().map(|p| p.1).sum();
         probs.iter_mut().for_each(|p| p.1 /= sum);
+        if self.params.top_p >= 1.0 {
+            // The whole distribution: no need to sort a large vocabulary.
+            let r: f32 = self.rng.random::<f32>();
+            let mut acc = 0.0;
+            for p in &probs {
+                acc += p.1;
+                if r < acc {
+                    return p.0;
+                }
+            }
+            return probs.last().map_or(0, |p| p.0);
+        }
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let top_p = self.params.top_p.clamp(f32::MIN_POSITIVE, 1.0);
         let mut kept = 0;

@@ -1,17 +1,18 @@
 //! Rank 0's continuous-batching loop: admits requests, places each new sequence on the rank
 //! with the fewest sequences, alternates prefill steps (new prompts, normal MoE mode) and
 //! decode steps (one token for every live sequence, low-latency MoE mode), detokenizes, applies
-//! stop conditions, and streams events back to whoever asked.
+//! stop conditions, streams events back to whoever asked, and keeps the serving [`Metrics`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::engine::{Cluster, NewSeq, SeqId, StepOp, StepPlan};
+use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::TextTokenizer;
 
@@ -25,10 +26,39 @@ pub enum FinishReason {
     Length,
 }
 
+impl FinishReason {
+    /// The OpenAI spelling (`stop`, `length`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// When a sequence's milestones happened, from its arrival.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SeqTiming {
+    /// Arrival to the prefill step that took it.
+    pub queue: Duration,
+    /// Arrival to its first token.
+    pub first_token: Duration,
+    /// Arrival to its last token.
+    pub total: Duration,
+}
+
+impl SeqTiming {
+    /// Mean time per output token after the first, over `tokens` tokens (`None` below 2).
+    pub fn per_token(&self, tokens: usize) -> Option<Duration> {
+        (tokens >= 2).then(|| (self.total - self.first_token) / (tokens as u32 - 1))
+    }
+}
+
 /// What a request hears back.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenEvent {
-    /// New text of sequence `index` (only complete UTF-8 characters).
+    /// New text of sequence `index` (only complete UTF-8 characters). The first token always
+    /// sends one, even when its text is still empty, so streams show the time to first token.
     Delta {
         /// The request's sequence index.
         index: usize,
@@ -47,6 +77,8 @@ pub enum GenEvent {
         finish_reason: FinishReason,
         /// Number of prompt tokens.
         prompt_tokens: usize,
+        /// When it got its first and last tokens.
+        timing: SeqTiming,
     },
 }
 
@@ -68,6 +100,8 @@ pub struct GenRequest {
     pub stop_strings: Vec<String>,
     /// Where events go; a closed receiver cancels the sequence.
     pub events: UnboundedSender<GenEvent>,
+    /// When the request arrived (timings are measured from here).
+    pub arrival: Instant,
 }
 
 /// Scheduler limits.
@@ -75,6 +109,9 @@ pub struct GenRequest {
 pub struct SchedulerConfig {
     /// Most live sequences per rank (also the low-latency token limit per rank).
     pub max_batch_per_rank: usize,
+    /// Most prompt tokens in one prefill step over all ranks (a longer prompt still goes
+    /// alone): bounds the activations, attention scores and MoE dispatch of a step.
+    pub max_prefill_tokens: usize,
     /// How often an idle multi-rank job runs an empty step, so waiting ranks do not time out.
     pub heartbeat: Duration,
 }
@@ -84,11 +121,31 @@ struct Active {
     rank: usize,
     tokens: Vec<u32>,
     emitted: usize,
+    queue: Duration,
+    first_token: Option<Duration>,
+    last_token: Instant,
 }
 
 impl Active {
-    /// Handles a new token; returns whether the sequence is finished.
-    fn push(&mut self, token: u32, tokenizer: &TextTokenizer, max_positions: usize) -> bool {
+    /// Handles a new token that arrived at `now`; returns whether the sequence is finished.
+    fn push(
+        &mut self,
+        token: u32,
+        now: Instant,
+        tokenizer: &TextTokenizer,
+        max_positions: usize,
+        metrics: &Metrics,
+    ) -> bool {
+        let first = self.first_token.is_none();
+        if first {
+            let ttft = now - self.req.arrival;
+            self.first_token = Some(ttft);
+            metrics.ttft.observe(ttft.as_secs_f64());
+        } else {
+            metrics.tpot.observe((now - self.last_token).as_secs_f64());
+        }
+        self.last_token = now;
+        metrics.generation_tokens.inc();
         let mut finish = None;
         if self.req.stop_tokens.contains(&token) {
             finish = Some(FinishReason::Stop);
@@ -114,8 +171,13 @@ impl Active {
         }
         let complete = finish.is_some() || !text.ends_with('\u{FFFD}');
         let mut alive = true;
-        if complete && text.len() > self.emitted && text.is_char_boundary(self.emitted) {
-            let delta = text[self.emitted..].to_string();
+        let grew = complete && text.len() > self.emitted && text.is_char_boundary(self.emitted);
+        if grew || first {
+            let delta = if grew {
+                text[self.emitted..].to_string()
+            } else {
+                String::new()
+            };
             self.emitted = text.len();
             alive = self
                 .req
@@ -127,18 +189,33 @@ impl Active {
                 .is_ok();
         }
         if let Some(reason) = finish {
+            let timing = SeqTiming {
+                queue: self.queue,
+                first_token: self.first_token.unwrap_or_default(),
+                total: now - self.req.arrival,
+            };
+            metrics.e2e.observe(timing.total.as_secs_f64());
+            metrics.prompt_tokens.inc_by(self.req.prompt.len() as u64);
+            metrics.finished.with_label_values(&[reason.as_str()]).inc();
             let _ = self.req.events.send(GenEvent::Done {
                 index: self.req.index,
                 text,
                 tokens: self.tokens.clone(),
                 finish_reason: reason,
                 prompt_tokens: self.req.prompt.len(),
+                timing,
             });
             return true;
         }
         // A request whose receiver is gone is cancelled.
         !alive || self.req.events.is_closed()
     }
+}
+
+/// Whether a prompt of `next` tokens joins a prefill step that has `taken` tokens already
+/// (the first prompt always does).
+fn fits_prefill(taken: usize, next: usize, budget: usize) -> bool {
+    taken == 0 || taken + next <= budget
 }
 
 /// Runs the loop on rank 0 until `requests` is closed and every sequence has ended, then shuts
@@ -148,6 +225,7 @@ pub fn run(
     tokenizer: &TextTokenizer,
     requests: Receiver<GenRequest>,
     cfg: SchedulerConfig,
+    metrics: &Metrics,
 ) -> Result<()> {
     let world = cluster.world_size();
     let max_positions = cluster.engine.model().max_positions();
@@ -191,10 +269,15 @@ pub fn run(
             load[a.rank] += 1;
         }
         let mut new = Vec::new();
+        let mut prefill_tokens = 0;
+        let now = Instant::now();
         while let Some(req) = waiting.front() {
             if req.events.is_closed() {
                 waiting.pop_front();
                 continue;
+            }
+            if !fits_prefill(prefill_tokens, req.prompt.len(), cfg.max_prefill_tokens) {
+                break;
             }
             let (rank, &n) = load
                 .iter()
@@ -206,6 +289,7 @@ pub fn run(
             }
             let req = waiting.pop_front().expect("front exists");
             load[rank] += 1;
+            prefill_tokens += req.prompt.len();
             let id = next_id;
             next_id += 1;
             new.push(NewSeq {
@@ -214,6 +298,8 @@ pub fn run(
                 prompt: req.prompt.clone(),
                 sampling: req.sampling,
             });
+            let queue = now - req.arrival;
+            metrics.queue.observe(queue.as_secs_f64());
             active.insert(
                 id,
                 Active {
@@ -221,13 +307,18 @@ pub fn run(
                     rank,
                     tokens: Vec::new(),
                     emitted: 0,
+                    queue,
+                    first_token: None,
+                    last_token: now,
                 },
             );
         }
-        let op = if !new.is_empty() {
-            StepOp::Prefill(new)
+        metrics.running.set(active.len() as i64);
+        metrics.waiting.set(waiting.len() as i64);
+        let (op, kind) = if !new.is_empty() {
+            (StepOp::Prefill(new), "prefill")
         } else if !active.is_empty() {
-            StepOp::Decode
+            (StepOp::Decode, "decode")
         } else {
             continue;
         };
@@ -235,20 +326,53 @@ pub fn run(
             free: std::mem::take(&mut free),
             op,
         };
+        let start = Instant::now();
         let tokens = cluster.lead_step(&plan)?;
+        let now = Instant::now();
+        metrics
+            .step
+            .with_label_values(&[kind])
+            .observe((now - start).as_secs_f64());
         for (id, token) in tokens {
             let Some(a) = active.get_mut(&id) else {
                 continue;
             };
-            if a.push(token, tokenizer, max_positions) {
+            if a.push(token, now, tokenizer, max_positions, metrics) {
                 active.remove(&id);
                 free.push(id);
             }
         }
+        metrics.running.set(active.len() as i64);
     }
     cluster.lead_step(&StepPlan {
         free,
         op: StepOp::Shutdown,
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_steps_keep_to_the_token_budget() {
+        assert!(
+            fits_prefill(0, 5000, 4096),
+            "a long prompt still goes alone"
+        );
+        assert!(fits_prefill(4000, 96, 4096));
+        assert!(!fits_prefill(4000, 97, 4096));
+    }
+
+    #[test]
+    fn per_token_time_excludes_the_first_token() {
+        let t = SeqTiming {
+            queue: Duration::ZERO,
+            first_token: Duration::from_millis(100),
+            total: Duration::from_millis(400),
+        };
+        assert_eq!(t.per_token(4), Some(Duration::from_millis(100)));
+        assert_eq!(t.per_token(1), None);
+    }
 }

@@ -226,16 +226,28 @@ impl TextTokenizer {
         let path = path.as_ref();
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
+        Ok(Self::from_inner(inner))
+    }
+
+    /// A tokenizer from the text of a `tokenizer.json`.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| anyhow!("cannot load tokenizer: {e}"))?;
+        Ok(Self::from_inner(inner))
+    }
+
+    fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let special: HashMap<String, u32> = [BOS, EOS, USER, ASSISTANT]
             .iter()
             .filter_map(|s| inner.token_to_id(s).map(|id| (s.to_string(), id)))
             .collect();
-        Ok(Self {
+        Self {
             bos: special.get(BOS).copied(),
             eos: special.get(EOS).copied(),
             inner,
             special,
-        })
+        }
     }
 
     /// Beginning-of-sequence id, when the vocabulary has one.

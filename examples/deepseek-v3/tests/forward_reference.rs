@@ -15,6 +15,7 @@ use deepseek_v3::checkpoint;
 use deepseek_v3::config::DeepSeekV3Config;
 use deepseek_v3::loader::{self, LoadOptions, LoadedModel, MoeBackend};
 use deepseek_v3::model::{SeqInput, StepKind};
+use deepseek_v3::sampling::argmax;
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
 
@@ -176,10 +177,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    deepseek_v3::sampling::argmax(v)
-}
-
 fn load_ep(dir: &Path, buffer: Buffer) -> LoadedModel {
     loader::load(
         dir,
@@ -213,7 +210,10 @@ fn check_against_reference(
     steps: usize,
 ) -> Vec<Vec<u32>> {
     let model = &m.model;
-    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut cache = model.new_kv_cache(prompts.len().max(1)).unwrap();
+    for s in 0..prompts.len() {
+        cache.insert(s as u64).unwrap();
+    }
     let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
     let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
     for step in 0..=steps {
@@ -222,15 +222,15 @@ fn check_against_reference(
         } else {
             StepKind::Decode
         };
-        let mut batch: Vec<SeqInput<'_>> = inputs
+        let batch: Vec<SeqInput<'_>> = inputs
             .iter()
-            .zip(caches.iter_mut())
-            .map(|(t, c)| SeqInput {
+            .enumerate()
+            .map(|(s, t)| SeqInput {
+                seq: s as u64,
                 tokens: t,
-                cache: c,
             })
             .collect();
-        let logits = model.forward(&mut batch, kind).unwrap();
+        let logits = model.forward(&mut cache, &batch, kind).unwrap();
         let rows = logits.to_vec2::<f32>().unwrap();
         for (s, row) in rows.iter().enumerate() {
             let want = reference.last_logits(&seqs[s]);
@@ -454,4 +454,148 @@ fn each_rank_reads_only_its_experts() {
     .unwrap_err();
     let err = format!("{err:#}");
     assert!(err.contains("model.layers.1.mlp.experts.0."), "{err}");
+}
+
+/// The cache's harder paths against the reference: a prompt fed in two chunks (a multi-token
+/// step over a non-empty cache), a batch given out of slot order, sequences added while others
+/// are live (a prefill of the last slots only), and a sequence removed from the middle (the
+/// last one moves into its slot) before decoding goes on.
+#[test]
+fn chunked_prefill_reordered_batches_and_removal_match_reference() {
+    let dir = common::scratch("forward-cache");
+    checkpoint::generate(&dir, &DeepSeekV3Config::tiny(), 13, 2).unwrap();
+    let reference = Reference::load(&dir);
+    let buffer = Buffer::local_group(1, 1, buffer_config(&reference.cfg))
+        .unwrap()
+        .pop()
+        .unwrap();
+    let m = load_ep(&dir, buffer);
+    let model = &m.model;
+    let mut cache = model.new_kv_cache(4).unwrap();
+    let mut seqs: Vec<Vec<u32>> = vec![
+        vec![0, 40, 41, 42, 43, 44, 45],
+        vec![0, 7, 8],
+        vec![0, 90, 91, 92, 93],
+        vec![0, 150],
+    ];
+    let check = |rows: &[Vec<f32>], ids: &[usize], seqs: &[Vec<u32>], what: &str| {
+        for (row, &s) in rows.iter().zip(ids) {
+            let diff = max_abs_diff(row, &reference.last_logits(&seqs[s]));
+            assert!(diff < 2e-3, "{what}: sequence {s} differs by {diff}");
+        }
+    };
+    // Sequences 0 and 1: the first chunk of each prompt, given in reverse order.
+    cache.insert(0).unwrap();
+    cache.insert(1).unwrap();
+    let rows = model
+        .forward(
+            &mut cache,
+            &[
+                SeqInput {
+                    seq: 1,
+                    tokens: &seqs[1][..2],
+                },
+                SeqInput {
+                    seq: 0,
+                    tokens: &seqs[0][..3],
+                },
+            ],
+            StepKind::Prefill,
+        )
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let partial = vec![seqs[0][..3].to_vec(), seqs[1][..2].to_vec()];
+    check(&rows, &[1, 0], &partial, "first chunk");
+    // Their second chunks (over a non-empty cache), then sequences 2 and 3 join.
+    let rows = model
+        .forward(
+            &mut cache,
+            &[
+                SeqInput {
+                    seq: 0,
+                    tokens: &seqs[0][3..],
+                },
+                SeqInput {
+                    seq: 1,
+                    tokens: &seqs[1][2..],
+                },
+            ],
+            StepKind::Prefill,
+        )
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    check(&rows, &[0, 1], &seqs, "second chunk");
+    cache.insert(2).unwrap();
+    cache.insert(3).unwrap();
+    let rows = model
+        .forward(
+            &mut cache,
+            &[
+                SeqInput {
+                    seq: 2,
+                    tokens: &seqs[2],
+                },
+                SeqInput {
+                    seq: 3,
+                    tokens: &seqs[3],
+                },
+            ],
+            StepKind::Prefill,
+        )
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    check(&rows, &[2, 3], &seqs, "joining prefill");
+    // Decode all four once, drop sequence 1 (sequence 3 moves into its slot), decode twice more.
+    let mut live = vec![0usize, 1, 2, 3];
+    for step in 0..3 {
+        if step == 1 {
+            assert!(cache.remove(1).unwrap());
+            live.retain(|&s| s != 1);
+            assert_eq!(cache.keys(), &[0, 3, 2]);
+        }
+        let next: Vec<u32> = live
+            .iter()
+            .map(|&s| argmax(&reference.last_logits(&seqs[s])))
+            .collect();
+        for (&s, &t) in live.iter().zip(&next) {
+            seqs[s].push(t);
+        }
+        let inputs: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let batch: Vec<SeqInput<'_>> = live
+            .iter()
+            .zip(&inputs)
+            .map(|(&s, t)| SeqInput {
+                seq: s as u64,
+                tokens: t,
+            })
+            .collect();
+        let rows = model
+            .forward(&mut cache, &batch, StepKind::Decode)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        check(&rows, &live, &seqs, &format!("decode step {step}"));
+    }
+    // A batch that is not a contiguous run of slots is refused with a clear error.
+    let err = model
+        .forward(
+            &mut cache,
+            &[
+                SeqInput {
+                    seq: 0,
+                    tokens: &[5],
+                },
+                SeqInput {
+                    seq: 2,
+                    tokens: &[5],
+                },
+            ],
+            StepKind::Decode,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("contiguous run of cache slots"), "{err}");
 }

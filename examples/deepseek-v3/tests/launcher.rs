@@ -1,5 +1,6 @@
 //! The launcher, run as 2 nodes x 2 ranks over loopback (two `launch` invocations), generates
-//! the same greedy tokens as a single process; a failing rank stops the job with an error.
+//! the same greedy tokens as a single process (whose `--json` summary reports its speed); a
+//! failing rank stops the job, and the launcher names the first rank that failed and why.
 
 mod common;
 
@@ -41,7 +42,9 @@ fn results(out: &Output) -> Vec<Vec<u64>> {
     for line in stdout.lines() {
         let line = line.strip_prefix("[rank 0] ").unwrap_or(line);
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-            let i = v["index"].as_u64().unwrap() as usize;
+            let Some(i) = v["index"].as_u64().map(|i| i as usize) else {
+                continue; // the summary line
+            };
             let toks = v["tokens"]
                 .as_array()
                 .unwrap()
@@ -55,6 +58,17 @@ fn results(out: &Output) -> Vec<Vec<u64>> {
         .enumerate()
         .map(|(i, r)| r.unwrap_or_else(|| panic!("no result for prompt {i}; stdout:\n{stdout}")))
         .collect()
+}
+
+/// The `{"summary": ...}` line of `generate --json`.
+fn summary(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("summary").cloned())
+        .unwrap_or_else(|| panic!("no summary line in:\n{stdout}"))
 }
 
 fn check(out: &Output, what: &str) {
@@ -79,6 +93,14 @@ fn two_nodes_of_two_ranks_match_one_rank() {
     check(&single, "single-rank generate");
     let want = results(&single);
     assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
+    let summary = summary(&single);
+    let generated: usize = want.iter().map(Vec::len).sum();
+    assert_eq!(summary["generated_tokens"], generated, "{summary}");
+    assert_eq!(summary["prompts"], PROMPTS.len(), "{summary}");
+    assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0, "{summary}");
+    let ttft = &summary["ttft_ms"];
+    assert!(ttft["p50"].as_f64().unwrap() > 0.0, "{summary}");
+    assert!(ttft["max"].as_f64() >= ttft["p50"].as_f64(), "{summary}");
     let model = std::fs::read_dir(&cache)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -149,8 +171,17 @@ fn a_failing_rank_stops_the_job() {
         .arg(dir.join("missing"))
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("[rank "), "{stderr}");
-    assert!(stderr.contains("failed"), "{stderr}");
+    // The launcher names the rank, how it ended, and repeats its last error line.
+    let report = stderr
+        .lines()
+        .find(|l| l.starts_with("launch: rank "))
+        .unwrap_or_else(|| panic!("no launcher report in:\n{stderr}"));
+    assert!(
+        report.contains("exited with code 1: error: cannot read"),
+        "{report}"
+    );
+    assert!(report.contains("missing/config.json"), "{report}");
 }

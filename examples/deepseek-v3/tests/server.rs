@@ -3,25 +3,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
+use common::{Server, BIN};
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_deepseek-v3");
-
-/// Kills the server when the test ends, pass or fail.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn gen_model(name: &str) -> std::path::PathBuf {
     let dir = common::scratch(name);
@@ -38,14 +23,12 @@ fn gen_model(name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// Starts `serve` on a free port, directly or under `launch_args` (`launch ... --`).
+/// Starts `serve` on the checkpoint `model`, directly or under `launch_args` (`launch ... --`).
 fn start_server(model: &std::path::Path, launch_args: &[&str]) -> Server {
-    let mut child = Command::new(BIN)
-        .args(launch_args)
-        .args([
-            "serve",
-            "--port",
-            "0",
+    let model = model.display().to_string();
+    Server::start(
+        launch_args,
+        &[
             "--max-prompt-tokens",
             "64",
             "--max-tokens-limit",
@@ -53,27 +36,9 @@ fn start_server(model: &std::path::Path, launch_args: &[&str]) -> Server {
             "--max-batch",
             "4",
             "--model",
-        ])
-        .arg(model)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let port = loop {
-        let line = lines
-            .next()
-            .expect("server exited before listening")
-            .unwrap();
-        let line = line.strip_prefix("[rank 0] ").unwrap_or(&line);
-        if let Some(addr) = line.strip_prefix("listening on http://") {
-            break addr.rsplit(':').next().unwrap().parse().unwrap();
-        }
-    };
-    // Keep draining stdout so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, port }
+            &model,
+        ],
+    )
 }
 
 fn json(body: &str) -> Value {
@@ -130,12 +95,13 @@ fn server_answers_and_rejects() {
         "{}",
         resp.headers
     );
-    let data: Vec<&str> = resp
-        .body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
-        .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"), "{}", resp.body);
+    let data = common::sse_data(&resp.body);
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        resp.body
+    );
     let mut streamed = String::new();
     let mut finished = false;
     for d in &data[..data.len() - 1] {

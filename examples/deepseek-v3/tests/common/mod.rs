@@ -1,11 +1,17 @@
-//! Helpers shared by the integration tests: scratch folders, free ports, a tiny HTTP client.
+//! Helpers shared by the integration tests: scratch folders, free ports, a server process, a
+//! tiny HTTP client.
 
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_deepseek-v3");
 
 /// A fresh, empty folder under cargo's per-target scratch folder.
 pub fn scratch(name: &str) -> PathBuf {
@@ -26,6 +32,89 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A `serve` process (directly or under `launch`), killed when dropped; its stderr is kept.
+pub struct Server {
+    pub child: Child,
+    pub port: u16,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    /// Starts `BIN [launch...] serve --port 0 [serve_args...]` and waits until it listens.
+    pub fn start(launch: &[&str], serve_args: &[&str]) -> Server {
+        Self::start_env(&[], launch, serve_args)
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_env(env: &[(&str, &str)], launch: &[&str], serve_args: &[&str]) -> Server {
+        let mut child = Command::new(BIN)
+            .envs(env.iter().copied())
+            .args(launch)
+            .args(["serve", "--port", "0"])
+            .args(serve_args)
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let sink = stderr.clone();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let port = loop {
+            let Some(Ok(line)) = lines.next() else {
+                let _ = child.wait();
+                panic!(
+                    "server exited before listening; stderr:\n{}",
+                    stderr.lock().unwrap().join("\n")
+                );
+            };
+            let line = line.strip_prefix("[rank 0] ").unwrap_or(&line);
+            if let Some(addr) = line.strip_prefix("listening on http://") {
+                break addr.rsplit(':').next().unwrap().parse().unwrap();
+            }
+        };
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server {
+            child,
+            port,
+            stderr,
+        }
+    }
+
+    /// Everything the server wrote to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        self.stderr.lock().unwrap().join("\n")
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status, or `None` if still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A parsed HTTP/1.1 response.
 #[derive(Debug)]
 pub struct HttpResponse {
@@ -34,14 +123,35 @@ pub struct HttpResponse {
     pub body: String,
 }
 
-/// Sends one request (`Connection: close`) and reads the whole response (chunked bodies are
-/// de-chunked).
+/// Sends one JSON request (`Connection: close`) and reads the whole response (chunked bodies
+/// are de-chunked).
 pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+    request(
+        port,
+        method,
+        path,
+        &[("Content-Type", "application/json")],
+        body,
+    )
+}
+
+/// [`http`] with the given headers only.
+pub fn request(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let body = body.unwrap_or("");
+    let headers: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).unwrap();
@@ -76,4 +186,12 @@ fn dechunk(mut s: &str) -> String {
         s = &rest[n + 2..];
     }
     out
+}
+
+/// The `data:` payloads of a server-sent event stream, in order.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(str::to_string)
+        .collect()
 }

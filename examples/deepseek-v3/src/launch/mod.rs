@@ -1,13 +1,20 @@
 //! A torchrun-like launcher: starts `--nproc-per-node` copies of this binary with the rank
-//! variables set, prefixes their output lines with their rank, and stops them all (exiting
-//! non-zero) as soon as one fails.
+//! variables set, prefixes their output lines with their rank, and stops them all as soon as
+//! one fails, naming that rank and how it ended ([`supervise`]).
+
+mod supervise;
+
+pub use supervise::{describe, exit_code};
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+
+use supervise::Rank;
 
 /// Set in every launched rank: its stdin is a pipe from the launcher, closed when the launcher
 /// ends (even when killed), which [`watch_launcher`] turns into this rank's exit.
@@ -56,19 +63,46 @@ pub struct LaunchArgs {
     /// Port of the bootstrap store on node 0.
     #[arg(long, default_value_t = 29500)]
     pub master_port: u16,
+    /// Seconds the other ranks get to stop (SIGTERM) once one failed, before SIGKILL.
+    #[arg(long, default_value_t = 5)]
+    pub grace_secs: u64,
     /// The subcommand each rank runs, after `--` (e.g. `-- generate --prompt hi`).
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
 }
 
+/// Whether a rank's stderr line reports why it stopped: this program's `error: ...` or a panic.
+fn is_error_line(line: &str) -> bool {
+    line.starts_with("error:") || line.contains("panicked at")
+}
+
+/// Copies `reader` line by line to our stdout or stderr with `prefix`; remembers the last error
+/// line ([`is_error_line`]) in `last`. Bytes that are not UTF-8 are passed on as U+FFFD, never
+/// dropped.
 fn forward<R: Read + Send + 'static>(
     reader: R,
     prefix: String,
     to_stderr: bool,
+    last: Option<Arc<Mutex<Option<String>>>>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        for line in BufReader::new(reader).lines() {
-            let Ok(line) = line else { break };
+        let mut reader = BufReader::new(reader);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match reader.read_until(b'\n', &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            let line = String::from_utf8_lossy(&buf);
+            let line = line.trim_end_matches(['\n', '\r']);
+            if let Some(last) = &last {
+                if is_error_line(line) {
+                    if let Ok(mut l) = last.lock() {
+                        *l = Some(line.to_string());
+                    }
+                }
+            }
             if to_stderr {
                 let mut e = std::io::stderr().lock();
                 let _ = writeln!(e, "{prefix}{line}");
@@ -103,7 +137,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         .map_or(1, |n| n.get())
         .div_ceil(args.nproc_per_node)
         .max(1);
-    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut ranks: Vec<Rank> = Vec::new();
     let mut pumps = Vec::new();
     let mut stdins = Vec::new();
     for local in 0..args.nproc_per_node {
@@ -126,60 +160,45 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                kill_all(&mut children);
+                kill_all(&mut ranks);
                 return Err(e).with_context(|| format!("cannot start rank {rank}"));
             }
         };
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
-            pumps.push(forward(out, prefix.clone(), false));
+            pumps.push(forward(out, prefix.clone(), false, None));
         }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(forward(err, prefix, true));
-        }
+        let last_error = Arc::new(Mutex::new(None));
+        let stderr_pump = child
+            .stderr
+            .take()
+            .map(|err| forward(err, prefix, true, Some(last_error.clone())));
         // Kept open for the ranks' lifetime: closing it (our exit) stops them.
         stdins.extend(child.stdin.take());
         tracing::info!(rank, local, world, pid = child.id(), "started");
-        children.push((rank, child));
+        ranks.push(Rank {
+            rank,
+            child,
+            stderr_pump,
+            last_error,
+        });
     }
-    let mut code = 0;
-    let mut running = children.len();
-    while running > 0 {
-        running = 0;
-        let mut failed = None;
-        for (rank, child) in children.iter_mut() {
-            match child.try_wait() {
-                Ok(Some(status)) if !status.success() => {
-                    failed = Some((*rank, status.code().unwrap_or(1)));
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => running += 1,
-                Err(e) => {
-                    tracing::error!(rank = *rank, "cannot wait for rank: {e}");
-                    failed = Some((*rank, 1));
-                }
-            }
-        }
-        if let Some((rank, c)) = failed {
-            eprintln!("launch: rank {rank} failed (exit code {c}); stopping the other ranks");
-            kill_all(&mut children);
-            code = if c == 0 { 1 } else { c };
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let code = supervise::supervise(&mut ranks, Duration::from_secs(args.grace_secs));
     drop(stdins);
-    for p in pumps {
+    for p in pumps
+        .into_iter()
+        .chain(ranks.iter_mut().filter_map(|r| r.stderr_pump.take()))
+    {
         let _ = p.join();
     }
     Ok(code)
 }
 
-fn kill_all(children: &mut [(usize, Child)]) {
-    for (_, child) in children.iter_mut() {
-        if let Ok(None) = child.try_wait() {
-            let _ = child.kill();
+fn kill_all(ranks: &mut [Rank]) {
+    for r in ranks.iter_mut() {
+        if let Ok(None) = r.child.try_wait() {
+            let _ = r.child.kill();
         }
-        let _ = child.wait();
+        let _ = r.child.wait();
     }
 }

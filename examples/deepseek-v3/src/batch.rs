@@ -1,0 +1,266 @@
+//! The geometry of one forward step over a batch of sequences of different lengths, built once
+//! per step and used by every layer: token positions and their rotary rows, the gather that
+//! pads the concatenated tokens to `[b, t_max]` and the one that takes them back, the attention
+//! mask (causal within the new tokens, and no key past a sequence's length), and the scatter
+//! indices of one-token steps.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::kv_cache::{KvCache, SeqKey};
+use crate::rotary::Rotary;
+
+/// One sequence of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// Positions already in the cache.
+    pub offset: usize,
+    /// New tokens in this step.
+    pub new_tokens: usize,
+}
+
+/// One step's batch layout. Sequences are ordered by cache slot (a contiguous run starting at
+/// [`BatchPlan::first_slot`]); the concatenated tokens follow the same order.
+#[derive(Debug)]
+pub struct BatchPlan {
+    first_slot: usize,
+    seqs: Vec<SeqSpan>,
+    max_new: usize,
+    max_len: usize,
+    /// Caller index of each sequence in slot order.
+    order: Vec<usize>,
+    cos: Tensor,
+    sin: Tensor,
+    /// `[b * t_max]` rows of the concatenated tokens (a short sequence repeats its last
+    /// token); `None` when every sequence has exactly one new token.
+    pad: Option<Tensor>,
+    /// `[total]` rows of the padded `[b * t_max]` layout that hold real tokens.
+    unpad: Option<Tensor>,
+    /// Additive mask `[b, 1, t_max, max_len]`: 0 where a query may see a key, else -inf.
+    mask: Tensor,
+    scatter_k: Option<Tensor>,
+    scatter_v: Option<Tensor>,
+    /// Row of each sequence's last token in the concatenation, in caller order.
+    last: Tensor,
+}
+
+impl BatchPlan {
+    /// Lays out `batch` (`(sequence, new tokens)`, in the caller's order) over `cache`. The
+    /// sequences must fill a contiguous run of slots (every live sequence, or the ones added
+    /// last) and each must bring at least one token that fits its capacity. Returns the plan and
+    /// the token ids concatenated in slot order.
+    pub fn new(
+        batch: &[(SeqKey, &[u32])],
+        cache: &KvCache,
+        rotary: &Rotary,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Self, Vec<u32>)> {
+        let mut slotted = Vec::with_capacity(batch.len());
+        for (i, (key, tokens)) in batch.iter().enumerate() {
+            let slot = cache.slot_of(*key).ok_or_else(|| {
+                candle_core::Error::Msg(format!("sequence {key} is not in the KV cache"))
+            })?;
+            if tokens.is_empty() {
+                candle_core::bail!("sequence {key} has no new token in this step");
+            }
+            slotted.push((slot, i));
+        }
+        slotted.sort_unstable();
+        let first_slot = slotted.first().map_or(0, |s| s.0);
+        if let Some((pos, (slot, _))) = slotted
+            .iter()
+            .enumerate()
+            .find(|(j, (slot, _))| *slot != first_slot + j)
+        {
+            candle_core::bail!(
+                "a batch must be a contiguous run of cache slots: slot {slot} at place {pos} of a run from {first_slot}"
+            );
+        }
+        let order: Vec<usize> = slotted.iter().map(|s| s.1).collect();
+        let mut seqs = Vec::with_capacity(order.len());
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        for &i in &order {
+            let (key, tokens) = batch[i];
+            let offset = cache.len_of(key).unwrap_or(0);
+            if offset + tokens.len() > cache.capacity() {
+                candle_core::bail!(
+                    "sequence {key} of {} tokens exceeds the model's context of {}",
+                    offset + tokens.len(),
+                    cache.capacity()
+                );
+            }
+            seqs.push(SeqSpan {
+                offset,
+                new_tokens: tokens.len(),
+            });
+            ids.extend_from_slice(tokens);
+            positions.extend((offset..offset + tokens.len()).map(|p| p as u32));
+        }
+        let b = seqs.len();
+        let max_new = seqs.iter().map(|s| s.new_tokens).max().unwrap_or(0);
+        let max_len = seqs
+            .iter()
+            .map(|s| s.offset + s.new_tokens)
+            .max()
+            .unwrap_or(0);
+
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let (cos, sin) = rotary.rows(&positions)?;
+
+        // Row in the concatenation of each sequence's first token.
+        let starts: Vec<usize> = seqs
+            .iter()
+            .scan(0, |acc, s| {
+                let start = *acc;
+                *acc += s.new_tokens;
+                Some(start)
+            })
+            .collect();
+        let (pad, unpad) = if max_new == 1 {
+            (None, None)
+        } else {
+            let mut pad = Vec::with_capacity(b * max_new);
+            let mut unpad = Vec::with_capacity(ids.len());
+            for (i, s) in seqs.iter().enumerate() {
+                for t in 0..max_new {
+                    pad.push((starts[i] + t.min(s.new_tokens - 1)) as u32);
+                    if t < s.new_tokens {
+                        unpad.push((i * max_new + t) as u32);
+                    }
+                }
+            }
+            (
+                Some(Tensor::new(pad.as_slice(), device)?),
+                Some(Tensor::new(unpad.as_slice(), device)?),
+            )
+        };
+
+        // Query t of sequence i sees keys 0..=offset + t (a padded query repeats the last one).
+        let limits: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| (0..max_new).map(move |t| (s.offset + t.min(s.new_tokens - 1)) as u32))
+            .collect();
+        let limits = Tensor::from_vec(limits, (b, 1, max_new, 1), device)?;
+        let keys = Tensor::arange(0u32, max_len as u32, device)?.reshape((1, 1, 1, max_len))?;
+        let allowed = keys.broadcast_le(&limits)?.to_dtype(DType::F32)?;
+        // 0 where allowed, -1e9 elsewhere (computed in f32, -inf once in a 16-bit dtype).
+        let mask = ((allowed - 1.0)? * 1e9)?.to_dtype(dtype)?;
+
+        let (scatter_k, scatter_v) = if max_new == 1 {
+            let shape = cache.shape();
+            let offsets: Vec<u32> = seqs.iter().map(|s| s.offset as u32).collect();
+            let offsets = Tensor::from_vec(offsets, (b, 1, 1, 1), device)?;
+            let index = |d: usize| -> Result<Tensor> {
+                offsets
+                    .broadcast_as((b, shape.heads, 1, d))?
+                    .contiguous()?
+                    .reshape((b * shape.heads, 1, d))
+            };
+            (Some(index(shape.k_dim)?), Some(index(shape.v_dim)?))
+        } else {
+            (None, None)
+        };
+
+        let mut last = vec![0u32; b];
+        for (j, &i) in order.iter().enumerate() {
+            last[i] = (starts[j] + seqs[j].new_tokens - 1) as u32;
+        }
+        let last = Tensor::new(last.as_slice(), device)?;
+        Ok((
+            Self {
+                first_slot,
+                seqs,
+                max_new,
+                max_len,
+                order,
+                cos,
+                sin,
+                pad,
+                unpad,
+                mask,
+                scatter_k,
+                scatter_v,
+                last,
+            },
+            ids,
+        ))
+    }
+
+    /// Slot of the first sequence.
+    pub fn first_slot(&self) -> usize {
+        self.first_slot
+    }
+
+    /// Sequences in slot order.
+    pub fn seqs(&self) -> &[SeqSpan] {
+        &self.seqs
+    }
+
+    /// Number of sequences.
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Most new tokens of one sequence (`t_max`).
+    pub fn max_new(&self) -> usize {
+        self.max_new
+    }
+
+    /// Longest sequence after this step (keys attention reads).
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Caller index of each sequence, in slot order.
+    pub fn order(&self) -> &[usize] {
+        &self.order
+    }
+
+    /// Rotary cos and sin rows of the concatenated tokens.
+    pub fn rotary_rows(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
+    /// The additive attention mask `[b, 1, t_max, max_len]`.
+    pub fn mask(&self) -> &Tensor {
+        &self.mask
+    }
+
+    pub(crate) fn scatter_k(&self) -> Option<&Tensor> {
+        self.scatter_k.as_ref()
+    }
+
+    pub(crate) fn scatter_v(&self) -> Option<&Tensor> {
+        self.scatter_v.as_ref()
+    }
+
+    /// Concatenated per-token rows `[total, heads, d]` -> padded `[b, heads, t_max, d]`.
+    pub fn pad(&self, x: &Tensor) -> Result<Tensor> {
+        let (total, heads, d) = x.dims3()?;
+        let b = self.num_seqs();
+        let x = match &self.pad {
+            None => x.reshape((b, 1, heads, d))?,
+            Some(index) => x
+                .reshape((total, heads * d))?
+                .index_select(index, 0)?
+                .reshape((b, self.max_new, heads, d))?,
+        };
+        x.transpose(1, 2)?.contiguous()
+    }
+
+    /// Padded `[b, heads, t_max, d]` -> concatenated rows `[total, heads * d]`.
+    pub fn unpad(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, heads, t, d) = x.dims4()?;
+        let rows = x.transpose(1, 2)?.reshape((b * t, heads * d))?;
+        match &self.unpad {
+            None => Ok(rows),
+            Some(index) => rows.index_select(index, 0),
+        }
+    }
+
+    /// The rows of each sequence's last token, `[b, hidden]` in the caller's order.
+    pub fn last_rows(&self, x: &Tensor) -> Result<Tensor> {
+        x.index_select(&self.last, 0)
+    }
+}

@@ -1,0 +1,225 @@
+//! The KV cache of one rank, allocated once: for every layer, keys
+//! `[max_seqs, heads, capacity, q_head_dim]` and values `[max_seqs, heads, capacity, v_head_dim]`.
+//!
+//! A sequence holds one slot. Live sequences always fill slots `0..n` (removing one moves the
+//! last sequence into its slot), so a step over every sequence, or over the sequences added
+//! last, reads its keys and values as views of the cache, without copies.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::batch::BatchPlan;
+
+/// Key of a sequence in the cache (the engine's sequence id).
+pub type SeqKey = u64;
+
+/// Sizes of one layer's cache entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Per-head width of keys (`qk_nope_head_dim + qk_rope_head_dim`).
+    pub k_dim: usize,
+    /// Per-head width of values.
+    pub v_dim: usize,
+}
+
+/// The keys and values of every live sequence, in slots.
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    shape: KvShape,
+    max_seqs: usize,
+    capacity: usize,
+    /// Key of the sequence in each occupied slot (`keys.len()` = live sequences).
+    keys: Vec<SeqKey>,
+    /// Cached positions of each occupied slot.
+    lens: Vec<usize>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("shape", &self.shape)
+            .field("max_seqs", &self.max_seqs)
+            .field("capacity", &self.capacity)
+            .field("keys", &self.keys)
+            .field("lens", &self.lens)
+            .finish()
+    }
+}
+
+impl KvCache {
+    /// Bytes a cache of these sizes takes on the device.
+    pub fn bytes(shape: KvShape, max_seqs: usize, capacity: usize, dtype: DType) -> usize {
+        shape.layers
+            * max_seqs
+            * shape.heads
+            * capacity
+            * (shape.k_dim + shape.v_dim)
+            * dtype.size_in_bytes()
+    }
+
+    /// A zeroed cache for `max_seqs` sequences of up to `capacity` positions each.
+    pub fn new(
+        shape: KvShape,
+        max_seqs: usize,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if max_seqs == 0 || capacity == 0 {
+            candle_core::bail!(
+                "KvCache: max_seqs = {max_seqs} and capacity = {capacity} must both be at least 1"
+            );
+        }
+        let (h, k, v) = (shape.heads, shape.k_dim, shape.v_dim);
+        let layers = (0..shape.layers)
+            .map(|_| {
+                Ok((
+                    Tensor::zeros((max_seqs, h, capacity, k), dtype, device)?,
+                    Tensor::zeros((max_seqs, h, capacity, v), dtype, device)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            shape,
+            max_seqs,
+            capacity,
+            keys: Vec::with_capacity(max_seqs),
+            lens: Vec::with_capacity(max_seqs),
+        })
+    }
+
+    /// The sizes of the entries.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// Most sequences the cache holds at once.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+
+    /// Most positions (prompt plus generated tokens) of one sequence.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Live sequences.
+    pub fn num_seqs(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Keys of the live sequences in slot order.
+    pub fn keys(&self) -> &[SeqKey] {
+        &self.keys
+    }
+
+    /// The slot of sequence `key`.
+    pub fn slot_of(&self, key: SeqKey) -> Option<usize> {
+        self.keys.iter().position(|&k| k == key)
+    }
+
+    /// Cached positions of sequence `key`.
+    pub fn len_of(&self, key: SeqKey) -> Option<usize> {
+        self.slot_of(key).map(|s| self.lens[s])
+    }
+
+    /// Adds an empty sequence in the first free slot (after every live one).
+    pub fn insert(&mut self, key: SeqKey) -> Result<()> {
+        if self.slot_of(key).is_some() {
+            candle_core::bail!("KvCache: sequence {key} is already in the cache");
+        }
+        if self.keys.len() == self.max_seqs {
+            candle_core::bail!(
+                "KvCache: all {} slots are taken (--max-batch); cannot add sequence {key}",
+                self.max_seqs
+            );
+        }
+        self.keys.push(key);
+        self.lens.push(0);
+        Ok(())
+    }
+
+    /// Drops sequence `key`; the last sequence moves into its slot. Returns whether it was there.
+    pub fn remove(&mut self, key: SeqKey) -> Result<bool> {
+        let Some(slot) = self.slot_of(key) else {
+            return Ok(false);
+        };
+        let last = self.keys.len() - 1;
+        if slot != last {
+            let len = self.lens[last];
+            if len > 0 {
+                for (k, v) in &self.layers {
+                    for t in [k, v] {
+                        let src = t.narrow(0, last, 1)?.narrow(2, 0, len)?.contiguous()?;
+                        t.narrow(0, slot, 1)?.slice_set(&src, 2, 0)?;
+                    }
+                }
+            }
+            self.keys[slot] = self.keys[last];
+            self.lens[slot] = self.lens[last];
+        }
+        self.keys.pop();
+        self.lens.pop();
+        Ok(true)
+    }
+
+    /// Records that the sequences of `plan` grew by their new tokens (after a forward pass).
+    pub(crate) fn advance(&mut self, plan: &BatchPlan) {
+        for (i, seq) in plan.seqs().iter().enumerate() {
+            self.lens[plan.first_slot() + i] = seq.offset + seq.new_tokens;
+        }
+    }
+
+    /// Writes layer `layer`'s new keys `[b, heads, t_max, k_dim]` and values
+    /// `[b, heads, t_max, v_dim]` (padded as [`BatchPlan::pad`] makes them) at each sequence's
+    /// positions. One-token steps take one scatter per tensor; longer ones one copy per sequence.
+    pub(crate) fn write(
+        &self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        plan: &BatchPlan,
+    ) -> Result<()> {
+        let (kc, vc) = &self.layers[layer];
+        let h = self.shape.heads;
+        let (first, b) = (plan.first_slot(), plan.num_seqs());
+        for (cache, new, index) in [(kc, k, plan.scatter_k()), (vc, v, plan.scatter_v())] {
+            let d = new.dim(3)?;
+            // [slots * heads, capacity, d]: rows of one sequence's head.
+            let rows = cache.reshape((self.max_seqs * h, self.capacity, d))?;
+            match index {
+                Some(index) => {
+                    let dst = rows.narrow(0, first * h, b * h)?;
+                    dst.scatter_set(index, &new.reshape((b * h, 1, d))?, 1)?;
+                }
+                None => {
+                    for (i, seq) in plan.seqs().iter().enumerate() {
+                        let src = new
+                            .narrow(0, i, 1)?
+                            .narrow(2, 0, seq.new_tokens)?
+                            .contiguous()?
+                            .reshape((h, seq.new_tokens, d))?;
+                        rows.narrow(0, (first + i) * h, h)?
+                            .slice_set(&src, 1, seq.offset)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `layer`'s keys `[b, heads, max_len, k_dim]` and values `[b, heads, max_len, v_dim]`
+    /// of the sequences of `plan` (views; positions past a sequence's length are masked).
+    pub(crate) fn view(&self, layer: usize, plan: &BatchPlan) -> Result<(Tensor, Tensor)> {
+        let (k, v) = &self.layers[layer];
+        let (first, b, len) = (plan.first_slot(), plan.num_seqs(), plan.max_len());
+        Ok((
+            k.narrow(0, first, b)?.narrow(2, 0, len)?,
+            v.narrow(0, first, b)?.narrow(2, 0, len)?,
+        ))
+    }
+}
