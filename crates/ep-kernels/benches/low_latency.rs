@@ -162,7 +162,9 @@ fn setup(
     let bases: Vec<u64> = ranks.iter().map(|r| r.buf.base_ptr()).collect();
     for rank in &mut ranks {
         let stream = rank.stream.clone();
-        rank.buf.connect(&stream, &bases)?;
+        // SAFETY: `bases` are the ranks' buffers of this layout, peer-accessible in this
+        // process, and live as long as the ranks (dropped after every kernel finished).
+        unsafe { rank.buf.connect(&stream, &bases) }?;
     }
     Ok(ranks)
 }

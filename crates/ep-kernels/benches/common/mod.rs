@@ -1,7 +1,7 @@
 //! One process driving every rank of a node: a context, stream, NVLink buffer and error record
 //! per GPU, peer access between all of them, and one host thread per rank.
 //!
-//! Shared by `benches/intranode.rs` and `tests/gpu_intranode.rs` (included there by path).
+//! Shared by `benches/intranode/main.rs` and `tests/gpu_intranode.rs` (both include it by path).
 #![allow(dead_code)]
 
 use std::sync::Arc;

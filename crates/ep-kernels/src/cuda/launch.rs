@@ -23,6 +23,17 @@ pub const DEFAULT_DYNAMIC_SMEM_LIMIT: u32 = 48 * 1024;
 /// must hold no Rust references or other non-plain-data fields.
 pub unsafe trait KernelParams: Copy + Send + Sync + 'static {}
 
+/// Pins the layout of a [`KernelParams`] mirror at compile time to that of the `.cu` side's
+/// struct: its size, then the byte offset of each listed field (`field = offset`), so that a
+/// field moved, resized or swapped with another fails the build, not the kernel.
+macro_rules! assert_params_layout {
+    ($ty:ty, $size:expr; $($field:ident = $offset:expr),+ $(,)?) => {
+        const _: () = assert!(::std::mem::size_of::<$ty>() == $size);
+        $(const _: () = assert!(::std::mem::offset_of!($ty, $field) == $offset);)+
+    };
+}
+pub(crate) use assert_params_layout;
+
 /// The params struct as a kernel argument: `cuLaunchKernel` copies `size_of::<P>()` bytes from
 /// its address, which is what the kernel's by-value parameter expects.
 #[repr(transparent)]

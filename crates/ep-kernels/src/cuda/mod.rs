@@ -23,6 +23,7 @@ mod kernels;
 mod launch;
 
 pub use kernels::{cubin, cubin_names, DeviceProps, Kernels};
+pub(crate) use launch::assert_params_layout;
 pub use launch::{
     check_align, fill_bytes_cuda, grid_for, retain_pool_memory, Kernel, KernelParams,
     DEFAULT_DYNAMIC_SMEM_LIMIT,

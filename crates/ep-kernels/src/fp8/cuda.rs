@@ -6,7 +6,7 @@ use float8::F8E4M3;
 use half::bf16;
 
 use super::host::ScaleFormat;
-use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
+use crate::cuda::{assert_params_layout, check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
 use crate::FP8_GROUP;
 
@@ -30,7 +30,11 @@ struct QuantizeParams {
     scale_format: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<QuantizeParams>() == 40);
+assert_params_layout!(
+    QuantizeParams,
+    40;
+    x = 0, q = 8, scales = 16, num_groups = 24, scale_format = 32, reserved = 36,
+);
 
 // SAFETY: `repr(C)` plain data mirroring `QuantizeParams` in fp8.cu (size asserted both sides).
 unsafe impl KernelParams for QuantizeParams {}
@@ -44,7 +48,11 @@ struct DequantizeParams {
     out: CUdeviceptr,
     num_groups: i64,
 }
-const _: () = assert!(std::mem::size_of::<DequantizeParams>() == 32);
+assert_params_layout!(
+    DequantizeParams,
+    32;
+    q = 0, scales = 8, out = 16, num_groups = 24,
+);
 
 // SAFETY: `repr(C)` plain data mirroring `DequantizeParams` in fp8.cu (size asserted both sides).
 unsafe impl KernelParams for DequantizeParams {}

@@ -6,7 +6,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::host::{DispatchLayout, ExpertPlacement};
-use crate::cuda::{KernelParams, Kernels};
+use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
 /// The cubin of `layout.cu`.
@@ -36,7 +36,13 @@ struct LayoutParams {
     num_expert_blocks: i32,
     num_rank_blocks: i32,
 }
-const _: () = assert!(std::mem::size_of::<LayoutParams>() == 72);
+assert_params_layout!(
+    LayoutParams,
+    72;
+    topk_idx = 0, num_tokens_per_rank = 8, num_tokens_per_node = 16, num_tokens_per_expert = 24,
+    is_token_in_rank = 32, num_tokens = 40, num_topk = 44, num_experts = 48, num_ranks = 52,
+    num_nodes = 56, experts_per_rank = 60, num_expert_blocks = 64, num_rank_blocks = 68,
+);
 
 // SAFETY: `LayoutParams` is `repr(C)`, plain data, and mirrors `LayoutParams` in layout.cu
 // field by field (the size is asserted on both sides).

@@ -2,10 +2,10 @@
 
 pub mod host;
 
+pub mod permute;
+
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
-pub mod permute;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 

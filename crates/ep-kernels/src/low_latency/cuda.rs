@@ -29,10 +29,11 @@
 //! (`CudaContext::disable_event_tracking`) before capturing graphs.
 
 mod buffer;
-mod layout;
 
 pub use buffer::{LowLatencyBuffer, DEFAULT_TIMEOUT};
-pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK};
+
+// `buffer` reaches the layout as `super::layout`.
+use super::layout::{self, LowLatencyLayout, LL_MAX_TOPK};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,7 +44,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, L
 use float8::F8E4M3;
 use half::bf16;
 
-use crate::cuda::{check_align, KernelParams, Kernels};
+use crate::cuda::{assert_params_layout, check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
 use crate::fp8::ScaleFormat;
 use crate::FP8_GROUP;
@@ -219,7 +220,13 @@ struct DispatchParams {
     phases: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 216);
+assert_params_layout!(
+    DispatchParams,
+    216;
+    buf = 0, x = 128, topk_idx = 136, recv_x = 144, recv_scales = 152, recv_count = 160,
+    recv_src_info = 168, recv_src_topk = 176, recv_layout_range = 184, num_tokens = 192,
+    num_topk = 196, fp8 = 200, scale_format = 204, phases = 208, reserved = 212,
+);
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
 
@@ -240,7 +247,12 @@ struct CombineParams {
     phases: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 200);
+assert_params_layout!(
+    CombineParams,
+    200;
+    buf = 0, x = 128, src_info = 136, src_topk = 144, layout_range = 152, topk_idx = 160,
+    topk_weights = 168, out = 176, num_tokens = 184, num_topk = 188, phases = 192, reserved = 196,
+);
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
 
@@ -252,7 +264,11 @@ struct CleanParams {
     reset_active: u32,
     reserved: u32,
 }
-const _: () = assert!(std::mem::size_of::<CleanParams>() == 136);
+assert_params_layout!(
+    CleanParams,
+    136;
+    buf = 0, reset_active = 128, reserved = 132,
+);
 // SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
 unsafe impl KernelParams for CleanParams {}
 
@@ -262,7 +278,11 @@ unsafe impl KernelParams for CleanParams {}
 struct SpinParams {
     ns: u64,
 }
-const _: () = assert!(std::mem::size_of::<SpinParams>() == 8);
+assert_params_layout!(
+    SpinParams,
+    8;
+    ns = 0,
+);
 // SAFETY: `repr(C)` plain data mirroring `SpinParams` (size asserted on both sides).
 unsafe impl KernelParams for SpinParams {}
 

@@ -9,6 +9,7 @@
 //! `offset(l, s) = sum_{s' < s} count(l, s')`.
 
 pub mod host;
+mod layout;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -16,3 +17,4 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::*;
+pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK};

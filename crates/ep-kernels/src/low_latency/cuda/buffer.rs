@@ -8,6 +8,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use super::layout::LowLatencyLayout;
+use crate::cuda::assert_params_layout;
 use crate::error::{Error, Result};
 
 /// Default time any device wait of the low-latency kernels may take before the peer it waits
@@ -101,7 +102,13 @@ impl LowLatencyBuffer {
     /// Sets every rank's buffer address as this GPU addresses it (`peer_bases[r]`; a peer
     /// pointer or an opened IPC handle); `peer_bases[rank]` must be [`Self::base_ptr`].
     /// Synchronises `stream`.
-    pub fn connect(&mut self, stream: &Arc<CudaStream>, peer_bases: &[u64]) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// Every `peer_bases[r]` must be the base of rank `r`'s low-latency buffer of this layout,
+    /// mapped into this context (a peer-accessible pointer or an opened IPC handle), and stay
+    /// mapped for as long as kernels use this buffer: the kernels write to those addresses.
+    pub unsafe fn connect(&mut self, stream: &Arc<CudaStream>, peer_bases: &[u64]) -> Result<()> {
         Error::check_len("peer_bases", self.layout.num_ranks, peer_bases.len())?;
         if peer_bases[self.rank] != self.ptr {
             return Err(Error::invalid(
@@ -290,4 +297,11 @@ pub(super) struct LlBuffer {
     pub msg_stride: i32,
     pub reserved: i32,
 }
-const _: () = assert!(std::mem::size_of::<LlBuffer>() == 128);
+assert_params_layout!(
+    LlBuffer,
+    128;
+    local = 0, peers = 8, set_bytes = 16, sets_offset = 24, off_signals = 32, off_flags = 40,
+    off_msgs = 48, off_idx = 56, off_rows = 64, off_active = 72, off_send_done = 80,
+    timeout_ns = 88, num_ranks = 96, rank = 100, num_experts = 104, max_tokens = 108, hidden = 112,
+    max_topk = 116, msg_stride = 120, reserved = 124,
+);

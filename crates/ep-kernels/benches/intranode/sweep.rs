@@ -1,0 +1,287 @@
+//! The two sweeps: the copy-engine path over (copy-engine peers, SMs, SM-copy blocks, push)
+//! splits, chunk sizes and dispatch variants, and the SM rings over SMs, ring sizes and chunks.
+
+use ep_kernels::intranode::{CeConfig, Config, CopyStreams, COMBINE_ROUND_TOKENS};
+
+use crate::common::{BoxError, Node};
+use crate::report::{make_row, Row};
+use crate::state::{notify_all, RankState};
+use crate::timing::{time_op, Op};
+
+/// `$name` as a number; `None` when unset or not a number.
+pub fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// `$name` as comma-separated tuples of `:`-separated numbers, each of `arity` numbers; `None`
+/// when unset, an error naming the variable when malformed.
+pub fn env_tuples(name: &str, arity: usize) -> Result<Option<Vec<Vec<usize>>>, BoxError> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let mut out = Vec::new();
+    for item in v.split(',').filter(|s| !s.is_empty()) {
+        let nums = item
+            .split(':')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{name}: {item:?}: {e}"))?;
+        if nums.len() != arity {
+            return Err(format!("{name}: {item:?} needs {arity} numbers separated by ':'").into());
+        }
+        out.push(nums);
+    }
+    Ok(Some(out))
+}
+
+/// SM counts, chunk and ring sizes of the ring sweep (`quick`: a short sweep).
+pub struct RingPlan {
+    /// SM counts.
+    pub sms: Vec<usize>,
+    /// Dispatch chunks (tokens per send).
+    pub dispatch_chunks: Vec<usize>,
+    /// Combine chunks.
+    pub combine_chunks: Vec<usize>,
+    /// Ring sizes (tokens).
+    pub rings: Vec<usize>,
+}
+
+impl RingPlan {
+    /// The full sweep, or a short one when `quick`.
+    pub fn new(quick: bool) -> Self {
+        let sms: Vec<usize> = if quick {
+            vec![24]
+        } else {
+            vec![16, 20, 24, 32, 48]
+        };
+        let dispatch_chunks: Vec<usize> = if quick {
+            vec![6, 24]
+        } else {
+            vec![4, 6, 8, 12, 16, 24, 32]
+        };
+        let combine_chunks: Vec<usize> = if quick {
+            vec![9]
+        } else {
+            vec![4, 6, 9, 12, 16, 24]
+        };
+        let rings: Vec<usize> = if quick {
+            vec![256]
+        } else {
+            vec![128, 256, 512]
+        };
+        Self {
+            sms,
+            dispatch_chunks,
+            combine_chunks,
+            rings,
+        }
+    }
+}
+
+/// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS` and
+/// `EP_BENCH_CE_VARIANTS` replace its lists); returns one row per (split, chunks, variant, op).
+#[allow(clippy::too_many_arguments)]
+pub fn copy_engine(
+    node: &Node,
+    states: &mut [RankState],
+    copies: &[CopyStreams],
+    r: usize,
+    quick: bool,
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<Row>, BoxError> {
+    let mut rows: Vec<Row> = Vec::new();
+    let notify_cfg = Config::new(24, 1, 1)?;
+    let mut handles = notify_all(node, states, &notify_cfg)?;
+    // (copy-engine peers, pack/reduce SMs, SM-copy blocks, dispatch push): SMs in all = the
+    // middle two.
+    let splits: Vec<(usize, usize, usize, bool)> = if quick {
+        let mut v = vec![
+            (1, 16, 8, true),
+            (1, 20, 4, true),
+            (1, 22, 2, true),
+            (1, 12, 12, true),
+            (0, 12, 12, true),
+            (r - 1, 20, 4, true),
+            (1, 24, 16, true),
+        ];
+        if r > 2 {
+            v.extend([
+                (1, 16, 8, false),
+                (1, 12, 12, false),
+                (0, 12, 12, false),
+                (1, 20, 4, false),
+            ]);
+        }
+        v
+    } else {
+        let mut v = Vec::new();
+        for ce_peers in [0, 1, r - 1] {
+            for (a, b) in [
+                (8, 8),
+                (12, 12),
+                (16, 8),
+                (20, 4),
+                (22, 2),
+                (24, 8),
+                (32, 16),
+            ] {
+                v.push((ce_peers, a, b, true));
+                if r > 2 && ce_peers < r - 1 {
+                    v.push((ce_peers, a, b, false));
+                }
+            }
+        }
+        v.dedup();
+        v
+    };
+    let splits = match env_tuples("EP_BENCH_CE_SPLITS", 4)? {
+        Some(v) => v.iter().map(|t| (t[0], t[1], t[2], t[3] != 0)).collect(),
+        None => splits,
+    };
+    let ce_chunks: Vec<(usize, usize)> = if let Some(v) = env_tuples("EP_BENCH_CE_CHUNKS", 2)? {
+        v.iter().map(|t| (t[0], t[1])).collect()
+    } else if quick {
+        vec![(256, 1024), (512, 2048), (768, 4096), (1024, 4096)]
+    } else {
+        vec![(128, 512), (256, 1024), (512, 2048), (1024, 4096)]
+    };
+    // Dispatch variants to compare, "own_rows_last:copy_lanes:local_copy_out" (`CeConfig`):
+    // 1:2:x = own rows last, two copy streams per copy-engine peer, pushed rows copied out by
+    // the local copy engines (x = 1) or by SMs (x = 0); 0:1:0 = one pack pass, one stream.
+    // Default: `CeConfig::dispatch_for`'s choice for this rank count.
+    let variants: Vec<(bool, usize, bool)> = match env_tuples("EP_BENCH_CE_VARIANTS", 3)? {
+        Some(v) => v.iter().map(|t| (t[0] != 0, t[1], t[2] != 0)).collect(),
+        None => {
+            let d = CeConfig::dispatch_for(r, 24);
+            vec![(d.own_rows_last, d.copy_lanes, d.local_copy_out)]
+        }
+    };
+    for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
+        for &(first, max) in &ce_chunks {
+            for (vi, &(own_rows_last, copy_lanes, local_copy_out)) in variants.iter().enumerate() {
+                let ce = CeConfig {
+                    num_sms,
+                    first_chunk_rows: first,
+                    max_chunk_rows: max,
+                    copy_engine_peers,
+                    sm_blocks,
+                    dispatch_push,
+                    own_rows_last,
+                    copy_lanes,
+                    local_copy_out,
+                };
+                // Combine does not depend on the variant: timed once.
+                let ops: &[Op] = if vi == 0 {
+                    &[Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine]
+                } else {
+                    &[Op::CeDispatchBf16, Op::CeDispatchFp8]
+                };
+                for &op in ops {
+                    let ms = time_op(
+                        node,
+                        states,
+                        &mut handles,
+                        op,
+                        &notify_cfg,
+                        &notify_cfg,
+                        (copies, &ce),
+                        warmup,
+                        iters,
+                    )?;
+                    // Combine launches the SM-copy kernel only when some home is not served by
+                    // copy engines; dispatch always does (metadata).
+                    let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
+                    let total = num_sms + if sm_used { sm_blocks } else { 0 };
+                    let split = format!(
+                        "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}",
+                        if sm_used { sm_blocks } else { 0 },
+                        if dispatch_push || op == Op::CeCombine {
+                            ""
+                        } else {
+                            " pull"
+                        },
+                        if own_rows_last || op == Op::CeCombine {
+                            ""
+                        } else {
+                            " one-pass"
+                        },
+                        if op == Op::CeCombine {
+                            String::new()
+                        } else {
+                            format!(" lanes{copy_lanes}")
+                        },
+                        if local_copy_out && op != Op::CeCombine {
+                            " ce-out"
+                        } else {
+                            ""
+                        }
+                    );
+                    let row = make_row(op, total, first, max, &ms, states, split);
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// The SM-ring sweep of `plan`; returns one row per (SMs, ring, op, chunk).
+pub fn rings(
+    node: &Node,
+    states: &mut [RankState],
+    copies: &[CopyStreams],
+    plan: &RingPlan,
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<Row>, BoxError> {
+    let mut rows: Vec<Row> = Vec::new();
+    let RingPlan {
+        sms,
+        dispatch_chunks,
+        combine_chunks,
+        rings,
+    } = plan;
+    for &num_sms in sms {
+        let notify_cfg = Config::new(num_sms, 1, 1)?;
+        let mut handles = notify_all(node, states, &notify_cfg)?;
+        for &ring in rings {
+            for op in [Op::DispatchBf16, Op::DispatchFp8, Op::Combine] {
+                let chunks = if op == Op::Combine {
+                    combine_chunks
+                } else {
+                    dispatch_chunks
+                };
+                for &chunk in chunks.iter() {
+                    if op == Op::Combine && ring < chunk + COMBINE_ROUND_TOKENS || chunk > ring {
+                        continue;
+                    }
+                    let cfg = Config::new(num_sms, chunk, ring)?;
+                    let dcfg = Config::new(num_sms, 6.min(ring), ring)?;
+                    let ce = CeConfig::default();
+                    let ms = time_op(
+                        node,
+                        states,
+                        &mut handles,
+                        op,
+                        &cfg,
+                        &dcfg,
+                        (copies, &ce),
+                        warmup,
+                        iters,
+                    )?;
+                    rows.push(make_row(
+                        op,
+                        num_sms,
+                        chunk,
+                        ring,
+                        &ms,
+                        states,
+                        String::new(),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(rows)
+}

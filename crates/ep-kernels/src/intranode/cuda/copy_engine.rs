@@ -1,0 +1,110 @@
+//! The copy-engine path of the intranode normal mode: SMs pack and reduce in local memory, and
+//! the NVLink bytes move by the GPUs' copy engines (`cuMemcpyDtoDAsync` between NVLink buffers
+//! and tensors) for `copy_engine_peers` peers and by SM warps for the others (the copy engines
+//! of one GPU do not scale past one peer). Kernels: `intranode_ce_dispatch` (pack + SM pulls),
+//! `intranode_ce_wait`, `intranode_ce_combine` (reduce + SM pushes) in `copy_engine.cu`; the
+//! protocol is described there and in `docs/design.md`.
+//!
+//! One op on every rank of a node, each rank on its own stream (plus its [`CopyStreams`]):
+//!
+//! 1. dispatch: [`super::notify_dispatch_cuda`] with `send_index`, poll the counters (word
+//!    `1 + s` = rows from source `s`), allocate, then [`ce_dispatch_cuda`];
+//! 2. combine: [`super::cached_notify_cuda`], then [`ce_combine_cuda`] with the dispatch's
+//!    `send_index` and per-source counts.
+//!
+//! Results equal the ring path's (and the host twins'): the same receive order, the same
+//! combine sums in rank order.
+//!
+//! Modules: `config` ([`CeConfig`]), `streams` ([`CopyStreams`] and the copies), `params`
+//! (the kernels' params mirrors), `dispatch` and `combine` (the launchers).
+
+mod combine;
+mod config;
+mod dispatch;
+mod params;
+mod streams;
+
+pub use combine::{ce_combine_cuda, CeCombineArgs};
+pub use config::{CeConfig, MAX_COPY_LANES};
+pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
+pub use streams::CopyStreams;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, CudaView, DevicePtr, LaunchConfig};
+
+use super::{PeerBuffers, RING_BASE};
+use crate::error::{Error, Result};
+use crate::intranode::{CeSlotLayout, CE_SLOT_BASE};
+
+const _: () = assert!(CE_SLOT_BASE == RING_BASE);
+
+/// The cubin of `copy_engine.cu`.
+const FILE: &str = "intranode/copy_engine";
+/// Threads of the pack and reduce kernel blocks (`kCeThreads`).
+const CE_THREADS: u32 = 768;
+
+/// The checks every copy-engine op starts with: the config, `send_index` `[T, R]`, the `[R, R]`
+/// prefixes and one count per source. Returns `(R, rank, T, N)`, `N` the rows received.
+fn op_sizes(
+    config: &CeConfig,
+    buffers: &PeerBuffers,
+    send_index_len: usize,
+    rank_prefix_len: usize,
+    recv_per_source: &[usize],
+) -> Result<(usize, usize, usize, usize)> {
+    config.validate()?;
+    let r = buffers.num_ranks();
+    let t = send_index_len / r;
+    Error::check_len("send_index", t * r, send_index_len)?;
+    Error::check_len("rank_prefix_matrix", r * r, rank_prefix_len)?;
+    Error::check_len("recv_per_source", r, recv_per_source.len())?;
+    Ok((r, buffers.rank(), t, recv_per_source.iter().sum()))
+}
+
+/// A fused kernel's launch: `blocks` blocks of [`CE_THREADS`] (the pack or reduce blocks, then
+/// the SM copy blocks).
+fn fused_grid(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (CE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Errors unless the slots of `lay` hold this rank's `t` tokens and every source's block.
+fn check_slot_capacity(
+    buffers: &PeerBuffers,
+    lay: &CeSlotLayout,
+    t: usize,
+    recv_per_source: &[usize],
+    op: &str,
+) -> Result<()> {
+    if t > lay.capacity {
+        return Err(Error::invalid(
+            "num_tokens",
+            t,
+            format!(
+                "the NVLink buffers ({} bytes) hold {} tokens per rank for this {op}",
+                buffers.bytes(),
+                lay.capacity
+            ),
+        ));
+    }
+    if let Some((s, &m)) = recv_per_source
+        .iter()
+        .enumerate()
+        .find(|(_, &m)| m > lay.capacity)
+    {
+        return Err(Error::invalid(
+            "recv_per_source",
+            format!("{m} rows of rank {s}"),
+            format!("at most {} (the slot capacity)", lay.capacity),
+        ));
+    }
+    Ok(())
+}
+
+fn dptr<T>(v: &CudaView<'_, T>, stream: &CudaStream) -> CUdeviceptr {
+    let (p, _g) = v.device_ptr(stream);
+    p
+}

@@ -1,0 +1,205 @@
+//! Launcher of the copy-engine combine: per copy-engine home the row copies and flag writes on
+//! its copy stream, and the fused reduce + SM-push kernel.
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
+
+use super::params::{flag_offset, CeCombineParams, CeReduceParams, CeSmPushParams};
+use super::streams::{copy, fork, join};
+use super::{check_slot_capacity, dptr, fused_grid, op_sizes, CeConfig, CopyStreams, FILE};
+use crate::cuda::{check_align, Kernels};
+use crate::error::{Error, Result};
+use crate::intranode::cuda::payload::combine_weights_ptrs;
+use crate::intranode::cuda::{to_i32, PeerBuffers, MAX_NVL_RANKS, RING_BASE};
+use crate::intranode::{chunk_bounds, copy_engine_peer, CeSlotLayout};
+
+/// Inputs and outputs of [`ce_combine_cuda`] (`N` rows this rank holds in dispatch receive
+/// order, `T` tokens this rank owns, `H` hidden, `K` top-k).
+#[derive(Debug)]
+pub struct CeCombineArgs<'a> {
+    /// `[N, H]` bf16 rows to return, in receive order.
+    pub x: CudaView<'a, half::bf16>,
+    /// Optional `[N, K]` weights returned along and summed.
+    pub topk_weights: Option<CudaView<'a, f32>>,
+    /// `[R, R]` from the dispatch.
+    pub rank_prefix_matrix: CudaView<'a, i32>,
+    /// `[T, R]` from the dispatch's notify.
+    pub send_index: CudaView<'a, i32>,
+    /// Rows of `x` from each source (its home): the dispatch's `recv_per_source`.
+    pub recv_per_source: &'a [usize],
+    /// Out: `[T, H]` bf16, the f32 sum in rank order of the rows returned for each token.
+    pub combined_x: CudaViewMut<'a, half::bf16>,
+    /// Out: `[T, K]` sums of the returned weights (required iff `topk_weights` is given).
+    pub combined_topk_weights: Option<CudaViewMut<'a, f32>>,
+    /// Hidden size `H` (a multiple of 8; same on every rank).
+    pub hidden: usize,
+    /// Top-k `K` of the weights (0 without them; same on every rank).
+    pub num_topk: usize,
+}
+
+/// Launches the copy-engine combine (after [`crate::intranode::cached_notify_cuda`] on every rank): the
+/// pushes to every home on the copy streams, the reduction on `stream`, joined.
+pub fn ce_combine_cuda(
+    stream: &CudaStream,
+    copies: &CopyStreams,
+    buffers: &PeerBuffers,
+    config: &CeConfig,
+    args: CeCombineArgs<'_>,
+) -> Result<()> {
+    let (r, me, t, n) = op_sizes(
+        config,
+        buffers,
+        args.send_index.len(),
+        args.rank_prefix_matrix.len(),
+        args.recv_per_source,
+    )?;
+    let h = args.hidden;
+    if h == 0 || h % 8 != 0 {
+        return Err(Error::invalid(
+            "hidden",
+            h,
+            "must be a positive multiple of 8",
+        ));
+    }
+    Error::check_len("x", n * h, args.x.len())?;
+    Error::check_len("combined_x", t * h, args.combined_x.len())?;
+    let k = args.num_topk;
+    let weights = combine_weights_ptrs(
+        stream,
+        args.topk_weights.as_ref(),
+        args.combined_topk_weights.as_ref(),
+        n,
+        t,
+        k,
+    )?;
+    let lay = CeSlotLayout::combine(buffers.bytes(), r, h, k);
+    check_slot_capacity(buffers, &lay, t, args.recv_per_source, "combine")?;
+    let (x_ptr, _gx) = args.x.device_ptr(stream);
+    let (cx, _gcx) = args.combined_x.device_ptr(stream);
+    check_align("x", x_ptr, 16)?;
+    check_align("combined_x", cx, 16)?;
+    let kernels = Kernels::for_stream(stream)?;
+    let fused = kernels.kernel(FILE, "intranode_ce_combine")?;
+    // Homes served by the copy streams, and whether the SM push blocks serve any.
+    let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
+    let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
+    let any_sm = peers().any(by_sm);
+    let streams = || peers().filter(move |&s| !by_sm(s));
+    // One copy stream per home: the weights copy and every chunk's flag stay in order.
+    fork(stream, copies, streams(), 1)?;
+    let params = CeReduceParams {
+        buffer_ptrs: buffers.ptrs(),
+        x: x_ptr,
+        topk_weights: weights.topk_weights,
+        send_index: dptr(&args.send_index, stream),
+        rank_prefix_matrix: dptr(&args.rank_prefix_matrix, stream),
+        combined_x: cx,
+        combined_topk_weights: weights.combined_topk_weights,
+        error_info: buffers.error_info(),
+        timeout_ns: buffers.timeout_ns(),
+        slot_bytes: lay.slot_bytes as i64,
+        off_weights: lay.off_topk_weights as i64,
+        rank: to_i32("rank", me)?,
+        num_ranks: to_i32("num_ranks", r)?,
+        num_tokens: to_i32("num_tokens", t)?,
+        row_int4: to_i32("hidden", h / 8)?,
+        num_topk: to_i32("num_topk", k)?,
+        first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
+        max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
+        pad: 0,
+    };
+    let row_bytes = 2 * h;
+    let mut push = CeSmPushParams {
+        buffer_ptrs: buffers.ptrs(),
+        x: x_ptr,
+        topk_weights: weights.topk_weights,
+        slot_bytes: params.slot_bytes,
+        off_weights: params.off_weights,
+        row_begin: [0; MAX_NVL_RANKS],
+        rows: [0; MAX_NVL_RANKS],
+        rank: params.rank,
+        num_ranks: params.num_ranks,
+        row_int4: params.row_int4,
+        num_topk: params.num_topk,
+        first_chunk_rows: params.first_chunk_rows,
+        max_chunk_rows: params.max_chunk_rows,
+        pad: [0; 2],
+    };
+    let mut prefix = 0usize;
+    for s in 0..r {
+        let m = args.recv_per_source[s];
+        let src_row0 = prefix;
+        prefix += m;
+        if s == me || m == 0 {
+            continue;
+        }
+        if by_sm(s) {
+            push.row_begin[s] = to_i32("recv_per_source", src_row0)?;
+            push.rows[s] = to_i32("recv_per_source", m)?;
+            continue;
+        }
+        let cs = copies.get(s, 0)?;
+        let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
+        if k > 0 {
+            // SAFETY: m*K weights from row `src_row0` of topk_weights (N rows) into the home's
+            // slot (capacity >= m); the home reads them after the first flag below.
+            unsafe {
+                copy(
+                    cs,
+                    slot + lay.off_topk_weights as u64,
+                    weights.topk_weights + (src_row0 * k * 4) as u64,
+                    m * k * 4,
+                )
+            }?;
+        }
+        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
+            .into_iter()
+            .enumerate()
+        {
+            // SAFETY: rows [src_row0 + b, src_row0 + e) of x (N rows) into rows [b, e) of the
+            // home's slot; the home's previous use of its slot ended before cached notify's
+            // barrier, which this stream follows.
+            unsafe {
+                copy(
+                    cs,
+                    slot + (b * row_bytes) as u64,
+                    x_ptr + ((src_row0 + b) * row_bytes) as u64,
+                    (e - b) * row_bytes,
+                )
+            }?;
+            // SAFETY: a 4-byte write into the home's header (flag [me][j]; the buffers are
+            // valid per `PeerBuffers::new`); the default flags fence the copies before it.
+            unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    cs.cu_stream(),
+                    buffers.ptr(s) + flag_offset(me, j),
+                    1,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            }
+            .result()?;
+        }
+    }
+    if t > 0 || any_sm {
+        // Reduce blocks, then (when some home is not served by copy engines) the SM push
+        // blocks, in one kernel so that they run side by side.
+        let push_blocks = if any_sm { config.sm_blocks } else { 0 };
+        let cfg = fused_grid(config.num_sms + push_blocks);
+        let fp = CeCombineParams {
+            reduce: params,
+            push,
+            reduce_blocks: to_i32("num_sms", config.num_sms)?,
+            pad: 0,
+        };
+        // SAFETY: `fp` matches `CeCombineParams`. Reduce: x holds N rows (the own block lies
+        // in [0, N)), send_index T*R and the prefixes R*R from the dispatch of these rows; the
+        // outputs T*H and T*K; slots of `lay.capacity >= T` rows fit the buffers; it reads a
+        // peer's slot rows only after that peer's flag for their chunk. Push: for each home s
+        // with rows[s] = m > 0 it reads rows [row_begin[s], + m) of x (the per-source counts
+        // sum to N) and their weights, and writes rows [0, m) of slot `me` in s's buffer
+        // (capacity >= m, checked), free since cached notify's barrier, which `stream`
+        // follows; it counts chunks in this rank's own header and flags them in the home's.
+        unsafe { fused.launch(stream, cfg, fp) }?;
+    }
+    join(stream, copies, streams(), 1)
+}

@@ -1,0 +1,176 @@
+//! [`CeConfig`]: how the copy-engine path splits the work between copy engines, pack / reduce
+//! SMs and SM copies, and its tuned defaults (measurements: `docs/benchmarks.md`).
+
+use crate::error::{Error, Result};
+
+/// Launch configuration of the copy-engine path.
+///
+/// The copy engines of one GPU do not add up over peers (`docs/benchmarks.md`, "What NVLink
+/// carries"), so they serve `copy_engine_peers` peers and SM warps move the other peers' bytes
+/// with the same slots, chunks and flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CeConfig {
+    /// Blocks (SMs) of the pack (dispatch) and reduce (combine) kernels.
+    pub num_sms: usize,
+    /// Rows of the first chunk of each block; each next chunk doubles, up to `max_chunk_rows`.
+    pub first_chunk_rows: usize,
+    /// Largest chunk (raised to `ceil(m / 16)` for blocks of `m` rows).
+    pub max_chunk_rows: usize,
+    /// Peers served by the copy engines (see [`copy_engine_peer`](crate::intranode::copy_engine_peer)); SM warps serve the rest.
+    pub copy_engine_peers: usize,
+    /// Blocks (SMs) of SM copies, run as extra blocks of the pack (dispatch) or reduce
+    /// (combine) kernel, 768 threads each like those: dispatch pulls the rows of the peers not
+    /// served by copy engines and every peer's metadata; combine pushes the rows of the peers
+    /// not served by copy engines. Unused (no blocks) when they have nothing to move.
+    pub sm_blocks: usize,
+    /// Dispatch: between two peers that both serve each other by SM copies, the pack writes
+    /// the rows straight into the peer's buffer over NVLink (stores need no round trip) and the
+    /// peer's SM blocks copy them out locally, instead of the peer pulling them over NVLink.
+    pub dispatch_push: bool,
+    /// Dispatch: the pack first stores every token's rows for the peers, then (a second pass
+    /// over the tokens, reading `x` again) this rank's own rows, so the peers' chunks, which
+    /// the copy engines and SM copies wait for, complete sooner. `false`: one pass, each row
+    /// read once and stored to every destination.
+    pub own_rows_last: bool,
+    /// Dispatch: copy streams per copy-engine peer (1 to [`MAX_COPY_LANES`]). Chunks take
+    /// them in turn, so that a chunk's wait and copy set-up overlap the previous chunk's copy.
+    /// Combine always uses one per home (its weights copy and chunk flags stay in order).
+    pub copy_lanes: usize,
+    /// Dispatch, with `dispatch_push`: the rows the peers pushed into this rank's buffer are
+    /// copied out into `recv_x` by this GPU's copy engines (one contiguous block per chunk, on
+    /// the source's copy streams) instead of by the SM copy blocks, which then move only the
+    /// metadata; the SMs saved can pack (and push) instead.
+    pub local_copy_out: bool,
+}
+
+/// Most copy streams per peer ([`CeConfig::copy_lanes`]).
+pub const MAX_COPY_LANES: usize = 2;
+
+impl Default for CeConfig {
+    /// The combine defaults ([`CeConfig::combine_default`]).
+    fn default() -> Self {
+        Self::combine_default()
+    }
+}
+
+impl CeConfig {
+    /// Dispatch defaults for 2 ranks and 24 SMs ([`CeConfig::dispatch_for`]).
+    pub fn dispatch_default() -> Self {
+        Self::dispatch_for(2, 24)
+    }
+
+    /// Combine defaults for 2 ranks and 24 SMs ([`CeConfig::combine_for`]).
+    pub fn combine_default() -> Self {
+        Self::combine_for(2, 24)
+    }
+
+    /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer, the
+    /// own rows packed last and two copy streams per copy-engine peer. Two ranks: all but 2 SMs
+    /// pack and 2 pull the metadata, chunks of 768 rows doubling to 4096. More ranks: two
+    /// thirds of the SMs pack (pushing the rows of the SM peers into their buffers), the
+    /// receiver's copy engines copy the pushed rows out (`local_copy_out`) and the other third
+    /// moves the metadata, chunks of 1024 doubling to 4096. Both measured best in their sweeps
+    /// (`docs/benchmarks.md`, normal mode).
+    pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
+        let sms = sms.max(3);
+        if num_ranks <= 2 {
+            Self {
+                num_sms: sms - 2,
+                first_chunk_rows: 768,
+                max_chunk_rows: 4096,
+                copy_engine_peers: 1,
+                sm_blocks: 2,
+                dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
+                local_copy_out: false,
+            }
+        } else {
+            Self {
+                num_sms: sms - sms / 3,
+                first_chunk_rows: 1024,
+                max_chunk_rows: 4096,
+                copy_engine_peers: 1,
+                sm_blocks: (sms / 3).max(1),
+                dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
+                local_copy_out: true,
+            }
+        }
+    }
+
+    /// Combine split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
+    /// ranks: every SM reduces (the copy engines push everything), chunks of 1024 rows doubling
+    /// to 4096. More ranks: two thirds reduce and one third push to the peers beyond the copy
+    /// engines' one, chunks of 256 doubling to 1024 (`docs/benchmarks.md`, normal mode).
+    pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
+        let sms = sms.max(3);
+        if num_ranks <= 2 {
+            Self {
+                num_sms: sms,
+                first_chunk_rows: 1024,
+                max_chunk_rows: 4096,
+                copy_engine_peers: 1,
+                sm_blocks: 1,
+                dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
+                local_copy_out: false,
+            }
+        } else {
+            Self {
+                num_sms: sms - sms / 3,
+                first_chunk_rows: 256,
+                max_chunk_rows: 1024,
+                copy_engine_peers: 1,
+                sm_blocks: (sms / 3).max(1),
+                dispatch_push: true,
+                own_rows_last: true,
+                copy_lanes: 2,
+                local_copy_out: false,
+            }
+        }
+    }
+
+    /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024` and
+    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_sms == 0 || self.num_sms > 1024 {
+            return Err(Error::invalid(
+                "num_sms",
+                self.num_sms,
+                "must be in [1, 1024]",
+            ));
+        }
+        if self.sm_blocks == 0 || self.sm_blocks > 1024 {
+            return Err(Error::invalid(
+                "sm_blocks",
+                self.sm_blocks,
+                "must be in [1, 1024]",
+            ));
+        }
+        if self.first_chunk_rows == 0 || self.first_chunk_rows > self.max_chunk_rows {
+            return Err(Error::invalid(
+                "first_chunk_rows",
+                self.first_chunk_rows,
+                format!("must be in [1, max_chunk_rows = {}]", self.max_chunk_rows),
+            ));
+        }
+        if self.copy_lanes == 0 || self.copy_lanes > MAX_COPY_LANES {
+            return Err(Error::invalid(
+                "copy_lanes",
+                self.copy_lanes,
+                format!("must be in [1, {MAX_COPY_LANES}]"),
+            ));
+        }
+        if self.max_chunk_rows > 1 << 24 {
+            return Err(Error::invalid(
+                "max_chunk_rows",
+                self.max_chunk_rows,
+                "must be <= 2^24",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,211 @@
+//! Mirrors of the copy-engine kernels' params structs (`copy_engine.cu`), and where the
+//! kernels' flags lie in an NVLink buffer.
+
+use cudarc::driver::sys::CUdeviceptr;
+
+use super::super::MAX_NVL_RANKS;
+use crate::cuda::{assert_params_layout, KernelParams};
+use crate::intranode::CE_MAX_CHUNKS;
+
+/// Mirror of `CePackParams` in copy_engine.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CePackParams {
+    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(super) x: CUdeviceptr,
+    pub(super) x_scales: CUdeviceptr,
+    pub(super) topk_idx: CUdeviceptr,
+    pub(super) topk_weights: CUdeviceptr,
+    pub(super) send_index: CUdeviceptr,
+    pub(super) rank_prefix_matrix: CUdeviceptr,
+    pub(super) recv_x: CUdeviceptr,
+    pub(super) recv_x_scales: CUdeviceptr,
+    pub(super) recv_src_idx: CUdeviceptr,
+    pub(super) recv_topk_idx: CUdeviceptr,
+    pub(super) recv_topk_weights: CUdeviceptr,
+    pub(super) slot_bytes: i64,
+    pub(super) off_scales: i64,
+    pub(super) off_src: i64,
+    pub(super) off_topk_idx: i64,
+    pub(super) off_topk_weights: i64,
+    pub(super) rank: i32,
+    pub(super) num_ranks: i32,
+    pub(super) num_tokens: i32,
+    pub(super) row_int4: i32,
+    pub(super) num_scales: i32,
+    pub(super) num_topk: i32,
+    pub(super) experts_per_rank: i32,
+    pub(super) first_chunk_rows: i32,
+    pub(super) max_chunk_rows: i32,
+    pub(super) sm_push_mask: i32,
+    pub(super) own_rows_last: i32,
+    pub(super) reserved: i32,
+}
+assert_params_layout!(
+    CePackParams,
+    240;
+    buffer_ptrs = 0, x = 64, x_scales = 72, topk_idx = 80, topk_weights = 88, send_index = 96,
+    rank_prefix_matrix = 104, recv_x = 112, recv_x_scales = 120, recv_src_idx = 128,
+    recv_topk_idx = 136, recv_topk_weights = 144, slot_bytes = 152, off_scales = 160,
+    off_src = 168, off_topk_idx = 176, off_topk_weights = 184, rank = 192, num_ranks = 196,
+    num_tokens = 200, row_int4 = 204, num_scales = 208, num_topk = 212, experts_per_rank = 216,
+    first_chunk_rows = 220, max_chunk_rows = 224, sm_push_mask = 228, own_rows_last = 232,
+    reserved = 236,
+);
+
+/// Mirror of `CeWaitParams` in copy_engine.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeWaitParams {
+    pub(super) flag: CUdeviceptr,
+    pub(super) error_info: CUdeviceptr,
+    pub(super) timeout_ns: u64,
+    pub(super) rank: i32,
+    pub(super) awaited: i32,
+}
+assert_params_layout!(
+    CeWaitParams,
+    32;
+    flag = 0, error_info = 8, timeout_ns = 16, rank = 24, awaited = 28,
+);
+// SAFETY: repr(C) plain data mirroring `CeWaitParams` in copy_engine.cu.
+unsafe impl KernelParams for CeWaitParams {}
+
+/// Mirror of `CeReduceParams` in copy_engine.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeReduceParams {
+    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(super) x: CUdeviceptr,
+    pub(super) topk_weights: CUdeviceptr,
+    pub(super) send_index: CUdeviceptr,
+    pub(super) rank_prefix_matrix: CUdeviceptr,
+    pub(super) combined_x: CUdeviceptr,
+    pub(super) combined_topk_weights: CUdeviceptr,
+    pub(super) error_info: CUdeviceptr,
+    pub(super) timeout_ns: u64,
+    pub(super) slot_bytes: i64,
+    pub(super) off_weights: i64,
+    pub(super) rank: i32,
+    pub(super) num_ranks: i32,
+    pub(super) num_tokens: i32,
+    pub(super) row_int4: i32,
+    pub(super) num_topk: i32,
+    pub(super) first_chunk_rows: i32,
+    pub(super) max_chunk_rows: i32,
+    pub(super) pad: i32,
+}
+assert_params_layout!(
+    CeReduceParams,
+    176;
+    buffer_ptrs = 0, x = 64, topk_weights = 72, send_index = 80, rank_prefix_matrix = 88,
+    combined_x = 96, combined_topk_weights = 104, error_info = 112, timeout_ns = 120,
+    slot_bytes = 128, off_weights = 136, rank = 144, num_ranks = 148, num_tokens = 152,
+    row_int4 = 156, num_topk = 160, first_chunk_rows = 164, max_chunk_rows = 168, pad = 172,
+);
+
+/// Mirror of `CeSmPushParams` in copy_engine.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeSmPushParams {
+    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(super) x: CUdeviceptr,
+    pub(super) topk_weights: CUdeviceptr,
+    pub(super) slot_bytes: i64,
+    pub(super) off_weights: i64,
+    pub(super) row_begin: [i32; MAX_NVL_RANKS],
+    pub(super) rows: [i32; MAX_NVL_RANKS],
+    pub(super) rank: i32,
+    pub(super) num_ranks: i32,
+    pub(super) row_int4: i32,
+    pub(super) num_topk: i32,
+    pub(super) first_chunk_rows: i32,
+    pub(super) max_chunk_rows: i32,
+    pub(super) pad: [i32; 2],
+}
+assert_params_layout!(
+    CeSmPushParams,
+    192;
+    buffer_ptrs = 0, x = 64, topk_weights = 72, slot_bytes = 80, off_weights = 88, row_begin = 96,
+    rows = 128, rank = 160, num_ranks = 164, row_int4 = 168, num_topk = 172,
+    first_chunk_rows = 176, max_chunk_rows = 180, pad = 184,
+);
+
+/// Mirror of `CeSmPullParams` in copy_engine.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeSmPullParams {
+    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(super) recv_x: CUdeviceptr,
+    pub(super) recv_x_scales: CUdeviceptr,
+    pub(super) recv_src_idx: CUdeviceptr,
+    pub(super) recv_topk_idx: CUdeviceptr,
+    pub(super) recv_topk_weights: CUdeviceptr,
+    pub(super) error_info: CUdeviceptr,
+    pub(super) timeout_ns: u64,
+    pub(super) slot_bytes: i64,
+    pub(super) off_scales: i64,
+    pub(super) off_src: i64,
+    pub(super) off_topk_idx: i64,
+    pub(super) off_topk_weights: i64,
+    pub(super) row_begin: [i32; MAX_NVL_RANKS],
+    pub(super) rows: [i32; MAX_NVL_RANKS],
+    pub(super) rank: i32,
+    pub(super) num_ranks: i32,
+    pub(super) row_int4: i32,
+    pub(super) num_scales: i32,
+    pub(super) num_topk: i32,
+    pub(super) first_chunk_rows: i32,
+    pub(super) max_chunk_rows: i32,
+    pub(super) sm_rows_mask: i32,
+    pub(super) local_mask: i32,
+    pub(super) pad: i32,
+}
+assert_params_layout!(
+    CeSmPullParams,
+    264;
+    buffer_ptrs = 0, recv_x = 64, recv_x_scales = 72, recv_src_idx = 80, recv_topk_idx = 88,
+    recv_topk_weights = 96, error_info = 104, timeout_ns = 112, slot_bytes = 120, off_scales = 128,
+    off_src = 136, off_topk_idx = 144, off_topk_weights = 152, row_begin = 160, rows = 192,
+    rank = 224, num_ranks = 228, row_int4 = 232, num_scales = 236, num_topk = 240,
+    first_chunk_rows = 244, max_chunk_rows = 248, sm_rows_mask = 252, local_mask = 256, pad = 260,
+);
+
+/// Mirror of `CeDispatchParams` in copy_engine.cu: pack blocks, then SM pull blocks.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeDispatchParams {
+    pub(super) pack: CePackParams,
+    pub(super) pull: CeSmPullParams,
+    pub(super) pack_blocks: i32,
+    pub(super) pad: i32,
+}
+assert_params_layout!(
+    CeDispatchParams,
+    512;
+    pack = 0, pull = 240, pack_blocks = 504, pad = 508,
+);
+// SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine.cu.
+unsafe impl KernelParams for CeDispatchParams {}
+
+/// Mirror of `CeCombineParams` in copy_engine.cu: reduce blocks, then SM push blocks.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeCombineParams {
+    pub(super) reduce: CeReduceParams,
+    pub(super) push: CeSmPushParams,
+    pub(super) reduce_blocks: i32,
+    pub(super) pad: i32,
+}
+assert_params_layout!(
+    CeCombineParams,
+    376;
+    reduce = 0, push = 176, reduce_blocks = 368, pad = 372,
+);
+// SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine.cu.
+unsafe impl KernelParams for CeCombineParams {}
+
+/// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in `csrc/intranode.cuh`).
+pub(super) fn flag_offset(peer: usize, chunk: usize) -> u64 {
+    (17408 + 4 * (peer * CE_MAX_CHUNKS + chunk)) as u64
+}

@@ -1,0 +1,748 @@
+// SM-ring dispatch and combine of the intranode (NVLink) normal mode. Host twins:
+// `src/intranode/host.rs`; launchers: `src/intranode/cuda/dispatch.rs` and
+// `src/intranode/cuda/combine.rs`; the NVLink buffer (and the rings' place in it):
+// `csrc/intranode.cuh`. Run after a notify kernel (`notify.cu`).
+//
+// Kernels (each takes ONE by-value params struct mirrored by its launcher):
+//   * intranode_dispatch: every rank streams its tokens to their destination ranks through
+//     per-(channel, source) ring buffers in the receivers' NVLink buffers;
+//   * intranode_combine: the reverse path; the home rank sums the returned rows in rank order.
+//
+// Flow control: the sender of ring (c, s -> d) waits until `Q - (sent - head) >= chunk`, copies
+// up to `num_max_send_tokens` tokens (warps of its group in parallel), group barrier, then
+// publishes `tail = sent` with a system-scope release store. The receiver polls `tail` with
+// acquire loads (its own memory), copies slots [head, tail) out, group barrier, then publishes
+// `head` with a release store into the sender's buffer. Counters never wrap within one kernel.
+
+#include "intranode.cuh"
+
+namespace {
+
+constexpr int kDispatchThreads = 768;  // 24 warps, split into R groups on both sides
+constexpr int kDispatchWarps = kDispatchThreads / ep::kWarpSize;
+constexpr int kCombineThreads = 768;
+constexpr int kCombineWarps = kCombineThreads / ep::kWarpSize;
+
+// Dispatch row copies: the sender stores rows into the peer's ring with 16-byte warp copies
+// (`warp_copy`, kDispatchUnroll loads in flight per lane); the receiver moves them from the ring
+// into recv_x with Hopper bulk copies (TMA) through a per-warp shared-memory pipeline (`TmaPipe`
+// below). The other combinations measured slower (docs/benchmarks.md, "tried and rejected").
+constexpr int kDispatchUnroll = 5;
+
+EP_HOST_DEVICE size_t align16(size_t v) { return (v + 15) & ~size_t{15}; }
+
+// Byte offsets of the arrays inside one ring (mirrored by `RingLayout` in cuda.rs).
+struct RingLayout {
+    size_t src_idx;
+    size_t topk_idx;
+    size_t topk_weights;
+    size_t scales;
+    size_t bytes;
+
+    EP_HOST_DEVICE static RingLayout dispatch(int q, int row_bytes, int topk, int scales) {
+        RingLayout l;
+        l.src_idx = align16(size_t(q) * row_bytes);
+        l.topk_idx = l.src_idx + align16(size_t(q) * 4);
+        l.topk_weights = l.topk_idx + align16(size_t(q) * topk * 4);
+        l.scales = l.topk_weights + align16(size_t(q) * topk * 4);
+        l.bytes = l.scales + align16(size_t(q) * scales * 4);
+        return l;
+    }
+
+    EP_HOST_DEVICE static RingLayout combine(int q, int row_bytes, int topk) {
+        RingLayout l;
+        l.src_idx = 0;
+        l.topk_idx = 0;
+        l.topk_weights = align16(size_t(q) * row_bytes);
+        l.scales = 0;
+        l.bytes = l.topk_weights + align16(size_t(q) * topk * 4);
+        return l;
+    }
+};
+
+EP_DEVICE char* ring(char* base, size_t ring_bytes, int channel, int num_ranks, int peer) {
+    return base + kRingBase + (size_t(channel) * num_ranks + peer) * ring_bytes;
+}
+
+// Non-allocating weak load of data another GPU wrote (ordered by a prior acquire + barrier).
+EP_DEVICE int4 ld_ring(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+EP_DEVICE void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Warp copy of `n` int4 from `src` to `dst`, `kUnroll` loads in flight per lane.
+// kSrcReadOnly: `src` is not written during the kernel (non-coherent path allowed).
+template <bool kSrcReadOnly, int kUnroll = 4>
+EP_DEVICE void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    for (int base = lane; base < n; base += ep::kWarpSize * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * ep::kWarpSize;
+            if (i < n) {
+                v[u] = kSrcReadOnly ? ep::ld_nc_no_alloc(src + i) : ld_ring(src + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * ep::kWarpSize;
+            if (i < n) {
+                ep::st_no_alloc(dst + i, v[u]);
+            }
+        }
+    }
+}
+
+// Per warp: kTmaStages staging buffers of kTmaStageBytes, then the metadata: mbarriers
+// u64[S], destinations u64[S], sizes u32[S]. Rows are split into equal 16-byte-multiple
+// chunks of at most kTmaStageBytes (a 7168-bf16 row: 7 x 2048 B; 7168 fp8: 4 x 1792 B). Up to
+// S - 1 chunk loads are in flight per warp; the last stage lets stores drain.
+// Mirrored by `DISPATCH_SMEM_BYTES` in cuda.rs (24 warps x 9344 B = 224256 B dynamic smem,
+// within the 227 KiB opt-in limit of sm_90 with the kernel's static smem).
+constexpr int kTmaStages = 4;
+constexpr int kTmaStageBytes = 2304;
+constexpr int kTmaWarpMetaBytes = 128;
+constexpr int kTmaWarpBytes = kTmaStages * kTmaStageBytes + kTmaWarpMetaBytes;
+constexpr int kDispatchSmemBytes = kDispatchWarps * kTmaWarpBytes;
+static_assert(kTmaStages >= 2 && kTmaStages <= 4, "TmaPipe::push waits with at most 3 newer groups");
+static_assert(kTmaStageBytes % 16 == 0 && kTmaWarpBytes % 16 == 0, "bulk copies need 16 B units");
+static_assert(kTmaStages * (8 + 8 + 4) <= kTmaWarpMetaBytes, "TMA metadata");
+static_assert(kDispatchSmemBytes == 224256, "update DISPATCH_SMEM_BYTES in cuda.rs");
+
+// A warp's bulk-copy pipeline. Every method but `init` is called by lane 0 only (it alone
+// issues and tracks the bulk operations). Chunk i uses stage i % S: its load completes phase i / S of
+// mbarrier i % S; `retire` waits for it and stores the stage out as one bulk async-group.
+// Before stage s is loaded again, the store that last read it has finished reading
+// (`wait_group.read`). Counters never wrap within one kernel.
+struct TmaPipe {
+    char* region;       // generic pointer to this warp's smem region
+    uint32_t base;      // its shared address
+    uint32_t issued;    // chunks whose load was issued
+    uint32_t retired;   // chunks whose store was issued
+    uint32_t phases;    // bit s: parity of the next phase of mbarrier s
+
+    EP_DEVICE uint32_t stage(uint32_t s) const { return base + s * kTmaStageBytes; }
+    EP_DEVICE uint32_t bar(uint32_t s) const { return base + kTmaStages * kTmaStageBytes + s * 8; }
+    EP_DEVICE void** dsts() const {
+        return reinterpret_cast<void**>(region + kTmaStages * kTmaStageBytes + kTmaStages * 8);
+    }
+    EP_DEVICE uint32_t* lens() const {
+        return reinterpret_cast<uint32_t*>(region + kTmaStages * kTmaStageBytes + kTmaStages * 16);
+    }
+
+    // Called by every lane (uniform state); lane 0 also initialises the mbarriers.
+    EP_DEVICE void init(char* smem, int warp, int lane) {
+        region = smem + static_cast<size_t>(warp) * kTmaWarpBytes;
+        base = ep::smem_addr(region);
+        issued = 0;
+        retired = 0;
+        phases = 0;
+        if (lane != 0) {
+            return;
+        }
+#pragma unroll
+        for (int s = 0; s < kTmaStages; ++s) {
+            ep::mbarrier_init(bar(s), 1);
+        }
+        ep::fence_mbarrier_init();
+        ep::fence_proxy_async_shared();
+    }
+
+    // Waits for the oldest outstanding load and stores its stage out.
+    EP_DEVICE void retire() {
+        const uint32_t s = retired % kTmaStages;
+        ep::mbarrier_wait_parity(bar(s), (phases >> s) & 1u);
+        phases ^= 1u << s;
+        ep::bulk_store(dsts()[s], stage(s), lens()[s]);
+        ep::bulk_commit_group();
+        ++retired;
+    }
+
+    // Copies one chunk (16-byte aligned addresses, size a multiple of 16, <= kTmaStageBytes).
+    EP_DEVICE void push(void* dst, const void* src, uint32_t bytes) {
+        if (issued - retired == kTmaStages - 1) {
+            retire();
+        }
+        const uint32_t s = issued % kTmaStages;
+        if (issued >= kTmaStages) {
+            // Stores issued after the one of chunk `issued - S` (which read stage s): >= 1.
+            const uint32_t newer = retired - (issued - kTmaStages) - 1;
+            if (newer >= 3) {
+                ep::bulk_wait_group_read<3>();
+            } else if (newer == 2) {
+                ep::bulk_wait_group_read<2>();
+            } else {
+                ep::bulk_wait_group_read<1>();
+            }
+        }
+        dsts()[s] = dst;
+        lens()[s] = bytes;
+        ep::mbarrier_arrive_expect_tx(bar(s), bytes);
+        ep::bulk_load(stage(s), src, bytes, bar(s));
+        ++issued;
+    }
+
+    // Copies `bytes` (a multiple of 16) from `src` to `dst` (both 16-byte aligned).
+    EP_DEVICE void row(void* dst, const void* src, uint32_t bytes) {
+        const uint32_t n = (bytes + kTmaStageBytes - 1) / kTmaStageBytes;
+        const uint32_t chunk = n == 0 ? 0 : ((bytes + n - 1) / n + 15u) & ~15u;
+        for (uint32_t off = 0; off < bytes; off += chunk) {
+            push(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
+                 min(chunk, bytes - off));
+        }
+    }
+
+    // Issues the stores of every loaded chunk (all loads have then completed: their sources
+    // may be overwritten). The stores may still be in flight.
+    EP_DEVICE void flush() {
+        while (retired != issued) {
+            retire();
+        }
+    }
+};
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// dispatch
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `DispatchParams` in src/intranode/cuda/dispatch.rs.
+struct DispatchParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                      // [T, hidden_int4]
+    const float* x_scales;              // [T, S] or null (S == 0)
+    const int64_t* topk_idx;            // [T, K] or null (K == 0)
+    const float* topk_weights;          // [T, K] or null (K == 0)
+    const uint8_t* is_token_in_rank;    // [T, R]
+    const int* rank_prefix_matrix;      // [R, R]
+    const int* channel_prefix_matrix;   // [R, C] (this rank's)
+    int4* recv_x;                       // [N, hidden_int4]
+    float* recv_x_scales;               // [N, S]
+    int* recv_src_idx;                  // [N]
+    int64_t* recv_topk_idx;             // [N, K]
+    float* recv_topk_weights;           // [N, K]
+    int* recv_channel_offset;           // [R, C] out
+    int* send_head;                     // [T, R] out
+    int* error_info;                    // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int hidden_int4;  // row bytes / 16
+    int num_scales;   // S
+    int num_topk;     // K
+    int experts_per_rank;
+    int num_channels;
+    int num_max_send_tokens;
+    int num_max_recv_tokens;
+};
+EP_CHECK_PARAMS_SIZE(DispatchParams, 232);
+
+namespace {
+
+// One token into slot `slot` of a dispatch ring, by one warp.
+EP_DEVICE void dispatch_send_token(const DispatchParams& p, char* ring_base, const RingLayout& lay,
+                                   int token, int slot, int dst, int lane) {
+    const int hi = p.hidden_int4;
+    warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(ring_base) + static_cast<int64_t>(slot) * hi,
+                    p.x + static_cast<int64_t>(token) * hi, hi, lane);
+    if (lane == 0) {
+        reinterpret_cast<int*>(ring_base + lay.src_idx)[slot] = token;
+    }
+    const int K = p.num_topk;
+    if (K > 0) {
+        const int64_t lo = static_cast<int64_t>(dst) * p.experts_per_rank;
+        const int64_t hi_e = lo + p.experts_per_rank;
+        int* ridx = reinterpret_cast<int*>(ring_base + lay.topk_idx) + static_cast<int64_t>(slot) * K;
+        float* rw = reinterpret_cast<float*>(ring_base + lay.topk_weights) + static_cast<int64_t>(slot) * K;
+        for (int k = lane; k < K; k += ep::kWarpSize) {
+            const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(token) * K + k);
+            const bool local = e >= lo && e < hi_e;
+            ridx[k] = local ? static_cast<int>(e - lo) : -1;
+            rw[k] = local ? __ldg(p.topk_weights + static_cast<int64_t>(token) * K + k) : 0.0f;
+        }
+    }
+    const int S = p.num_scales;
+    if (S > 0) {
+        float* rs = reinterpret_cast<float*>(ring_base + lay.scales) + static_cast<int64_t>(slot) * S;
+        for (int i = lane; i < S; i += ep::kWarpSize) {
+            rs[i] = __ldg(p.x_scales + static_cast<int64_t>(token) * S + i);
+        }
+    }
+}
+
+// Slot `slot` of a dispatch ring into row `out` of the outputs, by one warp.
+EP_DEVICE void dispatch_recv_token(const DispatchParams& p, const char* ring_base,
+                                   const RingLayout& lay, int slot, int64_t out, int lane,
+                                   TmaPipe& pipe) {
+    const int hi = p.hidden_int4;
+    if (lane == 0) {
+        pipe.row(p.recv_x + out * hi,
+                 reinterpret_cast<const int4*>(ring_base) + static_cast<int64_t>(slot) * hi,
+                 static_cast<uint32_t>(hi) * 16u);
+    }
+    if (lane == 0) {
+        p.recv_src_idx[out] = reinterpret_cast<const int*>(ring_base + lay.src_idx)[slot];
+    }
+    const int K = p.num_topk;
+    if (K > 0) {
+        const int* ridx = reinterpret_cast<const int*>(ring_base + lay.topk_idx) + static_cast<int64_t>(slot) * K;
+        const float* rw = reinterpret_cast<const float*>(ring_base + lay.topk_weights) + static_cast<int64_t>(slot) * K;
+        for (int k = lane; k < K; k += ep::kWarpSize) {
+            p.recv_topk_idx[out * K + k] = static_cast<int64_t>(ridx[k]);
+            p.recv_topk_weights[out * K + k] = rw[k];
+        }
+    }
+    const int S = p.num_scales;
+    if (S > 0) {
+        const float* rs = reinterpret_cast<const float*>(ring_base + lay.scales) + static_cast<int64_t>(slot) * S;
+        for (int i = lane; i < S; i += ep::kWarpSize) {
+            p.recv_x_scales[out * S + i] = rs[i];
+        }
+    }
+}
+
+}  // namespace
+
+// Grid: 2 * C blocks of kDispatchThreads. Block 2c sends channel c, block 2c + 1 receives it.
+// In both, warp group g (kDispatchWarps / R warps, named barrier g + 1) serves peer g.
+EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const DispatchParams p) {
+    __shared__ int s_value[kMaxRanks][2];
+    __shared__ int s_tail[kMaxRanks];
+    __shared__ int s_abort[kMaxRanks];
+
+    const int R = p.num_ranks;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const int lane = ep::lane_id();
+    const int warps_per_group = kDispatchWarps / R;
+    const int g = ep::warp_id() / warps_per_group;
+    if (g >= R) {
+        return;  // spare warps (R does not divide 24)
+    }
+    const int gw = ep::warp_id() % warps_per_group;
+    const int group_threads = warps_per_group * ep::kWarpSize;
+    const int bar_id = g + 1;
+    const bool leader = gw == 0 && lane == 0;
+    extern __shared__ __align__(128) char s_tma[];
+    // The launcher must pass kDispatchSmemBytes of dynamic shared memory.
+    EP_DEVICE_ASSERT(ep::dynamic_smem_bytes() >= static_cast<uint32_t>(kDispatchSmemBytes));
+    TmaPipe pipe;
+    const RingLayout lay = RingLayout::dispatch(Q, p.hidden_int4 * 16, p.num_topk, p.num_scales);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    int t_begin, t_end;
+    channel_range(p.num_tokens, C, c, &t_begin, &t_end);
+
+    if (is_sender) {
+        const int d = g;
+        char* dst_buf = buf(p.buffer_ptrs, d);
+        const int first = c > 0 ? p.channel_prefix_matrix[d * C + c - 1] : 0;
+        const int last = p.channel_prefix_matrix[d * C + c];
+        const int n_total = last - first;
+        if (leader) {
+            ep::st_release_sys(counter(dst_buf, kStart, c, p.rank), -first - 1);
+            ep::st_release_sys(counter(dst_buf, kEnd, c, p.rank), -last - 1);
+        }
+        char* ring_base = ring(dst_buf, lay.bytes, c, R, p.rank);
+        int* tail_ptr = counter(dst_buf, kTail, c, p.rank);
+        const int* head_ptr = counter(my_buf, kHead, c, d);
+        const int chunk = p.num_max_send_tokens;
+        int sent = 0;
+        int t = t_begin;
+        bool aborted = false;
+        while (sent < n_total) {
+            const int k = min(chunk, n_total - sent);
+            if (leader) {
+                bool timed_out = false;
+                ep::wait_flag_sys(head_ptr, [&](int head) { return Q - (sent - head) >= k; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kDispatchKernel, p.rank, d, kSiteDispatchSendHead);
+                }
+                s_abort[g] = timed_out;
+            }
+            named_barrier(bar_id, group_threads);
+            if (s_abort[g]) {
+                aborted = true;
+                break;
+            }
+            // Scan the channel's tokens 32 at a time for the next k bound to d.
+            int filled = 0;
+            while (filled < k) {
+                EP_DEVICE_ASSERT(t < t_end);  // channel_prefix_matrix disagrees with is_token_in_rank
+                const int tok = t + lane;
+                const bool flag = tok < t_end && p.is_token_in_rank[static_cast<int64_t>(tok) * R + d] != 0;
+                unsigned mask = __ballot_sync(ep::kFullMask, flag);
+                const int need = k - filled;
+                int window = min(ep::kWarpSize, t_end - t);
+                if (__popc(mask) > need) {
+                    unsigned m = mask;
+                    for (int i = 1; i < need; ++i) {
+                        m &= m - 1;
+                    }
+                    window = __ffs(m);  // position of the need-th set bit, plus one
+                    mask &= window == 32 ? ep::kFullMask : ((1u << window) - 1u);
+                }
+                const int j0 = sent + filled;
+                if (gw == 0 && lane < window) {
+                    const bool taken = (mask >> lane) & 1u;
+                    p.send_head[static_cast<int64_t>(tok) * R + d] =
+                        taken ? j0 + __popc(mask & ((1u << lane) - 1u)) : -1;
+                }
+                unsigned m = mask;
+                for (int r = 0; m != 0; ++r) {
+                    const int b = __ffs(m) - 1;
+                    m &= m - 1;
+                    const int j = j0 + r;
+                    if (j % warps_per_group == gw) {
+                        dispatch_send_token(p, ring_base, lay, t + b, j % Q, d, lane);
+                    }
+                }
+                filled += __popc(mask);
+                t += window;
+            }
+            named_barrier(bar_id, group_threads);
+            sent += k;
+            if (leader) {
+                ep::st_release_sys(tail_ptr, sent);
+            }
+        }
+        // Tokens after the last one sent to d.
+        if (!aborted && gw == 0) {
+            for (int tok = t + lane; tok < t_end; tok += ep::kWarpSize) {
+                p.send_head[static_cast<int64_t>(tok) * R + d] = -1;
+            }
+        }
+        return;
+    }
+
+    // Receiver of channel c from source s = g.
+    const int s = g;
+    char* src_buf = buf(p.buffer_ptrs, s);
+    if (leader) {
+        const ep::Deadline deadline = ep::Deadline::after(p.timeout_ns);
+        bool timed_out = false;
+        const int start = ep::wait_flag_sys(counter(my_buf, kStart, c, s), [](int v) { return v != 0; },
+                                            deadline, &timed_out);
+        int end = 0;
+        if (!timed_out) {
+            end = ep::wait_flag_sys(counter(my_buf, kEnd, c, s), [](int v) { return v != 0; },
+                                    deadline, &timed_out);
+        }
+        if (timed_out) {
+            report_timeout(p.error_info, kDispatchKernel, p.rank, s, kSiteDispatchRecvMeta);
+        }
+        s_abort[g] = timed_out;
+        s_value[g][0] = -start - 1;
+        s_value[g][1] = -end - 1;
+    }
+    named_barrier(bar_id, group_threads);
+    if (s_abort[g]) {
+        return;
+    }
+    const int start = s_value[g][0];
+    const int n = s_value[g][1] - start;
+    // The leader rewrites s_abort / s_tail below: every thread of the group has read them.
+    named_barrier(bar_id, group_threads);
+    const int64_t base = (s > 0 ? p.rank_prefix_matrix[(s - 1) * R + p.rank] : 0) + start;
+    if (leader) {
+        p.recv_channel_offset[s * C + c] = static_cast<int>(base);
+    }
+    pipe.init(s_tma, ep::warp_id(), lane);
+    __syncwarp();
+    const char* ring_base = ring(my_buf, lay.bytes, c, R, s);
+    const int* tail_ptr = counter(my_buf, kTail, c, s);
+    int* head_ptr = counter(src_buf, kHead, c, p.rank);
+    int head = 0;
+    while (head < n) {
+        if (leader) {
+            bool timed_out = false;
+            const int tail = ep::wait_flag_sys(tail_ptr, [&](int v) { return v > head; },
+                                               ep::Deadline::after(p.timeout_ns), &timed_out);
+            if (timed_out) {
+                report_timeout(p.error_info, kDispatchKernel, p.rank, s, kSiteDispatchRecvTail);
+            }
+            s_abort[g] = timed_out;
+            s_tail[g] = tail;
+        }
+        named_barrier(bar_id, group_threads);
+        if (s_abort[g]) {
+            if (lane == 0) {
+                ep::bulk_wait_group<0>();  // earlier rows' stores still read this block's smem
+            }
+            return;
+        }
+        const int tail = s_tail[g];
+        // Slots [head, tail) were published by the sender (acquire by the leader): order that
+        // before this warp's async-proxy reads of them.
+        if (lane == 0) {
+            ep::fence_proxy_async_global();
+        }
+        for (int j = head + gw; j < tail; j += warps_per_group) {
+            dispatch_recv_token(p, ring_base, lay, j % Q, base + j, lane, pipe);
+        }
+        // Every load from the ring has completed (the slots may be handed back); the stores
+        // into recv_x may still be in flight.
+        if (lane == 0) {
+            pipe.flush();
+        }
+        __syncwarp();
+        named_barrier(bar_id, group_threads);
+        head = tail;
+        if (leader) {
+            ep::st_release_sys(head_ptr, head);
+        }
+    }
+    if (lane == 0) {
+        ep::bulk_wait_group<0>();  // the recv_x rows are written, the smem no longer read
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// combine
+// ---------------------------------------------------------------------------------------------
+
+// Mirrors `CombineParams` in src/intranode/cuda/combine.rs.
+struct CombineParams {
+    uint64_t buffer_ptrs[kMaxRanks];
+    const int4* x;                    // [N, hidden_int4] bf16 rows in receive order
+    const float* topk_weights;        // [N, K] or null (K == 0)
+    const int* rank_prefix_matrix;    // [R, R]
+    const int* recv_channel_offset;   // [R, C]
+    const int* send_head;             // [T, R]
+    int4* combined_x;                 // [T, hidden_int4] out
+    float* combined_topk_weights;     // [T, K] out, or null
+    int* error_info;                  // [4]
+    uint64_t timeout_ns;
+    int rank;
+    int num_ranks;
+    int num_tokens;
+    int num_recv_tokens;
+    int hidden_int4;
+    int num_topk;
+    int num_channels;
+    int num_max_send_tokens;
+    int num_max_recv_tokens;
+    int pad;
+};
+EP_CHECK_PARAMS_SIZE(CombineParams, 176);
+
+namespace {
+
+// The home side of combine for channel c with R == kR ranks (compile-time, so the per-rank
+// slots and loads stay in registers).
+template <int kR>
+__device__ void combine_home(const CombineParams& p, int c, int* s_abort) {
+    const int R = kR;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int K = p.num_topk;
+    const int hi = p.hidden_int4;
+    const int lane = ep::lane_id();
+    const int warp = ep::warp_id();
+    const RingLayout lay = RingLayout::combine(Q, hi * 16, K);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+    int t_begin, t_end;
+    channel_range(p.num_tokens, C, c, &t_begin, &t_end);
+    for (int round = t_begin; round < t_end; round += kCombineWarps) {
+        __syncthreads();
+        if (*s_abort) {
+            break;
+        }
+        const int t = round + warp;
+        if (t < t_end) {
+            const int my_slot = lane < R ? p.send_head[static_cast<int64_t>(t) * R + lane] : -1;
+            bool timed_out = false;
+            if (my_slot >= 0) {
+                ep::wait_flag_sys(counter(my_buf, kTail, c, lane), [&](int v) { return v > my_slot; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCombineKernel, p.rank, lane, kSiteCombineRecvTail);
+                    *s_abort = 1;
+                }
+            }
+            if (!__any_sync(ep::kFullMask, timed_out)) {
+                // Per rank: the int4 offset of this token's row in ring (c, d), or -1.
+                int row[kR];
+#pragma unroll
+                for (int d = 0; d < kR; ++d) {
+                    const int sl = __shfl_sync(ep::kFullMask, my_slot, d);
+                    row[d] = sl >= 0 ? (sl % Q) * hi : -1;
+                }
+                const char* ring0 = ring(my_buf, lay.bytes, c, R, 0);
+                int4* out = p.combined_x + static_cast<int64_t>(t) * hi;
+                for (int i = lane; i < hi; i += ep::kWarpSize) {
+                    float acc[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[e] = 0.0f;
+                    }
+                    // Up to 4 rows in flight, then summed in rank order.
+                    constexpr int kBatch = kR < 4 ? kR : 4;
+#pragma unroll
+                    for (int d0 = 0; d0 < kR; d0 += kBatch) {
+                        int4 v[kBatch];
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            if (d0 + b < kR && row[d0 + b] >= 0) {
+                                v[b] = ld_ring(reinterpret_cast<const int4*>(ring0 + (d0 + b) * lay.bytes) + row[d0 + b] + i);
+                            }
+                        }
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            if (d0 + b < kR && row[d0 + b] >= 0) {
+                                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b]);
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const float2 f = __bfloat1622float2(h[e]);
+                                    acc[2 * e] += f.x;
+                                    acc[2 * e + 1] += f.y;
+                                }
+                            }
+                        }
+                    }
+                    int4 o;
+                    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        oh[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+                    }
+                    ep::st_no_alloc(out + i, o);
+                }
+                if (p.combined_topk_weights != nullptr) {
+                    for (int kk = lane; kk < K; kk += ep::kWarpSize) {
+                        float acc = 0.0f;
+#pragma unroll
+                        for (int d = 0; d < kR; ++d) {
+                            if (row[d] >= 0) {
+                                const float* w = reinterpret_cast<const float*>(
+                                    ring0 + d * lay.bytes + lay.topk_weights);
+                                acc += w[static_cast<int64_t>(row[d] / hi) * K + kk];
+                            }
+                        }
+                        p.combined_topk_weights[static_cast<int64_t>(t) * K + kk] = acc;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // Free the slots this round consumed.
+        if (warp == 0 && lane < R && !*s_abort) {
+            int last = -1;
+            for (int w = 0; w < kCombineWarps && round + w < t_end; ++w) {
+                last = max(last, p.send_head[static_cast<int64_t>(round + w) * R + lane]);
+            }
+            if (last >= 0) {
+                ep::st_release_sys(counter(buf(p.buffer_ptrs, lane), kHead, c, p.rank), last + 1);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// Grid: 2 * C blocks of kCombineThreads. Block 2c: warp group g returns to home rank g the rows
+// of channel c it received from g. Block 2c + 1: the home side of channel c, one token per warp
+// per round, summing the rows of every rank in rank order.
+template <int kR>
+__device__ __forceinline__ void combine_impl(const CombineParams& p) {
+    __shared__ int s_abort_group[kMaxRanks];
+    __shared__ int s_abort;
+
+    const int R = kR;
+    const int C = p.num_channels;
+    const int Q = p.num_max_recv_tokens;
+    const int K = p.num_topk;
+    const int hi = p.hidden_int4;
+    const int c = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = (blockIdx.x % 2) == 0;
+    const int lane = ep::lane_id();
+    const int warp = ep::warp_id();
+    const RingLayout lay = RingLayout::combine(Q, hi * 16, K);
+    char* my_buf = buf(p.buffer_ptrs, p.rank);
+
+    if (is_sender) {
+        const int warps_per_group = kCombineWarps / R;
+        const int g = warp / warps_per_group;
+        if (g >= R) {
+            return;
+        }
+        const int gw = warp % warps_per_group;
+        const int group_threads = warps_per_group * ep::kWarpSize;
+        const int bar_id = g + 1;
+        const bool leader = gw == 0 && lane == 0;
+        const int s = g;
+        char* home_buf = buf(p.buffer_ptrs, s);
+        const int off = p.recv_channel_offset[s * C + c];
+        const int end = c + 1 < C ? p.recv_channel_offset[s * C + c + 1] : p.rank_prefix_matrix[s * R + p.rank];
+        const int n = end - off;
+        char* ring_base = ring(home_buf, lay.bytes, c, R, p.rank);
+        int4* ring_x = reinterpret_cast<int4*>(ring_base);
+        float* ring_w = reinterpret_cast<float*>(ring_base + lay.topk_weights);
+        int* tail_ptr = counter(home_buf, kTail, c, p.rank);
+        const int* head_ptr = counter(my_buf, kHead, c, s);
+        int sent = 0;
+        while (sent < n) {
+            const int k = min(p.num_max_send_tokens, n - sent);
+            if (leader) {
+                bool timed_out = false;
+                ep::wait_flag_sys(head_ptr, [&](int head) { return Q - (sent - head) >= k; },
+                                  ep::Deadline::after(p.timeout_ns), &timed_out);
+                if (timed_out) {
+                    report_timeout(p.error_info, kCombineKernel, p.rank, s, kSiteCombineSendHead);
+                }
+                s_abort_group[g] = timed_out;
+            }
+            named_barrier(bar_id, group_threads);
+            if (s_abort_group[g]) {
+                return;
+            }
+            for (int j = sent + gw; j < sent + k; j += warps_per_group) {
+                const int slot = j % Q;
+                const int64_t row = static_cast<int64_t>(off) + j;
+                warp_copy<true>(ring_x + static_cast<int64_t>(slot) * hi, p.x + row * hi, hi, lane);
+                for (int kk = lane; kk < K; kk += ep::kWarpSize) {
+                    ring_w[static_cast<int64_t>(slot) * K + kk] = __ldg(p.topk_weights + row * K + kk);
+                }
+            }
+            named_barrier(bar_id, group_threads);
+            sent += k;
+            if (leader) {
+                ep::st_release_sys(tail_ptr, sent);
+            }
+        }
+        return;
+    }
+
+    // Home side.
+    if (threadIdx.x == 0) {
+        s_abort = 0;
+    }
+    combine_home<kR>(p, c, &s_abort);
+}
+
+// One kernel per rank count (the home side keeps per-rank state in registers):
+// intranode_combine_<R> for R in 1..=8.
+#define EP_COMBINE_KERNEL(n)                                                                     \
+    EP_KERNEL void __launch_bounds__(kCombineThreads, 1) intranode_combine_##n(const CombineParams p) { \
+        combine_impl<n>(p);                                                                      \
+    }
+EP_COMBINE_KERNEL(1)
+EP_COMBINE_KERNEL(2)
+EP_COMBINE_KERNEL(3)
+EP_COMBINE_KERNEL(4)
+EP_COMBINE_KERNEL(5)
+EP_COMBINE_KERNEL(6)
+EP_COMBINE_KERNEL(7)
+EP_COMBINE_KERNEL(8)
+#undef EP_COMBINE_KERNEL
