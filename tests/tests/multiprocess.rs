@@ -1,5 +1,8 @@
 //! Ranks as separate processes joined through the bootstrap store (TCP), like a launcher
 //! runs them: this test binary re-executes itself once per rank.
+//!
+//! The rank bodies (`rank_*`) are `#[ignore]`d: they are not tests of their own but what each
+//! child process runs (`--ignored --exact rank_...`), and they refuse to run outside a child.
 
 use candle_core::{DType, Device, Tensor};
 use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
@@ -28,16 +31,22 @@ fn launch(
     let children: Vec<_> = (0..world)
         .map(|rank| {
             let mut c = Command::new(&exe);
-            c.args(["--exact", entry, "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", (rank % local_world).to_string())
-                .env("LOCAL_WORLD_SIZE", local_world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            c.args([
+                "--ignored",
+                "--exact",
+                entry,
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", (rank % local_world).to_string())
+            .env("LOCAL_WORLD_SIZE", local_world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
             for (k, v) in extra {
                 c.env(k, v);
             }
@@ -53,6 +62,15 @@ fn launch(
             (out.status.code().unwrap_or(-1), text)
         })
         .collect()
+}
+
+/// Panics unless this process is a child launched by [`launch`]: a rank body run on its own
+/// has no peers and must not pass.
+fn require_child(entry: &str) {
+    assert!(
+        std::env::var(CHILD).is_ok(),
+        "{entry} is one rank's body, run in a child process by the test that launches it"
+    );
 }
 
 fn child_buffer(timeout: Duration) -> (Store, Buffer) {
@@ -72,10 +90,9 @@ fn child_buffer(timeout: Duration) -> (Store, Buffer) {
 
 /// The body of one rank: EP layer in both modes equals the dense layer on this rank's tokens.
 #[test]
-fn child_ep_layer() {
-    if std::env::var(CHILD).is_err() {
-        return;
-    }
+#[ignore = "one rank's body: four_processes_equal_dense runs it in each child process"]
+fn rank_ep_layer() {
+    require_child("rank_ep_layer");
     let cfg = config();
     let path = std::path::PathBuf::from(std::env::var("EP_MOE_TEST_CKPT").unwrap());
     let (_store, buf) = child_buffer(Duration::from_secs(30));
@@ -98,14 +115,11 @@ fn child_ep_layer() {
 
 #[test]
 fn four_processes_equal_dense() {
-    if std::env::var(CHILD).is_ok() {
-        return;
-    }
     let path = write_checkpoint(&config(), "mp");
     for local_world in [4, 2] {
         // one node of 4, then 2 nodes x 2 ranks
         let res = launch(
-            "child_ep_layer",
+            "rank_ep_layer",
             4,
             local_world,
             &[("EP_MOE_TEST_CKPT", path.display().to_string())],
@@ -120,10 +134,9 @@ fn four_processes_equal_dense() {
 
 /// Rank 2 exits (dies) after the first op; the others must fail naming it, not hang.
 #[test]
-fn child_dies_midway() {
-    if std::env::var(CHILD).is_err() {
-        return;
-    }
+#[ignore = "one rank's body: a_dead_process_is_named runs it in each child process"]
+fn rank_dies_midway() {
+    require_child("rank_dies_midway");
     let (store, buf) = child_buffer(Duration::from_secs(3));
     let rank = buf.topology().rank;
     let x = Tensor::ones((4, 8), DType::F32, &Device::Cpu).unwrap();
@@ -155,11 +168,8 @@ fn child_dies_midway() {
 
 #[test]
 fn a_dead_process_is_named() {
-    if std::env::var(CHILD).is_ok() {
-        return;
-    }
     let started = Instant::now();
-    let res = launch("child_dies_midway", 4, 4, &[]);
+    let res = launch("rank_dies_midway", 4, 4, &[]);
     assert!(started.elapsed() < Duration::from_secs(60));
     for (rank, (code, text)) in res.iter().enumerate() {
         assert_eq!(*code, 0, "rank {rank}:\n{text}");

@@ -139,10 +139,31 @@ impl Error {
 }
 
 impl From<Error> for candle_core::Error {
+    /// Candle's own errors pass through; the others are wrapped (not stringified), so a caller
+    /// holding a `candle_core::Error` gets the typed error back with [`Error::from_candle`].
     fn from(e: Error) -> Self {
         match e {
             Error::Candle(c) => c,
-            other => candle_core::Error::Msg(other.to_string()),
+            other => {
+                let context = other.to_string();
+                candle_core::Error::WrappedContext {
+                    wrapped: Box::new(other),
+                    context,
+                }
+            }
+        }
+    }
+}
+
+impl Error {
+    /// The runtime error inside a `candle_core::Error` made from one (see the `From` impl),
+    /// looking through candle's context layers.
+    pub fn from_candle(e: &candle_core::Error) -> Option<&Error> {
+        match e {
+            candle_core::Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<Error>(),
+            candle_core::Error::WithBacktrace { inner, .. } => Self::from_candle(inner),
+            candle_core::Error::Context { inner, .. } => Self::from_candle(inner),
+            _ => None,
         }
     }
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::DType;
-use common::{routing, run_ranks, tensor, Style};
+use common::{routing, run_ranks, tensor, test_seed, Style};
 use ep_runtime::{BufferConfig, Error, LowLatencyCombineArgs, LowLatencyDispatchArgs};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -52,7 +52,10 @@ fn check_round_trip(
     let r = tokens.len();
     let h = 128;
     let k = k.min(e);
-    let inp = Arc::new(inputs(rand::random(), &tokens, k, e, h, style));
+    let seed = test_seed(&format!(
+        "check_round_trip(tokens {tokens:?}, m {m}, k {k}, e {e}, fp8 {fp8}, {style:?}, hook {hook})"
+    ));
+    let inp = Arc::new(inputs(seed, &tokens, k, e, h, style));
     let cfg = BufferConfig::default().with_low_latency(m, h, e);
     let tok = tokens.clone();
     run_ranks(r, r, cfg, move |buf| {

@@ -22,11 +22,19 @@ use cudarc::driver::{CudaGraph, CudaStream};
 
 use crate::error::{Error, Result};
 
-/// A captured graph, replayed on the stream it was captured from.
+/// A captured graph, replayed on the stream it was captured from. Launches are serialised by
+/// a lock (a CUDA graph object must not be used by two threads at once).
 pub struct CapturedGraph {
-    graph: CudaGraph,
+    graph: std::sync::Mutex<CudaGraph>,
     stream: Arc<CudaStream>,
 }
+
+// SAFETY: the graph and its executable are driver handles of one context, usable from any
+// thread that binds that context (every launch does, through cudarc); concurrent use is
+// excluded by the mutex around them.
+unsafe impl Send for CapturedGraph {}
+// SAFETY: as above: `&self` methods only launch through the mutex.
+unsafe impl Sync for CapturedGraph {}
 
 impl std::fmt::Debug for CapturedGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -39,7 +47,10 @@ impl std::fmt::Debug for CapturedGraph {
 impl CapturedGraph {
     /// Enqueues one replay on the capture's stream (candle's stream of its device).
     pub fn launch(&self) -> Result<()> {
-        self.graph.launch()?;
+        self.graph
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .launch()?;
         Ok(())
     }
 
@@ -85,7 +96,7 @@ pub fn capture<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(Cap
         ctx.check_err()?;
         Ok((
             CapturedGraph {
-                graph,
+                graph: std::sync::Mutex::new(graph),
                 stream: stream.clone(),
             },
             out,

@@ -49,7 +49,10 @@ impl LlState {
         let own = PeerRecord::of_ptr(&ctx, buffer.base_ptr(), layout.total_bytes, ctx.ordinal())?;
         let records = gather_records(buf, own)?;
         let peers = PeerMap::open(&ctx, &records, cb.rank, |i| i)?;
-        buffer.connect(&cb.comm, peers.ptrs())?;
+        // SAFETY: `peers` maps every rank's low-latency buffer of this layout into this
+        // context (IPC or peer pointers, own entry = own base); it is kept in `LlState` next to
+        // `buffer` and dropped after it.
+        unsafe { buffer.connect(&cb.comm, peers.ptrs()) }?;
         Ok(Self {
             _peers: peers,
             buffer,

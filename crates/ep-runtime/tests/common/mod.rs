@@ -8,6 +8,25 @@ use ep_runtime::{Buffer, BufferConfig};
 use rand::seq::SliceRandom;
 use rand::Rng;
 
+/// A seed for a randomised test: `$EP_TEST_SEED` if set (decimal or `0x` hex), else a fresh
+/// random one. Printed with `what`, so that a failure (whose output the harness shows) can be
+/// replayed with `EP_TEST_SEED=<seed>`.
+pub fn test_seed(what: &str) -> u64 {
+    let seed = match std::env::var("EP_TEST_SEED") {
+        Ok(v) => {
+            let v = v.trim();
+            let parsed = match v.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16),
+                None => v.parse(),
+            };
+            parsed.unwrap_or_else(|e| panic!("EP_TEST_SEED={v:?}: {e}"))
+        }
+        Err(_) => rand::random(),
+    };
+    println!("{what}: seed {seed:#x} (replay with EP_TEST_SEED={seed:#x})");
+    seed
+}
+
 /// Runs `f(buffer)` on `n` ranks (threads) and returns the results in rank order.
 pub fn run_ranks<T: Send + 'static>(
     n: usize,
