@@ -27,11 +27,11 @@ use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
     LowLatencyDispatchArgs, Topology,
 };
-use moe_layer::ep_runtime::graph::capture;
 use moe_layer::{Experts, Mlp, Mode, MoeLayer, MoeLayerOptions, Router};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -236,10 +236,14 @@ fn bench_tokens(
         })?;
         let out = buf.low_latency_dispatch(&args)?;
         row.gemm_ms = part(&mut || {
-            layer.experts().forward_masked(&out.recv_x, &out.recv_count)?;
+            layer
+                .experts()
+                .forward_masked(&out.recv_x, &out.recv_count)?;
             Ok(())
         })?;
-        let y = layer.experts().forward_masked(&out.recv_x, &out.recv_count)?;
+        let y = layer
+            .experts()
+            .forward_masked(&out.recv_x, &out.recv_count)?;
         row.combine_ms = part(&mut || {
             buf.low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
             Ok(())

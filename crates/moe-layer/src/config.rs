@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use candle_core::{Error, Result};
+use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// How router logits become expert scores.
@@ -90,8 +90,13 @@ pub struct MoeConfig {
 impl MoeConfig {
     /// Parses a configuration from JSON text (a whole model `config.json` is fine) and validates it.
     pub fn from_json_str(json: &str) -> Result<Self> {
-        let cfg: MoeConfig = serde_json::from_str(json)
-            .map_err(|e| Error::Msg(format!("config.json: cannot parse MoE configuration: {e}")))?;
+        let cfg: MoeConfig = serde_json::from_str(json).map_err(|e| {
+            Error::invalid(
+                "json",
+                e,
+                "must be a model configuration with the MoE fields",
+            )
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -100,8 +105,8 @@ impl MoeConfig {
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Msg(format!("config file {}: cannot read: {e}", path.display())))?;
-        Self::from_json_str(&text).map_err(|e| Error::Msg(format!("{}: {e}", path.display())))
+            .map_err(|e| Error::invalid("path", path.display(), format!("cannot be read: {e}")))?;
+        Self::from_json_str(&text)
     }
 
     /// Whether the top-k method restricts each token to `topk_group` of `n_group` groups.
@@ -138,48 +143,52 @@ impl MoeConfig {
         ];
         for (name, value) in positive {
             if value == 0 {
-                return Err(Error::Msg(format!(
-                    "MoeConfig: {name} = 0, it must be at least 1"
-                )));
+                return Err(Error::invalid(name, 0, "must be at least 1"));
             }
         }
         if !self.routed_scaling_factor.is_finite() {
-            return Err(Error::Msg(format!(
-                "MoeConfig: routed_scaling_factor = {} is not a finite number",
-                self.routed_scaling_factor
-            )));
+            return Err(Error::invalid(
+                "routed_scaling_factor",
+                self.routed_scaling_factor,
+                "must be a finite number",
+            ));
         }
         if self.num_experts_per_tok > self.n_routed_experts {
-            return Err(Error::Msg(format!(
-                "MoeConfig: num_experts_per_tok = {} exceeds n_routed_experts = {}",
-                self.num_experts_per_tok, self.n_routed_experts
-            )));
+            return Err(Error::invalid(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                format!("must be <= n_routed_experts = {}", self.n_routed_experts),
+            ));
         }
         if self.n_routed_experts % self.n_group != 0 {
-            return Err(Error::Msg(format!(
-                "MoeConfig: n_routed_experts = {} is not a multiple of n_group = {}",
-                self.n_routed_experts, self.n_group
-            )));
+            return Err(Error::invalid(
+                "n_routed_experts",
+                self.n_routed_experts,
+                format!("must be a multiple of n_group = {}", self.n_group),
+            ));
         }
         if self.topk_group > self.n_group {
-            return Err(Error::Msg(format!(
-                "MoeConfig: topk_group = {} exceeds n_group = {}",
-                self.topk_group, self.n_group
-            )));
+            return Err(Error::invalid(
+                "topk_group",
+                self.topk_group,
+                format!("must be <= n_group = {}", self.n_group),
+            ));
         }
         if self.group_limited() {
             let reachable = self.topk_group * self.experts_per_group();
             if self.num_experts_per_tok > reachable {
-                return Err(Error::Msg(format!(
-                    "MoeConfig: num_experts_per_tok = {} exceeds the {reachable} experts of the \
-                     topk_group = {} groups a token may use (n_routed_experts {} / n_group {} \
-                     = {} experts per group)",
+                return Err(Error::invalid(
+                    "num_experts_per_tok",
                     self.num_experts_per_tok,
-                    self.topk_group,
-                    self.n_routed_experts,
-                    self.n_group,
-                    self.experts_per_group()
-                )));
+                    format!(
+                        "must be <= the {reachable} experts of the topk_group = {} groups a \
+                         token may use (n_routed_experts {} / n_group {} = {} experts per group)",
+                        self.topk_group,
+                        self.n_routed_experts,
+                        self.n_group,
+                        self.experts_per_group()
+                    ),
+                ));
             }
         }
         Ok(())

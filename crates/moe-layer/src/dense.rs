@@ -2,10 +2,11 @@
 //! shared expert in one place, with no expert parallelism. Expert-parallel runs over `R` ranks
 //! are checked against it.
 
-use candle_core::{DType, Error, Module, Result, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::MoeConfig;
+use crate::error::{Error, Result};
 use crate::experts::{Experts, Mlp};
 use crate::router::Router;
 
@@ -22,27 +23,33 @@ impl DenseMoe {
     /// and every part must have the router's hidden size.
     pub fn new(router: Router, experts: Experts, shared: Option<Mlp>) -> Result<Self> {
         if experts.first_expert() != 0 || experts.num_local() != router.num_experts() {
-            return Err(Error::Msg(format!(
-                "DenseMoe::new: experts holds {}..{}, expected all n_routed_experts = 0..{}",
-                experts.first_expert(),
-                experts.first_expert() + experts.num_local(),
-                router.num_experts()
-            )));
+            return Err(Error::invalid(
+                "experts",
+                format!(
+                    "experts {}..{}",
+                    experts.first_expert(),
+                    experts.first_expert() + experts.num_local()
+                ),
+                format!(
+                    "must hold all n_routed_experts = 0..{}",
+                    router.num_experts()
+                ),
+            ));
         }
         if experts.hidden_size() != router.hidden_size() {
-            return Err(Error::Msg(format!(
-                "DenseMoe::new: experts have hidden size {}, expected the router's {}",
-                experts.hidden_size(),
-                router.hidden_size()
-            )));
+            return Err(Error::invalid(
+                "experts",
+                format!("hidden size {}", experts.hidden_size()),
+                format!("must be the router's {}", router.hidden_size()),
+            ));
         }
         if let Some(s) = &shared {
             if s.hidden_size() != router.hidden_size() {
-                return Err(Error::Msg(format!(
-                    "DenseMoe::new: shared expert has hidden size {}, expected the router's {}",
-                    s.hidden_size(),
-                    router.hidden_size()
-                )));
+                return Err(Error::invalid(
+                    "shared",
+                    format!("hidden size {}", s.hidden_size()),
+                    format!("must be the router's {}", router.hidden_size()),
+                ));
             }
         }
         Ok(Self {
@@ -81,7 +88,9 @@ impl DenseMoe {
     }
 
     /// Applies the layer to `x` `[T, H]`; the sum is taken in f32 and returned in `x`'s dtype.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// Returns candle's error type, like [`crate::MoeLayer::forward`] (layer errors are
+    /// wrapped: [`Error::from_candle`] gives them back).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let routing = self.router.forward(x)?;
         let mut acc =
             self.experts
@@ -94,7 +103,7 @@ impl DenseMoe {
 }
 
 impl Module for DenseMoe {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         DenseMoe::forward(self, xs)
     }
 }

@@ -1,11 +1,83 @@
-//! [`DecodeGraph`]: a low-latency [`MoeLayer`] step captured in a CUDA graph and replayed with
-//! new tokens (no host work per kernel, no host synchronisation).
+//! Captured decode steps: a low-latency [`MoeLayer`] step recorded in a CUDA graph and replayed
+//! with new tokens (no host work per kernel, no host synchronisation).
+//!
+//! - [`MoeLayer::capture_decode`] gives a [`DecodeGraph`] of a fixed token count that the
+//!   caller replays;
+//! - [`MoeLayer::forward_decode`] keeps one captured step per power-of-two token count inside
+//!   the layer and replays the smallest that fits (single-rank layers; see its docs).
+
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Tensor};
 use ep_runtime::graph::{capture, CapturedGraph};
+use ep_runtime::Buffer;
 
 use crate::error::{Error, Result};
 use crate::layer::{Mode, MoeLayer};
+
+/// One captured step: the tensor it reads, the tensor it writes, the graph.
+#[derive(Debug)]
+pub(crate) struct CapturedStep {
+    input: Tensor,
+    output: Tensor,
+    graph: CapturedGraph,
+}
+
+impl CapturedStep {
+    /// Captures `layer`'s low-latency step over `num_tokens` tokens of `dtype` (after two eager
+    /// runs, so that modules, workspaces and buffers exist before the capture).
+    fn capture(layer: &MoeLayer, num_tokens: usize, dtype: DType) -> Result<Self> {
+        let dev = layer.router().weight().device().clone();
+        if !dev.is_cuda() {
+            return Err(Error::invalid(
+                "device",
+                format!("{dev:?}"),
+                "captured decode steps need a layer on a CUDA device",
+            ));
+        }
+        let max = layer.options().low_latency_max_tokens;
+        if num_tokens == 0 || num_tokens > max {
+            return Err(Error::invalid(
+                "num_tokens",
+                num_tokens,
+                format!("must be in 1..=low_latency_max_tokens = {max}"),
+            ));
+        }
+        let h = layer.router().hidden_size();
+        let input = Tensor::zeros((num_tokens, h), dtype, &dev)?;
+        for _ in 0..2 {
+            layer.forward_with_mode(&input, Mode::LowLatency)?;
+        }
+        let (graph, output) = capture(&dev, || {
+            layer
+                .forward_with_mode(&input, Mode::LowLatency)
+                .map_err(ep_runtime::Error::Candle)
+        })?;
+        Ok(Self {
+            input,
+            output,
+            graph,
+        })
+    }
+
+    /// Replays on the input as it is now; first reports, without waiting, a rank the device
+    /// masked during an earlier replay.
+    fn replay(&self, buffer: &Buffer) -> Result<()> {
+        buffer.low_latency_poll()?;
+        self.graph.launch()?;
+        buffer.low_latency_note_replay()?;
+        Ok(())
+    }
+}
+
+/// A captured step's key: token count and dtype.
+type StepKey = (usize, DType);
+
+/// The layer's captured steps by (token count, dtype), made on first use.
+#[derive(Debug, Default)]
+pub(crate) struct DecodeGraphs {
+    steps: Mutex<Vec<(StepKey, Arc<CapturedStep>)>>,
+}
 
 /// A decode step (router -> low-latency dispatch -> grouped GEMMs -> combine, plus the shared
 /// experts) of one [`MoeLayer`] for a fixed number of tokens, captured once and replayed.
@@ -21,9 +93,7 @@ use crate::layer::{Mode, MoeLayer};
 #[derive(Debug)]
 pub struct DecodeGraph<'l> {
     layer: &'l MoeLayer,
-    input: Tensor,
-    output: Tensor,
-    graph: CapturedGraph,
+    step: CapturedStep,
 }
 
 impl MoeLayer {
@@ -32,85 +102,100 @@ impl MoeLayer {
     /// workspace and low-latency buffers are created outside the capture), then captures it.
     /// CUDA layers only; a collective like `forward`.
     pub fn capture_decode(&self, num_tokens: usize, dtype: DType) -> Result<DecodeGraph<'_>> {
-        let dev = self.router().weight().device().clone();
-        if !dev.is_cuda() {
-            return Err(Error::invalid(
-                "device",
-                format!("{dev:?}"),
-                "capture_decode needs a layer on a CUDA device",
-            ));
-        }
-        let max = self.options().low_latency_max_tokens;
-        if num_tokens == 0 || num_tokens > max {
-            return Err(Error::invalid(
-                "num_tokens",
-                num_tokens,
-                format!("must be in 1..=low_latency_max_tokens = {max}"),
-            ));
-        }
-        let h = self.router().hidden_size();
-        let input = Tensor::zeros((num_tokens, h), dtype, &dev)?;
-        for _ in 0..2 {
-            self.forward_with_mode(&input, Mode::LowLatency)?;
-        }
-        let (graph, output) = capture(&dev, || {
-            self.forward_with_mode(&input, Mode::LowLatency)
-                .map_err(ep_runtime::Error::Candle)
-        })?;
         Ok(DecodeGraph {
             layer: self,
-            input,
-            output,
-            graph,
+            step: CapturedStep::capture(self, num_tokens, dtype)?,
         })
+    }
+
+    /// A low-latency step through captured graphs: the tokens are copied into the input of the
+    /// step captured for the smallest power of two >= `T` (captured on first use; at most
+    /// `low_latency_max_tokens`), the graph is replayed, and the first `T` rows of its output
+    /// are returned. The padding rows hold earlier tokens: they are routed and computed like
+    /// real ones, and dropped.
+    ///
+    /// Captured only for single-rank CUDA layers: with several ranks every rank would have to
+    /// capture the same size at the same moment, which this method cannot arrange (use
+    /// [`MoeLayer::capture_decode`] on every rank together for that). Other layers, and `T = 0`,
+    /// run [`MoeLayer::forward_with_mode`] in low-latency mode.
+    pub fn forward_decode(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let t: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+        let single = self.buffer().topology().num_ranks == 1;
+        if t == 0 || !single || !x.device().is_cuda() || dims.len() < 2 {
+            return self.forward_with_mode(x, Mode::LowLatency);
+        }
+        let h = dims[dims.len() - 1];
+        let size = t
+            .next_power_of_two()
+            .min(self.options().low_latency_max_tokens);
+        if size < t {
+            // Over the low-latency limit: the eager path gives the error.
+            return self.forward_with_mode(x, Mode::LowLatency);
+        }
+        let step = self.decode_step(size, x.dtype())?;
+        let x2 = x.reshape((t, h))?;
+        step.input.slice_set(&x2, 0, 0)?;
+        step.replay(self.buffer())?;
+        step.output.narrow(0, 0, t)?.copy()?.reshape(dims)
+    }
+
+    /// The captured step for `size` tokens of `dtype`, capturing it on first use.
+    fn decode_step(&self, size: usize, dtype: DType) -> Result<Arc<CapturedStep>> {
+        let graphs = self.decode_graphs();
+        let mut steps = graphs.steps.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, s)) = steps.iter().find(|(k, _)| *k == (size, dtype)) {
+            return Ok(s.clone());
+        }
+        let step = Arc::new(CapturedStep::capture(self, size, dtype)?);
+        steps.push(((size, dtype), step.clone()));
+        Ok(step)
     }
 }
 
 impl DecodeGraph<'_> {
     /// The `[T, H]` tensor every replay reads its tokens from.
     pub fn input(&self) -> &Tensor {
-        &self.input
+        &self.step.input
     }
 
     /// The `[T, H]` tensor every replay writes its result to (valid once the replay has run on
     /// candle's stream; overwritten by the next replay).
     pub fn output(&self) -> &Tensor {
-        &self.output
+        &self.step.output
     }
 
     /// Replays the step on the tokens of [`DecodeGraph::input`] as they are now, then reports,
     /// without waiting, a rank the device masked during an earlier replay (see
     /// `Buffer::low_latency_poll`).
     pub fn replay_in_place(&self) -> Result<()> {
-        self.layer.buffer().low_latency_poll()?;
-        self.graph.launch()?;
-        self.layer.buffer().low_latency_note_replay()?;
-        Ok(())
+        self.step.replay(self.layer.buffer())
     }
 
     /// Copies `x` (`[T, H]`, the capture's shape and dtype) into the input, replays, and
     /// returns a copy of the output (so it stays valid after later replays).
     pub fn replay(&self, x: &Tensor) -> Result<Tensor> {
-        if x.dims() != self.input.dims() || x.dtype() != self.input.dtype() {
+        let input = &self.step.input;
+        if x.dims() != input.dims() || x.dtype() != input.dtype() {
             return Err(Error::invalid(
                 "x",
                 format!("{:?} {:?}", x.dtype(), x.dims()),
                 format!(
                     "must be {:?} {:?} like the captured step",
-                    self.input.dtype(),
-                    self.input.dims()
+                    input.dtype(),
+                    input.dims()
                 ),
             ));
         }
-        if !x.device().same_device(self.input.device()) {
+        if !x.device().same_device(input.device()) {
             return Err(Error::invalid(
                 "x",
                 format!("a tensor on {:?}", x.device()),
-                format!("must be on {:?}", self.input.device()),
+                format!("must be on {:?}", input.device()),
             ));
         }
-        self.input.slice_set(x, 0, 0)?;
+        input.slice_set(x, 0, 0)?;
         self.replay_in_place()?;
-        Ok(self.output.copy()?)
+        Ok(self.step.output.copy()?)
     }
 }

@@ -68,6 +68,9 @@ pub struct MoeLayer {
     buffer: Arc<Buffer>,
     num_experts: usize,
     options: MoeLayerOptions,
+    /// Captured decode steps of [`MoeLayer::forward_decode`].
+    #[cfg(feature = "cuda")]
+    decode_graphs: crate::graph::DecodeGraphs,
 }
 
 impl MoeLayer {
@@ -150,6 +153,8 @@ impl MoeLayer {
             buffer,
             num_experts: e,
             options,
+            #[cfg(feature = "cuda")]
+            decode_graphs: Default::default(),
         })
     }
 
@@ -199,6 +204,12 @@ impl MoeLayer {
         &self.experts
     }
 
+    /// The captured decode steps.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn decode_graphs(&self) -> &crate::graph::DecodeGraphs {
+        &self.decode_graphs
+    }
+
     /// The shared experts, if any.
     pub fn shared(&self) -> Option<&Mlp> {
         self.shared.as_ref()
@@ -218,6 +229,14 @@ impl MoeLayer {
     /// mode (a rank without tokens passes `[0, H]`).
     pub fn forward_with_mode(&self, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         Ok(self.forward_impl(x, mode)?)
+    }
+
+    /// A low-latency step; CUDA builds replay captured graphs for single-rank CUDA layers
+    /// (see the `cuda` build's docs). This build runs [`MoeLayer::forward_with_mode`] in
+    /// low-latency mode.
+    #[cfg(not(feature = "cuda"))]
+    pub fn forward_decode(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with_mode(x, Mode::LowLatency)
     }
 
     /// The mode `Auto` resolves to for `num_tokens` on this rank (a collective).
@@ -282,6 +301,9 @@ impl MoeLayer {
             return Ok(crate::empty::empty(dims, x.dtype(), x.device())?);
         }
         let out = match shared {
+            // bf16 + bf16 rounds the exact sum once, as an f32 sum rounded to bf16 would: one
+            // kernel instead of four.
+            Some(s) if routed.dtype() == x.dtype() && s.dtype() == x.dtype() => (routed + s)?,
             Some(s) => {
                 (routed.to_dtype(DType::F32)? + s.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?
             }

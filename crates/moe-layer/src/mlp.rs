@@ -1,8 +1,10 @@
 //! [`Mlp`]: a bias-free SwiGLU MLP, the shared experts and the dense layers of a model (and
 //! one routed expert's view of the stacked weights, see [`crate::Experts`]).
 
-use candle_core::{DType, Device, Error, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
+
+use crate::error::Error;
 
 /// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 #[derive(Clone, Debug)]
@@ -18,39 +20,51 @@ pub struct Mlp {
 impl Mlp {
     /// Builds an MLP from `gate_proj` `[I, H]`, `up_proj` `[I, H]` and `down_proj` `[H, I]`,
     /// which must share one dtype and device.
+    ///
+    /// Returns candle's error type (a bad argument is an [`Error::InvalidArgument`] wrapped
+    /// inside, see [`Error::from_candle`]): the experts build their per-expert views with it
+    /// inside candle-typed tensor code.
     pub fn new(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Result<Self> {
+        let shape = |t: &Tensor| format!("shape {:?}", t.dims());
         let (i, h) = gate_proj.dims2().map_err(|_| {
-            Error::Msg(format!(
-                "Mlp::new: gate_proj has shape {:?}, expected [intermediate, hidden]",
-                gate_proj.dims()
-            ))
+            Error::invalid(
+                "gate_proj",
+                shape(&gate_proj),
+                "must be [intermediate, hidden]",
+            )
         })?;
         if up_proj.dims() != [i, h] {
-            return Err(Error::Msg(format!(
-                "Mlp::new: up_proj has shape {:?}, expected [{i}, {h}] like gate_proj",
-                up_proj.dims()
-            )));
+            return Err(Error::invalid(
+                "up_proj",
+                shape(&up_proj),
+                format!("must be [{i}, {h}] like gate_proj"),
+            )
+            .into());
         }
         if down_proj.dims() != [h, i] {
-            return Err(Error::Msg(format!(
-                "Mlp::new: down_proj has shape {:?}, expected [{h}, {i}] (gate_proj is [{i}, {h}])",
-                down_proj.dims()
-            )));
+            return Err(Error::invalid(
+                "down_proj",
+                shape(&down_proj),
+                format!("must be [{h}, {i}] (gate_proj is [{i}, {h}])"),
+            )
+            .into());
         }
         for (name, t) in [("up_proj", &up_proj), ("down_proj", &down_proj)] {
             if t.dtype() != gate_proj.dtype() {
-                return Err(Error::Msg(format!(
-                    "Mlp::new: {name} has dtype {:?}, expected {:?} like gate_proj",
-                    t.dtype(),
-                    gate_proj.dtype()
-                )));
+                return Err(Error::invalid(
+                    name,
+                    format!("dtype {:?}", t.dtype()),
+                    format!("must be {:?} like gate_proj", gate_proj.dtype()),
+                )
+                .into());
             }
             if !t.device().same_device(gate_proj.device()) {
-                return Err(Error::Msg(format!(
-                    "Mlp::new: {name} is on {:?}, expected {:?} like gate_proj",
-                    t.device(),
-                    gate_proj.device()
-                )));
+                return Err(Error::invalid(
+                    name,
+                    format!("device {:?}", t.device()),
+                    format!("must be {:?} like gate_proj", gate_proj.device()),
+                )
+                .into());
             }
         }
         Ok(Self {
@@ -106,14 +120,18 @@ impl Mlp {
     }
 
     /// Applies the MLP to `x` `[..., H]` of any float dtype: computed in the weights' dtype,
-    /// returned in `x`'s dtype and shape.
+    /// returned in `x`'s dtype and shape. Returns candle's error type, as a [`Module`] does
+    /// (a bad `x` is an [`Error::InvalidArgument`] wrapped inside).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.hidden_size();
         let dims = x.dims().to_vec();
         if dims.last() != Some(&h) {
-            return Err(Error::Msg(format!(
-                "Mlp: x has shape {dims:?}, expected last dimension hidden_size = {h}"
-            )));
+            return Err(Error::invalid(
+                "x",
+                format!("shape {dims:?}"),
+                format!("last dimension must be hidden_size = {h}"),
+            )
+            .into());
         }
         let rows: usize = dims[..dims.len() - 1].iter().product();
         if rows == 0 {

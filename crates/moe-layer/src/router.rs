@@ -6,11 +6,12 @@
 //! the host), on the CPU its host twin, with ties broken towards the lower expert (and group)
 //! id so that every rank and every backend agrees.
 
-use candle_core::{DType, Device, Error, Result, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ep_kernels::routing::{self, GroupScore, TopkSpec};
 
 use crate::config::{MoeConfig, ScoringFunc, TopkMethod};
+use crate::error::{Error, Result};
 
 /// The routing of a batch of tokens.
 #[derive(Clone, Debug)]
@@ -41,25 +42,28 @@ impl Router {
         cfg.validate()?;
         let (e, h) = (cfg.n_routed_experts, cfg.hidden_size);
         if weight.dims() != [e, h] {
-            return Err(Error::Msg(format!(
-                "Router::new: weight has shape {:?}, expected [n_routed_experts, hidden_size] = [{e}, {h}]",
-                weight.dims()
-            )));
+            return Err(Error::invalid(
+                "weight",
+                format!("shape {:?}", weight.dims()),
+                format!("must be [n_routed_experts, hidden_size] = [{e}, {h}]"),
+            ));
         }
         let bias = match bias {
             None => None,
             Some(b) => {
                 if cfg.topk_method != TopkMethod::NoauxTc {
-                    return Err(Error::Msg(format!(
-                        "Router::new: bias given but topk_method = {:?}; only noaux_tc uses e_score_correction_bias",
-                        cfg.topk_method
-                    )));
+                    return Err(Error::invalid(
+                        "bias",
+                        format!("given with topk_method = {:?}", cfg.topk_method),
+                        "only noaux_tc uses e_score_correction_bias",
+                    ));
                 }
                 if b.dims() != [e] {
-                    return Err(Error::Msg(format!(
-                        "Router::new: bias has shape {:?}, expected [n_routed_experts] = [{e}]",
-                        b.dims()
-                    )));
+                    return Err(Error::invalid(
+                        "bias",
+                        format!("shape {:?}", b.dims()),
+                        format!("must be [n_routed_experts] = [{e}]"),
+                    ));
                 }
                 let host = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                 let dev = Tensor::from_slice(&host, e, weight.device())?;
@@ -81,8 +85,7 @@ impl Router {
             norm_topk_prob: cfg.norm_topk_prob,
             scaling: cfg.routed_scaling_factor as f32,
         };
-        spec.check(false)
-            .map_err(|err| Error::Msg(format!("Router::new: {err}")))?;
+        spec.check(false)?;
         Ok(Self {
             weight: weight.to_dtype(DType::F32)?.contiguous()?,
             bias,
@@ -141,30 +144,31 @@ impl Router {
 
     /// Expert scores `[T, E]` f32 (sigmoid or softmax of `x @ W^T` computed in f32), on `x`'s device.
     pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
-        let (t, h) = x.dims2().map_err(|_| {
-            Error::Msg(format!(
-                "Router: x has shape {:?}, expected [tokens, hidden_size = {}]",
-                x.dims(),
-                self.hidden_size()
-            ))
-        })?;
+        let expected = || format!("must be [tokens, hidden_size = {}]", self.hidden_size());
+        let (t, h) = x
+            .dims2()
+            .map_err(|_| Error::invalid("x", format!("shape {:?}", x.dims()), expected()))?;
         if h != self.hidden_size() {
-            return Err(Error::Msg(format!(
-                "Router: x has hidden size {h} (shape {:?}), expected hidden_size = {}",
-                x.dims(),
-                self.hidden_size()
-            )));
+            return Err(Error::invalid(
+                "x",
+                format!("shape {:?}", x.dims()),
+                expected(),
+            ));
         }
         if t == 0 {
-            return Tensor::zeros((0, self.num_experts()), DType::F32, x.device());
+            return Ok(Tensor::zeros(
+                (0, self.num_experts()),
+                DType::F32,
+                x.device(),
+            )?);
         }
         let logits = x
             .to_dtype(DType::F32)?
             .matmul(&self.weight.to_device(x.device())?.t()?)?;
-        match self.scoring {
-            ScoringFunc::Sigmoid => candle_nn::ops::sigmoid(&logits),
-            ScoringFunc::Softmax => candle_nn::ops::softmax_last_dim(&logits),
-        }
+        Ok(match self.scoring {
+            ScoringFunc::Sigmoid => candle_nn::ops::sigmoid(&logits)?,
+            ScoringFunc::Softmax => candle_nn::ops::softmax_last_dim(&logits)?,
+        })
     }
 
     /// Routes `x` (`[T, H]`, any float dtype, CPU or CUDA): `topk_idx` `[T, K]` i64 and
@@ -180,12 +184,11 @@ impl Router {
         let (t, e) = scores.dims2()?;
         let k = self.spec.top_k;
         if e != self.num_experts() || scores.dtype() != DType::F32 {
-            return Err(Error::Msg(format!(
-                "Router::select: scores are {:?} {:?}, expected f32 [T, {}]",
-                scores.dtype(),
-                scores.dims(),
-                self.num_experts()
-            )));
+            return Err(Error::invalid(
+                "scores",
+                format!("{:?} {:?}", scores.dtype(), scores.dims()),
+                format!("must be f32 [T, {}]", self.num_experts()),
+            ));
         }
         let dev: &Device = scores.device();
         #[cfg(feature = "cuda")]
@@ -201,8 +204,7 @@ impl Router {
             &self.spec,
             &mut idx,
             &mut weights,
-        )
-        .map_err(|err| Error::Msg(format!("Router: {err}")))?;
+        )?;
         Ok(Routing {
             topk_idx: Tensor::from_vec(idx, (t, k), dev)?,
             topk_weights: Tensor::from_vec(weights, (t, k), dev)?,
@@ -225,31 +227,24 @@ impl Router {
             Some((_, b)) => Some(b.to_device(scores.device())?),
             None => None,
         };
-        let err = |e: ep_runtime::Error| Error::Msg(format!("Router: {e}"));
-        let mut idx = alloc_uninit::<i64>(&stream, t * k).map_err(err)?;
-        let mut weights = alloc_uninit::<f32>(&stream, t * k).map_err(err)?;
+        let mut idx = alloc_uninit::<i64>(&stream, t * k)?;
+        let mut weights = alloc_uninit::<f32>(&stream, t * k)?;
         {
-            let s_d = DeviceTensor::new("scores", &scores).map_err(err)?;
+            let s_d = DeviceTensor::new("scores", &scores)?;
             let b_d = bias
                 .as_ref()
                 .map(|b| DeviceTensor::new("bias", b))
-                .transpose()
-                .map_err(err)?;
-            let b_v = b_d
-                .as_ref()
-                .map(|b| b.view::<f32>())
-                .transpose()
-                .map_err(err)?;
+                .transpose()?;
+            let b_v = b_d.as_ref().map(|b| b.view::<f32>()).transpose()?;
             routing::route_topk_cuda(
                 &stream,
-                &s_d.view::<f32>().map_err(err)?,
+                &s_d.view::<f32>()?,
                 b_v.as_ref()
                     .map(|b| b as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<f32>),
                 &self.spec,
                 &mut idx.slice_mut(0..t * k),
                 &mut weights.slice_mut(0..t * k),
-            )
-            .map_err(|e| Error::Msg(format!("Router: {e}")))?;
+            )?;
         }
         Ok(Routing {
             topk_idx: wrap(idx, (t, k), dev),

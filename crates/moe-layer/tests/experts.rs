@@ -282,12 +282,23 @@ fn mlp_module_matches_reference_on_batched_input() -> Result<()> {
     let want: Vec<Vec<f64>> = flat.iter().map(|r| host.apply(r)).collect();
     let err = rel_err(&y.reshape((10, H))?, &want)?;
     assert!(err < 1e-5, "relative error {err}");
-    assert!(Mlp::new(
+    let err = Mlp::new(
         randn((I, H), 1.0)?,
         randn((I, H), 1.0)?,
-        randn((H, I + 1), 1.0)?
+        randn((H, I + 1), 1.0)?,
     )
-    .is_err());
+    .unwrap_err();
+    // The typed error survives candle's error type.
+    assert!(
+        matches!(
+            moe_layer::Error::from_candle(&err),
+            Some(moe_layer::Error::InvalidArgument {
+                arg: "down_proj",
+                ..
+            })
+        ),
+        "{err}"
+    );
     Ok(())
 }
 

@@ -237,6 +237,26 @@ fn graph_case(p: &Pair, t: usize, steps: usize) -> R<()> {
     Ok(())
 }
 
+/// `forward_decode` (cached captured steps, padded to powers of two) against eager runs, over
+/// changing token counts (each size captured on first use, then replayed with stale padding).
+fn decode_cache_case(p: &Pair) -> R<()> {
+    let h = p.gpu.router().hidden_size();
+    for (step, t) in [3usize, 1, 16, 3, 64, 5, 16, 1].into_iter().enumerate() {
+        let x = Tensor::randn(0f32, 1.0, (t, h), &p.dev)?.to_dtype(DType::BF16)?;
+        let got = p.gpu.forward_decode(&x)?;
+        let eager = p.gpu.forward_with_mode(&x, Mode::LowLatency)?;
+        let (all, worst) = rel(&got, &eager)?;
+        if got.dims() != [t, h] || all > 1e-3 || worst > 1e-3 {
+            return Err(format!(
+                "step {step} (T={t}): {:?} differs from eager by {all:.2e} (worst {worst:.2e})",
+                got.dims()
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let filter = std::env::args().nth(1);
     let (mut passed, mut failed) = (0, 0);
@@ -337,6 +357,9 @@ fn main() {
         });
         run(&format!("{name}/graph/T=16x8-steps"), &mut || {
             graph_case(&p, 16, 8)
+        });
+        run(&format!("{name}/graph/forward-decode-cache"), &mut || {
+            decode_cache_case(&p)
         });
     }
     println!("{passed} passed, {failed} failed");

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::router::{Router, Routing};
+use moe_layer::Error;
 
 const H: usize = 64;
 const E: usize = 16;
@@ -432,42 +433,54 @@ fn config_validation_names_the_broken_limit() {
     let base = deepseek_cfg();
     assert!(base.validate().is_ok());
     type Edit = Box<dyn Fn(&mut MoeConfig)>;
-    let cases: Vec<(Edit, &[&str])> = vec![
+    // (edit, the argument and value the error names, words its limit must contain)
+    let cases: Vec<(Edit, &str, &str, &[&str])> = vec![
         (
             Box::new(|c| c.n_group = 3),
-            &["n_routed_experts = 16", "n_group = 3"],
+            "n_routed_experts",
+            "16",
+            &["n_group = 3"],
         ),
         (
             Box::new(|c| c.topk_group = 5),
-            &["topk_group = 5", "n_group = 4"],
+            "topk_group",
+            "5",
+            &["n_group = 4"],
         ),
         (
             Box::new(|c| c.num_experts_per_tok = 17),
-            &["num_experts_per_tok = 17", "n_routed_experts = 16"],
+            "num_experts_per_tok",
+            "17",
+            &["n_routed_experts = 16"],
         ),
         (
             Box::new(|c| {
                 c.topk_group = 1;
                 c.num_experts_per_tok = 5
             }),
-            &[
-                "num_experts_per_tok = 5",
-                "topk_group = 1",
-                "4 experts per group",
-            ],
+            "num_experts_per_tok",
+            "5",
+            &["topk_group = 1", "4 experts per group"],
         ),
-        (Box::new(|c| c.hidden_size = 0), &["hidden_size = 0"]),
+        (Box::new(|c| c.hidden_size = 0), "hidden_size", "0", &[]),
         (
             Box::new(|c| c.routed_scaling_factor = f64::NAN),
-            &["routed_scaling_factor"],
+            "routed_scaling_factor",
+            "NaN",
+            &["finite"],
         ),
     ];
-    for (edit, needles) in cases {
+    for (edit, want_arg, want_value, needles) in cases {
         let mut c = base.clone();
         edit(&mut c);
-        let err = c.validate().unwrap_err().to_string();
-        for n in needles {
-            assert!(err.contains(n), "error {err:?} lacks {n:?}");
+        match c.validate().unwrap_err() {
+            Error::InvalidArgument { arg, value, limit } => {
+                assert_eq!((arg, value.as_str()), (want_arg, want_value), "{limit}");
+                for n in needles {
+                    assert!(limit.contains(n), "limit {limit:?} lacks {n:?}");
+                }
+            }
+            other => panic!("expected an invalid argument, got {other}"),
         }
     }
     // Without group limiting the per-group cap does not apply.
