@@ -4,7 +4,8 @@
 # anchor, in one device command so that every figure comes from the same GPU and run.
 #
 # Usage (GPU machine, repo root, binaries carried in $EP_GPU_BIN, optionally .xz-compressed):
-#   bash scripts/gpu/one-gpu-run.sh [tests|sanitize|bench|torch]...   (default: all)
+#   bash scripts/gpu/one-gpu-run.sh [tests|sanitize|layer|gemm]...   (default: all)
+# (gemm = bench_grouped_gemm and the PyTorch anchor; layer = bench_moe_layer)
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -13,7 +14,7 @@ mkdir -p "$OUT"
 for f in "$B"/*.xz; do [[ -e "$f" ]] && xz -d -f "$f"; done
 chmod +x "$B"/* 2>/dev/null
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize bench torch)
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize layer gemm)
 want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv; } | tee "$OUT/machine.txt"
 if want tests; then
@@ -29,13 +30,13 @@ if want sanitize; then
         done
     done
 fi
-if want bench; then
+if want layer; then
     EP_BENCH_OUT="$OUT/bench_moe_layer.json" timeout 500 "$B/bench_moe_layer" >"$OUT/bench_moe_layer.txt" 2>&1
-    echo "bench_moe_layer rc=$?"; tail -n 16 "$OUT/bench_moe_layer.txt"
-    EP_BENCH_OUT="$OUT/bench_grouped_gemm.json" timeout 500 "$B/bench_grouped_gemm" >"$OUT/bench_grouped_gemm.txt" 2>&1
-    echo "bench_grouped_gemm rc=$?"; grep -E "^(case|contiguous|masked|bf16)" "$OUT/bench_grouped_gemm.txt" | grep -v " done$"
+    echo "bench_moe_layer rc=$?"; tail -n 13 "$OUT/bench_moe_layer.txt"
 fi
-if want torch; then
+if want gemm; then
+    EP_BENCH_OUT="$OUT/bench_grouped_gemm.json" timeout 500 "$B/bench_grouped_gemm" >"$OUT/bench_grouped_gemm.txt" 2>&1
+    echo "bench_grouped_gemm rc=$?"; grep -E "^(case|contiguous|masked|bf16)" "$OUT/bench_grouped_gemm.txt" | grep -v " done$" | grep -E "auto|torch|dense|moe_gemm|case|bf16"
     PYTHONUNBUFFERED=1 timeout 500 python3 scripts/gpu/anchors/torch_grouped_mm.py >"$OUT/torch_grouped_mm.txt" 2>&1
     echo "torch anchor rc=$?"; grep -v '^JSON ' "$OUT/torch_grouped_mm.txt" | tail -n 20
 fi

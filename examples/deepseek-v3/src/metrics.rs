@@ -48,6 +48,14 @@ pub struct Metrics {
     /// `deepseek_v3_step_duration_seconds{kind}`: one step on all ranks (`prefill`, `decode`),
     /// from sending the plan to having every rank's tokens.
     pub step: HistogramVec,
+    /// `deepseek_v3_decode_step_duration_seconds{batch}`: decode steps by the number of
+    /// sequences in them, rounded up to a power of two (`1`, `2`, `4`, ...).
+    pub decode_step: HistogramVec,
+}
+
+/// The `batch` label of [`Metrics::decode_step`] for `n` sequences.
+pub fn batch_label(n: usize) -> String {
+    n.max(1).next_power_of_two().to_string()
 }
 
 impl Default for Metrics {
@@ -97,7 +105,20 @@ impl Metrics {
         for kind in ["prefill", "decode"] {
             step.with_label_values(&[kind]);
         }
+        let decode_step = HistogramVec::new(
+            HistogramOpts::new(
+                "deepseek_v3_decode_step_duration_seconds",
+                "Duration of one decode step, by batch size rounded up to a power of two.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["batch"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(decode_step.clone()))
+            .expect("unique name");
         let m = Self {
+            decode_step,
             requests: counter_vec(
                 "deepseek_v3_http_requests_total",
                 "HTTP requests answered, by endpoint and status code.",
@@ -161,6 +182,15 @@ impl Metrics {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn decode_batches_are_labelled_by_power_of_two() {
+        let labels: Vec<String> = [0, 1, 3, 4, 33, 64]
+            .iter()
+            .map(|&n| super::batch_label(n))
+            .collect();
+        assert_eq!(labels, ["1", "1", "4", "4", "64", "64"]);
+    }
+
     use super::*;
 
     #[test]

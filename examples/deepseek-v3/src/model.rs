@@ -48,13 +48,11 @@ impl Ffn {
     pub fn forward(&self, x: &Tensor, kind: StepKind) -> Result<Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => {
-                let mode = match kind {
-                    StepKind::Prefill => moe_layer::Mode::Normal,
-                    StepKind::Decode => moe_layer::Mode::LowLatency,
-                };
-                m.forward_with_mode(x, mode)
-            }
+            Ffn::Moe(m) => match kind {
+                StepKind::Prefill => m.forward_with_mode(x, moe_layer::Mode::Normal),
+                // Low-latency mode; on one GPU through captured CUDA graphs.
+                StepKind::Decode => m.forward_decode(x),
+            },
             Ffn::DenseMoe(m) => m.forward(x),
         }
     }

@@ -333,6 +333,12 @@ pub fn run(
             .step
             .with_label_values(&[kind])
             .observe((now - start).as_secs_f64());
+        if kind == "decode" {
+            metrics
+                .decode_step
+                .with_label_values(&[&crate::metrics::batch_label(active.len())])
+                .observe((now - start).as_secs_f64());
+        }
         for (id, token) in tokens {
             let Some(a) = active.get_mut(&id) else {
                 continue;
