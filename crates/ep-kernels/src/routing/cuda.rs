@@ -7,7 +7,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{GroupScore, TopkSpec};
 use crate::cuda::{grid_for, KernelParams, Kernels};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// The cubin of `routing.cu`.
 const FILE: &str = "routing/routing";
@@ -55,19 +55,12 @@ pub fn route_topk_cuda(
 ) -> Result<()> {
     spec.check(true)?;
     let (e, k) = (spec.num_experts, spec.top_k);
-    if scores.len() % e != 0 {
-        return Err(Error::invalid(
-            "scores",
-            format!("{} values", scores.len()),
-            format!("must be whole rows of num_experts = {e}"),
-        ));
-    }
-    let t = scores.len() / e;
-    if let Some(b) = bias {
-        Error::check_len("bias", e, b.len())?;
-    }
-    Error::check_len("topk_idx", t * k, topk_idx.len())?;
-    Error::check_len("topk_weights", t * k, topk_weights.len())?;
+    let t = spec.check_lengths(
+        scores.len(),
+        bias.map(|b| b.len()),
+        topk_idx.len(),
+        topk_weights.len(),
+    )?;
     if t == 0 {
         return Ok(());
     }

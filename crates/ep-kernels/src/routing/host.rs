@@ -3,7 +3,7 @@
 use std::cmp::Ordering;
 
 use super::{GroupScore, TopkSpec};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Reused per-token buffers.
 #[derive(Default)]
@@ -25,19 +25,12 @@ pub fn route_topk(
 ) -> Result<()> {
     spec.check(false)?;
     let (e, k) = (spec.num_experts, spec.top_k);
-    if scores.len() % e != 0 {
-        return Err(Error::invalid(
-            "scores",
-            format!("{} values", scores.len()),
-            format!("must be whole rows of num_experts = {e}"),
-        ));
-    }
-    let t = scores.len() / e;
-    if let Some(b) = bias {
-        Error::check_len("bias", e, b.len())?;
-    }
-    Error::check_len("topk_idx", t * k, topk_idx.len())?;
-    Error::check_len("topk_weights", t * k, topk_weights.len())?;
+    spec.check_lengths(
+        scores.len(),
+        bias.map(<[f32]>::len),
+        topk_idx.len(),
+        topk_weights.len(),
+    )?;
     let mut s = Scratch::default();
     for (i, row) in scores.chunks_exact(e).enumerate() {
         select(

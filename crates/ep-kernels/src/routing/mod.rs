@@ -62,6 +62,32 @@ pub struct TopkSpec {
 }
 
 impl TopkSpec {
+    /// Checks the lengths of a routing call (`scores` `[T, E]`, `bias` `[E]`, outputs
+    /// `[T, K]`); returns `T`.
+    pub fn check_lengths(
+        &self,
+        scores: usize,
+        bias: Option<usize>,
+        topk_idx: usize,
+        topk_weights: usize,
+    ) -> Result<usize> {
+        let (e, k) = (self.num_experts, self.top_k);
+        if scores % e != 0 {
+            return Err(Error::invalid(
+                "scores",
+                format!("{scores} values"),
+                format!("must be whole rows of num_experts = {e}"),
+            ));
+        }
+        let t = scores / e;
+        if let Some(b) = bias {
+            Error::check_len("bias", e, b)?;
+        }
+        Error::check_len("topk_idx", t * k, topk_idx)?;
+        Error::check_len("topk_weights", t * k, topk_weights)?;
+        Ok(t)
+    }
+
     /// Checks the spec's consistency (and the device limits when `device`).
     pub fn check(&self, device: bool) -> Result<()> {
         let e = self.num_experts;
