@@ -1,7 +1,13 @@
 //! Multi-head latent attention (MLA) with decoupled RoPE over a batch of sequences of different
-//! lengths: projections run on the concatenated tokens, attention runs once for the whole
-//! batch on padded `[b, heads, t_max, *]` tensors against the slotted KV cache, with a mask for
-//! causality and each sequence's length.
+//! lengths, in the absorbed form: the cache holds each position's normalised latent `c` and its
+//! rotated rope key once for all heads; each head's query is taken into the latent space through
+//! its slice of `kv_b_proj` (`q_nope · W_UK`), scores are `q_latent · c + q_pe · k_pe`, and the
+//! attention output stays in the latent space until each head's `W_UV` maps it to values. This
+//! equals attention over keys and values expanded per head (`k = c · W_UK^T`, `v = c · W_UV^T`),
+//! and reads `kv_lora_rank + qk_rope_head_dim` values per cached position instead of
+//! `heads * (q_head_dim + v_head_dim)`. Projections run on the concatenated tokens; attention
+//! runs once for the whole batch on padded tensors, with a mask for causality and each
+//! sequence's length.
 
 use std::sync::Arc;
 
@@ -25,7 +31,10 @@ pub struct Attention {
     q: QProj,
     kv_a: Linear,
     kv_a_norm: RmsNorm,
-    kv_b: Linear,
+    /// `kv_b_proj`'s key rows per head, `[heads, nope, kv_rank]`.
+    w_uk: Tensor,
+    /// `kv_b_proj`'s value rows per head, transposed: `[heads, kv_rank, v_dim]`.
+    w_uv_t: Tensor,
     o: Linear,
     heads: usize,
     nope: usize,
@@ -53,6 +62,14 @@ impl Attention {
             },
         };
         let kv_rank = cfg.kv_lora_rank;
+        let (nope, v_dim) = (cfg.qk_nope_head_dim, cfg.v_head_dim);
+        let kv_b = candle_nn::linear_no_bias(kv_rank, heads * (nope + v_dim), vb.pp("kv_b_proj"))?;
+        let per_head = kv_b.weight().reshape((heads, nope + v_dim, kv_rank))?;
+        let w_uk = per_head.narrow(1, 0, nope)?.contiguous()?;
+        let w_uv_t = per_head
+            .narrow(1, nope, v_dim)?
+            .transpose(1, 2)?
+            .contiguous()?;
         Ok(Self {
             q,
             kv_a: candle_nn::linear_b(
@@ -62,11 +79,8 @@ impl Attention {
                 vb.pp("kv_a_proj_with_mqa"),
             )?,
             kv_a_norm: candle_nn::rms_norm(kv_rank, cfg.rms_norm_eps, vb.pp("kv_a_layernorm"))?,
-            kv_b: candle_nn::linear_no_bias(
-                kv_rank,
-                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                vb.pp("kv_b_proj"),
-            )?,
+            w_uk,
+            w_uv_t,
             o: candle_nn::linear_b(heads * cfg.v_head_dim, h, bias, vb.pp("o_proj"))?,
             heads,
             nope: cfg.qk_nope_head_dim,
@@ -84,8 +98,8 @@ impl Attention {
     }
 
     /// Attention of the batch's new tokens `x: [total, hidden]` (concatenated in the plan's
-    /// slot order) over their caches and themselves; writes their keys and values into layer
-    /// `layer` of `cache` first. Returns `[total, hidden]`.
+    /// slot order) over their caches and themselves; writes their latents and rope keys into
+    /// layer `layer` of `cache` first. Returns `[total, hidden]`.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -94,17 +108,20 @@ impl Attention {
         plan: &BatchPlan,
     ) -> Result<Tensor> {
         let t = x.dim(0)?;
-        let (h, qd) = (self.heads, self.nope + self.rope);
+        let (h, r, rope) = (self.heads, self.kv_rank, self.rope);
+        let (b, t_max) = (plan.num_seqs(), plan.max_new());
         let (cos, sin) = plan.rotary_rows();
         let q = match &self.q {
             QProj::Full(p) => p.forward(x)?,
             QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
         };
-        let q = q.reshape((t, h, qd))?;
-        let q_nope = q.narrow(2, 0, self.nope)?;
-        // [1, heads, total, rope]: every token rotated by its own position.
+        let q = q.reshape((t, h, self.nope + rope))?;
+        // Each head's query in the latent space: [heads, total, nope] x [heads, nope, rank].
+        let q_nope = q.narrow(2, 0, self.nope)?.transpose(0, 1)?.contiguous()?;
+        let q_latent = q_nope.matmul(&self.w_uk)?.transpose(0, 1)?; // [total, heads, rank]
+                                                                    // [1, heads, total, rope]: every token rotated by its own position.
         let q_pe = q
-            .narrow(2, self.nope, self.rope)?
+            .narrow(2, self.nope, rope)?
             .transpose(0, 1)?
             .unsqueeze(0)?;
         let q_pe = Rotary::apply(&q_pe, cos, sin)?
@@ -112,28 +129,32 @@ impl Attention {
             .transpose(0, 1)?;
 
         let ckv = self.kv_a.forward(x)?; // [total, rank + rope]
-        let latent = ckv.narrow(1, 0, self.kv_rank)?;
-        let k_pe = ckv
-            .narrow(1, self.kv_rank, self.rope)?
-            .reshape((1, 1, t, self.rope))?;
-        let k_pe = Rotary::apply(&k_pe, cos, sin)?.reshape((t, 1, self.rope))?;
-        let kv = self
-            .kv_b
-            .forward(&self.kv_a_norm.forward(&latent)?)?
-            .reshape((t, h, self.nope + self.v_dim))?;
-        let k_nope = kv.narrow(2, 0, self.nope)?;
-        let v = kv.narrow(2, self.nope, self.v_dim)?;
+        let latent = self.kv_a_norm.forward(&ckv.narrow(1, 0, r)?)?;
+        let k_pe = ckv.narrow(1, r, rope)?.reshape((1, 1, t, rope))?;
+        let k_pe = Rotary::apply(&k_pe, cos, sin)?.reshape((t, 1, rope))?;
+        let latent = plan
+            .pad(&latent.reshape((t, 1, r))?)?
+            .reshape((b, t_max, r))?;
+        let k_pe = plan.pad(&k_pe)?.reshape((b, t_max, rope))?;
+        cache.write(layer, &latent, &k_pe, plan)?;
+        let (c, pe) = cache.view(layer, plan)?; // [b, max_len, rank], [b, max_len, rope]
+        let len = plan.max_len();
 
-        let q = Tensor::cat(&[&q_nope, &q_pe], 2)?; // [total, heads, qd]
-        let k = Tensor::cat(&[&k_nope, &k_pe.broadcast_as((t, h, self.rope))?], 2)?;
-        let (q, k, v) = (plan.pad(&q)?, plan.pad(&k)?, plan.pad(&v)?);
-        cache.write(layer, &k, &v, plan)?;
-        let (k, v) = cache.view(layer, plan)?; // [b, heads, max_len, *]
-
-        let att = (q.matmul(&k.t()?)? * self.scale)?; // [b, heads, t_max, max_len]
+        // Queries of every head of a sequence as the rows of one matrix: [b, heads * t_max, *].
+        let q_latent = plan.pad(&q_latent)?.reshape((b, h * t_max, r))?;
+        let q_pe = plan.pad(&q_pe)?.reshape((b, h * t_max, rope))?;
+        let att = (q_latent.matmul(&c.t()?)? + q_pe.matmul(&pe.t()?)?)?;
+        let att = (att * self.scale)?.reshape((b, h, t_max, len))?;
         let att = att.broadcast_add(plan.mask())?;
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let out = att.matmul(&v)?; // [b, heads, t_max, v]
-        self.o.forward(&plan.unpad(&out)?)
+        let att = candle_nn::ops::softmax_last_dim(&att)?.reshape((b, h * t_max, len))?;
+        let out = att.matmul(&c)?.reshape((b, h, t_max, r))?; // latent outputs
+                                                              // Back to values per head: [heads, total, rank] x [heads, rank, v_dim].
+        let out = plan
+            .unpad(&out)?
+            .reshape((t, h, r))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let out = out.matmul(&self.w_uv_t)?.transpose(0, 1)?.contiguous()?;
+        self.o.forward(&out.reshape((t, h * self.v_dim))?)
     }
 }

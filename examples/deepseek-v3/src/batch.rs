@@ -37,8 +37,10 @@ pub struct BatchPlan {
     unpad: Option<Tensor>,
     /// Additive mask `[b, 1, t_max, max_len]`: 0 where a query may see a key, else -inf.
     mask: Tensor,
-    scatter_k: Option<Tensor>,
-    scatter_v: Option<Tensor>,
+    /// Scatter indices `[b, 1, latent]` / `[b, 1, rope]` of one-token steps (each sequence's
+    /// offset), `None` otherwise.
+    scatter_latent: Option<Tensor>,
+    scatter_rope: Option<Tensor>,
     /// Row of each sequence's last token in the concatenation, in caller order.
     last: Tensor,
 }
@@ -147,17 +149,12 @@ impl BatchPlan {
         // 0 where allowed, -1e9 elsewhere (computed in f32, -inf once in a 16-bit dtype).
         let mask = ((allowed - 1.0)? * 1e9)?.to_dtype(dtype)?;
 
-        let (scatter_k, scatter_v) = if max_new == 1 {
+        let (scatter_latent, scatter_rope) = if max_new == 1 {
             let shape = cache.shape();
             let offsets: Vec<u32> = seqs.iter().map(|s| s.offset as u32).collect();
-            let offsets = Tensor::from_vec(offsets, (b, 1, 1, 1), device)?;
-            let index = |d: usize| -> Result<Tensor> {
-                offsets
-                    .broadcast_as((b, shape.heads, 1, d))?
-                    .contiguous()?
-                    .reshape((b * shape.heads, 1, d))
-            };
-            (Some(index(shape.k_dim)?), Some(index(shape.v_dim)?))
+            let offsets = Tensor::from_vec(offsets, (b, 1, 1), device)?;
+            let index = |d: usize| offsets.broadcast_as((b, 1, d))?.contiguous();
+            (Some(index(shape.latent)?), Some(index(shape.rope)?))
         } else {
             (None, None)
         };
@@ -179,8 +176,8 @@ impl BatchPlan {
                 pad,
                 unpad,
                 mask,
-                scatter_k,
-                scatter_v,
+                scatter_latent,
+                scatter_rope,
                 last,
             },
             ids,
@@ -227,12 +224,12 @@ impl BatchPlan {
         &self.mask
     }
 
-    pub(crate) fn scatter_k(&self) -> Option<&Tensor> {
-        self.scatter_k.as_ref()
+    pub(crate) fn scatter_latent(&self) -> Option<&Tensor> {
+        self.scatter_latent.as_ref()
     }
 
-    pub(crate) fn scatter_v(&self) -> Option<&Tensor> {
-        self.scatter_v.as_ref()
+    pub(crate) fn scatter_rope(&self) -> Option<&Tensor> {
+        self.scatter_rope.as_ref()
     }
 
     /// Concatenated per-token rows `[total, heads, d]` -> padded `[b, heads, t_max, d]`.

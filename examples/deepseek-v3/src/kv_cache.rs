@@ -1,5 +1,9 @@
-//! The KV cache of one rank, allocated once: for every layer, keys
-//! `[max_seqs, heads, capacity, q_head_dim]` and values `[max_seqs, heads, capacity, v_head_dim]`.
+//! The KV cache of one rank, allocated once, in MLA's compressed form: for every layer, the
+//! normalised latent `[max_seqs, capacity, kv_lora_rank]` and the rotated shared key part
+//! `[max_seqs, capacity, qk_rope_head_dim]` of each position. Every head reads the same entry
+//! (attention runs in the absorbed form, see `attention.rs`), so a position takes
+//! `kv_lora_rank + qk_rope_head_dim` values per layer (576 at DeepSeek's shapes) where keys and
+//! values expanded per head would take `heads * (q_head_dim + v_head_dim)` (5120 at 16 heads).
 //!
 //! A sequence holds one slot. Live sequences always fill slots `0..n` (removing one moves the
 //! last sequence into its slot), so a step over every sequence, or over the sequences added
@@ -17,16 +21,15 @@ pub type SeqKey = u64;
 pub struct KvShape {
     /// Decoder layers.
     pub layers: usize,
-    /// Attention heads.
-    pub heads: usize,
-    /// Per-head width of keys (`qk_nope_head_dim + qk_rope_head_dim`).
-    pub k_dim: usize,
-    /// Per-head width of values.
-    pub v_dim: usize,
+    /// Width of the compressed latent (`kv_lora_rank`).
+    pub latent: usize,
+    /// Width of the rotated key part shared by every head (`qk_rope_head_dim`).
+    pub rope: usize,
 }
 
-/// The keys and values of every live sequence, in slots.
+/// The compressed keys and values of every live sequence, in slots.
 pub struct KvCache {
+    /// Per layer: latent `[max_seqs, capacity, latent]` and rope key `[max_seqs, capacity, rope]`.
     layers: Vec<(Tensor, Tensor)>,
     shape: KvShape,
     max_seqs: usize,
@@ -52,12 +55,7 @@ impl std::fmt::Debug for KvCache {
 impl KvCache {
     /// Bytes a cache of these sizes takes on the device.
     pub fn bytes(shape: KvShape, max_seqs: usize, capacity: usize, dtype: DType) -> usize {
-        shape.layers
-            * max_seqs
-            * shape.heads
-            * capacity
-            * (shape.k_dim + shape.v_dim)
-            * dtype.size_in_bytes()
+        shape.layers * max_seqs * capacity * (shape.latent + shape.rope) * dtype.size_in_bytes()
     }
 
     /// A zeroed cache for `max_seqs` sequences of up to `capacity` positions each.
@@ -73,12 +71,11 @@ impl KvCache {
                 "KvCache: max_seqs = {max_seqs} and capacity = {capacity} must both be at least 1"
             );
         }
-        let (h, k, v) = (shape.heads, shape.k_dim, shape.v_dim);
         let layers = (0..shape.layers)
             .map(|_| {
                 Ok((
-                    Tensor::zeros((max_seqs, h, capacity, k), dtype, device)?,
-                    Tensor::zeros((max_seqs, h, capacity, v), dtype, device)?,
+                    Tensor::zeros((max_seqs, capacity, shape.latent), dtype, device)?,
+                    Tensor::zeros((max_seqs, capacity, shape.rope), dtype, device)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -154,8 +151,9 @@ impl KvCache {
             if len > 0 {
                 for (k, v) in &self.layers {
                     for t in [k, v] {
-                        let src = t.narrow(0, last, 1)?.narrow(2, 0, len)?.contiguous()?;
-                        t.narrow(0, slot, 1)?.slice_set(&src, 2, 0)?;
+                        // A copy: the view is contiguous and would share the cache's storage.
+                        let src = t.narrow(0, last, 1)?.narrow(1, 0, len)?.copy()?;
+                        t.narrow(0, slot, 1)?.slice_set(&src, 1, 0)?;
                     }
                 }
             }
@@ -174,37 +172,35 @@ impl KvCache {
         }
     }
 
-    /// Writes layer `layer`'s new keys `[b, heads, t_max, k_dim]` and values
-    /// `[b, heads, t_max, v_dim]` (padded as [`BatchPlan::pad`] makes them) at each sequence's
-    /// positions. One-token steps take one scatter per tensor; longer ones one copy per sequence.
+    /// Writes layer `layer`'s new latents `[b, t_max, latent]` and rope keys `[b, t_max, rope]`
+    /// (padded as [`BatchPlan::pad`] makes them) at each sequence's positions. One-token steps
+    /// take one scatter per tensor; longer ones one copy per sequence.
     pub(crate) fn write(
         &self,
         layer: usize,
-        k: &Tensor,
-        v: &Tensor,
+        latent: &Tensor,
+        rope: &Tensor,
         plan: &BatchPlan,
     ) -> Result<()> {
-        let (kc, vc) = &self.layers[layer];
-        let h = self.shape.heads;
+        let (lc, rc) = &self.layers[layer];
         let (first, b) = (plan.first_slot(), plan.num_seqs());
-        for (cache, new, index) in [(kc, k, plan.scatter_k()), (vc, v, plan.scatter_v())] {
-            let d = new.dim(3)?;
-            // [slots * heads, capacity, d]: rows of one sequence's head.
-            let rows = cache.reshape((self.max_seqs * h, self.capacity, d))?;
+        for (cache, new, index) in [
+            (lc, latent, plan.scatter_latent()),
+            (rc, rope, plan.scatter_rope()),
+        ] {
             match index {
                 Some(index) => {
-                    let dst = rows.narrow(0, first * h, b * h)?;
-                    dst.scatter_set(index, &new.reshape((b * h, 1, d))?, 1)?;
+                    let dst = cache.narrow(0, first, b)?;
+                    dst.scatter_set(index, new, 1)?;
                 }
                 None => {
                     for (i, seq) in plan.seqs().iter().enumerate() {
-                        let src = new
-                            .narrow(0, i, 1)?
-                            .narrow(2, 0, seq.new_tokens)?
-                            .contiguous()?
-                            .reshape((h, seq.new_tokens, d))?;
-                        rows.narrow(0, (first + i) * h, h)?
-                            .slice_set(&src, 1, seq.offset)?;
+                        let src = new.narrow(0, i, 1)?.narrow(1, 0, seq.new_tokens)?;
+                        cache.narrow(0, first + i, 1)?.slice_set(
+                            &src.contiguous()?,
+                            1,
+                            seq.offset,
+                        )?;
                     }
                 }
             }
@@ -212,14 +208,14 @@ impl KvCache {
         Ok(())
     }
 
-    /// Layer `layer`'s keys `[b, heads, max_len, k_dim]` and values `[b, heads, max_len, v_dim]`
-    /// of the sequences of `plan` (views; positions past a sequence's length are masked).
+    /// Layer `layer`'s latents `[b, max_len, latent]` and rope keys `[b, max_len, rope]` of the
+    /// sequences of `plan` (views; positions past a sequence's length are masked).
     pub(crate) fn view(&self, layer: usize, plan: &BatchPlan) -> Result<(Tensor, Tensor)> {
-        let (k, v) = &self.layers[layer];
+        let (l, r) = &self.layers[layer];
         let (first, b, len) = (plan.first_slot(), plan.num_seqs(), plan.max_len());
         Ok((
-            k.narrow(0, first, b)?.narrow(2, 0, len)?,
-            v.narrow(0, first, b)?.narrow(2, 0, len)?,
+            l.narrow(0, first, b)?.narrow(1, 0, len)?,
+            r.narrow(0, first, b)?.narrow(1, 0, len)?,
         ))
     }
 }

@@ -217,9 +217,8 @@ fn build(
     progress.finish();
     let kv_shape = KvShape {
         layers: config.num_hidden_layers,
-        heads: config.num_attention_heads,
-        k_dim: config.q_head_dim(),
-        v_dim: config.v_head_dim,
+        latent: config.kv_lora_rank,
+        rope: config.qk_rope_head_dim,
     };
     let model = DeepSeekV3::new(embed, layers, norm, lm_head, rotary, kv_shape)?;
     Ok(LoadedModel {
