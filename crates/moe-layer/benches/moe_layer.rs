@@ -287,9 +287,10 @@ fn bench_tokens(
         let h = xr.matmul(w1t)?;
         let act = (h.narrow(D::Minus1, 0, I)?.silu()? * h.narrow(D::Minus1, I, I)?)?;
         act.matmul(w2t)?;
-        let hs = x.matmul(&shared.gate_proj().t()?)?.silu()?;
-        let us = x.matmul(&shared.up_proj().t()?)?;
-        (hs * us)?.matmul(&shared.down_proj().t()?)?;
+        let si = shared.intermediate_size();
+        let hs = x.matmul(&shared.gate_up().t()?)?;
+        let act = (hs.narrow(D::Minus1, 0, si)?.silu()? * hs.narrow(D::Minus1, si, si)?)?;
+        act.matmul(&shared.down_proj().t()?)?;
         Ok(())
     })?;
     Ok(row)

@@ -76,10 +76,7 @@ impl Experts {
                 ));
             }
         }
-        let gate_up: Vec<Tensor> = experts
-            .iter()
-            .map(|m| Tensor::cat(&[m.gate_proj(), m.up_proj()], 0))
-            .collect::<candle_core::Result<_>>()?;
+        let gate_up: Vec<Tensor> = experts.iter().map(|m| m.gate_up().clone()).collect();
         let down: Vec<&Tensor> = experts.iter().map(Mlp::down_proj).collect();
         Self::from_stacked(
             first_expert,
@@ -131,8 +128,8 @@ impl Experts {
         let down = down.contiguous()?;
         let experts = (0..l)
             .map(|e| {
-                let gu = gate_up.get(e)?;
-                Mlp::new(gu.narrow(0, 0, i)?, gu.narrow(0, i, i)?, down.get(e)?)
+                // Views of the stacked weights: no copy.
+                Mlp::from_gate_up(gate_up.get(e)?, down.get(e)?)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
@@ -186,8 +183,7 @@ impl Experts {
                     Tensor::zeros((num_local, h, i), m.dtype(), m.device())?,
                 )),
             };
-            let gu = Tensor::cat(&[m.gate_proj(), m.up_proj()], 0)?.unsqueeze(0)?;
-            gate_up.slice_set(&gu, 0, l)?;
+            gate_up.slice_set(&m.gate_up().unsqueeze(0)?, 0, l)?;
             down.slice_set(&m.down_proj().unsqueeze(0)?, 0, l)?;
         }
         let (gate_up, down) = stacked.expect("num_local >= 1");

@@ -7,11 +7,17 @@ use candle_nn::VarBuilder;
 use crate::error::Error;
 
 /// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+///
+/// `gate_proj` and `up_proj` are kept stacked as one `[2I, H]` weight (`gate_proj` rows first),
+/// so the forward pass reads them in one GEMM; [`Mlp::gate_proj`] and [`Mlp::up_proj`] are
+/// views of it.
 #[derive(Clone, Debug)]
 pub struct Mlp {
-    /// `[I, H]`.
+    /// `[2I, H]`: gate rows, then up rows.
+    gate_up: Tensor,
+    /// `[I, H]`, a view of `gate_up`.
     gate_proj: Tensor,
-    /// `[I, H]`.
+    /// `[I, H]`, a view of `gate_up`.
     up_proj: Tensor,
     /// `[H, I]`.
     down_proj: Tensor,
@@ -25,18 +31,56 @@ impl Mlp {
     /// inside, see [`Error::from_candle`]): the experts build their per-expert views with it
     /// inside candle-typed tensor code.
     pub fn new(gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Result<Self> {
+        Self::check(&gate_proj, &up_proj, &down_proj)?;
+        let gate_up = Tensor::cat(&[&gate_proj, &up_proj], 0)?;
+        Self::from_gate_up(gate_up, down_proj)
+    }
+
+    /// Builds an MLP from the stacked `gate_up` `[2I, H]` (gate rows, then up rows) and
+    /// `down_proj` `[H, I]` without copying them (e.g. one expert's block of stacked expert
+    /// weights). Errors as [`Mlp::new`].
+    pub fn from_gate_up(gate_up: Tensor, down_proj: Tensor) -> Result<Self> {
+        let (two_i, h) = gate_up.dims2().map_err(|_| {
+            Error::invalid(
+                "gate_up",
+                format!("shape {:?}", gate_up.dims()),
+                "must be [2 * intermediate, hidden]",
+            )
+        })?;
+        if two_i % 2 != 0 {
+            return Err(Error::invalid(
+                "gate_up",
+                format!("shape {:?}", gate_up.dims()),
+                "must have an even number of rows (gate rows, then up rows)",
+            )
+            .into());
+        }
+        let i = two_i / 2;
+        let gate_proj = gate_up.narrow(0, 0, i)?;
+        let up_proj = gate_up.narrow(0, i, i)?;
+        Self::check(&gate_proj, &up_proj, &down_proj)?;
+        debug_assert_eq!(gate_proj.dims(), [i, h]);
+        Ok(Self {
+            gate_up,
+            gate_proj,
+            up_proj,
+            down_proj,
+        })
+    }
+
+    fn check(gate_proj: &Tensor, up_proj: &Tensor, down_proj: &Tensor) -> Result<()> {
         let shape = |t: &Tensor| format!("shape {:?}", t.dims());
         let (i, h) = gate_proj.dims2().map_err(|_| {
             Error::invalid(
                 "gate_proj",
-                shape(&gate_proj),
+                shape(gate_proj),
                 "must be [intermediate, hidden]",
             )
         })?;
         if up_proj.dims() != [i, h] {
             return Err(Error::invalid(
                 "up_proj",
-                shape(&up_proj),
+                shape(up_proj),
                 format!("must be [{i}, {h}] like gate_proj"),
             )
             .into());
@@ -44,12 +88,12 @@ impl Mlp {
         if down_proj.dims() != [h, i] {
             return Err(Error::invalid(
                 "down_proj",
-                shape(&down_proj),
+                shape(down_proj),
                 format!("must be [{h}, {i}] (gate_proj is [{i}, {h}])"),
             )
             .into());
         }
-        for (name, t) in [("up_proj", &up_proj), ("down_proj", &down_proj)] {
+        for (name, t) in [("up_proj", up_proj), ("down_proj", down_proj)] {
             if t.dtype() != gate_proj.dtype() {
                 return Err(Error::invalid(
                     name,
@@ -67,11 +111,7 @@ impl Mlp {
                 .into());
             }
         }
-        Ok(Self {
-            gate_proj,
-            up_proj,
-            down_proj,
-        })
+        Ok(())
     }
 
     /// Loads `gate_proj.weight` `[I, H]`, `up_proj.weight` `[I, H]` and `down_proj.weight`
@@ -102,6 +142,11 @@ impl Mlp {
     /// Weight device.
     pub fn device(&self) -> &Device {
         self.gate_proj.device()
+    }
+
+    /// `gate_proj` and `up_proj` stacked, `[2I, H]`.
+    pub fn gate_up(&self) -> &Tensor {
+        &self.gate_up
     }
 
     /// `gate_proj` weight `[I, H]`.
@@ -138,9 +183,10 @@ impl Mlp {
             return crate::empty::empty(dims, x.dtype(), x.device());
         }
         let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
-        let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
-        let up = xs.matmul(&self.up_proj.t()?)?;
-        let y = (gate * up)?.matmul(&self.down_proj.t()?)?;
+        let i = self.intermediate_size();
+        let gate_up = xs.matmul(&self.gate_up.t()?)?; // [rows, 2I]
+        let gate = gate_up.narrow(1, 0, i)?.silu()?;
+        let y = (gate * gate_up.narrow(1, i, i)?)?.matmul(&self.down_proj.t()?)?;
         y.to_dtype(x.dtype())?.reshape(dims)
     }
 }
