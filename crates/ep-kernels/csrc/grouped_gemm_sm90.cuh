@@ -14,6 +14,10 @@
 //   B = [groups, N, K] (each expert's weight as stored by nn.Linear: out x in, K contiguous),
 //   D = [rows, N] with the rows of A. Rows past a group's count are never read nor written.
 //
+// In the masked layout the last groups may be "extra" groups with their own weights and,
+// optionally, their own input rows: a MoE layer's shared experts run in the same launch as the
+// routed ones (their weights read in the same wave of tiles), over the layer's tokens.
+//
 // One translation unit per tile configuration includes this header and instantiates
 // `EP_GROUPED_GEMM_BF16(name, ...)`, which defines two C functions the Rust launcher
 // (src/gemm/cuda.rs) calls:
@@ -68,9 +72,16 @@ struct GroupedGemmArgs {
     int32_t m_max;           // masked: rows per group block
     int32_t alignment;       // contiguous: group starts are multiples of it
     int32_t sm_count;        // SMs the persistent kernel may occupy
-    int32_t reserved;
+    // Extra groups (masked layout only): groups first_extra.. take their weights from
+    // extra_b ([groups - first_extra, n, k]) instead of b, and, when extra_a is set, their rows
+    // from extra_a (the same extra_a_rows rows for every extra group) instead of their block of
+    // a. first_extra == groups: none.
+    int32_t first_extra;
+    const void* extra_a;     // bf16 [extra_a_rows, k] or null
+    const void* extra_b;     // bf16 [groups - first_extra, n, k] or null
+    int64_t extra_a_rows;
 };
-static_assert(sizeof(GroupedGemmArgs) == 88, "GroupedGemmArgs must match its Rust mirror");
+static_assert(sizeof(GroupedGemmArgs) == 112, "GroupedGemmArgs must match its Rust mirror");
 
 // Bytes of one table section, rounded up so that every section starts 128-byte aligned.
 inline uint64_t section_bytes(uint64_t bytes) { return (bytes + 127) / 128 * 128; }
@@ -215,14 +226,24 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups(const GroupedGemmA
         if (g >= args.groups) {
             break;
         }
-        if (start[i] + count[i] > args.rows) {
+        if (start[i] + count[i] > args.rows) {  // rows of d (and of a, without extra_a)
             printf("ep grouped gemm: counts[0..=%d] need %lld rows of a, which has %lld\n", g,
                    static_cast<long long>(start[i] + count[i]), static_cast<long long>(args.rows));
             asm volatile("trap;");
         }
+        const bool extra = g >= args.first_extra;
+        if (extra && args.extra_a != nullptr && count[i] > args.extra_a_rows) {
+            printf("ep grouped gemm: counts[%d] = %d exceeds the %lld rows of extra_a\n", g,
+                   count[i], static_cast<long long>(args.extra_a_rows));
+            asm volatile("trap;");
+        }
         t.shapes[g] = typename G::Shape3{count[i], args.n, args.k};
-        t.ptr_a[g] = static_cast<const E*>(args.a) + start[i] * k;
-        t.ptr_b[g] = static_cast<const E*>(args.b) + static_cast<int64_t>(g) * n * k;
+        t.ptr_a[g] = extra && args.extra_a != nullptr
+                         ? static_cast<const E*>(args.extra_a)
+                         : static_cast<const E*>(args.a) + start[i] * k;
+        t.ptr_b[g] = extra ? static_cast<const E*>(args.extra_b) +
+                                 static_cast<int64_t>(g - args.first_extra) * n * k
+                           : static_cast<const E*>(args.b) + static_cast<int64_t>(g) * n * k;
         t.ptr_d[g] = static_cast<E*>(args.d) + start[i] * n;
         t.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {count[i], args.k, 1});
         t.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {args.n, args.k, 1});

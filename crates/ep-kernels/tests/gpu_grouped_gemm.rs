@@ -155,6 +155,96 @@ fn gemm_case(
     Ok(())
 }
 
+/// A masked grouped GEMM whose last `extra_b.len() / (n * k)` groups are extra groups with
+/// their own weights and, with `own_rows` of their own input (`ExtraGroups`), against the host
+/// twin's row rule, every valid row checked; rows past the counts keep their poison.
+#[allow(clippy::too_many_arguments)]
+fn extra_case(
+    stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
+    rng: &mut StdRng,
+    routed_counts: &[i32],
+    extra: usize,
+    own_rows: Option<usize>,
+    m_max: usize,
+    n: usize,
+    k: usize,
+    tiles: GemmTiles,
+) -> CaseResult {
+    let first = routed_counts.len();
+    let groups = first + extra;
+    let rows = groups * m_max;
+    let extra_count = own_rows.unwrap_or(m_max / 2 + 1) as i32;
+    let mut counts = routed_counts.to_vec();
+    counts.extend(std::iter::repeat_n(extra_count, extra));
+    let a_rows = if own_rows.is_some() {
+        first * m_max
+    } else {
+        rows
+    };
+    let a = random_bf16(rng, a_rows * k, 1.0);
+    let b = random_bf16(rng, first * n * k, 0.05);
+    let xb = random_bf16(rng, extra * n * k, 0.05);
+    let xa = own_rows.map(|r| random_bf16(rng, r * k, 1.0));
+    let a_dev = stream.clone_htod(&a)?;
+    let b_dev = stream.clone_htod(&b)?;
+    let xb_dev = stream.clone_htod(&xb)?;
+    let xa_dev = xa.as_ref().map(|v| stream.clone_htod(v)).transpose()?;
+    let c_dev = stream.clone_htod(&counts)?;
+    let mut d_dev = poisoned::<bf16>(stream, rows * n)?;
+    let shape = GroupedGemmShape {
+        groups,
+        rows,
+        n,
+        k,
+        layout: GroupLayout::Masked { m_max },
+    };
+    let spec = gemm::ExtraGroups {
+        first,
+        b: &xb_dev,
+        a: xa_dev
+            .as_ref()
+            .map(|a| a as &dyn cudarc::driver::DevicePtr<bf16>),
+    };
+    gemm::grouped_gemm_bf16_extra_cuda(
+        stream,
+        &a_dev,
+        &b_dev,
+        &c_dev,
+        &shape,
+        Some(&spec),
+        tiles,
+        &mut d_dev,
+        ws,
+    )?;
+    let d = stream.clone_dtoh(&d_dev)?;
+    let st = starts(&counts, shape.layout, rows);
+    check_untouched("d", &d, n, &counts, &st)?;
+    let mut want = vec![0f32; n];
+    for (g, (&s, &c)) in st.iter().zip(&counts).enumerate() {
+        for m in 0..c as usize {
+            let r = s + m;
+            let (a_row, b_g) = if g >= first {
+                let j = g - first;
+                let a_row = match &xa {
+                    Some(xa) => &xa[m * k..(m + 1) * k],
+                    None => &a[r * k..(r + 1) * k],
+                };
+                (a_row, &xb[j * n * k..(j + 1) * n * k])
+            } else {
+                (&a[r * k..(r + 1) * k], &b[g * n * k..(g + 1) * n * k])
+            };
+            gemm::host::gemm_row(a_row, b_g, n, &mut want);
+            check_row(
+                &format!("group {g} row {m} (d row {r})"),
+                &d[r * n..(r + 1) * n],
+                &want,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Random counts for `groups` groups with `total` rows: some zero, one heavy.
 fn uneven_counts(rng: &mut StdRng, groups: usize, total: usize) -> Vec<i32> {
     let weights: Vec<f64> = (0..groups)
@@ -553,6 +643,109 @@ fn main() {
             )
         });
     }
+    // Extra groups (the shared experts' blocks in a MoE layer), masked layout.
+    for tiles in [GemmTiles::Narrow, GemmTiles::Wide] {
+        let t = format!("{tiles:?}").to_lowercase();
+        runner.case(&format!("{t}/masked/extra-groups-own-rows"), |rng| {
+            extra_case(
+                &stream,
+                &mut ws,
+                rng,
+                &[3, 0, 16, 1],
+                2,
+                Some(5),
+                16,
+                40,
+                72,
+                tiles,
+            )
+        });
+        runner.case(&format!("{t}/masked/extra-groups-block-rows"), |rng| {
+            extra_case(
+                &stream,
+                &mut ws,
+                rng,
+                &[0, 9, 2],
+                1,
+                None,
+                12,
+                136,
+                48,
+                tiles,
+            )
+        });
+    }
+    runner.case("narrow/masked/extra-groups-bad-args", |rng| {
+        // Host-side checks before any launch: extra groups need the masked layout, their
+        // weights and own rows must match, `first` must leave at least one routed group.
+        let (n, k) = (16, 16);
+        let zeros = |len| stream.alloc_zeros::<bf16>(len);
+        let a = zeros(2 * 4 * k)?;
+        let b = zeros(n * k)?;
+        let xb = zeros(n * k)?;
+        let xa = zeros(5 * k)?;
+        let c = stream.clone_htod(&[1i32, 1])?;
+        let mut d = zeros(2 * 4 * n)?;
+        let masked = GroupedGemmShape {
+            groups: 2,
+            rows: 8,
+            n,
+            k,
+            layout: GroupLayout::Masked { m_max: 4 },
+        };
+        let contiguous = GroupedGemmShape {
+            layout: GroupLayout::Contiguous { alignment: 1 },
+            ..masked
+        };
+        let _ = rng.random::<u8>();
+        let tries: [(&str, GroupedGemmShape, gemm::ExtraGroups); 3] = [
+            (
+                "masked layout",
+                contiguous,
+                gemm::ExtraGroups {
+                    first: 1,
+                    b: &xb,
+                    a: None,
+                },
+            ),
+            (
+                "extra.first",
+                masked,
+                gemm::ExtraGroups {
+                    first: 0,
+                    b: &xb,
+                    a: None,
+                },
+            ),
+            (
+                "extra.a",
+                masked,
+                gemm::ExtraGroups {
+                    first: 1,
+                    b: &xb,
+                    a: Some(&xa),
+                },
+            ),
+        ];
+        for (needle, shape, extra) in tries {
+            match gemm::grouped_gemm_bf16_extra_cuda(
+                &stream,
+                &a,
+                &b,
+                &c,
+                &shape,
+                Some(&extra),
+                GemmTiles::Narrow,
+                &mut d,
+                &mut ws,
+            ) {
+                Err(e) if e.to_string().contains(needle) => {}
+                Err(e) => return Err(format!("error does not name {needle}: {e}").into()),
+                Ok(()) => return Err(format!("accepted a bad {needle}").into()),
+            }
+        }
+        Ok(())
+    });
     // DeepSeek-V3 expert shapes (H = 7168, I = 2048), 8 experts, sampled rows.
     let (h, i) = (7168, 2048);
     runner.case("auto/contiguous/ds-v3-gate-up", |rng| {

@@ -258,6 +258,28 @@ pub fn fill_bytes_cuda<T>(
     Ok(())
 }
 
+/// Sets every element of `dst` to `value` on `stream` (asynchronous, capturable in a CUDA
+/// graph: a memset node, e.g. the host-known row count of a grouped GEMM's extra groups).
+pub fn fill_i32_cuda(
+    stream: &cudarc::driver::CudaStream,
+    dst: &mut impl cudarc::driver::DevicePtrMut<i32>,
+    value: i32,
+) -> Result<()> {
+    let n = dst.len();
+    if n == 0 {
+        return Ok(());
+    }
+    stream.context().bind_to_thread()?;
+    let (ptr, _guard) = dst.device_ptr_mut(stream);
+    // SAFETY: `ptr` addresses `n` 4-byte elements of `dst` (4-byte aligned as any i32
+    // allocation), borrowed mutably until the memset is queued (the guard keeps cudarc's stream
+    // ordering); `stream` is a live stream of the bound context.
+    unsafe {
+        cudarc::driver::sys::cuMemsetD32Async(ptr, value as u32, n, stream.cu_stream()).result()
+    }?;
+    Ok(())
+}
+
 /// Keeps the memory that stream-ordered frees return in the device's current memory pool
 /// instead of handing it back to the driver at every synchronisation (the pool's release
 /// threshold becomes unlimited). Without it, a step that allocates hundreds of megabytes (a

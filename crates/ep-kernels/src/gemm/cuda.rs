@@ -30,9 +30,14 @@ struct GroupedGemmArgs {
     m_max: i32,
     alignment: i32,
     sm_count: i32,
-    reserved: i32,
+    first_extra: i32,
+    extra_a: CUdeviceptr,
+    extra_b: CUdeviceptr,
+    extra_a_rows: i64,
 }
-const _: () = assert!(std::mem::size_of::<GroupedGemmArgs>() == 88);
+const _: () = assert!(std::mem::size_of::<GroupedGemmArgs>() == 112);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, extra_a) == 88);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, extra_a_rows) == 104);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, rows) == 48);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, layout) == 68);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, sm_count) == 80);
@@ -156,6 +161,31 @@ impl GroupedGemmWorkspace {
     }
 }
 
+/// The last groups of a masked grouped GEMM when they are not routed experts (e.g. a MoE
+/// layer's shared experts, split into blocks of the routed experts' width): groups `first..`
+/// take their weights from `b` (`[groups - first, n, k]`) and, when `a` is given, their input
+/// rows from `a` (`[rows, k]`, the same rows for every extra group: the layer's tokens) instead
+/// of their blocks of the GEMM's `a`. Their outputs land in their blocks of `d`, their row
+/// counts come from `counts` like the others'.
+pub struct ExtraGroups<'a> {
+    /// Index of the first extra group.
+    pub first: usize,
+    /// Weights of the extra groups, `[groups - first, n, k]`.
+    pub b: &'a dyn DevicePtr<bf16>,
+    /// Input rows of every extra group, `[rows, k]`; `None`: their blocks of `a`.
+    pub a: Option<&'a dyn DevicePtr<bf16>>,
+}
+
+impl std::fmt::Debug for ExtraGroups<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExtraGroups")
+            .field("first", &self.first)
+            .field("b_len", &self.b.len())
+            .field("a_len", &self.a.map(|a| a.len()))
+            .finish()
+    }
+}
+
 /// Grouped GEMM on `stream`: for every group `g` and valid row `r` of `shape.layout`,
 /// `d[r, :] = a[r, :] x b[g]^T` (bf16 in and out, f32 accumulation). `a` is `[rows, k]`,
 /// `b` `[groups, n, k]`, `d` `[rows, n]`, `counts` `[groups]` i32 on the device: read by the
@@ -177,6 +207,26 @@ pub fn grouped_gemm_bf16_cuda(
     d: &mut impl DevicePtrMut<bf16>,
     workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
+    grouped_gemm_bf16_extra_cuda(stream, a, b, counts, shape, None, tiles, d, workspace)
+}
+
+/// [`grouped_gemm_bf16_cuda`] whose last groups are [`ExtraGroups`] (masked layout only):
+/// `shape.groups` counts them, `b` holds the first `extra.first` groups' weights, and with
+/// `extra.a` given `a` holds only the first `extra.first` blocks. Host twin:
+/// [`super::host::grouped_gemm_extra`]. Also checked on the device: an extra group's count
+/// above the rows of `extra.a`.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_bf16_extra_cuda(
+    stream: &Arc<CudaStream>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    extra: Option<&ExtraGroups<'_>>,
+    tiles: GemmTiles,
+    d: &mut impl DevicePtrMut<bf16>,
+    workspace: &mut GroupedGemmWorkspace,
+) -> Result<()> {
     shape.check()?;
     let GroupedGemmShape {
         groups,
@@ -185,8 +235,43 @@ pub fn grouped_gemm_bf16_cuda(
         k,
         layout,
     } = *shape;
-    Error::check_len("a", rows * k, a.len())?;
-    Error::check_len("b", groups * n * k, b.len())?;
+    let first_extra = match extra {
+        None => groups,
+        Some(x) => {
+            let GroupLayout::Masked { m_max } = layout else {
+                return Err(Error::invalid(
+                    "extra",
+                    "extra groups",
+                    "need the masked layout",
+                ));
+            };
+            if x.first == 0 || x.first >= groups {
+                return Err(Error::invalid(
+                    "extra.first",
+                    x.first,
+                    format!("must be in 1..{groups} (the GEMM's groups)"),
+                ));
+            }
+            Error::check_len("extra.b", (groups - x.first) * n * k, x.b.len())?;
+            if let Some(xa) = x.a {
+                if xa.len() % k != 0 || xa.len() / k > m_max {
+                    return Err(Error::invalid(
+                        "extra.a",
+                        format!("{} elements", xa.len()),
+                        format!("must be [rows <= m_max = {m_max}, k = {k}]"),
+                    ));
+                }
+            }
+            x.first
+        }
+    };
+    // With their own input rows the extra groups' blocks of `a` are not read.
+    let a_rows = match extra.and_then(|x| x.a) {
+        Some(_) => rows / groups * first_extra,
+        None => rows,
+    };
+    Error::check_len("a", a_rows * k, a.len())?;
+    Error::check_len("b", first_extra * n * k, b.len())?;
     Error::check_len("counts", groups, counts.len())?;
     Error::check_len("d", rows * n, d.len())?;
     if groups > workspace.max_groups {
@@ -217,8 +302,27 @@ pub fn grouped_gemm_bf16_cuda(
     let (b_ptr, _gb) = b.device_ptr(stream);
     let (c_ptr, _gc) = counts.device_ptr(stream);
     let (d_ptr, _gd) = d.device_ptr_mut(stream);
+    let (xb_ptr, _gxb) = match extra {
+        Some(x) => {
+            let (p, g) = x.b.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let (xa_ptr, xa_rows, _gxa) = match extra.and_then(|x| x.a) {
+        Some(xa) => {
+            let (p, g) = xa.device_ptr(stream);
+            (p, (xa.len() / k) as i64, Some(g))
+        }
+        None => (0, 0, None),
+    };
     for (arg, ptr) in [("a", a_ptr), ("b", b_ptr), ("d", d_ptr)] {
         check_align(arg, ptr, 16)?;
+    }
+    for (arg, ptr) in [("extra.b", xb_ptr), ("extra.a", xa_ptr)] {
+        if ptr != 0 {
+            check_align(arg, ptr, 16)?;
+        }
     }
     let ws_bytes = workspace.buf.len() as u64;
     let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
@@ -238,16 +342,20 @@ pub fn grouped_gemm_bf16_cuda(
         m_max,
         alignment,
         sm_count: workspace.sm_count as i32,
-        reserved: 0,
+        first_extra: first_extra as i32,
+        extra_a: xa_ptr,
+        extra_b: xb_ptr,
+        extra_a_rows: xa_rows,
     };
     let mut message = [0 as c_char; 256];
     // SAFETY: `args` mirrors `GroupedGemmArgs` (size and offsets asserted); `a`, `b`, `d`,
-    // `counts` hold the elements the shape implies (checked above) and stay borrowed, with
-    // cudarc's guards keeping stream order, until the launches are queued; the kernels only
-    // touch rows the device counts make valid, which the setup kernel checks against `rows`;
-    // the workspace is this context's and holds `ws_bytes`, which the entry point checks
-    // against what the configuration needs; `stream` is a live stream of the bound context;
-    // `message` outlives the call, which writes at most `message.len()` bytes.
+    // `counts` and the extra groups' operands hold the elements the shape implies (checked
+    // above) and stay borrowed, with cudarc's guards keeping stream order, until the launches
+    // are queued; the kernels only touch rows the device counts make valid, which the setup
+    // kernel checks against `rows` and the rows of `extra.a`; the workspace is this context's
+    // and holds `ws_bytes`, which the entry point checks against what the configuration needs;
+    // `stream` is a live stream of the bound context; `message` outlives the call, which
+    // writes at most `message.len()` bytes.
     let code = unsafe {
         run(
             &args,

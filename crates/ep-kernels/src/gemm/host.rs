@@ -71,6 +71,43 @@ pub fn grouped_gemm(
     shape: &GroupedGemmShape,
     d: &mut [bf16],
 ) -> Result<()> {
+    grouped_gemm_impl(a, b, counts, shape, None, d)
+}
+
+/// The extra groups of [`grouped_gemm_extra`] (the host side of `ExtraGroups`).
+#[derive(Clone, Copy, Debug)]
+pub struct HostExtraGroups<'a> {
+    /// Index of the first extra group.
+    pub first: usize,
+    /// Their weights `[groups - first, n, k]`.
+    pub b: &'a [bf16],
+    /// Input rows of every extra group `[rows, k]`; `None`: their blocks of `a`.
+    pub a: Option<&'a [bf16]>,
+}
+
+/// Host twin of `grouped_gemm_bf16_extra_cuda` (masked layout): [`grouped_gemm`] whose groups
+/// `extra.first..` take their weights from `extra.b` and, with `extra.a`, their valid rows from
+/// the first rows of `extra.a` (their outputs still go to their blocks of `d`). With `extra.a`,
+/// `a` holds only the first `extra.first` blocks.
+pub fn grouped_gemm_extra(
+    a: &[bf16],
+    b: &[bf16],
+    counts: &[i32],
+    shape: &GroupedGemmShape,
+    extra: &HostExtraGroups<'_>,
+    d: &mut [bf16],
+) -> Result<()> {
+    grouped_gemm_impl(a, b, counts, shape, Some(extra), d)
+}
+
+fn grouped_gemm_impl(
+    a: &[bf16],
+    b: &[bf16],
+    counts: &[i32],
+    shape: &GroupedGemmShape,
+    extra: Option<&HostExtraGroups<'_>>,
+    d: &mut [bf16],
+) -> Result<()> {
     shape.check()?;
     if counts.len() != shape.groups {
         return Err(Error::Length {
@@ -80,15 +117,65 @@ pub fn grouped_gemm(
         });
     }
     let (n, k) = (shape.n, shape.k);
-    Error::check_len("a", shape.rows * k, a.len())?;
-    Error::check_len("b", shape.groups * n * k, b.len())?;
+    let first_extra = match extra {
+        None => shape.groups,
+        Some(x) => {
+            if !matches!(shape.layout, GroupLayout::Masked { .. }) {
+                return Err(Error::invalid(
+                    "extra",
+                    "extra groups",
+                    "need the masked layout",
+                ));
+            }
+            if x.first == 0 || x.first >= shape.groups {
+                return Err(Error::invalid(
+                    "extra.first",
+                    x.first,
+                    format!("must be in 1..{} (the GEMM's groups)", shape.groups),
+                ));
+            }
+            Error::check_len("extra.b", (shape.groups - x.first) * n * k, x.b.len())?;
+            x.first
+        }
+    };
+    let extra_a = extra.and_then(|x| x.a);
+    let a_rows = match extra_a {
+        Some(_) => shape.rows / shape.groups * first_extra,
+        None => shape.rows,
+    };
+    Error::check_len("a", a_rows * k, a.len())?;
+    Error::check_len("b", first_extra * n * k, b.len())?;
     Error::check_len("d", shape.rows * n, d.len())?;
     let starts = group_starts(counts, shape.layout, shape.rows)?;
+    if let Some(xa) = extra_a {
+        if let Some((g, c)) = counts
+            .iter()
+            .enumerate()
+            .skip(first_extra)
+            .find(|(_, &c)| c as usize * k > xa.len())
+        {
+            return Err(Error::invalid(
+                "counts",
+                format!("counts[{g}] = {c}"),
+                format!("must not exceed the {} rows of extra.a", xa.len() / k),
+            ));
+        }
+    }
     let mut acc = vec![0f32; n];
     for (g, (&start, &c)) in starts.iter().zip(counts).enumerate() {
-        let b_g = &b[g * n * k..(g + 1) * n * k];
-        for r in start..start + c as usize {
-            gemm_row(&a[r * k..(r + 1) * k], b_g, n, &mut acc);
+        let b_g = match extra {
+            Some(x) if g >= first_extra => {
+                let j = g - first_extra;
+                &x.b[j * n * k..(j + 1) * n * k]
+            }
+            _ => &b[g * n * k..(g + 1) * n * k],
+        };
+        for (i, r) in (start..start + c as usize).enumerate() {
+            let a_row = match extra_a {
+                Some(xa) if g >= first_extra => &xa[i * k..(i + 1) * k],
+                _ => &a[r * k..(r + 1) * k],
+            };
+            gemm_row(a_row, b_g, n, &mut acc);
             for (o, v) in d[r * n..(r + 1) * n].iter_mut().zip(&acc) {
                 *o = bf16::from_f32(*v);
             }
@@ -196,6 +283,66 @@ mod tests {
                 assert_eq!(d[r * n + j].to_f32(), 2.0 * a[r * k + j].to_f32());
             }
         }
+    }
+
+    #[test]
+    fn extra_groups_take_their_own_weights_and_rows() {
+        // Three groups (masked, m_max 2, k = n = 8): group 0 routed (identity weight), groups
+        // 1 and 2 extra (3 x and -1 x identity) reading the two rows of `extra_a`.
+        let (k, n) = (8, 8);
+        let a: Vec<bf16> = bf(&(0..2 * k).map(|i| i as f32).collect::<Vec<_>>());
+        let xa: Vec<bf16> = bf(&(0..2 * k).map(|i| 100.0 + i as f32).collect::<Vec<_>>());
+        let mut b = vec![bf16::ZERO; n * k];
+        let mut xb = vec![bf16::ZERO; 2 * n * k];
+        for j in 0..n {
+            b[j * k + j] = bf16::from_f32(1.0);
+            xb[j * k + j] = bf16::from_f32(3.0);
+            xb[n * k + j * k + j] = bf16::from_f32(-1.0);
+        }
+        let shape = GroupedGemmShape {
+            groups: 3,
+            rows: 6,
+            n,
+            k,
+            layout: GroupLayout::Masked { m_max: 2 },
+        };
+        let extra = HostExtraGroups {
+            first: 1,
+            b: &xb,
+            a: Some(&xa),
+        };
+        let sentinel = bf16::from_f32(-7.0);
+        let mut d = vec![sentinel; 6 * n];
+        grouped_gemm_extra(&a, &b, &[2, 2, 1], &shape, &extra, &mut d).unwrap();
+        assert_eq!(&d[0..2 * n], &a[..]);
+        for j in 0..n {
+            let scaled = |v: bf16, f: f32| bf16::from_f32(f * v.to_f32());
+            assert_eq!(d[2 * n + j], scaled(xa[j], 3.0));
+            assert_eq!(d[3 * n + j], scaled(xa[k + j], 3.0));
+            assert_eq!(d[4 * n + j], scaled(xa[j], -1.0));
+        }
+        assert!(d[5 * n..].iter().all(|&v| v == sentinel), "past count 1");
+        // An extra group may not read past the rows of extra_a.
+        let err = grouped_gemm_extra(
+            &a,
+            &b,
+            &[2, 2, 1],
+            &shape,
+            &HostExtraGroups {
+                a: Some(&xa[..k]),
+                ..extra
+            },
+            &mut d,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("counts[1] = 2"), "{err}");
+        // Extra groups need the masked layout.
+        let contiguous = GroupedGemmShape {
+            layout: GroupLayout::Contiguous { alignment: 1 },
+            ..shape
+        };
+        assert!(grouped_gemm_extra(&a, &b, &[2, 2, 1], &contiguous, &extra, &mut d).is_err());
     }
 
     #[test]

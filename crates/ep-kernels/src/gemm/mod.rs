@@ -29,7 +29,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
-pub use host::{group_starts, grouped_gemm, swiglu};
+pub use host::{group_starts, grouped_gemm, grouped_gemm_extra, swiglu, HostExtraGroups};
 
 use crate::error::{Error, Result};
 
