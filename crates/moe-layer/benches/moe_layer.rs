@@ -17,7 +17,9 @@
 //!
 //! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
 //! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
-//! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file.
+//! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
+//! `EP_BENCH_SHARED=overlap|grouped` sets where the shared expert runs in low-latency mode
+//! (`MoeLayerOptions::shared_placement`, default `Auto`).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -149,6 +151,11 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
         low_latency_max_tokens: LL_MAX,
         fp8_dispatch: false,
         expert_alignment: 1,
+        shared_placement: match std::env::var("EP_BENCH_SHARED").as_deref() {
+            Ok("overlap") => moe_layer::SharedPlacement::Overlap,
+            Ok("grouped") => moe_layer::SharedPlacement::Grouped,
+            _ => moe_layer::SharedPlacement::Auto,
+        },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }
@@ -224,10 +231,15 @@ fn bench_tokens(
         layer.router().forward(&x)?;
         Ok(())
     })?;
-    row.shared_ms = part(&mut || {
-        shared.forward(&x)?;
-        Ok(())
-    })?;
+    // With the shared expert inside the low-latency grouped GEMMs, its time is in "GEMMs".
+    row.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm() {
+        0.0
+    } else {
+        part(&mut || {
+            shared.forward(&x)?;
+            Ok(())
+        })?
+    };
     if mode == Mode::LowLatency {
         let args = LowLatencyDispatchArgs::new(&x, idx, LL_MAX, E);
         row.dispatch_ms = part(&mut || {
@@ -236,9 +248,7 @@ fn bench_tokens(
         })?;
         let out = buf.low_latency_dispatch(&args)?;
         row.gemm_ms = part(&mut || {
-            layer
-                .experts()
-                .forward_masked(&out.recv_x, &out.recv_count)?;
+            layer.low_latency_experts(&out.recv_x, &out.recv_count, &x)?;
             Ok(())
         })?;
         let y = layer

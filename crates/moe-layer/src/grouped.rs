@@ -16,12 +16,15 @@ use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use ep_kernels::expert_order;
-use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use ep_kernels::gemm::{
+    self, ExtraGroups, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace,
+};
 use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
 use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::experts::Experts;
+use crate::shared_groups::SharedGroups;
 
 /// Per-[`Experts`] state of the device path.
 #[derive(Debug, Default)]
@@ -65,9 +68,17 @@ fn workspace<'a>(
     Ok(g)
 }
 
+/// The shared experts' blocks joining a masked [`mlp_rows`] as its last groups, over `tokens`
+/// (`[T, H]` bf16, contiguous).
+struct SharedRows<'a> {
+    groups: &'a SharedGroups,
+    tokens: &'a Tensor,
+}
+
 /// gate_up GEMM -> SwiGLU -> down GEMM over the rows of `a` (`[rows, H]` bf16) that `layout`
-/// and `counts` (`[L]` i32, device) make valid; returns `y` `[rows, H]` bf16 (other rows
-/// unwritten).
+/// and `counts` (`[groups]` i32, device) make valid; returns `y` `[rows, H]` bf16 (other rows
+/// unwritten). With `shared`, the last groups are its blocks (masked layout; `a` then holds
+/// only the routed experts' blocks).
 fn mlp_rows(
     experts: &Experts,
     dev: &CudaDevice,
@@ -75,6 +86,7 @@ fn mlp_rows(
     counts: &Tensor,
     layout: GroupLayout,
     rows: usize,
+    shared: Option<SharedRows<'_>>,
 ) -> Result<Tensor> {
     let stream = dev.cuda_stream();
     let (l, h, i) = (
@@ -82,17 +94,18 @@ fn mlp_rows(
         experts.hidden_size(),
         experts.intermediate_size(),
     );
-    let mut ws = workspace(experts.grouped_state(), &stream, l)?;
+    let groups = l + shared.as_ref().map_or(0, |s| s.groups.blocks());
+    let mut ws = workspace(experts.grouped_state(), &stream, groups)?;
     let ws = ws.as_mut().expect("created by workspace()");
     let up = GroupedGemmShape {
-        groups: l,
+        groups,
         rows,
         n: 2 * i,
         k: h,
         layout,
     };
     let down = GroupedGemmShape {
-        groups: l,
+        groups,
         rows,
         n: h,
         k: i,
@@ -106,27 +119,51 @@ fn mlp_rows(
         let c_d = DeviceTensor::new("counts", counts)?;
         let w1 = DeviceTensor::new("gate_up", experts.gate_up())?;
         let w2 = DeviceTensor::new("down", experts.down())?;
+        let shared_d = match &shared {
+            Some(s) => Some((
+                DeviceTensor::new("tokens", s.tokens)?,
+                DeviceTensor::new("shared gate_up", s.groups.gate_up())?,
+                DeviceTensor::new("shared down", s.groups.down())?,
+            )),
+            None => None,
+        };
+        let shared_v = match &shared_d {
+            Some((t, gu, dn)) => Some((t.view::<bf16>()?, gu.view::<bf16>()?, dn.view::<bf16>()?)),
+            None => None,
+        };
+        let extra_up = shared_v.as_ref().map(|(t, gu, _)| ExtraGroups {
+            first: l,
+            b: gu,
+            a: Some(t),
+        });
+        let extra_down = shared_v.as_ref().map(|(_, _, dn)| ExtraGroups {
+            first: l,
+            b: dn,
+            a: None,
+        });
         let c_v = c_d.view::<i32>()?;
         let mut h_v = hbuf.slice_mut(0..rows * 2 * i);
         let mut act_v = act.slice_mut(0..rows * i);
         let mut y_v = y.slice_mut(0..rows * h);
-        gemm::grouped_gemm_bf16_cuda(
+        gemm::grouped_gemm_bf16_extra_cuda(
             &stream,
             &a_d.view::<bf16>()?,
             &w1.view::<bf16>()?,
             &c_v,
             &up,
+            extra_up.as_ref(),
             GemmTiles::Auto,
             &mut h_v,
             ws,
         )?;
         gemm::swiglu_cuda(&stream, &h_v, &c_v, layout, rows, i, &mut act_v)?;
-        gemm::grouped_gemm_bf16_cuda(
+        gemm::grouped_gemm_bf16_extra_cuda(
             &stream,
             &act_v,
             &w2.view::<bf16>()?,
             &c_v,
             &down,
+            extra_down.as_ref(),
             GemmTiles::Auto,
             &mut y_v,
             ws,
@@ -181,6 +218,7 @@ pub(crate) fn forward_routed(
         &counts,
         GroupLayout::Contiguous { alignment: 1 },
         rows,
+        None,
     )?;
     let mut out = alloc_uninit::<bf16>(&stream, n * h)?;
     {
@@ -214,6 +252,63 @@ pub(crate) fn forward_masked(experts: &Experts, x: &Tensor, counts: &Tensor) -> 
         &counts,
         GroupLayout::Masked { m_max: m },
         l * m,
+        None,
     )?;
     Ok(y.reshape((l, m, h))?)
+}
+
+/// [`forward_masked`] with the shared experts' blocks as extra groups over `tokens` (`[T, H]`,
+/// `T <= M`): returns the routed experts' `[L, M, H]` (rows past the counts unwritten) and the
+/// shared experts' output `[T, H]`, both bf16. The counts of the extra groups (`T`) join the
+/// routed ones on the device (a copy and a memset: capturable, no host read).
+pub(crate) fn forward_masked_with_shared(
+    experts: &Experts,
+    x: &Tensor,
+    counts: &Tensor,
+    tokens: &Tensor,
+    shared: &SharedGroups,
+) -> Result<(Tensor, Tensor)> {
+    let dev = cuda(x.device())?;
+    let stream = dev.cuda_stream();
+    let (l, m, h) = x.dims3()?;
+    let t = tokens.dims2()?.0;
+    if t == 0 || t > m {
+        return Err(Error::invalid(
+            "tokens",
+            format!("{t} rows"),
+            format!("the shared experts' groups take 1..={m} rows (the block size)"),
+        ));
+    }
+    let blocks = shared.blocks();
+    let groups = l + blocks;
+    let x = x.to_dtype(DType::BF16)?.contiguous()?;
+    let tokens = tokens.to_dtype(DType::BF16)?.contiguous()?;
+    let counts = counts.contiguous()?;
+    let mut all_counts = alloc_uninit::<i32>(&stream, groups)?;
+    {
+        let c_d = DeviceTensor::new("counts", &counts)?;
+        stream
+            .memcpy_dtod(&c_d.view::<i32>()?, &mut all_counts.slice_mut(0..l))
+            .map_err(ep_kernels::Error::from)?;
+        ep_kernels::cuda::fill_i32_cuda(&stream, &mut all_counts.slice_mut(l..groups), t as i32)?;
+    }
+    let all_counts = wrap(all_counts, groups, dev);
+    let y = mlp_rows(
+        experts,
+        dev,
+        &x.reshape((l * m, h))?,
+        &all_counts,
+        GroupLayout::Masked { m_max: m },
+        groups * m,
+        Some(SharedRows {
+            groups: shared,
+            tokens: &tokens,
+        }),
+    )?;
+    let routed = y.narrow(0, 0, l * m)?.reshape((l, m, h))?;
+    let mut out = y.narrow(0, l * m, t)?;
+    for j in 1..blocks {
+        out = (out + y.narrow(0, (l + j) * m, t)?)?;
+    }
+    Ok((routed, out))
 }

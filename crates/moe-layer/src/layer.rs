@@ -27,6 +27,21 @@ pub enum Mode {
     Auto,
 }
 
+/// Where the shared experts run in low-latency mode (CUDA layers with grouped GEMMs; other
+/// layers always run them as their own MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SharedPlacement {
+    /// [`SharedPlacement::Grouped`] on one rank (no transfer to hide), else
+    /// [`SharedPlacement::Overlap`].
+    #[default]
+    Auto,
+    /// As their own MLP on the compute stream while the dispatch travels.
+    Overlap,
+    /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
+    /// when their inner width is a multiple of the routed experts'; else as `Overlap`.
+    Grouped,
+}
+
 /// How a [`MoeLayer`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeLayerOptions {
@@ -40,6 +55,8 @@ pub struct MoeLayerOptions {
     /// Per-expert receive counts of normal mode rounded up to a multiple of this (DeepEP's
     /// `expert_alignment`; default 1: the grouped GEMMs need no alignment).
     pub expert_alignment: usize,
+    /// Where the shared experts run in low-latency mode.
+    pub shared_placement: SharedPlacement,
 }
 
 impl Default for MoeLayerOptions {
@@ -49,6 +66,7 @@ impl Default for MoeLayerOptions {
             low_latency_max_tokens: 128,
             fp8_dispatch: false,
             expert_alignment: 1,
+            shared_placement: SharedPlacement::Auto,
         }
     }
 }
@@ -71,6 +89,9 @@ pub struct MoeLayer {
     /// Captured decode steps of [`MoeLayer::forward_decode`].
     #[cfg(feature = "cuda")]
     decode_graphs: crate::graph::DecodeGraphs,
+    /// The shared experts as extra groups of the low-latency grouped GEMMs, when placed there.
+    #[cfg(feature = "cuda")]
+    shared_groups: Option<crate::shared_groups::SharedGroups>,
 }
 
 impl MoeLayer {
@@ -146,6 +167,16 @@ impl MoeLayer {
                 }
             }
         }
+        #[cfg(feature = "cuda")]
+        let shared_groups = match (&shared, options.shared_placement) {
+            (Some(m), SharedPlacement::Grouped) => {
+                crate::shared_groups::SharedGroups::new(m, &experts)?
+            }
+            (Some(m), SharedPlacement::Auto) if topo.num_ranks == 1 => {
+                crate::shared_groups::SharedGroups::new(m, &experts)?
+            }
+            _ => None,
+        };
         Ok(Self {
             router,
             experts,
@@ -155,6 +186,8 @@ impl MoeLayer {
             options,
             #[cfg(feature = "cuda")]
             decode_graphs: Default::default(),
+            #[cfg(feature = "cuda")]
+            shared_groups,
         })
     }
 
@@ -374,8 +407,61 @@ impl MoeLayer {
         Ok((combined.combined_x, shared))
     }
 
-    /// Low-latency mode; the shared experts run between the send and receive phases. No host
-    /// synchronisation: the expert GEMMs read the received counts on the device.
+    /// The expert stage of a low-latency step alone, as [`MoeLayer::forward`] runs it: the
+    /// routed experts over received blocks `recv_x` `[L, M, H]` with device counts
+    /// `recv_count` `[L]`, and, when they run inside the grouped GEMMs
+    /// ([`MoeLayer::shared_in_grouped_gemm`]), the shared experts over this rank's tokens `x`
+    /// `[T, H]` (else `None`). For benchmarks and custom pipelines.
+    pub fn low_latency_experts(
+        &self,
+        recv_x: &Tensor,
+        recv_count: &Tensor,
+        x: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.expert_blocks(recv_x, recv_count, x, None)
+    }
+
+    /// Whether the shared experts run inside the low-latency grouped GEMMs
+    /// ([`SharedPlacement`]).
+    pub fn shared_in_grouped_gemm(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.shared_groups.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// The routed experts over the received blocks, and the shared experts' output: `shared`
+    /// as computed already, or computed here over `x` as extra groups of the grouped GEMMs.
+    fn expert_blocks(
+        &self,
+        recv_x: &Tensor,
+        recv_count: &Tensor,
+        x: &Tensor,
+        shared: Option<Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if let Some(groups) = self.shared_groups.as_ref().filter(|_| x.dims()[0] > 0) {
+            let (y, s) = crate::grouped::forward_masked_with_shared(
+                &self.experts,
+                recv_x,
+                recv_count,
+                x,
+                groups,
+            )?;
+            return Ok((y, Some(s)));
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = x;
+        Ok((self.experts.forward_masked(recv_x, recv_count)?, shared))
+    }
+
+    /// Low-latency mode; the shared experts run between the send and receive phases, or inside
+    /// the grouped GEMMs ([`SharedPlacement`]). No host synchronisation: the expert GEMMs read
+    /// the received counts on the device.
     fn routed_low_latency(
         &self,
         x: &Tensor,
@@ -383,12 +469,13 @@ impl MoeLayer {
         w: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let m = self.options.low_latency_max_tokens;
+        let t = x.dims()[0];
         let mut args = LowLatencyDispatchArgs::new(x, idx, m, self.num_experts);
         if self.options.fp8_dispatch {
             args = args.fp8(false);
         }
         let hook = self.buffer.low_latency_dispatch_send(&args)?;
-        let shared = if x.dims()[0] == 0 {
+        let shared = if t == 0 || self.shared_in_grouped_gemm() {
             None
         } else {
             self.shared_forward(x)?
@@ -398,7 +485,7 @@ impl MoeLayer {
             Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
             None => out.recv_x.clone(),
         };
-        let y = self.experts.forward_masked(&recv_x, &out.recv_count)?;
+        let (y, shared) = self.expert_blocks(&recv_x, &out.recv_count, x, shared)?;
         let y = y.to_dtype(recv_x.dtype())?;
         let combined = self
             .buffer

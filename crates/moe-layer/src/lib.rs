@@ -41,6 +41,8 @@ mod grouped;
 mod layer;
 pub mod mlp;
 pub mod router;
+#[cfg(feature = "cuda")]
+mod shared_groups;
 
 pub use config::MoeConfig;
 pub use ep_runtime;
@@ -48,6 +50,6 @@ pub use error::{Error, Result};
 pub use experts::Experts;
 #[cfg(feature = "cuda")]
 pub use graph::DecodeGraph;
-pub use layer::{Mode, MoeLayer, MoeLayerOptions};
+pub use layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
 pub use mlp::Mlp;
 pub use router::{Router, Routing};

@@ -21,7 +21,7 @@ use candle_nn::VarBuilder;
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
-use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -73,17 +73,18 @@ fn weights(c: &MoeConfig, hot: bool) -> R<HashMap<String, Tensor>> {
             rnd(&[h, i], std_out)?,
         );
     }
+    let si = c.shared_intermediate_size().ok_or("no shared expert")?;
     m.insert(
         "shared_experts.gate_proj.weight".into(),
-        rnd(&[i, h], std_in)?,
+        rnd(&[si, h], std_in)?,
     );
     m.insert(
         "shared_experts.up_proj.weight".into(),
-        rnd(&[i, h], std_in)?,
+        rnd(&[si, h], std_in)?,
     );
     m.insert(
         "shared_experts.down_proj.weight".into(),
-        rnd(&[h, i], std_out)?,
+        rnd(&[h, si], 1.0 / (si as f32).sqrt())?,
     );
     Ok(m)
 }
@@ -96,7 +97,13 @@ struct Pair {
     dev: Device,
 }
 
-fn pair(c: &MoeConfig, hot: bool, ll_tokens: usize, fp8: bool) -> R<Pair> {
+fn pair(
+    c: &MoeConfig,
+    hot: bool,
+    ll_tokens: usize,
+    fp8: bool,
+    shared_placement: SharedPlacement,
+) -> R<Pair> {
     let dev = Device::new_cuda(0)?;
     let w = weights(c, hot)?;
     let to_dev: HashMap<String, Tensor> = w
@@ -117,6 +124,7 @@ fn pair(c: &MoeConfig, hot: bool, ll_tokens: usize, fp8: bool) -> R<Pair> {
         low_latency_max_tokens: ll_tokens,
         fp8_dispatch: fp8,
         expert_alignment: 1,
+        shared_placement,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(
@@ -138,6 +146,16 @@ fn pair(c: &MoeConfig, hot: bool, ll_tokens: usize, fp8: bool) -> R<Pair> {
     )?;
     if !gpu.experts().uses_grouped_gemm() {
         return Err("the GPU layer does not use the grouped GEMMs".into());
+    }
+    // One rank: `Auto` places the shared experts in the grouped GEMMs (their inner width is a
+    // multiple of the routed experts' in every setup here).
+    let grouped = shared_placement != SharedPlacement::Overlap;
+    if gpu.shared_in_grouped_gemm() != grouped {
+        return Err(format!(
+            "{shared_placement:?}: shared experts in the grouped GEMMs = {}, want {grouped}",
+            gpu.shared_in_grouped_gemm()
+        )
+        .into());
     }
     Ok(Pair { gpu, cpu, dev })
 }
@@ -283,14 +301,20 @@ fn main() {
             }
         }
     };
-    // (name, config, hot expert, fp8 dispatch, low-latency mode possible)
-    let setups: Vec<(&str, MoeConfig, bool, bool, bool)> = vec![
+    let two_shared = MoeConfig {
+        n_shared_experts: Some(2),
+        ..cfg(1024, 128, 32, 4, (4, 2))
+    };
+    // (name, config, hot expert, fp8 dispatch, low-latency mode possible, shared placement)
+    let auto = SharedPlacement::Auto;
+    let setups: Vec<(&str, MoeConfig, bool, bool, bool, SharedPlacement)> = vec![
         (
             "h1024-e32-fp8",
             cfg(1024, 128, 32, 4, (4, 2)),
             false,
             true,
             true,
+            auto,
         ),
         (
             "h1024-e32-bf16",
@@ -298,6 +322,7 @@ fn main() {
             false,
             false,
             true,
+            auto,
         ),
         (
             "h1000-not-multiple-of-128",
@@ -305,24 +330,49 @@ fn main() {
             false,
             false,
             false,
+            auto,
         ),
-        ("hot-expert", cfg(512, 64, 16, 4, (1, 1)), true, false, true),
+        (
+            "hot-expert",
+            cfg(512, 64, 16, 4, (1, 1)),
+            true,
+            false,
+            true,
+            auto,
+        ),
         (
             "ds-v3-shapes-e32",
             cfg(7168, 2048, 32, 8, (8, 4)),
             false,
             true,
             true,
+            auto,
+        ),
+        (
+            "shared-overlapped",
+            cfg(1024, 128, 32, 4, (4, 2)),
+            false,
+            false,
+            true,
+            SharedPlacement::Overlap,
+        ),
+        (
+            "two-shared-blocks-grouped",
+            two_shared,
+            false,
+            true,
+            true,
+            SharedPlacement::Grouped,
         ),
     ];
-    for (name, c, hot, fp8, ll) in setups {
+    for (name, c, hot, fp8, ll, placement) in setups {
         if filter
             .as_deref()
             .is_some_and(|f| !f.starts_with(name) && !name.contains(f))
         {
             continue;
         }
-        let p = match pair(&c, hot, 64, fp8) {
+        let p = match pair(&c, hot, 64, fp8, placement) {
             Ok(p) => p,
             Err(e) => {
                 run(&format!("{name}/setup"), &mut || Err(e.to_string().into()));
