@@ -454,8 +454,10 @@ fn check_dispatch(
     let mut want_x = vec![POISON_BYTE; l_n * rows * h * bpc];
     let mut want_scales =
         vec![f32::from_bits(u32::from_ne_bytes([POISON_BYTE; 4])); l_n * rows * groups];
-    let mut want_info = vec![i32::from_ne_bytes([POISON_BYTE; 4]); l_n * rows];
-    let mut want_topk = want_info.clone();
+    // src_info is `-1` past the counts (written by the kernel, over the poison); the other
+    // outputs keep the poison there.
+    let mut want_info = vec![-1i32; l_n * rows];
+    let mut want_topk = vec![i32::from_ne_bytes([POISON_BYTE; 4]); l_n * rows];
     for (s, inp) in inputs.iter().enumerate() {
         if !active[s] {
             continue;
@@ -564,6 +566,17 @@ fn random_e(rng: &mut StdRng, r: usize) -> usize {
     choices[rng.random_range(0..choices.len())]
 }
 
+/// The mask mirror the last receive launch wrote equals the device mask (call after a
+/// synchronisation that follows a launch with a receive phase).
+fn check_mirror(rank: &Rank) -> TResult<()> {
+    let device = rank.buf.active_ranks(&rank.stream)?;
+    let mirror = rank.buf.active_ranks_mirror();
+    if mirror != device {
+        return Err(format!("mask mirror {mirror:?} != device mask {device:?}").into());
+    }
+    Ok(())
+}
+
 /// One dispatch + combine (both phases in one launch each) on every rank, checked.
 #[allow(clippy::too_many_arguments)]
 fn round_trip(
@@ -592,6 +605,7 @@ fn round_trip(
         dev.combine(rank, inp.t, Phases::Both, false)?;
         rank.stream.synchronize()?;
         rank.buf.check_active_ranks(&rank.stream, "low_latency")?;
+        check_mirror(rank)?;
         dev.download(&rank.stream, inp.t, h)
     })?;
     let active = vec![vec![true; r_n]; r_n];
@@ -848,6 +862,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
         s.synchronize()?;
         let took = t0.elapsed();
         let seen = rank.buf.active_ranks(s)?;
+        check_mirror(rank)?;
         match rank.buf.check_active_ranks(s, "low_latency") {
             Err(ep_kernels::Error::PeerTimeout { rank: bad, .. }) if bad == absent => {}
             other => {
@@ -918,6 +933,10 @@ fn main() {
     let mut sizes = vec![gpus];
     if gpus > 2 {
         sizes.push(2);
+    }
+    // One rank (what a single-GPU decode runs) on every machine.
+    if gpus > 1 {
+        sizes.push(1);
     }
     let formats = [
         ("bf16", LowLatencyFormat::Bf16),

@@ -103,7 +103,8 @@ struct Ctx {
     gpu: Device,
     cuda: Buffer,
     cpu: Buffer,
-    _store: Store,
+    /// The bootstrap store (`None` for the one-rank buffers of a single process).
+    _store: Option<Store>,
 }
 
 fn setup(timeout: Duration, transfer: NvlTransfer) -> std::result::Result<Ctx, String> {
@@ -127,7 +128,7 @@ fn setup(timeout: Duration, transfer: NvlTransfer) -> std::result::Result<Ctx, S
         gpu,
         cuda,
         cpu,
-        _store: store,
+        _store: Some(store),
     })
 }
 
@@ -166,6 +167,7 @@ fn child(case: &str) -> i32 {
                 low_latency(c, round)
             });
         }
+        run("low_latency_one_rank_poisoned", &low_latency_one_rank);
     }
     i32::from(failed > 0)
 }
@@ -602,6 +604,116 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
         return Err(format!(
             "ranks masked after clean ops: {:?}",
             c.cuda.active_ranks()
+        ));
+    }
+    Ok(())
+}
+
+/// Fills `MiB` of freed pool memory with `0x7f` bytes (bf16 3.4e38, fp8 NaN, i32 0x7f7f7f7f)
+/// on candle's stream: the op's next stream-ordered allocations most likely reuse it, so an
+/// output element the kernels fail to write shows up as poison.
+fn poison_pool(gpu: &Device, mib: usize) -> TestResult {
+    let n = mib << 20;
+    let t = Tensor::from_vec(vec![0x7fu8; n], n, &Device::Cpu)
+        .and_then(|t| t.to_device(gpu))
+        .map_err(err)?;
+    drop(t);
+    Ok(())
+}
+
+/// A one-rank buffer of this process's GPU (the single-GPU decode path: send and receive in
+/// one launch, nothing zeroed or filled before the kernels) against a one-rank host buffer,
+/// bit-exact, with the pool poisoned before every op: 0, 1 and 7 tokens, bf16 and fp8, through
+/// the send hook and in one call.
+fn low_latency_one_rank(c: &Ctx) -> TestResult {
+    let e = 8;
+    let cfg = BufferConfig::default()
+        .with_timeout(Duration::from_secs(30))
+        .with_low_latency(LL_MAX_TOKENS, HIDDEN, e)
+        .with_nvl_bytes(64 << 20);
+    let cuda = Buffer::single(&c.gpu, cfg.clone()).map_err(err)?;
+    let cpu = Buffer::single(&Device::Cpu, cfg).map_err(err)?;
+    let one = Ctx {
+        rank: 0,
+        world: 1,
+        gpu: c.gpu.clone(),
+        cuda,
+        cpu,
+        _store: None,
+    };
+    for (i, t) in [0usize, 1, 7].into_iter().enumerate() {
+        let (x, idx, w) = inputs(&one, t, 0, 10 + i as u64)?;
+        let (xd, idxd, wd) = (gpu(&one, &x)?, gpu(&one, &idx)?, gpu(&one, &w)?);
+        for fp8 in [false, true] {
+            for hook in [false, true] {
+                let what = format!("t={t} fp8={fp8} hook={hook}");
+                let ctx = |e: String| format!("{what}: {e}");
+                let mut ah = LowLatencyDispatchArgs::new(&x, &idx, LL_MAX_TOKENS, e);
+                let mut ad = LowLatencyDispatchArgs::new(&xd, &idxd, LL_MAX_TOKENS, e);
+                if fp8 {
+                    ah = ah.fp8(false);
+                    ad = ad.fp8(false);
+                }
+                let oh = one.cpu.low_latency_dispatch(&ah).map_err(err)?;
+                poison_pool(&one.gpu, 16)?;
+                let od = if hook {
+                    let h = one.cuda.low_latency_dispatch_send(&ad).map_err(err)?;
+                    h.recv().map_err(err)?
+                } else {
+                    one.cuda.low_latency_dispatch(&ad).map_err(err)?
+                };
+                let counts = oh.recv_count_host().map_err(err)?;
+                same("recv_count", &od.recv_count, &oh.recv_count).map_err(ctx)?;
+                same_ll_rows("recv_x", &od.recv_x, &oh.recv_x, &counts).map_err(ctx)?;
+                if fp8 {
+                    let pick =
+                        |o: &Option<Tensor>| o.clone().ok_or_else(|| "scales missing".to_string());
+                    same_ll_rows(
+                        "recv_x_scales",
+                        &pick(&od.recv_x_scales)?,
+                        &pick(&oh.recv_x_scales)?,
+                        &counts,
+                    )
+                    .map_err(ctx)?;
+                } else if od.recv_x_scales.is_some() {
+                    return Err(ctx("bf16 dispatch returned scales".into()));
+                }
+                // Every element, also the -1 past the counts.
+                same("src_info", od.handle.src_info(), oh.handle.src_info()).map_err(ctx)?;
+                same(
+                    "layout_range",
+                    &od.handle.layout_range().map_err(err)?,
+                    &oh.handle.layout_range().map_err(err)?,
+                )
+                .map_err(ctx)?;
+                // Identity experts on the received rows (cast back to bf16 for fp8).
+                let back = |o: &ep_runtime::LowLatencyDispatchOutput| match &o.recv_x_scales {
+                    Some(sc) => per_token_cast_back(&o.recv_x, sc, DType::BF16).map_err(err),
+                    None => Ok(o.recv_x.clone()),
+                };
+                let (yd, yh) = (back(&od)?, back(&oh)?);
+                let ch = one
+                    .cpu
+                    .low_latency_combine(&LowLatencyCombineArgs::new(&yh, &idx, &w, &oh.handle))
+                    .map_err(err)?;
+                poison_pool(&one.gpu, 16)?;
+                let cargs = LowLatencyCombineArgs::new(&yd, &idxd, &wd, &od.handle);
+                let cd = if hook {
+                    let h = one.cuda.low_latency_combine_send(&cargs).map_err(err)?;
+                    h.recv().map_err(err)?
+                } else {
+                    one.cuda.low_latency_combine(&cargs).map_err(err)?
+                };
+                same("combined_x", &cd.combined_x, &ch.combined_x).map_err(ctx)?;
+            }
+        }
+    }
+    one.cuda.low_latency_check().map_err(err)?;
+    one.cuda.low_latency_poll().map_err(err)?;
+    if one.cuda.active_ranks() != vec![true] {
+        return Err(format!(
+            "masked after clean ops: {:?}",
+            one.cuda.active_ranks()
         ));
     }
     Ok(())

@@ -22,7 +22,10 @@
 //!   barrier before and after).
 //! - Waits time out after [`LowLatencyBuffer::timeout`]; the waiting rank then marks the peer
 //!   inactive in its `active_ranks` mask ([`LowLatencyBuffer::active_ranks`]) and treats its
-//!   contribution as zero. Inactive ranks are neither waited for nor written to.
+//!   contribution as zero. Inactive ranks are neither waited for nor written to. Every launch
+//!   with a receive phase leaves the mask in host-mapped memory as it ends
+//!   ([`LowLatencyBuffer::active_ranks_mirror`]), so the host learns of a timeout without a
+//!   copy on the stream.
 //!
 //! No launcher synchronises the stream. Launch on a stream of the buffer's context; with
 //! cudarc's event tracking on, slices used across streams add event waits, so disable it
@@ -107,19 +110,22 @@ pub enum Phases {
 /// The outputs of a low-latency dispatch on one rank, and the handle its combine needs.
 ///
 /// Rows of expert `l` from source `s` are packed at
-/// `recv_layout_range[l, s, 0] .. + recv_layout_range[l, s, 1]`; rows past `recv_count[l]`
-/// are not written.
+/// `recv_layout_range[l, s, 0] .. + recv_layout_range[l, s, 1]`. The receive phase writes every
+/// element of `recv_count`, `recv_layout_range` and `recv_src_info` (`-1` past
+/// `recv_count[l]`), so they need no initialisation; rows of `recv_x`, `recv_x_scales` and
+/// `recv_src_topk` past `recv_count[l]` are not written.
 #[derive(Debug)]
 pub struct LowLatencyRecv {
     /// The payload format these buffers are sized for.
     pub format: LowLatencyFormat,
     /// `[L, R*M, H]` fp8 bytes or bf16 (see [`Self::recv_x_bf16`], [`Self::recv_x_fp8`]).
     pub recv_x: CudaSlice<u8>,
-    /// `[L, R*M, H / 128]` f32 scales (fp8 only).
+    /// `[L, R*M, H / 128]` f32 scales (fp8 only; with [`LowLatencyFormat::Bf16`] never
+    /// touched, and any length is accepted).
     pub recv_x_scales: CudaSlice<f32>,
     /// `[L]` tokens received per local expert.
     pub recv_count: CudaSlice<i32>,
-    /// `[L, R*M]` the source token index of each packed row.
+    /// `[L, R*M]` the source token index of each packed row, `-1` past `recv_count[l]`.
     pub recv_src_info: CudaSlice<i32>,
     /// `[L, R*M]` the top-k position `k` of each packed row at its source.
     pub recv_src_topk: CudaSlice<i32>,
@@ -155,11 +161,13 @@ impl LowLatencyRecv {
             l * rows * h * self.format.bytes_per_channel(),
             self.recv_x.len(),
         )?;
-        Error::check_len(
-            "recv_x_scales",
-            l * rows * (h / FP8_GROUP),
-            self.recv_x_scales.len(),
-        )?;
+        if self.format.is_fp8() {
+            Error::check_len(
+                "recv_x_scales",
+                l * rows * (h / FP8_GROUP),
+                self.recv_x_scales.len(),
+            )?;
+        }
         Error::check_len("recv_count", l, self.recv_count.len())?;
         Error::check_len("recv_src_info", l * rows, self.recv_src_info.len())?;
         Error::check_len("recv_src_topk", l * rows, self.recv_src_topk.len())?;
@@ -222,10 +230,10 @@ struct DispatchParams {
 }
 assert_params_layout!(
     DispatchParams,
-    216;
-    buf = 0, x = 128, topk_idx = 136, recv_x = 144, recv_scales = 152, recv_count = 160,
-    recv_src_info = 168, recv_src_topk = 176, recv_layout_range = 184, num_tokens = 192,
-    num_topk = 196, fp8 = 200, scale_format = 204, phases = 208, reserved = 212,
+    224;
+    buf = 0, x = 136, topk_idx = 144, recv_x = 152, recv_scales = 160, recv_count = 168,
+    recv_src_info = 176, recv_src_topk = 184, recv_layout_range = 192, num_tokens = 200,
+    num_topk = 204, fp8 = 208, scale_format = 212, phases = 216, reserved = 220,
 );
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
@@ -249,9 +257,9 @@ struct CombineParams {
 }
 assert_params_layout!(
     CombineParams,
-    200;
-    buf = 0, x = 128, src_info = 136, src_topk = 144, layout_range = 152, topk_idx = 160,
-    topk_weights = 168, out = 176, num_tokens = 184, num_topk = 188, phases = 192, reserved = 196,
+    208;
+    buf = 0, x = 136, src_info = 144, src_topk = 152, layout_range = 160, topk_idx = 168,
+    topk_weights = 176, out = 184, num_tokens = 192, num_topk = 196, phases = 200, reserved = 204,
 );
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
@@ -266,8 +274,8 @@ struct CleanParams {
 }
 assert_params_layout!(
     CleanParams,
-    136;
-    buf = 0, reset_active = 128, reserved = 132,
+    144;
+    buf = 0, reset_active = 136, reserved = 140,
 );
 // SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
 unsafe impl KernelParams for CleanParams {}

@@ -39,6 +39,8 @@
 // Failure handling: every wait polls `%globaltimer`; on timeout the waiter clears the peer's
 // entry in `active_ranks`, treats its contribution as zero and carries on. Inactive ranks are
 // neither waited for nor written to.
+// The last block of a launch with a receive phase copies `active_ranks` into the host-mapped
+// `active_mirror`, where the host reads it after the op (no copy on the stream).
 #include "common.cuh"
 
 namespace {
@@ -90,8 +92,9 @@ struct LlBuffer {
     int32_t max_topk;
     int32_t msg_stride;
     int32_t reserved;
+    int32_t* active_mirror;  // [num_ranks] host-mapped: the mask as a receive phase left it
 };
-EP_CHECK_PARAMS_SIZE(LlBuffer, 128);
+EP_CHECK_PARAMS_SIZE(LlBuffer, 136);
 
 struct DispatchParams {
     LlBuffer buf;
@@ -100,7 +103,7 @@ struct DispatchParams {
     uint8_t* recv_x;            // [L, R*M, H] fp8 bytes or bf16
     float* recv_scales;         // [L, R*M, H/128] (fp8 only)
     int32_t* recv_count;        // [L]
-    int32_t* recv_src_info;     // [L, R*M] source token index
+    int32_t* recv_src_info;     // [L, R*M] source token index, -1 past recv_count
     int32_t* recv_src_topk;     // [L, R*M] top-k position at the source
     int32_t* recv_layout_range; // [L, R, 2] (offset, count)
     int32_t num_tokens;
@@ -110,7 +113,7 @@ struct DispatchParams {
     uint32_t phases;            // kPhaseSend | kPhaseRecv
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(DispatchParams, 216);
+EP_CHECK_PARAMS_SIZE(DispatchParams, 224);
 
 struct CombineParams {
     LlBuffer buf;
@@ -126,14 +129,14 @@ struct CombineParams {
     uint32_t phases;
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(CombineParams, 200);
+EP_CHECK_PARAMS_SIZE(CombineParams, 208);
 
 struct CleanParams {
     LlBuffer buf;
     uint32_t reset_active;
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(CleanParams, 136);
+EP_CHECK_PARAMS_SIZE(CleanParams, 144);
 
 struct SpinParams {
     uint64_t ns;
@@ -228,8 +231,12 @@ __device__ uint32_t op_begin(const uint32_t* ctl, int kind, uint32_t phases) {
 }
 
 // Called by every block at its end: the last block to arrive (so after every block read the
-// control words in `op_begin`) advances them for the next launch on the stream.
-__device__ void op_end(uint32_t* ctl, int kind, uint32_t phases, uint32_t seq) {
+// control words in `op_begin`, and after every wait of this launch) advances them for the next
+// launch on the stream. A launch with a receive phase also leaves the active-ranks mask in the
+// host-mapped mirror (the host reads it once an event after the launch has completed, which
+// makes the stores visible), so no copy after the kernel is needed.
+__device__ void op_end(const LlBuffer& b, int kind, uint32_t phases, uint32_t seq) {
+    uint32_t* ctl = reinterpret_cast<uint32_t*>(b.local);
     if (threadIdx.x == 0) {
         const bool sends = (phases & kPhaseSend) != 0;
         __threadfence();
@@ -247,6 +254,12 @@ __device__ void op_end(uint32_t* ctl, int kind, uint32_t phases, uint32_t seq) {
                 }
             } else {
                 ctl[kCtlPendHead + kind] += 1u;
+            }
+            if ((phases & kPhaseRecv) != 0 && b.active_mirror != nullptr) {
+                const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
+                for (int r = 0; r < b.num_ranks; ++r) {
+                    b.active_mirror[r] = ld_vol(active + r);
+                }
             }
 #if EP_LL_TRACE
             const unsigned long long now = ep::globaltimer_ns();
@@ -577,13 +590,20 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     __syncthreads();
     block_prefix_sum(s_pre, L);
     __syncthreads();
+    // Per local expert (a block each): the count, the ranges, and -1 in the source-token
+    // entries past the count (the rows below it are written by the copy below), so the outputs
+    // need no fill before the launch.
     for (int l = blockIdx.x; l < L; l += gridDim.x) {
+        const int count = s_pre[l + 1] - s_pre[l];
         if (tid == 0) {
-            p.recv_count[l] = s_pre[l + 1] - s_pre[l];
+            p.recv_count[l] = count;
         }
         for (int s = tid; s < R; s += kThreads) {
             p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2] = s_off[l * R + s];
             p.recv_layout_range[(static_cast<int64_t>(l) * R + s) * 2 + 1] = s_cnt[l * R + s];
+        }
+        for (int64_t row = count + tid; row < rows_per_expert; row += kThreads) {
+            p.recv_src_info[l * rows_per_expert + row] = -1;
         }
     }
 
@@ -615,12 +635,17 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         const int entry = ld_cg_i32(my_set + b.off_idx +
                                     ((static_cast<int64_t>(l) * R + s) * M + slot) * 4);
         const int t = entry & 0xffffff;
+        const int64_t out_row = l * rows_per_expert + row;
         if (t >= M) {
-            continue;  // never for a well-formed op: the entry is written with its message
+            // Never for a well-formed op (the entry is written with its message): the row
+            // stays unused, marked as such for combine.
+            if (chunk == 0 && lane == 0) {
+                p.recv_src_info[out_row] = -1;
+            }
+            continue;
         }
         const uint8_t* msg = my_set + b.off_msgs +
                              (static_cast<uint64_t>(s) * M + t) * static_cast<uint64_t>(b.msg_stride);
-        const int64_t out_row = l * rows_per_expert + row;
         uint8_t* dst = p.recv_x + out_row * payload;
         int4 v[kRecvUnroll];
 #pragma unroll
@@ -947,7 +972,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
         int* s_pre = s_off + b.num_experts;
         dispatch_recv(p, s_cnt, s_off, s_pre, set, tag);
     }
-    op_end(ctl, kKindDispatch, p.phases, seq);
+    op_end(b, kKindDispatch, p.phases, seq);
 }
 
 // Grid: at most one block per SM. Dynamic shared memory:
@@ -977,7 +1002,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
         __syncthreads();
         combine_recv(p, smem, set, tag);
     }
-    op_end(reinterpret_cast<uint32_t*>(b.local), kKindCombine, p.phases, seq);
+    op_end(b, kKindCombine, p.phases, seq);
 }
 
 // Zeroes the control words, the send counters, and the signals and flags of both sets;

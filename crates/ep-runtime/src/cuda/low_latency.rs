@@ -1,28 +1,40 @@
 //! Low-latency mode on CUDA tensors: the low-latency kernels over NVLink peer pointers, with
 //! send / receive phases, device-side buffer-set parity and the device active-ranks mask.
+//!
+//! Stream work per op (one op = a send call and its receive hook, on `R` ranks):
+//! - dispatch: on candle's stream, allocations of `recv_x`, of the scales (fp8 only) and of one
+//!   `i32` block holding `src_info`, `recv_count`, the source top-k slots and the layout ranges
+//!   (none zeroed or filled: the receive phase writes every element that is read, `-1` into
+//!   `src_info` past the counts); the communication stream joins candle's (event record +
+//!   wait); the send kernel, later the receive kernel (one `Both` launch at the send call when
+//!   `R == 1`, where nothing has to travel); an event at the end (candle's stream waits on it
+//!   unless `async_finish`), which is also the one the mask is polled with;
+//! - combine: the same with one allocation (`combined_x`, unzeroed: every element is written).
+//!
+//! The kernels' receive phase leaves the device mask in host-mapped memory as it ends (no copy
+//! on the stream).
 
+use super::ll_recv::{CudaLlDispatchData, DispatchOutputs};
 use super::memory::{PeerMap, PeerRecord};
-use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
+use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use super::{gather_records, kernel_err, lock, CudaBuffer};
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::low_latency::{LowLatencyCombineOutput, LowLatencyDispatchOutput, LowLatencyHandle};
 use candle_core::{DType, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream};
-use ep_kernels::intranode as ki;
+use cudarc::driver::{CudaEvent, CudaSlice};
 use ep_kernels::low_latency::{
-    self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout, LowLatencyRecv, Phases,
+    self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout, Phases,
 };
-use ep_kernels::FP8_GROUP;
-use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// The low-latency buffer of a CUDA [`Buffer`], mapped on every rank.
 ///
 /// The device masks a peer that times out (and the op completes without it). The host learns
-/// of it without waiting: every op ends with an asynchronous copy of the device mask into
-/// host-mapped memory and an event; the next op (or [`Buffer::low_latency_check`]) reads that
-/// copy once the event has completed and reports newly masked ranks then.
+/// of it without waiting: the receive kernel of every op leaves the device mask in host-mapped
+/// memory ([`LowLatencyBuffer::active_ranks_mirror`]) and the op ends with an event; the next
+/// op (or [`Buffer::low_latency_check`]) reads the mirror once the event has completed and
+/// reports newly masked ranks then.
 #[derive(Debug)]
 pub(crate) struct LlState {
     /// Peers' buffers mapped here (dropped before `buffer`).
@@ -32,10 +44,9 @@ pub(crate) struct LlState {
     key: (usize, usize, usize),
     /// The mask as last written to / read from the device.
     known_mask: Vec<bool>,
-    /// Host-mapped copy of the device mask, written at the end of each op.
-    mask_copy: ki::HostMappedI32,
-    /// Recorded after the last op's mask copy.
-    mask_event: Option<cudarc::driver::CudaEvent>,
+    /// The end of the last op whose receive kernel wrote the mask mirror (`None` while one is
+    /// in flight whose end is not recorded yet, or while capturing).
+    mask_event: Option<Arc<CudaEvent>>,
 }
 
 impl LlState {
@@ -58,61 +69,24 @@ impl LlState {
             buffer,
             key: (m, h, e),
             known_mask: vec![true; r],
-            mask_copy: ki::HostMappedI32::new(&ctx, r, 1)?,
             mask_event: None,
         })
     }
 }
 
-/// Receive buffers of one low-latency dispatch whose `recv_x` (and, for fp8, `recv_x_scales`),
-/// `recv_count` and `recv_src_info` memory is owned by the output tensors; the kernel-side
-/// struct only aliases it.
-#[derive(Debug)]
-pub(crate) struct CudaLlDispatchData {
-    recv: ManuallyDrop<LowLatencyRecv>,
-    scales_aliased: bool,
-    /// The tensors owning the aliased memory (kept alive as long as the alias).
-    _owners: Vec<Tensor>,
+/// How the receive phase of a pending low-latency op runs.
+pub(crate) enum RecvPhase {
+    /// A `Recv` launch at the hook (which polls the previous op's mask first).
+    Launch,
+    /// Already run by the send call's `Both` launch (one rank: nothing travels, so nothing is
+    /// worth overlapping); holds that call's poll of the previous op's mask.
+    Fused(Result<()>),
 }
 
-impl Drop for CudaLlDispatchData {
-    fn drop(&mut self) {
-        // SAFETY: `recv` is taken exactly once, here.
-        let recv = unsafe { ManuallyDrop::take(&mut self.recv) };
-        let LowLatencyRecv {
-            recv_x,
-            recv_x_scales,
-            recv_count,
-            recv_src_info,
-            ..
-        } = recv;
-        // The aliases must not free memory the tensors own.
-        let _ = recv_x.leak();
-        let _ = recv_count.leak();
-        let _ = recv_src_info.leak();
-        if self.scales_aliased {
-            let _ = recv_x_scales.leak();
-        }
-    }
-}
-
-impl CudaLlDispatchData {
-    /// `[L, R]` i64 `offset << 32 | count` ranges from the kernel's `(offset, count)` pairs
-    /// (a device-to-host read, on request only).
-    pub(crate) fn layout_range(
-        &self,
-        l: usize,
-        r: usize,
-        dev: &candle_core::Device,
-    ) -> Result<Tensor> {
-        let stream = self.recv.recv_layout_range.stream().clone();
-        let pairs = stream.clone_dtoh(&self.recv.recv_layout_range)?;
-        let packed: Vec<i64> = pairs
-            .chunks_exact(2)
-            .take(l * r)
-            .map(|p| ((p[0] as i64) << 32) | p[1] as i64)
-            .collect();
-        Ok(Tensor::from_vec(packed, (l, r), dev)?)
+impl CudaBuffer {
+    /// Whether an op's send call also runs its receive phase (one `Both` launch instead of two).
+    fn fuse_phases(&self) -> bool {
+        self.num_ranks == 1
     }
 }
 
@@ -134,6 +108,7 @@ pub(crate) enum LlPending {
         /// The handle's host-side parts (from the shared checks).
         plan: LlHostPlan,
         async_finish: bool,
+        recv_phase: RecvPhase,
     },
     /// A combine.
     Combine {
@@ -144,6 +119,7 @@ pub(crate) enum LlPending {
         out: CudaSlice<half::bf16>,
         user_out: Option<Tensor>,
         async_finish: bool,
+        recv_phase: RecvPhase,
     },
 }
 
@@ -153,15 +129,6 @@ pub(crate) struct LlHostPlan {
     pub placement: ep_kernels::layout::ExpertPlacement,
     pub max_tokens: usize,
     pub hidden: usize,
-}
-
-fn alias<T, U>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, len: usize) -> CudaSlice<U> {
-    use cudarc::driver::DevicePtr;
-    let (ptr, _g) = s.device_ptr(stream);
-    // SAFETY: `ptr` is a live allocation of `len * size_of::<U>()` bytes (the caller sizes
-    // `len` from `s`'s byte length); the alias is never freed (`CudaLlDispatchData` leaks it)
-    // and the owner is kept alive alongside it.
-    unsafe { stream.upgrade_device_ptr::<U>(ptr, len) }
 }
 
 impl CudaBuffer {
@@ -188,22 +155,22 @@ impl CudaBuffer {
         Ok(g)
     }
 
-    /// Ends an op on the communication stream: copies the device mask to host-mapped memory
-    /// and records an event (no wait).
-    fn ll_end_op(&self, st: &mut LlState) -> Result<()> {
-        st.buffer.copy_active_ranks(&self.comm, &st.mask_copy)?;
+    /// Ends an op on the communication stream ([`Self::finish`]); its event also tells when
+    /// the mask mirror the op's receive kernel wrote is readable.
+    fn ll_end_op(
+        &self,
+        st: &mut LlState,
+        async_finish: bool,
+    ) -> Result<crate::event::EventOverlap> {
+        let ev = self.finish_event(async_finish)?;
         // An event recorded while capturing a CUDA graph cannot be queried afterwards: a
         // captured step's replays are tracked by `low_latency_note_replay` instead.
         let capturing = !matches!(
             self.comm.capture_status()?,
             cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
         );
-        st.mask_event = if capturing {
-            None
-        } else {
-            Some(self.comm.record_event(None)?)
-        };
-        Ok(())
+        st.mask_event = if capturing { None } else { Some(ev.clone()) };
+        Ok(crate::event::EventOverlap::from_cuda(ev))
     }
 
     /// After a replay of a captured low-latency step was launched on candle's stream: records
@@ -211,7 +178,7 @@ impl CudaBuffer {
     pub(crate) fn low_latency_note_replay(&self) -> Result<()> {
         let mut g = lock(&self.ll);
         if let Some(st) = g.as_mut() {
-            st.mask_event = Some(self.compute.record_event(None)?);
+            st.mask_event = Some(Arc::new(self.compute.record_event(None)?));
         }
         Ok(())
     }
@@ -226,8 +193,9 @@ impl CudaBuffer {
     }
 
     /// Reports ranks the device masked in the previous op, without waiting: reads the
-    /// host-mapped mask copy of that op if its event has completed (else nothing is known yet;
-    /// [`Buffer::low_latency_check`] waits). Newly masked ranks are masked in `buf` too; the
+    /// host-mapped mask mirror of that op if its event has completed (else nothing is known
+    /// yet; [`Buffer::low_latency_check`] waits). Call it before launching a receive kernel,
+    /// which rewrites the mirror. Newly masked ranks are masked in `buf` too; the
     /// first is the error (returned by the op that looked, after it completed on every rank).
     fn ll_poll_mask(&self, buf: &Buffer, st: &mut LlState, what: &str) -> Result<()> {
         // Querying an event is not allowed while a graph is being captured; the captured
@@ -245,7 +213,7 @@ impl CudaBuffer {
         if !done {
             return Ok(());
         }
-        let dev: Vec<bool> = st.mask_copy.to_vec().iter().map(|&v| v != 0).collect();
+        let dev = st.buffer.active_ranks_mirror();
         self.ll_report_mask(buf, st, dev, what)
     }
 
@@ -316,53 +284,31 @@ impl CudaBuffer {
         let r = self.num_ranks;
         let l = e / r;
         let _op = lock(&self.op);
-        let g = self.ll_state(buf, m, h, e)?;
-        let st = g.as_ref().expect("built by ll_state");
+        let mut g = self.ll_state(buf, m, h, e)?;
+        let st = g.as_mut().expect("built by ll_state");
         let format = match (use_fp8, use_ue8m0) {
             (false, _) => LowLatencyFormat::Bf16,
             (true, false) => LowLatencyFormat::Fp8,
             (true, true) => LowLatencyFormat::Fp8Ue8m0,
         };
-        // Every buffer of the op is allocated on the compute stream (candle's), before the
-        // communication stream joins it: their frees then land on the compute stream too, which
-        // keeps a captured step's streams joined and orders frees after the kernels without
-        // event tracking.
-        let cs = &self.compute;
-        let rows = l * r * m;
-        let groups = h / FP8_GROUP;
-        // Rows past the counts are never read (documented as unspecified): no memset.
-        let (recv_x_t, recv_x_u8) = if use_fp8 {
-            let s = alloc_uninit::<float8::F8E4M3>(cs, rows * h)?;
-            let a = alias::<_, u8>(cs, &s, rows * h);
-            (wrap(s, (l, r * m, h), &self.dev), a)
+        // Allocated on the compute stream (candle's), before the communication stream joins
+        // it: the frees then land on the compute stream too, which keeps a captured step's
+        // streams joined and orders frees after the kernels without event tracking.
+        let outputs = DispatchOutputs::alloc(&self.compute, &self.dev, format, l, r, m, h)?;
+        let DispatchOutputs {
+            recv_x: recv_x_t,
+            recv_x_scales,
+            recv_count: recv_count_t,
+            src_info: src_info_t,
+            mut data,
+        } = outputs;
+        let (phases, recv_phase) = if self.fuse_phases() {
+            // The launch rewrites the mask mirror: poll the previous op's first.
+            let prior = self.ll_poll_mask(buf, st, "low_latency_dispatch");
+            st.mask_event = None;
+            (Phases::Both, RecvPhase::Fused(prior))
         } else {
-            let s = alloc_uninit::<half::bf16>(cs, rows * h)?;
-            let a = alias::<_, u8>(cs, &s, rows * h * 2);
-            (wrap(s, (l, r * m, h), &self.dev), a)
-        };
-        let scales = alloc_uninit::<f32>(cs, (rows * groups).max(1))?;
-        let (recv_x_scales, scales_for_recv, scales_aliased) = if use_fp8 {
-            let a = alias::<_, f32>(cs, &scales, rows * groups);
-            (Some(wrap(scales, (l, r * m, groups), &self.dev)), a, true)
-        } else {
-            (None, scales, false)
-        };
-        // -1 in every row (no host copy: capturable in a CUDA graph).
-        let mut src_info = alloc_uninit::<i32>(cs, rows)?;
-        ep_kernels::cuda::fill_bytes_cuda(cs, &mut src_info, 0xff)?;
-        let src_info_alias = alias::<_, i32>(cs, &src_info, rows);
-        let src_info_t = wrap(src_info, (l, r * m), &self.dev);
-        let recv_count = alloc::<i32>(cs, l)?;
-        let recv_count_alias = alias::<_, i32>(cs, &recv_count, l);
-        let recv_count_t = wrap(recv_count, l, &self.dev);
-        let mut recv = LowLatencyRecv {
-            format,
-            recv_x: recv_x_u8,
-            recv_x_scales: scales_for_recv,
-            recv_count: recv_count_alias,
-            recv_src_info: src_info_alias,
-            recv_src_topk: alloc::<i32>(cs, rows)?,
-            recv_layout_range: alloc::<i32>(cs, l * r * 2)?,
+            (Phases::Send, RecvPhase::Launch)
         };
         self.begin(None)?;
         let comm = &self.comm;
@@ -377,17 +323,10 @@ impl CudaBuffer {
                 t,
                 num_topk,
                 format,
-                Phases::Send,
-                &mut recv,
+                phases,
+                &mut data.recv,
             )
         };
-        let mut owners = vec![recv_x_t.clone(), recv_count_t.clone(), src_info_t.clone()];
-        owners.extend(recv_x_scales.iter().cloned());
-        let data = Box::new(CudaLlDispatchData {
-            recv: ManuallyDrop::new(recv),
-            scales_aliased,
-            _owners: owners,
-        });
         launched.map_err(|e| kernel_err(e, self.timeout))?;
         Ok(LlPending::Dispatch {
             data,
@@ -402,6 +341,7 @@ impl CudaBuffer {
             format,
             plan,
             async_finish,
+            recv_phase,
         })
     }
 
@@ -424,6 +364,7 @@ impl CudaBuffer {
             format,
             plan,
             async_finish,
+            recv_phase,
         } = pending
         else {
             unreachable!("a dispatch hook holds a dispatch")
@@ -433,27 +374,29 @@ impl CudaBuffer {
         let st = g.as_mut().ok_or_else(|| {
             Error::invalid("low_latency", "None", "the low-latency buffer is gone")
         })?;
-        let comm = &self.comm;
-        {
-            let x_d = DeviceTensor::new("x", &x)?;
-            let i_d = DeviceTensor::new("topk_idx", &topk)?;
-            kll::dispatch_cuda(
-                comm,
-                &st.buffer,
-                &x_d.view::<half::bf16>()?,
-                &i_d.view::<i64>()?,
-                num_tokens,
-                num_topk,
-                format,
-                Phases::Recv,
-                &mut data.recv,
-            )
-            .map_err(|e| kernel_err(e, self.timeout))?;
-        }
-        // The previous op's mask first (its copy is overwritten by this op's).
-        let masked = self.ll_poll_mask(buf, st, "low_latency_dispatch");
-        self.ll_end_op(st)?;
-        let event = self.finish(async_finish)?;
+        let masked = match recv_phase {
+            RecvPhase::Fused(prior) => prior,
+            RecvPhase::Launch => {
+                // The previous op's mask first (the launch overwrites its mirror).
+                let prior = self.ll_poll_mask(buf, st, "low_latency_dispatch");
+                let x_d = DeviceTensor::new("x", &x)?;
+                let i_d = DeviceTensor::new("topk_idx", &topk)?;
+                kll::dispatch_cuda(
+                    &self.comm,
+                    &st.buffer,
+                    &x_d.view::<half::bf16>()?,
+                    &i_d.view::<i64>()?,
+                    num_tokens,
+                    num_topk,
+                    format,
+                    Phases::Recv,
+                    &mut data.recv,
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+                prior
+            }
+        };
+        let event = self.ll_end_op(st, async_finish)?;
         drop(g);
         let m = plan.max_tokens;
         let inner = crate::low_latency::dispatch::LlHandleInner {
@@ -508,10 +451,19 @@ impl CudaBuffer {
         })?;
         let (t, k, hid) = (h.num_tokens, h.num_topk, h.hidden);
         let _op = lock(&self.op);
-        let g = self.ll_state(buf, h.max_tokens, hid, h.placement.num_experts)?;
-        let st = g.as_ref().expect("built by ll_state");
-        // Allocated on the compute stream before the join (see `ll_dispatch_send`).
-        let mut o = alloc::<half::bf16>(&self.compute, t * hid)?;
+        let mut g = self.ll_state(buf, h.max_tokens, hid, h.placement.num_experts)?;
+        let st = g.as_mut().expect("built by ll_state");
+        // Allocated on the compute stream before the join (see `ll_dispatch_send`); not zeroed:
+        // the receive phase writes every element of every token.
+        let mut o = alloc_uninit::<half::bf16>(&self.compute, t * hid)?;
+        let (phases, recv_phase) = if self.fuse_phases() {
+            // The launch rewrites the mask mirror: poll the previous op's first.
+            let prior = self.ll_poll_mask(buf, st, "low_latency_combine");
+            st.mask_event = None;
+            (Phases::Both, RecvPhase::Fused(prior))
+        } else {
+            (Phases::Send, RecvPhase::Launch)
+        };
         self.begin(None)?;
         let comm = &self.comm;
         {
@@ -527,7 +479,7 @@ impl CudaBuffer {
                 &w_d.view::<f32>()?,
                 t,
                 k,
-                Phases::Send,
+                phases,
                 &mut o.slice_mut(0..t * hid),
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
@@ -540,6 +492,7 @@ impl CudaBuffer {
             out: o,
             user_out: out.cloned(),
             async_finish,
+            recv_phase,
         })
     }
 
@@ -557,6 +510,7 @@ impl CudaBuffer {
             mut out,
             user_out,
             async_finish,
+            recv_phase,
         } = pending
         else {
             unreachable!("a combine hook holds a combine")
@@ -571,28 +525,31 @@ impl CudaBuffer {
         let st = g.as_mut().ok_or_else(|| {
             Error::invalid("low_latency", "None", "the low-latency buffer is gone")
         })?;
-        let comm = &self.comm;
-        {
-            let x_d = DeviceTensor::new("x", &x)?;
-            let i_d = DeviceTensor::new("topk_idx", &topk_idx)?;
-            let w_d = DeviceTensor::new("topk_weights", &topk_weights)?;
-            kll::combine_cuda(
-                comm,
-                &st.buffer,
-                &x_d.view::<half::bf16>()?,
-                &data.recv,
-                &i_d.view::<i64>()?,
-                &w_d.view::<f32>()?,
-                t,
-                k,
-                Phases::Recv,
-                &mut out.slice_mut(0..t * hid),
-            )
-            .map_err(|e| kernel_err(e, self.timeout))?;
-        }
-        let masked = self.ll_poll_mask(buf, st, "low_latency_combine");
-        self.ll_end_op(st)?;
-        let event = self.finish(async_finish)?;
+        let masked = match recv_phase {
+            RecvPhase::Fused(prior) => prior,
+            RecvPhase::Launch => {
+                // The previous op's mask first (the launch overwrites its mirror).
+                let prior = self.ll_poll_mask(buf, st, "low_latency_combine");
+                let x_d = DeviceTensor::new("x", &x)?;
+                let i_d = DeviceTensor::new("topk_idx", &topk_idx)?;
+                let w_d = DeviceTensor::new("topk_weights", &topk_weights)?;
+                kll::combine_cuda(
+                    &self.comm,
+                    &st.buffer,
+                    &x_d.view::<half::bf16>()?,
+                    &data.recv,
+                    &i_d.view::<i64>()?,
+                    &w_d.view::<f32>()?,
+                    t,
+                    k,
+                    Phases::Recv,
+                    &mut out.slice_mut(0..t * hid),
+                )
+                .map_err(|e| kernel_err(e, self.timeout))?;
+                prior
+            }
+        };
+        let event = self.ll_end_op(st, async_finish)?;
         drop(g);
         let combined = wrap(out, (t, hid), &self.dev);
         let combined_x = match user_out {

@@ -14,12 +14,14 @@
 
 pub(crate) mod cast;
 pub mod graph;
+mod ll_recv;
 mod low_latency;
 mod memory;
 mod normal;
 pub mod tensor;
 
-pub(crate) use low_latency::{CudaLlDispatchData, LlHostPlan};
+pub(crate) use ll_recv::CudaLlDispatchData;
+pub(crate) use low_latency::LlHostPlan;
 pub(crate) use normal::{CudaHandleData, FreshDispatch};
 
 use crate::buffer::Buffer;
@@ -238,11 +240,16 @@ impl CudaBuffer {
     /// Records the end of the op on the communication stream; in synchronous mode candle's
     /// stream waits for it too.
     fn finish(&self, async_finish: bool) -> Result<EventOverlap> {
+        Ok(EventOverlap::from_cuda(self.finish_event(async_finish)?))
+    }
+
+    /// [`Self::finish`], returning the recorded event itself (low-latency ops also poll it).
+    fn finish_event(&self, async_finish: bool) -> Result<Arc<cudarc::driver::CudaEvent>> {
         let ev = Arc::new(self.comm.record_event(None)?);
         if !async_finish {
             self.compute.wait(&ev)?;
         }
-        Ok(EventOverlap::from_cuda(ev))
+        Ok(ev)
     }
 
     /// Fails with the rank a normal-mode device wait timed out on, if any (and clears the

@@ -10,6 +10,7 @@ use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use super::layout::LowLatencyLayout;
 use crate::cuda::assert_params_layout;
 use crate::error::{Error, Result};
+use crate::intranode::HostMappedI32;
 
 /// Default time any device wait of the low-latency kernels may take before the peer it waits
 /// for is marked inactive.
@@ -30,6 +31,10 @@ pub struct LowLatencyBuffer {
     peers: CudaSlice<u64>,
     connected: bool,
     timeout: Duration,
+    /// Host-mapped copy of the active-ranks mask, written by every launch with a receive phase
+    /// as it ends (see [`LowLatencyBuffer::active_ranks_mirror`]); dropped after `Drop`
+    /// synchronised the context, so no kernel writes it any more.
+    mirror: HostMappedI32,
 }
 
 // SAFETY: the raw allocation is owned by this value and only touched through the CUDA driver,
@@ -53,6 +58,7 @@ impl LowLatencyBuffer {
         ctx.bind_to_thread()?;
         let mut table = vec![0u64; layout.num_ranks];
         let mut peers = stream.alloc_zeros::<u64>(layout.num_ranks)?;
+        let mirror = HostMappedI32::new(&ctx, layout.num_ranks, 1)?;
         // SAFETY: a plain allocation of `total_bytes`; it is zeroed below before any use and
         // freed exactly once in `Drop` (the value owning it is built right away).
         let ptr = unsafe { result::malloc_sync(layout.total_bytes) }?;
@@ -66,6 +72,7 @@ impl LowLatencyBuffer {
             peers,
             connected: false,
             timeout: DEFAULT_TIMEOUT,
+            mirror,
         };
         // SAFETY: `ptr` holds `total_bytes` bytes of this context; the memset is ordered on
         // `stream` and completes before `set_active_ranks` synchronises it.
@@ -155,6 +162,15 @@ impl LowLatencyBuffer {
         }?;
         stream.synchronize()?;
         Ok(raw.into_iter().map(|v| v != 0).collect())
+    }
+
+    /// The active-ranks mask as the last launch with a receive phase (a `Recv` or `Both`
+    /// launch of [`super::dispatch_cuda`] / [`super::combine_cuda`]) left it: every such
+    /// launch writes it into host-mapped memory as it ends (all `true` before the first).
+    /// Read it only once an event recorded after that launch has completed (earlier reads may
+    /// see an older launch's mask). No stream work, no synchronisation.
+    pub fn active_ranks_mirror(&self) -> Vec<bool> {
+        self.mirror.to_vec().iter().map(|&v| v != 0).collect()
     }
 
     /// Enqueues a copy of the active-ranks mask into `dst` (host-mapped, `num_ranks` words) on
@@ -256,6 +272,7 @@ impl LowLatencyBuffer {
             max_topk: to_i32("max_topk", super::layout::LL_MAX_TOPK)?,
             msg_stride: to_i32("msg_stride", l.msg_stride)?,
             reserved: 0,
+            active_mirror: self.mirror.device_ptr(),
         })
     }
 }
@@ -296,12 +313,13 @@ pub(super) struct LlBuffer {
     pub max_topk: i32,
     pub msg_stride: i32,
     pub reserved: i32,
+    pub active_mirror: CUdeviceptr,
 }
 assert_params_layout!(
     LlBuffer,
-    128;
+    136;
     local = 0, peers = 8, set_bytes = 16, sets_offset = 24, off_signals = 32, off_flags = 40,
     off_msgs = 48, off_idx = 56, off_rows = 64, off_active = 72, off_send_done = 80,
     timeout_ns = 88, num_ranks = 96, rank = 100, num_experts = 104, max_tokens = 108, hidden = 112,
-    max_topk = 116, msg_stride = 120, reserved = 124,
+    max_topk = 116, msg_stride = 120, reserved = 124, active_mirror = 128,
 );
