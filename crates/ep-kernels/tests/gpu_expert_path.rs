@@ -1,9 +1,12 @@
-//! GPU tests: the routing kernel and the expert-order kernels against their host twins, on
-//! fresh random inputs written into poisoned outputs. Routing is compared bit for bit (ids and
-//! weights), including ties, negative biases and every group rule; the permute by its
-//! invariants (counts equal, every pair inside its expert's aligned range exactly once, rows
-//! copied bit for bit; the order within an expert is the kernel's), the un-permute bit for bit
-//! given the kernel's positions.
+//! GPU tests: the gate, routing and expert-order kernels against their host twins, on fresh
+//! random inputs written into poisoned outputs. Routing is compared bit for bit (ids and
+//! weights), from scores and from logits (sigmoid and softmax are computed with the same f32
+//! operations on both sides), including ties, negative biases and every group rule. The gate
+//! logits (f32 sums on the device, f64 in the twin) must be within `GATE_RTOL` of the twin
+//! relative to `sum_i |x_i w_i|`, the scale of a dot product's rounding error, and every
+//! output must be written. The permute is checked by its invariants (counts equal, every pair
+//! inside its expert's aligned range exactly once, rows copied bit for bit; the order within
+//! an expert is the kernel's), the un-permute bit for bit given the kernel's positions.
 
 mod common;
 
@@ -12,8 +15,8 @@ use std::sync::Arc;
 use common::{compare, compare_bits, device, poisoned, CaseResult, Runner};
 use cudarc::driver::CudaStream;
 use ep_kernels::expert_order::{self, rows_bound};
-use ep_kernels::routing::{self, GroupScore, TopkSpec};
-use half::bf16;
+use ep_kernels::routing::{self, GateInput, GateShape, GroupScore, Scoring, TopkInput, TopkSpec};
+use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -30,21 +33,45 @@ fn random_scores(rng: &mut StdRng, len: usize, ties: bool) -> Vec<f32> {
         .collect()
 }
 
+/// Logits in (-8, 8); with `ties`, a third of them from 4 values.
+fn random_logits(rng: &mut StdRng, len: usize, ties: bool) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            if ties && rng.random_bool(0.33) {
+                [-1.0f32, 0.0, 0.5, 2.0][rng.random_range(0..4)]
+            } else {
+                rng.random_range(-8.0f32..8.0)
+            }
+        })
+        .collect()
+}
+
 fn routing_case(
     stream: &Arc<CudaStream>,
     rng: &mut StdRng,
     t: usize,
     spec: TopkSpec,
+    input: TopkInput,
     with_bias: bool,
     ties: bool,
 ) -> CaseResult {
     let (e, k) = (spec.num_experts, spec.top_k);
-    let scores = random_scores(rng, t * e, ties);
+    let scores = match input {
+        TopkInput::Scores => random_scores(rng, t * e, ties),
+        TopkInput::Logits(_) => random_logits(rng, t * e, ties),
+    };
     let bias: Option<Vec<f32>> =
         with_bias.then(|| (0..e).map(|_| rng.random_range(-0.5f32..0.2)).collect());
     let mut want_idx = vec![0i64; t * k];
     let mut want_w = vec![0f32; t * k];
-    routing::route_topk(&scores, bias.as_deref(), &spec, &mut want_idx, &mut want_w)?;
+    routing::route_topk(
+        &scores,
+        input,
+        bias.as_deref(),
+        &spec,
+        &mut want_idx,
+        &mut want_w,
+    )?;
     let s_dev = stream.clone_htod(&scores)?;
     let b_dev = match &bias {
         Some(b) => Some(stream.clone_htod(b)?),
@@ -55,6 +82,7 @@ fn routing_case(
     routing::route_topk_cuda(
         stream,
         &s_dev,
+        input,
         b_dev
             .as_ref()
             .map(|b| b as &dyn cudarc::driver::DevicePtr<f32>),
@@ -70,6 +98,142 @@ fn routing_case(
         f32::to_bits,
     )?;
     Ok(())
+}
+
+/// Tolerance of the gate kernel: `|got - want| <= GATE_RTOL * sum_i |x_i w_i|` per logit. The
+/// device sums in f32 (a thread adds its `H / 1024` products per token in order, `H / 256` on
+/// the scalar path, then 5 shuffle levels and 8 warps): at `H = 7168`, fewer than 50
+/// roundings, a worst case of about `50 * 2^-24 = 3e-6`; the twin sums in f64.
+const GATE_RTOL: f64 = 1e-5;
+
+/// Tokens whose logits are checked against the twin: all up to 64, else a spread of about 48
+/// (the twin's f64 product is the slow part); every output is checked for poison.
+fn checked_rows(t: usize) -> Vec<usize> {
+    if t <= 64 {
+        (0..t).collect()
+    } else {
+        let mut rows: Vec<usize> = (0..t).step_by(t / 48).collect();
+        rows.push(t - 1);
+        rows
+    }
+}
+
+/// The gate kernel on `t` random tokens of `x` (stored from element `offset` on, to test
+/// misaligned inputs) against the host twin.
+#[allow(clippy::too_many_arguments)]
+fn gate_case<T: GateInput + cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    t: usize,
+    e: usize,
+    h: usize,
+    offset: usize,
+    make: fn(f32) -> T,
+) -> CaseResult {
+    let shape = GateShape {
+        num_experts: e,
+        hidden: h,
+    };
+    let x: Vec<T> = (0..offset + t * h)
+        .map(|_| make(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let w: Vec<f32> = (0..e * h)
+        .map(|_| rng.random_range(-0.05f32..0.05))
+        .collect();
+    let x_dev = stream.clone_htod(&x)?;
+    let w_dev = stream.clone_htod(&w)?;
+    let mut out = poisoned::<f32>(stream, (t * e).max(1))?;
+    routing::gate_logits_cuda(
+        stream,
+        &x_dev.slice(offset..),
+        &w_dev,
+        shape,
+        &mut out.slice_mut(0..t * e),
+    )?;
+    let got = stream.clone_dtoh(&out)?;
+    let poison = u32::from_ne_bytes([0xAB; 4]);
+    if t == 0 {
+        // Nothing may be written: the one spare element keeps its poison.
+        return compare("untouched spare element", &[got[0].to_bits()], &[poison]);
+    }
+    if let Some(i) = got.iter().position(|v| v.to_bits() == poison) {
+        return Err(format!("logits[{i}] not written (poison)").into());
+    }
+    let x = &x[offset..];
+    let mut want = vec![0f32; e];
+    for r in checked_rows(t) {
+        let xr = &x[r * h..(r + 1) * h];
+        routing::gate_logits(xr, &w, shape, &mut want)?;
+        for (j, (&g, &wt)) in got[r * e..(r + 1) * e].iter().zip(&want).enumerate() {
+            let scale: f64 = xr
+                .iter()
+                .zip(&w[j * h..(j + 1) * h])
+                .map(|(a, &b)| (f64::from(a.to_f32()) * f64::from(b)).abs())
+                .sum();
+            let err = (f64::from(g) - f64::from(wt)).abs();
+            if err.is_nan() || err > GATE_RTOL * scale {
+                return Err(format!(
+                    "logits[{r}, {j}] = {g}, twin {wt}: error {err:.3e} > {GATE_RTOL} x {scale:.3e}"
+                )
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The router's device path: gate kernel, then the routing kernel on the logits; the routing
+/// must equal the host twin's on the same (device) logits bit for bit.
+fn gate_topk_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    t: usize,
+    h: usize,
+    spec: TopkSpec,
+    scoring: Scoring,
+) -> CaseResult {
+    let (e, k) = (spec.num_experts, spec.top_k);
+    let shape = GateShape {
+        num_experts: e,
+        hidden: h,
+    };
+    let x: Vec<bf16> = (0..t * h)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let w: Vec<f32> = (0..e * h)
+        .map(|_| rng.random_range(-0.05f32..0.05))
+        .collect();
+    let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+    let (x_dev, w_dev, b_dev) = (
+        stream.clone_htod(&x)?,
+        stream.clone_htod(&w)?,
+        stream.clone_htod(&bias)?,
+    );
+    let mut logits = poisoned::<f32>(stream, t * e)?;
+    routing::gate_logits_cuda(stream, &x_dev, &w_dev, shape, &mut logits)?;
+    let mut idx = poisoned::<i64>(stream, t * k)?;
+    let mut wts = poisoned::<f32>(stream, t * k)?;
+    let input = TopkInput::Logits(scoring);
+    let b: &dyn cudarc::driver::DevicePtr<f32> = &b_dev;
+    routing::route_topk_cuda(stream, &logits, input, Some(b), &spec, &mut idx, &mut wts)?;
+    let host_logits = stream.clone_dtoh(&logits)?;
+    let mut want_idx = vec![0i64; t * k];
+    let mut want_w = vec![0f32; t * k];
+    routing::route_topk(
+        &host_logits,
+        input,
+        Some(&bias),
+        &spec,
+        &mut want_idx,
+        &mut want_w,
+    )?;
+    compare("topk_idx", &stream.clone_dtoh(&idx)?, &want_idx)?;
+    compare_bits(
+        "topk_weights",
+        &stream.clone_dtoh(&wts)?,
+        &want_w,
+        f32::to_bits,
+    )
 }
 
 /// Random local ids: each token picks `k` distinct experts among `num_local` plus `-1`s
@@ -270,7 +434,65 @@ fn main() {
         ("groups-of-32/bias", 200, odd_groups, true, false),
     ] {
         runner.case(&format!("routing/{name}"), |rng| {
-            routing_case(&stream, rng, t, spec, bias, ties)
+            routing_case(&stream, rng, t, spec, TopkInput::Scores, bias, ties)
+        });
+    }
+    use Scoring::{Sigmoid, Softmax};
+    for (name, t, spec, scoring, bias, ties) in [
+        ("v3/sigmoid/one-token", 1, v3, Sigmoid, true, false),
+        ("v3/sigmoid/ties", 700, v3, Sigmoid, true, true),
+        ("v3/softmax/bias", 300, v3, Softmax, true, false),
+        ("v2/softmax/group-max/ties", 257, v2, Softmax, false, true),
+        ("greedy/softmax", 100, greedy, Softmax, false, false),
+        ("1024-experts/sigmoid/ties", 64, wide, Sigmoid, true, true),
+        ("1024-experts/softmax", 33, wide, Softmax, true, false),
+        (
+            "groups-of-32/softmax",
+            200,
+            odd_groups,
+            Softmax,
+            true,
+            false,
+        ),
+    ] {
+        runner.case(&format!("routing-from-logits/{name}"), |rng| {
+            let input = TopkInput::Logits(scoring);
+            routing_case(&stream, rng, t, spec, input, bias, ties)
+        });
+    }
+    for t in [1, 3, 64, 129, 1000] {
+        runner.case(&format!("gate/bf16/{t}x7168-to-256"), |rng| {
+            gate_case(&stream, rng, t, 256, 7168, 0, bf16::from_f32)
+        });
+    }
+    runner.case("gate/bf16/5x136-to-72", |rng| {
+        gate_case(&stream, rng, 5, 72, 136, 0, bf16::from_f32)
+    });
+    runner.case("gate/bf16/40x136-to-72", |rng| {
+        gate_case(&stream, rng, 40, 72, 136, 0, bf16::from_f32)
+    });
+    runner.case("gate/f16/9x136-to-72", |rng| {
+        gate_case(&stream, rng, 9, 72, 136, 0, f16::from_f32)
+    });
+    runner.case("gate/f32/3x7168-to-256", |rng| {
+        gate_case(&stream, rng, 3, 256, 7168, 0, |v| v)
+    });
+    runner.case("gate/bf16/scalar/odd-hidden-17x131-to-72", |rng| {
+        gate_case(&stream, rng, 17, 72, 131, 0, bf16::from_f32)
+    });
+    runner.case("gate/bf16/scalar/misaligned-x/1x7168-to-256", |rng| {
+        gate_case(&stream, rng, 1, 256, 7168, 1, bf16::from_f32)
+    });
+    runner.case("gate/bf16/no-tokens", |rng| {
+        gate_case(&stream, rng, 0, 256, 7168, 0, bf16::from_f32)
+    });
+    for (name, t, h, spec, scoring) in [
+        ("v3/sigmoid/one-token", 1, 7168, v3, Sigmoid),
+        ("v3/sigmoid/64-tokens", 64, 7168, v3, Sigmoid),
+        ("greedy/softmax/3-tokens", 3, 512, greedy, Softmax),
+    ] {
+        runner.case(&format!("gate+routing/{name}"), |rng| {
+            gate_topk_case(&stream, rng, t, h, spec, scoring)
         });
     }
     for (name, n, k, l, align, row, p_none, hot) in [

@@ -158,3 +158,110 @@ fn low_latency_combine_skips_masked_ranks() {
     assert_eq!(masked[0].to_f32(), 0.5);
     assert_eq!(masked[4].to_f32(), 0.0);
 }
+
+/// `(E, K, G, topk_group, T, logits)`: `E = G * per_group`, `K` reachable from the allowed
+/// groups, logits in (-10, 10) with some exact ties.
+fn logits_routing() -> impl Strategy<Value = (usize, usize, usize, usize, usize, Vec<f32>)> {
+    (1usize..=8, 1usize..=12, 0usize..12).prop_flat_map(|(g, per, t)| {
+        let e = g * per;
+        (1..=g).prop_flat_map(move |tg| {
+            let logit = prop_oneof![(-10.0f32..10.0), Just(0.5f32), Just(-3.0f32)];
+            (
+                Just(e),
+                1..=(tg * per).min(32),
+                Just(g),
+                Just(tg),
+                Just(t),
+                prop::collection::vec(logit, t * e),
+            )
+        })
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Routing from logits is routing from the scored logits, bit for bit, and the scoring is
+    /// within 1e-6 (relative) of the f64 sigmoid / softmax, plus for softmax the rounding of
+    /// `l - max` in f32 (relative `|l - max| * 2^-24` after `exp`).
+    #[test]
+    fn routing_from_logits_scores_them_first(
+        (e, k, g, tg, t, logits) in logits_routing(),
+        softmax in any::<bool>(),
+        with_bias in any::<bool>(),
+        top2 in any::<bool>(),
+    ) {
+        use ep_kernels::routing::{route_topk, scoring, GroupScore, Scoring, TopkInput, TopkSpec};
+        let spec = TopkSpec {
+            num_experts: e,
+            top_k: k,
+            n_group: g,
+            topk_group: tg,
+            group_score: if top2 { GroupScore::Top2Sum } else { GroupScore::Max },
+            norm_topk_prob: softmax,
+            scaling: 1.5,
+        };
+        let bias: Vec<f32> = (0..e).map(|i| (i % 5) as f32 * 0.1 - 0.2).collect();
+        let bias = with_bias.then_some(bias.as_slice());
+        let f = if softmax { Scoring::Softmax } else { Scoring::Sigmoid };
+        let mut scores = vec![0f32; t * e];
+        for (row, out) in logits.chunks_exact(e).zip(scores.chunks_exact_mut(e)) {
+            if softmax {
+                scoring::softmax(row, out);
+            } else {
+                for (o, &l) in out.iter_mut().zip(row) {
+                    *o = scoring::sigmoid(l);
+                }
+            }
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(f64::from(l)));
+            let sum: f64 = row.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+            for (&o, &l) in out.iter().zip(row) {
+                let l = f64::from(l);
+                let (want, rtol) = if softmax {
+                    ((l - max).exp() / sum, 1e-6 + (l - max).abs() * 2f64.powi(-24))
+                } else {
+                    (1.0 / (1.0 + (-l).exp()), 1e-6)
+                };
+                prop_assert!((f64::from(o) - want).abs() <= rtol * want, "{} vs {}", o, want);
+            }
+        }
+        let (mut idx, mut w) = (vec![0i64; t * k], vec![0f32; t * k]);
+        route_topk(&logits, TopkInput::Logits(f), bias, &spec, &mut idx, &mut w).unwrap();
+        let (mut want_idx, mut want_w) = (vec![0i64; t * k], vec![0f32; t * k]);
+        route_topk(&scores, TopkInput::Scores, bias, &spec, &mut want_idx, &mut want_w).unwrap();
+        prop_assert_eq!(idx, want_idx);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&w), bits(&want_w));
+    }
+
+    /// The gate twin equals a naive f64 dot product (summed backwards) within one f32 rounding.
+    #[test]
+    fn gate_twin_matches_naive(
+        (e, h, t) in (1usize..20, 1usize..40, 0usize..6),
+        seed in any::<u64>(),
+    ) {
+        use ep_kernels::routing::{gate_logits, GateShape};
+        use half::bf16;
+        // A small LCG: values in [-2, 2) from the seed.
+        let mut state = seed | 1;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        let x: Vec<bf16> = (0..t * h).map(|_| bf16::from_f32(next())).collect();
+        let w: Vec<f32> = (0..e * h).map(|_| next() * 0.1).collect();
+        let mut logits = vec![f32::NAN; t * e];
+        gate_logits(&x, &w, GateShape { num_experts: e, hidden: h }, &mut logits).unwrap();
+        for tok in 0..t {
+            for ex in 0..e {
+                let mut want = 0f64;
+                for i in (0..h).rev() {
+                    want += x[tok * h + i].to_f64() * f64::from(w[ex * h + i]);
+                }
+                let got = f64::from(logits[tok * e + ex]);
+                prop_assert!((got - want).abs() <= want.abs() * 2f64.powi(-23) + 1e-30,
+                    "[{}, {}] {} vs {}", tok, ex, got, want);
+            }
+        }
+    }
+}

@@ -1,14 +1,17 @@
 //! The gate: per-token expert choice and weights, DeepSeek-V3 grouped top-k (`noaux_tc`) or
 //! plain softmax top-k.
 //!
-//! Logits and scores are computed with candle ops in f32 on the input's device. The selection
-//! is `ep_kernels::routing`: on CUDA its kernel (one warp per token; nothing is read back to
-//! the host), on the CPU its host twin, with ties broken towards the lower expert (and group)
-//! id so that every rank and every backend agrees.
+//! [`Router::forward`] computes the gate logits `x W^T` in f32, then `ep_kernels::routing`
+//! scores them (sigmoid or softmax) and selects, with ties broken towards the lower expert
+//! (and group) id so that every rank and every backend agrees. On CUDA that is two kernels
+//! and nothing read back to the host: the gate kernel (`x` read in its own dtype) for up to
+//! `routing::GATE_KERNEL_MAX_TOKENS` tokens, else a cuBLAS f32 matmul, then the routing kernel
+//! in its logits mode. On the CPU: a candle matmul, then the routing host twin.
+//! [`Router::scores`] returns the scores themselves, computed with candle ops.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use ep_kernels::routing::{self, GroupScore, TopkSpec};
+use ep_kernels::routing::{self, GroupScore, Scoring, TopkInput, TopkSpec};
 
 use crate::config::{MoeConfig, ScoringFunc, TopkMethod};
 use crate::error::{Error, Result};
@@ -142,8 +145,8 @@ impl Router {
         self.bias.as_ref().map(|(h, _)| h.as_slice())
     }
 
-    /// Expert scores `[T, E]` f32 (sigmoid or softmax of `x @ W^T` computed in f32), on `x`'s device.
-    pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
+    /// Checks that `x` is `[T, H]`; returns `T`.
+    fn check_x(&self, x: &Tensor) -> Result<usize> {
         let expected = || format!("must be [tokens, hidden_size = {}]", self.hidden_size());
         let (t, h) = x
             .dims2()
@@ -155,6 +158,12 @@ impl Router {
                 expected(),
             ));
         }
+        Ok(t)
+    }
+
+    /// Gate logits `[T, E]` f32 of a checked `x` with candle ops (`x` converted to f32, then a
+    /// matmul: cuBLAS on CUDA), on `x`'s device.
+    fn matmul_logits(&self, x: &Tensor, t: usize) -> Result<Tensor> {
         if t == 0 {
             return Ok(Tensor::zeros(
                 (0, self.num_experts()),
@@ -162,9 +171,25 @@ impl Router {
                 x.device(),
             )?);
         }
-        let logits = x
-            .to_dtype(DType::F32)?
-            .matmul(&self.weight.to_device(x.device())?.t()?)?;
+        Ok(x.to_dtype(DType::F32)?
+            .matmul(&self.weight.to_device(x.device())?.t()?)?)
+    }
+
+    /// How the logits become scores.
+    fn scoring_fn(&self) -> Scoring {
+        match self.scoring {
+            ScoringFunc::Sigmoid => Scoring::Sigmoid,
+            ScoringFunc::Softmax => Scoring::Softmax,
+        }
+    }
+
+    /// Expert scores `[T, E]` f32 (sigmoid or softmax of `x @ W^T` computed in f32), on `x`'s device.
+    pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
+        let t = self.check_x(x)?;
+        let logits = self.matmul_logits(x, t)?;
+        if t == 0 {
+            return Ok(logits);
+        }
         Ok(match self.scoring {
             ScoringFunc::Sigmoid => candle_nn::ops::sigmoid(&logits)?,
             ScoringFunc::Softmax => candle_nn::ops::softmax_last_dim(&logits)?,
@@ -175,14 +200,24 @@ impl Router {
     /// `topk_weights` `[T, K]` f32, both on `x`'s device. On CUDA nothing is read back to the
     /// host.
     pub fn forward(&self, x: &Tensor) -> Result<Routing> {
-        let scores = self.scores(x)?;
-        self.select(&scores)
+        let t = self.check_x(x)?;
+        let input = TopkInput::Logits(self.scoring_fn());
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = x.device() {
+            let logits = if t > 0 && routing::gate_uses_kernel(t) {
+                self.gate_cuda(cuda, x, t)?
+            } else {
+                self.matmul_logits(x, t)?
+            };
+            return self.select_cuda(cuda, &logits, input, t);
+        }
+        let logits = self.matmul_logits(x, t)?;
+        self.select_host(&logits, input, t)
     }
 
     /// The selection of [`Router::forward`] from given `[T, E]` f32 scores.
     pub fn select(&self, scores: &Tensor) -> Result<Routing> {
         let (t, e) = scores.dims2()?;
-        let k = self.spec.top_k;
         if e != self.num_experts() || scores.dtype() != DType::F32 {
             return Err(Error::invalid(
                 "scores",
@@ -190,16 +225,24 @@ impl Router {
                 format!("must be f32 [T, {}]", self.num_experts()),
             ));
         }
-        let dev: &Device = scores.device();
         #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = dev {
-            return self.select_cuda(cuda, scores, t);
+        if let Device::Cuda(cuda) = scores.device() {
+            return self.select_cuda(cuda, scores, TopkInput::Scores, t);
         }
-        let host: Vec<f32> = scores.flatten_all()?.to_vec1()?;
+        self.select_host(scores, TopkInput::Scores, t)
+    }
+
+    /// The routing host twin on `[t, E]` f32 `values` (scores or logits, as `input` says);
+    /// the result on `values`' device.
+    fn select_host(&self, values: &Tensor, input: TopkInput, t: usize) -> Result<Routing> {
+        let k = self.spec.top_k;
+        let dev: &Device = values.device();
+        let host: Vec<f32> = values.flatten_all()?.to_vec1()?;
         let mut idx = vec![0i64; t * k];
         let mut weights = vec![0f32; t * k];
         routing::route_topk(
             &host,
+            input,
             self.bias.as_ref().map(|(h, _)| h.as_slice()),
             &self.spec,
             &mut idx,
@@ -211,12 +254,57 @@ impl Router {
         })
     }
 
-    /// The routing kernel on candle's stream.
+    /// Gate logits `[t, E]` f32 of a checked CUDA `x` (`t > 0`) with the gate kernel, `x` read
+    /// in its own dtype (bf16, f16, f32; other dtypes are converted to f32 first).
+    #[cfg(feature = "cuda")]
+    fn gate_cuda(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        x: &Tensor,
+        t: usize,
+    ) -> Result<Tensor> {
+        use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
+        use half::{bf16, f16};
+        let (e, h) = (self.num_experts(), self.hidden_size());
+        let stream = dev.cuda_stream();
+        let x = match x.dtype() {
+            DType::BF16 | DType::F16 | DType::F32 => x.contiguous()?,
+            _ => x.to_dtype(DType::F32)?.contiguous()?,
+        };
+        // The weight lives on the device it was built on: this is a clone of the handle, a
+        // copy only if `x` is on another device.
+        let weight = self.weight.to_device(x.device())?;
+        let shape = routing::GateShape {
+            num_experts: e,
+            hidden: h,
+        };
+        let mut logits = alloc_uninit::<f32>(&stream, t * e)?;
+        {
+            let x_d = DeviceTensor::new("x", &x)?;
+            let w_d = DeviceTensor::new("weight", &weight)?;
+            let w = w_d.view::<f32>()?;
+            let out = &mut logits.slice_mut(0..t * e);
+            match x.dtype() {
+                DType::BF16 => {
+                    routing::gate_logits_cuda(&stream, &x_d.view::<bf16>()?, &w, shape, out)?
+                }
+                DType::F16 => {
+                    routing::gate_logits_cuda(&stream, &x_d.view::<f16>()?, &w, shape, out)?
+                }
+                _ => routing::gate_logits_cuda(&stream, &x_d.view::<f32>()?, &w, shape, out)?,
+            }
+        }
+        Ok(wrap(logits, (t, e), dev))
+    }
+
+    /// The routing kernel on candle's stream, on `[t, E]` f32 `scores` (or logits, as `input`
+    /// says).
     #[cfg(feature = "cuda")]
     fn select_cuda(
         &self,
         dev: &candle_core::cuda_backend::CudaDevice,
         scores: &Tensor,
+        input: TopkInput,
         t: usize,
     ) -> Result<Routing> {
         use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
@@ -239,6 +327,7 @@ impl Router {
             routing::route_topk_cuda(
                 &stream,
                 &s_d.view::<f32>()?,
+                input,
                 b_v.as_ref()
                     .map(|b| b as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<f32>),
                 &self.spec,

@@ -2,22 +2,23 @@
 
 use std::cmp::Ordering;
 
-use super::{GroupScore, TopkSpec};
+use super::{scoring, GroupScore, Scoring, TopkInput, TopkSpec};
 use crate::error::Result;
 
-/// Reused per-token buffers.
+/// Reused per-token buffers of [`select`].
 #[derive(Default)]
-struct Scratch {
+struct SelectScratch {
     key: Vec<f32>,
     group_score: Vec<f32>,
     groups: Vec<usize>,
     candidates: Vec<usize>,
 }
 
-/// Routes `t` tokens: `scores` `[t, E]`, `bias` `[E]` (optional) -> `topk_idx` `[t, K]`,
-/// `topk_weights` `[t, K]`. See the module docs for the rule.
+/// Routes `t` tokens: `scores` `[t, E]` (or logits, as `input` says), `bias` `[E]` (optional)
+/// -> `topk_idx` `[t, K]`, `topk_weights` `[t, K]`. See the module docs for the rule.
 pub fn route_topk(
     scores: &[f32],
+    input: TopkInput,
     bias: Option<&[f32]>,
     spec: &TopkSpec,
     topk_idx: &mut [i64],
@@ -31,8 +32,23 @@ pub fn route_topk(
         topk_idx.len(),
         topk_weights.len(),
     )?;
-    let mut s = Scratch::default();
+    let mut s = SelectScratch::default();
+    // One token's scores when `scores` holds logits.
+    let mut score = vec![0f32; e];
     for (i, row) in scores.chunks_exact(e).enumerate() {
+        let row = match input {
+            TopkInput::Scores => row,
+            TopkInput::Logits(Scoring::Sigmoid) => {
+                for (o, &l) in score.iter_mut().zip(row) {
+                    *o = scoring::sigmoid(l);
+                }
+                &score
+            }
+            TopkInput::Logits(Scoring::Softmax) => {
+                scoring::softmax(row, &mut score);
+                &score
+            }
+        };
         select(
             row,
             bias,
@@ -50,7 +66,7 @@ fn select(
     scores: &[f32],
     bias: Option<&[f32]>,
     spec: &TopkSpec,
-    s: &mut Scratch,
+    s: &mut SelectScratch,
     idx: &mut [i64],
     weights: &mut [f32],
 ) {
@@ -148,7 +164,8 @@ mod tests {
         // Groups of 2: [0,1] [2,3] [4,5] [6,7]. Top-2 sums: 0.9, 1.0, 1.1, 0.2 -> groups 1, 2.
         let scores = [0.5, 0.4, 0.5, 0.5, 0.9, 0.2, 0.1, 0.1];
         let (mut idx, mut w) = ([0i64; 2], [0f32; 2]);
-        route_topk(&scores, None, &spec(GroupScore::Top2Sum), &mut idx, &mut w).unwrap();
+        let spec = spec(GroupScore::Top2Sum);
+        route_topk(&scores, TopkInput::Scores, None, &spec, &mut idx, &mut w).unwrap();
         // Candidates 2..6: keys 0.5 0.5 0.9 0.2 -> 4, then 2 (tie with 3, lower id).
         assert_eq!(idx, [4, 2]);
         let sum = 0.9f32 + 0.5 + 1e-20;
@@ -169,8 +186,61 @@ mod tests {
             scaling: 1.0,
         };
         let (mut idx, mut w) = ([0i64; 1], [0f32; 1]);
-        route_topk(&scores, Some(&bias), &spec, &mut idx, &mut w).unwrap();
+        route_topk(
+            &scores,
+            TopkInput::Scores,
+            Some(&bias),
+            &spec,
+            &mut idx,
+            &mut w,
+        )
+        .unwrap();
         assert_eq!((idx, w), ([0], [0.1]));
+    }
+
+    #[test]
+    fn logits_are_scored_before_the_selection() {
+        let logits = [0.3f32, -1.0, 2.0, 0.0, -0.5, 1.5, 0.7, -2.0];
+        let spec = spec(GroupScore::Top2Sum);
+        let bias = [0.0f32, 0.0, -0.2, 0.1, 0.0, 0.0, 0.3, 0.0];
+        // Hand-computed choices; either way the bias puts expert 2 (largest logit) second.
+        // Sigmoid: groups 1 and 2 win, then 5 (0.82) before 2 (0.88 - 0.2). Softmax: groups 3
+        // and 1 (6 gets 0.12 + 0.3), then 6 before 2 (0.43 - 0.2).
+        for (f, score, want) in [
+            (
+                Scoring::Sigmoid,
+                logits.map(scoring::sigmoid).to_vec(),
+                [5, 2],
+            ),
+            (
+                Scoring::Softmax,
+                {
+                    let mut s = vec![0f32; 8];
+                    scoring::softmax(&logits, &mut s);
+                    s
+                },
+                [6, 2],
+            ),
+        ] {
+            let (mut idx, mut w) = ([0i64; 2], [0f32; 2]);
+            let input = TopkInput::Logits(f);
+            route_topk(&logits, input, Some(&bias), &spec, &mut idx, &mut w).unwrap();
+            let (mut want_idx, mut want_w) = ([0i64; 2], [0f32; 2]);
+            route_topk(
+                &score,
+                TopkInput::Scores,
+                Some(&bias),
+                &spec,
+                &mut want_idx,
+                &mut want_w,
+            )
+            .unwrap();
+            assert_eq!(
+                (idx, w.map(f32::to_bits)),
+                (want_idx, want_w.map(f32::to_bits))
+            );
+            assert_eq!(idx, want, "{f:?}");
+        }
     }
 
     #[test]

@@ -1,8 +1,13 @@
 //! Routing: each token's top-k experts and their weights from the gate's expert scores, with
 //! DeepSeek's group-limited selection and correction bias. Kernel `routing.cu` (one warp per
-//! token), typed launcher [`route_topk_cuda`], host twin [`route_topk`].
+//! token), typed launcher [`route_topk_cuda`], host twin [`route_topk`]. The gate's logits
+//! `x W^T` for a few tokens come from [`gate`] (kernel `gate.cu`, launcher `gate_logits_cuda`,
+//! host twin [`gate_logits`]).
 //!
-//! For every token, from its scores `s[E]` (sigmoid or softmax of the gate logits):
+//! The router takes either the scores `s[E]` of every token ([`TopkInput::Scores`]) or its
+//! gate logits ([`TopkInput::Logits`]), which it scores itself with [`scoring`] (sigmoid, or
+//! softmax over the token's `E` logits; the same f32 operations in the kernel and the twin).
+//! For every token, from its scores:
 //! 1. the selection key is `s + bias` (with a bias) or `s`;
 //! 2. with groups ([`GroupScore::Top2Sum`] / [`GroupScore::Max`]), experts `g*E/G..` form group
 //!    `g`; a group's score is the sum of its two best keys, or its best key; only the
@@ -15,13 +20,16 @@
 //! (or group) id, so every backend and rank picks the same experts; the weights are computed
 //! with the same f32 operations in the same order on both sides (bit-identical).
 
+pub mod gate;
 pub mod host;
+pub mod scoring;
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
+pub use gate::{gate_logits, gate_uses_kernel, GateInput, GateShape, GATE_KERNEL_MAX_TOKENS};
 pub use host::route_topk;
 
 use crate::error::{Error, Result};
@@ -30,6 +38,24 @@ use crate::error::{Error, Result};
 pub const MAX_EXPERTS: usize = 1024;
 /// Most experts per token (`top_k`) and most groups on the device.
 pub const MAX_TOPK: usize = 32;
+
+/// How a token's gate logits become its expert scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// `1 / (1 + e^-l)` per expert ([`scoring::sigmoid`]).
+    Sigmoid,
+    /// Softmax over the token's experts ([`scoring::softmax`]).
+    Softmax,
+}
+
+/// What the `[T, E]` values handed to the router are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkInput {
+    /// Expert scores, used as they are.
+    Scores,
+    /// Gate logits, scored by the router first.
+    Logits(Scoring),
+}
 
 /// How a group of experts is scored for group-limited routing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +88,7 @@ pub struct TopkSpec {
 }
 
 impl TopkSpec {
-    /// Checks the lengths of a routing call (`scores` `[T, E]`, `bias` `[E]`, outputs
+    /// Checks the lengths of a routing call (`scores` (or logits) `[T, E]`, `bias` `[E]`, outputs
     /// `[T, K]`); returns `T`.
     pub fn check_lengths(
         &self,

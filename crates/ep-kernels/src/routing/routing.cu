@@ -1,8 +1,11 @@
-// Routing: each token's top-k experts and weights from its expert scores (one warp per token).
-// Launcher and host twin: src/routing/cuda.rs (`route_topk_cuda`), src/routing/host.rs
-// (`route_topk`); the rule is in src/routing/mod.rs.
+// Routing: each token's top-k experts and weights from its expert scores, or from its gate
+// logits scored here first (sigmoid or softmax), one warp per token. Launcher and host twin:
+// src/routing/cuda.rs (`route_topk_cuda`), src/routing/host.rs (`route_topk`); the rule is in
+// src/routing/mod.rs, the scoring functions in src/routing/scoring.rs, which the device
+// functions below mirror operation for operation (explicitly rounded intrinsics, so that no
+// multiply-add is contracted differently): the same bits on both sides.
 //
-// The warp keeps the token's selection keys in shared memory. Group scores: each lane reduces
+// The warp keeps the token's scores and selection keys in shared memory. Group scores: each lane reduces
 // its members (top-2 or max), then the lanes merge. Groups and experts are picked by repeated
 // warp arg-max under the total order of f32 (`f32::total_cmp`), ties to the lower id, which
 // picks exactly what the host twin's sort does. Lane 0 computes the weights with the host's
@@ -19,6 +22,58 @@ constexpr int kThreads = kWarps * ep::kWarpSize;
 constexpr int kMaxExperts = 1024;
 
 enum GroupScore : int32_t { kNone = 0, kTop2Sum = 1, kMax = 2 };
+// What the `scores` rows hold (`TopkInput` on the Rust side).
+enum Input : int32_t { kScores = 0, kSigmoidLogits = 1, kSoftmaxLogits = 2 };
+
+// `scoring::exp_f32`: range reduction, Taylor polynomial, exact scaling by 2^k.
+EP_DEVICE float exp_f32(float x) {
+    if (isnan(x)) {
+        return x;
+    }
+    x = fminf(fmaxf(x, -110.0f), 100.0f);
+    // log2(e), ln2 = hi + lo, Taylor coefficients 1/7! .. 1/3!: the bits of scoring.rs.
+    const float kf = rintf(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)));
+    float r = __fmaf_rn(-kf, __uint_as_float(0x3f317200u), x);
+    r = __fmaf_rn(-kf, __uint_as_float(0x35bfbe8eu), r);
+    float q = __uint_as_float(0x39500d01u);
+    q = __fmaf_rn(q, r, __uint_as_float(0x3ab60b61u));
+    q = __fmaf_rn(q, r, __uint_as_float(0x3c088889u));
+    q = __fmaf_rn(q, r, __uint_as_float(0x3d2aaaabu));
+    q = __fmaf_rn(q, r, __uint_as_float(0x3e2aaaabu));
+    q = __fmaf_rn(q, r, 0.5f);
+    q = __fmaf_rn(q, r, 1.0f);
+    q = __fmaf_rn(q, r, 1.0f);
+    const int k = static_cast<int>(kf);
+    const int k1 = k / 2;
+    const float s1 = __int_as_float((k1 + 127) << 23);
+    const float s2 = __int_as_float((k - k1 + 127) << 23);
+    return __fmul_rn(__fmul_rn(q, s1), s2);
+}
+
+// `scoring::sigmoid`.
+EP_DEVICE float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x))); }
+
+// `scoring::softmax` of the `e` logits `l` into `out`, by the whole warp.
+EP_DEVICE void softmax(const float* l, float* out, int e, int lane) {
+    float max = -INFINITY;
+    for (int j = lane; j < e; j += ep::kWarpSize) {
+        max = fmaxf(max, l[j]);
+    }
+    max = ep::warp_reduce_max(max);
+    float sum = 0.0f;
+    for (int j = lane; j < e; j += ep::kWarpSize) {
+        const float ex = exp_f32(__fsub_rn(l[j], max));
+        out[j] = ex;
+        sum = __fadd_rn(sum, ex);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum = __fadd_rn(sum, __shfl_xor_sync(ep::kFullMask, sum, off));
+    }
+    for (int j = lane; j < e; j += ep::kWarpSize) {
+        out[j] = __fdiv_rn(out[j], sum);
+    }
+}
 
 // Maps f32 bits to an i32 whose order is `f32::total_cmp`'s.
 EP_DEVICE int32_t total_order(float f) {
@@ -58,7 +113,7 @@ EP_DEVICE void top2_push(float& first, float& second, float x) {
 
 // Mirrors `RouteTopkParams` in src/routing/cuda.rs.
 struct RouteTopkParams {
-    const float* scores;  // [T, E]
+    const float* scores;  // [T, E] scores or logits (`input`)
     const float* bias;    // [E] or null
     int64_t* topk_idx;    // [T, K]
     float* topk_weights;  // [T, K]
@@ -70,12 +125,13 @@ struct RouteTopkParams {
     int32_t group_score;  // GroupScore
     int32_t norm_topk_prob;
     float scaling;
-    int32_t reserved;
+    int32_t input;  // Input
 };
 EP_CHECK_PARAMS_SIZE(RouteTopkParams, 72);
 
 EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ RouteTopkParams p) {
     __shared__ float keys[kWarps][kMaxExperts];
+    __shared__ float token_scores[kWarps][kMaxExperts];
     __shared__ uint8_t taken[kWarps][kMaxExperts];
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
@@ -83,12 +139,21 @@ EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ Ro
     const bool grouped = p.group_score != kNone && p.n_group > 1;
     const int per_group = grouped ? e / p.n_group : e;
     float* key = keys[warp];
+    float* score = token_scores[warp];
     uint8_t* used = taken[warp];
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < p.num_tokens;
          t += static_cast<int64_t>(gridDim.x) * kWarps) {
         const float* s = p.scores + t * e;
+        if (p.input == kSoftmaxLogits) {
+            softmax(s, score, e, lane);
+        } else {
+            for (int j = lane; j < e; j += ep::kWarpSize) {
+                score[j] = p.input == kSigmoidLogits ? sigmoid(s[j]) : s[j];
+            }
+        }
+        // Each lane reads back only the elements it wrote.
         for (int j = lane; j < e; j += ep::kWarpSize) {
-            key[j] = p.bias != nullptr ? s[j] + p.bias[j] : s[j];
+            key[j] = p.bias != nullptr ? __fadd_rn(score[j], p.bias[j]) : score[j];
             used[j] = 0;
         }
         __syncwarp();
@@ -157,7 +222,7 @@ EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ Ro
         }
 
         // Weights, in the host's order of f32 operations.
-        float w = lane < p.top_k ? s[chosen] : 0.0f;
+        float w = lane < p.top_k ? score[chosen] : 0.0f;
         if (p.norm_topk_prob) {
             float sum = 0.0f;
             for (int i = 0; i < p.top_k; ++i) {
