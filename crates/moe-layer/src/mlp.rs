@@ -9,8 +9,7 @@ use crate::error::Error;
 /// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 ///
 /// `gate_proj` and `up_proj` are kept stacked as one `[2I, H]` weight (`gate_proj` rows first),
-/// so the forward pass reads them in one GEMM; [`Mlp::gate_proj`] and [`Mlp::up_proj`] are
-/// views of it.
+/// the layout the grouped GEMMs read; [`Mlp::gate_proj`] and [`Mlp::up_proj`] are views of it.
 #[derive(Clone, Debug)]
 pub struct Mlp {
     /// `[2I, H]`: gate rows, then up rows.
@@ -183,10 +182,12 @@ impl Mlp {
             return crate::empty::empty(dims, x.dtype(), x.device());
         }
         let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
-        let i = self.intermediate_size();
-        let gate_up = xs.matmul(&self.gate_up.t()?)?; // [rows, 2I]
-        let gate = gate_up.narrow(1, 0, i)?.silu()?;
-        let y = (gate * gate_up.narrow(1, i, i)?)?.matmul(&self.down_proj.t()?)?;
+        // Every operand contiguous (the weights are contiguous row blocks of `gate_up`): on
+        // CUDA a strided candle op uploads its layout from host memory, which a CUDA graph
+        // capture would record by address (the MLP runs inside captured decode steps).
+        let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
+        let up = xs.matmul(&self.up_proj.t()?)?;
+        let y = (gate * up)?.matmul(&self.down_proj.t()?)?;
         y.to_dtype(x.dtype())?.reshape(dims)
     }
 }
