@@ -1,8 +1,10 @@
 //! [`Buffer`]: one rank's communication state, and the collectives the ops are built from.
 
+use crate::backend::Backend;
 use crate::bootstrap::Store;
 use crate::config::BufferConfig;
 use crate::error::{Error, Result};
+use crate::group::Group;
 use crate::topology::Topology;
 use crate::transport::{LocalTransport, TcpTransport, Transport};
 use candle_core::{DType, Device, Tensor};
@@ -34,9 +36,9 @@ pub struct Buffer {
     pub(crate) device: Device,
     seq: AtomicU64,
     active: Mutex<Vec<bool>>,
-    /// The CUDA backend (NVLink buffers, streams), for buffers on a CUDA device.
-    #[cfg(feature = "cuda")]
-    pub(crate) cuda: Option<crate::cuda::CudaBuffer>,
+    /// What moves the tensors: the host backend, or the CUDA backend (NVLink buffers,
+    /// streams) for buffers on a CUDA device.
+    pub(crate) backend: Backend,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -91,12 +93,19 @@ impl Buffer {
             seq: AtomicU64::new(0),
             active: Mutex::new(vec![true; topology.num_ranks]),
             config,
-            #[cfg(feature = "cuda")]
-            cuda: None,
+            backend: Backend::Host,
         };
+        // The CUDA backend is built through the buffer's host collectives.
         #[cfg(feature = "cuda")]
         if device.is_cuda() {
-            buffer.cuda = Some(crate::cuda::CudaBuffer::new(&buffer)?);
+            let cuda = crate::cuda::CudaBuffer::new(
+                &buffer.device,
+                buffer.topology,
+                &buffer.config,
+                buffer.id,
+                &buffer,
+            )?;
+            buffer.backend = Backend::Cuda(Box::new(cuda));
         }
         Ok(buffer)
     }
@@ -105,11 +114,7 @@ impl Buffer {
     /// after other kernels used their memory or after a timeout. A collective. The host
     /// backend keeps no such state, so there it only synchronises the ranks.
     pub fn clean_low_latency_buffer(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.clean_low_latency_buffer(self);
-        }
-        self.host_all_gather(&[]).map(|_| ())
+        self.backend.clean_low_latency_buffer(self)
     }
 
     /// Waits for the last low-latency op and fails naming the first rank the device masked
@@ -117,39 +122,27 @@ impl Buffer {
     /// op later; this call reports it now). The host backend reports timeouts as they happen,
     /// so there this only returns `Ok`.
     pub fn low_latency_check(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.low_latency_check(self);
-        }
-        Ok(())
+        self.backend.low_latency_check(self)
     }
 
     /// Reports, without waiting, a rank the device masked during the last low-latency op or
     /// replay whose completion the host can already see (`Ok` when none, or when nothing is
     /// known yet).
     pub fn low_latency_poll(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.low_latency_poll(self);
-        }
-        Ok(())
+        self.backend.low_latency_poll(self)
     }
 
     /// Tells a CUDA buffer that a replay of a captured step containing its low-latency ops was
     /// just launched on candle's stream (so that [`Buffer::low_latency_poll`] can see its
     /// outcome). A no-op for the host backend.
     pub fn low_latency_note_replay(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            return c.low_latency_note_replay();
-        }
-        Ok(())
+        self.backend.low_latency_note_replay()
     }
 
     /// The CUDA stream the buffer's communication kernels run on (`None` for CPU buffers).
     #[cfg(feature = "cuda")]
     pub fn comm_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
-        self.cuda.as_ref().map(|c| c.comm_stream())
+        self.backend.comm_stream()
     }
 
     /// A group of one rank on `device` (CPU, or a CUDA device for a CUDA buffer): every op is
@@ -389,6 +382,20 @@ impl Buffer {
             ));
         }
         Ok(())
+    }
+}
+
+impl Group for Buffer {
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.host_all_gather(data)
+    }
+
+    fn active_ranks(&self) -> Vec<bool> {
+        Buffer::active_ranks(self)
+    }
+
+    fn mask_rank(&self, rank: usize) -> Result<()> {
+        Buffer::mask_rank(self, rank)
     }
 }
 

@@ -82,7 +82,7 @@ impl Buffer {
         // CUDA buffers: the layout kernel reads the routing on the device (entries outside
         // [0, num_experts) other than -1 are skipped there); nothing comes back to the host.
         #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
+        if let Some(c) = self.backend.cuda() {
             check_shape("topk_idx", topk_idx, &[None, None])?;
             check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
             let k = topk_idx.dims2()?.1;

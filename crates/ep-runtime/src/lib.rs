@@ -42,6 +42,7 @@
 //! # }
 //! ```
 
+mod backend;
 pub mod bootstrap;
 mod buffer;
 pub mod cast;
@@ -51,6 +52,7 @@ pub mod config;
 mod cuda;
 pub mod error;
 pub mod event;
+mod group;
 pub mod layout;
 pub mod low_latency;
 pub mod normal;

@@ -43,7 +43,9 @@ use std::time::Duration;
 
 use buffer::LlBuffer;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
+};
 use float8::F8E4M3;
 use half::bf16;
 
@@ -153,31 +155,6 @@ impl LowLatencyRecv {
         })
     }
 
-    fn check(&self, layout: &LowLatencyLayout) -> Result<()> {
-        let (l, rows) = (layout.num_local_experts(), layout.recv_rows_per_expert());
-        let h = layout.hidden;
-        Error::check_len(
-            "recv_x",
-            l * rows * h * self.format.bytes_per_channel(),
-            self.recv_x.len(),
-        )?;
-        if self.format.is_fp8() {
-            Error::check_len(
-                "recv_x_scales",
-                l * rows * (h / FP8_GROUP),
-                self.recv_x_scales.len(),
-            )?;
-        }
-        Error::check_len("recv_count", l, self.recv_count.len())?;
-        Error::check_len("recv_src_info", l * rows, self.recv_src_info.len())?;
-        Error::check_len("recv_src_topk", l * rows, self.recv_src_topk.len())?;
-        Error::check_len(
-            "recv_layout_range",
-            l * layout.num_ranks * 2,
-            self.recv_layout_range.len(),
-        )
-    }
-
     /// `recv_x` as bf16 (format [`LowLatencyFormat::Bf16`]).
     pub fn recv_x_bf16(&self) -> Result<CudaView<'_, bf16>> {
         if self.format != LowLatencyFormat::Bf16 {
@@ -205,6 +182,155 @@ impl LowLatencyRecv {
         // SAFETY: one byte per channel; every bit pattern is a valid F8E4M3.
         unsafe { self.recv_x.transmute::<F8E4M3>(self.recv_x.len()) }
             .ok_or_else(|| Error::invalid("recv_x", self.recv_x.len(), "too short for fp8"))
+    }
+}
+
+/// The `recv_x` a dispatch writes, borrowed: raw bytes (as [`LowLatencyRecv`] holds them) or
+/// typed rows (as a candle tensor of the runtime holds them).
+#[derive(Debug)]
+pub enum RecvXMut<'a> {
+    /// fp8 bytes or bf16 byte pairs, as the format says.
+    Bytes(CudaViewMut<'a, u8>),
+    /// bf16 rows (format [`LowLatencyFormat::Bf16`]).
+    Bf16(CudaViewMut<'a, bf16>),
+    /// fp8 e4m3 rows (formats [`LowLatencyFormat::Fp8`], `Fp8Ue8m0`).
+    Fp8(CudaViewMut<'a, F8E4M3>),
+}
+
+impl RecvXMut<'_> {
+    /// The size in bytes.
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Bytes(v) => v.len(),
+            Self::Bf16(v) => v.len() * 2,
+            Self::Fp8(v) => v.len(),
+        }
+    }
+
+    /// What the view holds, in words.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Bytes(_) => "byte",
+            Self::Bf16(_) => "bf16",
+            Self::Fp8(_) => "fp8",
+        }
+    }
+
+    /// Whether typed rows match `format` (raw bytes match any).
+    fn matches(&self, format: LowLatencyFormat) -> bool {
+        match self {
+            Self::Bytes(_) => true,
+            Self::Bf16(_) => format == LowLatencyFormat::Bf16,
+            Self::Fp8(_) => format.is_fp8(),
+        }
+    }
+
+    fn device_ptr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (CUdeviceptr, SyncOnDrop<'s>) {
+        match self {
+            Self::Bytes(v) => v.device_ptr_mut(stream),
+            Self::Bf16(v) => v.device_ptr_mut(stream),
+            Self::Fp8(v) => v.device_ptr_mut(stream),
+        }
+    }
+}
+
+/// The outputs of a low-latency dispatch, borrowed for [`dispatch_cuda`] (contents as in
+/// [`LowLatencyRecv`]): views of memory owned elsewhere, e.g. by [`LowLatencyRecv`] (see its
+/// `From` impl) or by the caller's tensors.
+#[derive(Debug)]
+pub struct LowLatencyRecvMut<'a> {
+    /// The payload format the views are sized for.
+    pub format: LowLatencyFormat,
+    /// `[L, R*M, H]` received rows.
+    pub recv_x: RecvXMut<'a>,
+    /// `[L, R*M, H / 128]` f32 scales; required for fp8, unused (and may be `None`) for bf16.
+    pub recv_x_scales: Option<CudaViewMut<'a, f32>>,
+    /// `[L]` tokens received per local expert.
+    pub recv_count: CudaViewMut<'a, i32>,
+    /// `[L, R*M]` the source token index of each packed row, `-1` past `recv_count[l]`.
+    pub recv_src_info: CudaViewMut<'a, i32>,
+    /// `[L, R*M]` the top-k position `k` of each packed row at its source.
+    pub recv_src_topk: CudaViewMut<'a, i32>,
+    /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
+    pub recv_layout_range: CudaViewMut<'a, i32>,
+}
+
+impl<'a> From<&'a mut LowLatencyRecv> for LowLatencyRecvMut<'a> {
+    fn from(r: &'a mut LowLatencyRecv) -> Self {
+        Self {
+            format: r.format,
+            recv_x: RecvXMut::Bytes(r.recv_x.as_view_mut()),
+            recv_x_scales: Some(r.recv_x_scales.as_view_mut()),
+            recv_count: r.recv_count.as_view_mut(),
+            recv_src_info: r.recv_src_info.as_view_mut(),
+            recv_src_topk: r.recv_src_topk.as_view_mut(),
+            recv_layout_range: r.recv_layout_range.as_view_mut(),
+        }
+    }
+}
+
+impl LowLatencyRecvMut<'_> {
+    fn check(&self, layout: &LowLatencyLayout) -> Result<()> {
+        let (l, rows) = (layout.num_local_experts(), layout.recv_rows_per_expert());
+        let h = layout.hidden;
+        if !self.recv_x.matches(self.format) {
+            return Err(Error::invalid(
+                "recv_x",
+                format!("{} rows", self.recv_x.kind()),
+                format!("must hold {:?} rows", self.format),
+            ));
+        }
+        Error::check_len(
+            "recv_x",
+            l * rows * h * self.format.bytes_per_channel(),
+            self.recv_x.bytes(),
+        )?;
+        if self.format.is_fp8() {
+            let got = self.recv_x_scales.as_ref().map_or(0, |s| s.len());
+            Error::check_len("recv_x_scales", l * rows * (h / FP8_GROUP), got)?;
+        }
+        Error::check_len("recv_count", l, self.recv_count.len())?;
+        LowLatencyRecvRef {
+            recv_src_info: self.recv_src_info.as_view(),
+            recv_src_topk: self.recv_src_topk.as_view(),
+            recv_layout_range: self.recv_layout_range.as_view(),
+        }
+        .check(layout)
+    }
+}
+
+/// What [`combine_cuda`] reads of its dispatch's outputs, borrowed (contents as in
+/// [`LowLatencyRecv`]).
+#[derive(Debug)]
+pub struct LowLatencyRecvRef<'a> {
+    /// `[L, R*M]` the source token index of each packed row.
+    pub recv_src_info: CudaView<'a, i32>,
+    /// `[L, R*M]` the top-k position `k` of each packed row at its source.
+    pub recv_src_topk: CudaView<'a, i32>,
+    /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
+    pub recv_layout_range: CudaView<'a, i32>,
+}
+
+impl<'a> From<&'a LowLatencyRecv> for LowLatencyRecvRef<'a> {
+    fn from(r: &'a LowLatencyRecv) -> Self {
+        Self {
+            recv_src_info: r.recv_src_info.as_view(),
+            recv_src_topk: r.recv_src_topk.as_view(),
+            recv_layout_range: r.recv_layout_range.as_view(),
+        }
+    }
+}
+
+impl LowLatencyRecvRef<'_> {
+    fn check(&self, layout: &LowLatencyLayout) -> Result<()> {
+        let (l, rows) = (layout.num_local_experts(), layout.recv_rows_per_expert());
+        Error::check_len("recv_src_info", l * rows, self.recv_src_info.len())?;
+        Error::check_len("recv_src_topk", l * rows, self.recv_src_topk.len())?;
+        Error::check_len(
+            "recv_layout_range",
+            l * layout.num_ranks * 2,
+            self.recv_layout_range.len(),
+        )
     }
 }
 
@@ -341,10 +467,11 @@ fn check_tokens(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -
 
 /// Low-latency dispatch of this rank's `x: [num_tokens, H]` bf16 routed by
 /// `topk_idx: [num_tokens, num_topk]` (i64, `-1` = none) into every expert's rank; receives
-/// into `out`. `x` and `topk_idx` are read by the send phase only; `out` is written by the
-/// receive phase only. Every rank must launch the same phases in the same order.
+/// into `out` (a `&mut` [`LowLatencyRecv`], or a [`LowLatencyRecvMut`] of views). `x` and
+/// `topk_idx` are read by the send phase only; `out` is written by the receive phase only.
+/// Every rank must launch the same phases in the same order.
 #[allow(clippy::too_many_arguments)]
-pub fn dispatch_cuda(
+pub fn dispatch_cuda<'o>(
     stream: &CudaStream,
     buffer: &LowLatencyBuffer,
     x: &impl DevicePtr<bf16>,
@@ -353,8 +480,9 @@ pub fn dispatch_cuda(
     num_topk: usize,
     format: LowLatencyFormat,
     phases: Phases,
-    out: &mut LowLatencyRecv,
+    out: impl Into<LowLatencyRecvMut<'o>>,
 ) -> Result<()> {
+    let mut out = out.into();
     let layout = buffer.layout();
     check_tokens(layout, num_tokens, num_topk)?;
     Error::check_len("x", num_tokens * layout.hidden, x.len())?;
@@ -374,7 +502,11 @@ pub fn dispatch_cuda(
     let (x_ptr, _gx) = x.device_ptr(stream);
     let (t_ptr, _gt) = topk_idx.device_ptr(stream);
     let (rx, _g0) = out.recv_x.device_ptr_mut(stream);
-    let (rs, _g1) = out.recv_x_scales.device_ptr_mut(stream);
+    // bf16 dispatches never touch the scales (`fp8 == 0` below): a null pointer is fine.
+    let (rs, _g1) = match out.recv_x_scales.as_mut() {
+        Some(s) => s.device_ptr_mut(stream),
+        None => (0, SyncOnDrop::Sync(None)),
+    };
     let (rc, _g2) = out.recv_count.device_ptr_mut(stream);
     let (ri, _g3) = out.recv_src_info.device_ptr_mut(stream);
     let (rk, _g4) = out.recv_src_topk.device_ptr_mut(stream);
@@ -400,25 +532,29 @@ pub fn dispatch_cuda(
         reserved: 0,
     };
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16 and topk_idx T*K i64, the
-    // outputs are sized for the buffer's layout and format (checked above), all 16-byte
-    // aligned where the kernel uses vectors; the buffer and its peer table outlive the launch
-    // because the buffer synchronises its context before freeing; the guards keep cudarc's
-    // stream ordering until the launch is queued.
+    // outputs are sized for the buffer's layout and format (checked above; the scales may be
+    // null only for bf16, where the kernel does not touch them), all 16-byte aligned where the
+    // kernel uses vectors; every pointer comes from a borrowed slice or view, so its memory
+    // lives until the launch is queued, and its owner frees it stream-ordered (after the
+    // kernel); the buffer and its peer table outlive the launch because the buffer
+    // synchronises its context before freeing; the guards keep cudarc's stream ordering until
+    // the launch is queued.
     unsafe { kernel.launch(stream, cfg, params) }
 }
 
 /// Low-latency combine: sends the expert outputs `x: [L, R*M, H]` bf16 (rows in the order of
-/// `handle`, the [`LowLatencyRecv`] of the matching dispatch) back to their home ranks, and
+/// `handle`, the outputs of the matching dispatch: a `&` [`LowLatencyRecv`] or a
+/// [`LowLatencyRecvRef`] of views) back to their home ranks, and
 /// on this (home) rank reduces the rows of its `num_tokens` tokens into
 /// `out: [num_tokens, H]` bf16 with `topk_idx`, `topk_weights: [num_tokens, num_topk]`
 /// exactly as [`super::combine`] (inactive ranks contribute nothing). The send phase reads
 /// `x` and `handle`; the receive phase reads `topk_idx` and `topk_weights` and writes `out`.
 #[allow(clippy::too_many_arguments)]
-pub fn combine_cuda(
+pub fn combine_cuda<'h>(
     stream: &CudaStream,
     buffer: &LowLatencyBuffer,
     x: &impl DevicePtr<bf16>,
-    handle: &LowLatencyRecv,
+    handle: impl Into<LowLatencyRecvRef<'h>>,
     topk_idx: &impl DevicePtr<i64>,
     topk_weights: &impl DevicePtr<f32>,
     num_tokens: usize,
@@ -426,6 +562,7 @@ pub fn combine_cuda(
     phases: Phases,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
+    let handle = handle.into();
     let layout = buffer.layout();
     check_tokens(layout, num_tokens, num_topk)?;
     let rows = layout.num_local_experts() * layout.recv_rows_per_expert();

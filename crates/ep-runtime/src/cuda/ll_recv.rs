@@ -1,50 +1,22 @@
 //! The receive buffers of a low-latency dispatch on CUDA tensors: allocated unzeroed (the
-//! receive kernel writes every element that is read), owned by the output tensors, aliased
-//! for the kernels.
+//! receive kernel writes every element that is read), owned by [`RecvSlices`] while the
+//! kernels write them (they get mutable views), then handed to the output tensors; the
+//! combine reads the handle's part through views taken from the owning tensor at its launch.
+//! Each allocation has one owner at every moment and nothing is leaked.
 
-use super::tensor::{alloc_uninit, wrap};
+use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use crate::error::Result;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Tensor;
-use cudarc::driver::{CudaSlice, CudaStream};
-use ep_kernels::low_latency::{LowLatencyFormat, LowLatencyRecv};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use ep_kernels::low_latency::{
+    self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyRecvMut, LowLatencyRecvRef, Phases,
+    RecvXMut,
+};
 use ep_kernels::FP8_GROUP;
-use std::mem::ManuallyDrop;
+use float8::F8E4M3;
+use half::bf16;
 use std::sync::Arc;
-
-/// Receive buffers of one low-latency dispatch. All their memory is owned by tensors: `recv_x`
-/// and (fp8) the scales by the output tensors, everything else by one `i32` block
-/// ([`I32Block`]) whose views are `src_info` and `recv_count`; the kernel-side struct only
-/// aliases it.
-#[derive(Debug)]
-pub(crate) struct CudaLlDispatchData {
-    pub(super) recv: ManuallyDrop<LowLatencyRecv>,
-    /// The tensors owning the aliased memory (kept alive as long as the aliases).
-    _owners: Vec<Tensor>,
-}
-
-impl Drop for CudaLlDispatchData {
-    fn drop(&mut self) {
-        // SAFETY: `recv` is taken exactly once, here.
-        let recv = unsafe { ManuallyDrop::take(&mut self.recv) };
-        let LowLatencyRecv {
-            recv_x,
-            recv_x_scales,
-            recv_count,
-            recv_src_info,
-            recv_src_topk,
-            recv_layout_range,
-            ..
-        } = recv;
-        // Every buffer is an alias: none may free memory the tensors own.
-        let _ = recv_x.leak();
-        let _ = recv_x_scales.leak();
-        let _ = recv_count.leak();
-        let _ = recv_src_info.leak();
-        let _ = recv_src_topk.leak();
-        let _ = recv_layout_range.leak();
-    }
-}
 
 /// Where the `i32` outputs of one dispatch lie in their shared allocation (in elements; every
 /// part starts 16-byte aligned: the combine kernel reads the ranges as pairs).
@@ -60,6 +32,10 @@ struct I32Block {
     range: usize,
     /// Total elements.
     len: usize,
+    /// `L`, `R * M` (rows per local expert), `R`.
+    l: usize,
+    rows_per_expert: usize,
+    r: usize,
 }
 
 impl I32Block {
@@ -75,32 +51,128 @@ impl I32Block {
             src_topk,
             range,
             len: range + 2 * l * r,
+            l,
+            rows_per_expert: r * m,
+            r,
         }
     }
-}
 
-impl CudaLlDispatchData {
-    /// `[L, R]` i64 `offset << 32 | count` ranges from the kernel's `(offset, count)` pairs
-    /// (a device-to-host read, on request only).
-    pub(crate) fn layout_range(
-        &self,
-        l: usize,
-        r: usize,
-        dev: &candle_core::Device,
-    ) -> Result<Tensor> {
-        let stream = self.recv.recv_layout_range.stream().clone();
-        let pairs = stream.clone_dtoh(&self.recv.recv_layout_range)?;
-        let packed: Vec<i64> = pairs
-            .chunks_exact(2)
-            .take(l * r)
-            .map(|p| ((p[0] as i64) << 32) | p[1] as i64)
-            .collect();
-        Ok(Tensor::from_vec(packed, (l, r), dev)?)
+    /// Rows of all local experts.
+    fn rows(&self) -> usize {
+        self.l * self.rows_per_expert
     }
 }
 
-/// The outputs of one dispatch: the tensors the caller gets, and the kernel-side view of the
-/// same memory.
+/// `recv_x` of a pending dispatch, in the dtype of the tensor it becomes.
+#[derive(Debug)]
+enum RecvRows {
+    Bf16(CudaSlice<bf16>),
+    Fp8(CudaSlice<F8E4M3>),
+}
+
+/// The receive buffers of one low-latency dispatch from its allocation until its receive phase
+/// is on the stream: the owner of their memory, lending mutable views to each launch.
+#[derive(Debug)]
+pub(crate) struct RecvSlices {
+    format: LowLatencyFormat,
+    hidden: usize,
+    /// `[L, R*M, H]`.
+    recv_x: RecvRows,
+    /// `[L, R*M, H / 128]` (fp8 only).
+    scales: Option<CudaSlice<f32>>,
+    /// The `i32` outputs, laid out as `at` says.
+    block: CudaSlice<i32>,
+    at: I32Block,
+}
+
+impl RecvSlices {
+    /// Allocates the outputs of a dispatch into `L` local experts of `R * M` rows of `h`
+    /// channels on `stream`, with no memset or fill: rows past the counts are never read
+    /// (documented as unspecified), and the receive phase writes `recv_count`, the ranges and
+    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16).
+    pub(super) fn alloc(
+        stream: &Arc<CudaStream>,
+        format: LowLatencyFormat,
+        l: usize,
+        r: usize,
+        m: usize,
+        h: usize,
+    ) -> Result<Self> {
+        let at = I32Block::new(l, r, m);
+        let rows = at.rows();
+        let (recv_x, scales) = if format.is_fp8() {
+            (
+                RecvRows::Fp8(alloc_uninit(stream, rows * h)?),
+                Some(alloc_uninit(stream, rows * (h / FP8_GROUP))?),
+            )
+        } else {
+            (RecvRows::Bf16(alloc_uninit(stream, rows * h)?), None)
+        };
+        Ok(Self {
+            format,
+            hidden: h,
+            recv_x,
+            scales,
+            block: alloc_uninit(stream, at.len)?,
+            at,
+        })
+    }
+
+    /// Launches `phases` of the dispatch kernel of `x: [t, H]` bf16 routed by
+    /// `topk_idx: [t, k]` i64 into these buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dispatch(
+        &mut self,
+        stream: &CudaStream,
+        buffer: &LowLatencyBuffer,
+        x: &impl DevicePtr<bf16>,
+        topk_idx: &impl DevicePtr<i64>,
+        t: usize,
+        k: usize,
+        phases: Phases,
+    ) -> ep_kernels::Result<()> {
+        let at = self.at;
+        let rows = at.rows();
+        // The block's parts in address order, each cut to its length (the rest is padding).
+        let (mut info, mut rest) = self.block.split_at_mut(at.count);
+        let (mut count, mut rest) = rest.split_at_mut(at.src_topk - at.count);
+        let (mut topk, mut range) = rest.split_at_mut(at.range - at.src_topk);
+        let out = LowLatencyRecvMut {
+            format: self.format,
+            recv_x: match &mut self.recv_x {
+                RecvRows::Bf16(s) => RecvXMut::Bf16(s.as_view_mut()),
+                RecvRows::Fp8(s) => RecvXMut::Fp8(s.as_view_mut()),
+            },
+            recv_x_scales: self.scales.as_mut().map(|s| s.as_view_mut()),
+            recv_count: count.slice_mut(0..at.l),
+            recv_src_info: info.slice_mut(0..rows),
+            recv_src_topk: topk.slice_mut(0..rows),
+            recv_layout_range: range.slice_mut(0..2 * at.l * at.r),
+        };
+        kll::dispatch_cuda(stream, buffer, x, topk_idx, t, k, self.format, phases, out)
+    }
+
+    /// Hands the buffers to tensors of `dev` (once the receive phase is on the stream).
+    pub(super) fn into_outputs(self, dev: &CudaDevice) -> Result<DispatchOutputs> {
+        let at = self.at;
+        let (l, rpe, h) = (at.l, at.rows_per_expert, self.hidden);
+        let recv_x = match self.recv_x {
+            RecvRows::Bf16(s) => wrap(s, (l, rpe, h), dev),
+            RecvRows::Fp8(s) => wrap(s, (l, rpe, h), dev),
+        };
+        let recv_x_scales = self.scales.map(|s| wrap(s, (l, rpe, h / FP8_GROUP), dev));
+        let block = wrap(self.block, at.len, dev);
+        Ok(DispatchOutputs {
+            recv_x,
+            recv_x_scales,
+            recv_count: block.narrow(0, at.count, l)?,
+            src_info: block.narrow(0, at.src_info, at.rows())?.reshape((l, rpe))?,
+            data: CudaLlDispatchData { block, at },
+        })
+    }
+}
+
+/// The outputs of one dispatch as tensors.
 pub(super) struct DispatchOutputs {
     /// `[L, R*M, H]` bf16 or fp8.
     pub recv_x: Tensor,
@@ -110,93 +182,47 @@ pub(super) struct DispatchOutputs {
     pub recv_count: Tensor,
     /// `[L, R*M]` i32, a view of the `i32` block.
     pub src_info: Tensor,
-    /// The kernels' aliases, and the owners of their memory.
-    pub data: Box<CudaLlDispatchData>,
+    /// What the handle keeps for the combine.
+    pub data: CudaLlDispatchData,
 }
 
-impl DispatchOutputs {
-    /// Allocates the outputs of a dispatch into `L` local experts of `R * M` rows of `h`
-    /// channels on `stream`, with no memset or fill: rows past the counts are never read
-    /// (documented as unspecified), and the receive phase writes `recv_count`, the ranges and
-    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn alloc(
-        stream: &Arc<CudaStream>,
-        dev: &CudaDevice,
-        format: LowLatencyFormat,
-        l: usize,
-        r: usize,
-        m: usize,
-        h: usize,
-    ) -> Result<Self> {
-        let rows = l * r * m;
-        let groups = h / FP8_GROUP;
-        let (recv_x, recv_x_u8) = if format.is_fp8() {
-            let s = alloc_uninit::<float8::F8E4M3>(stream, rows * h)?;
-            let a = alias_at::<_, u8>(stream, &s, 0, rows * h);
-            (wrap(s, (l, r * m, h), dev), a)
-        } else {
-            let s = alloc_uninit::<half::bf16>(stream, rows * h)?;
-            let a = alias_at::<_, u8>(stream, &s, 0, rows * h * 2);
-            (wrap(s, (l, r * m, h), dev), a)
-        };
-        let at = I32Block::new(l, r, m);
-        let block = alloc_uninit::<i32>(stream, at.len)?;
-        let (recv_x_scales, scales_alias) = if format.is_fp8() {
-            let s = alloc_uninit::<f32>(stream, rows * groups)?;
-            let a = alias_at::<_, f32>(stream, &s, 0, rows * groups);
-            (Some(wrap(s, (l, r * m, groups), dev)), a)
-        } else {
-            // Never touched by a bf16 dispatch (the kernel writes scales for fp8 only).
-            (None, alias_at::<_, f32>(stream, &block, 0, 1))
-        };
-        let recv = LowLatencyRecv {
-            format,
-            recv_x: recv_x_u8,
-            recv_x_scales: scales_alias,
-            recv_count: alias_at(stream, &block, at.count, l),
-            recv_src_info: alias_at(stream, &block, at.src_info, rows),
-            recv_src_topk: alias_at(stream, &block, at.src_topk, rows),
-            recv_layout_range: alias_at(stream, &block, at.range, l * r * 2),
-        };
-        let block = wrap(block, at.len, dev);
-        let src_info = block.narrow(0, at.src_info, rows)?.reshape((l, r * m))?;
-        let recv_count = block.narrow(0, at.count, l)?;
-        let mut owners = vec![recv_x.clone(), block];
-        owners.extend(recv_x_scales.iter().cloned());
-        Ok(Self {
-            recv_x,
-            recv_x_scales,
-            recv_count,
-            src_info,
-            data: Box::new(CudaLlDispatchData {
-                recv: ManuallyDrop::new(recv),
-                _owners: owners,
-            }),
-        })
+/// What a low-latency handle made by a CUDA buffer keeps for its combine: the tensor owning
+/// the dispatch's `i32` block (source rows, top-k positions, ranges).
+#[derive(Debug)]
+pub(crate) struct CudaLlDispatchData {
+    block: Tensor,
+    at: I32Block,
+}
+
+impl CudaLlDispatchData {
+    /// Runs `f` with views of the parts the combine kernel reads, borrowed from the block's
+    /// tensor for as long as `f` runs.
+    pub(super) fn with_views<R>(&self, f: impl FnOnce(LowLatencyRecvRef<'_>) -> R) -> Result<R> {
+        let at = self.at;
+        let rows = at.rows();
+        let block = DeviceTensor::new("handle", &self.block)?;
+        let all = block.view::<i32>()?;
+        Ok(f(LowLatencyRecvRef {
+            recv_src_info: all.slice(at.src_info..at.src_info + rows),
+            recv_src_topk: all.slice(at.src_topk..at.src_topk + rows),
+            recv_layout_range: all.slice(at.range..at.range + 2 * at.l * at.r),
+        }))
     }
-}
 
-/// `len` elements of `U` at element `offset` of `s`, as a slice that must never be freed
-/// (`CudaLlDispatchData` leaks it; the owner of `s` is kept alive alongside it).
-fn alias_at<T, U>(
-    stream: &Arc<CudaStream>,
-    s: &CudaSlice<T>,
-    offset: usize,
-    len: usize,
-) -> CudaSlice<U> {
-    use cudarc::driver::DevicePtr;
-    let size = std::mem::size_of::<T>();
-    assert!(
-        offset * size + len * std::mem::size_of::<U>() <= s.len() * size,
-        "alias of {len} elements at {offset} out of bounds of {} elements",
-        s.len()
-    );
-    let view = s.slice(offset..);
-    let (ptr, _g) = view.device_ptr(stream);
-    // SAFETY: `ptr .. ptr + len * size_of::<U>()` lies inside the live allocation of `s`
-    // (asserted above); the alias is never freed and the owner outlives it (see above).
-    unsafe { stream.upgrade_device_ptr::<U>(ptr, len) }
+    /// `[L, R]` i64 `offset << 32 | count` ranges from the kernel's `(offset, count)` pairs
+    /// (a device-to-host read, on request only), as a tensor of `dev`.
+    pub(crate) fn layout_range(&self, dev: &candle_core::Device) -> Result<Tensor> {
+        let at = self.at;
+        let pairs = self
+            .block
+            .narrow(0, at.range, 2 * at.l * at.r)?
+            .to_vec1::<i32>()?;
+        let packed: Vec<i64> = pairs
+            .chunks_exact(2)
+            .map(|p| ((p[0] as i64) << 32) | p[1] as i64)
+            .collect();
+        Ok(Tensor::from_vec(packed, (at.l, at.r), dev)?)
+    }
 }
 
 #[cfg(test)]
@@ -223,6 +249,7 @@ mod tests {
                 );
             }
             assert_eq!(b.len, b.range + 2 * l * r);
+            assert_eq!(b.rows(), rows);
         }
     }
 }

@@ -2,10 +2,12 @@
 //! node, a communication stream, host-mapped counters, and the ops on CUDA tensors.
 //!
 //! Built by [`Buffer::new`](crate::Buffer::new) / [`Buffer::from_store`](crate::Buffer::from_store)
-//! when the device is CUDA. Every rank allocates its NVLink buffer (normal mode) and, with
+//! when the device is CUDA, as the buffer's [`Backend::Cuda`](crate::backend::Backend); it sees
+//! the buffer only through [`Group`] and returns raw parts that the op modules assemble, so
+//! nothing here imports the buffer or the public ops. Every rank allocates its NVLink buffer (normal mode) and, with
 //! [`BufferConfig::low_latency`](crate::BufferConfig::low_latency), its low-latency buffer
 //! with `cuMemAlloc`; the ranks swap IPC handles (or raw pointers, for ranks that are threads
-//! of one process) through [`Buffer::host_all_gather`](crate::Buffer::host_all_gather).
+//! of one process) through the group's all-gather.
 //! Communication kernels run on the buffer's own stream: it first waits for the caller's
 //! `previous_event` (or for candle's stream), and at the end either candle's stream waits for
 //! it (synchronous mode) or the caller gets an [`EventOverlap`] to wait on (`async_finish`).
@@ -13,36 +15,41 @@
 //! (RDMA / NVSHMEM) transport, which is not available yet.
 
 pub(crate) mod cast;
+mod common;
 pub mod graph;
+mod ll_ops;
 mod ll_recv;
 mod low_latency;
 mod memory;
 mod normal;
 pub mod tensor;
 
+pub(crate) use common::kernel_err;
+pub(crate) use ll_ops::{LlCombineDims, LlDispatched, LlHostPlan};
 pub(crate) use ll_recv::CudaLlDispatchData;
-pub(crate) use low_latency::LlHostPlan;
+pub(crate) use low_latency::LowLatencyCuda;
 pub(crate) use normal::{CudaHandleData, FreshDispatch};
 
-use crate::buffer::Buffer;
 use crate::config::BufferConfig;
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
+use crate::group::Group;
+use crate::topology::Topology;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Device;
+use common::gather_records;
 use cudarc::driver::{CudaContext, CudaStream};
 use ep_kernels::intranode as ki;
-use low_latency::LlState;
 use memory::{DeviceMemory, PeerMap, PeerRecord};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The CUDA state of one rank's [`Buffer`]: streams, the node's mapped NVLink buffers, the
+/// The CUDA state of one rank's [`Buffer`](crate::Buffer): streams, the node's mapped NVLink buffers, the
 /// host-mapped notify counters and error record, and the low-latency buffer.
 #[derive(Debug)]
 pub(crate) struct CudaBuffer {
     dev: CudaDevice,
-    /// The id of the [`Buffer`] this belongs to (stamped into handles).
+    /// The id of the buffer this belongs to (stamped into handles).
     buffer_id: u64,
     /// candle's stream (the caller's compute stream).
     compute: Arc<CudaStream>,
@@ -68,40 +75,31 @@ pub(crate) struct CudaBuffer {
     expert_counter: ki::HostMappedI32,
     /// 4 words: the normal-mode kernels' error record.
     error_record: ki::HostMappedI32,
-    /// The low-latency buffer, (re)built for the sizing the ops use.
-    ll: Mutex<Option<LlState>>,
-    /// Serialises ops of this buffer (they share the NVLink buffer and counters).
-    op: Mutex<()>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Turns a kernel-layer error into the runtime's, keeping a peer timeout's rank.
-pub(crate) fn kernel_err(e: ep_kernels::Error, timeout: Duration) -> Error {
-    match e {
-        ep_kernels::Error::PeerTimeout { rank, kernel } => Error::Timeout {
-            rank,
-            what: format!("device wait in kernel `{kernel}`"),
-            waited: timeout,
-        },
-        other => Error::Kernel(other),
-    }
+    /// The low-latency mode (its buffer, mask tracking and ops).
+    ll: LowLatencyCuda,
+    /// Serialises ops of this buffer, of both modes (they share the streams, the NVLink
+    /// buffer and counters).
+    op: Arc<Mutex<()>>,
 }
 
 impl CudaBuffer {
-    /// Builds the CUDA state of `buf` (a collective: every rank of the group calls it once,
-    /// in the same order as its other buffers).
-    pub(crate) fn new(buf: &Buffer) -> Result<Self> {
-        let Device::Cuda(dev) = &buf.device else {
+    /// Builds the CUDA state of buffer `buffer_id` on `device` for rank `topo` of `group` (a
+    /// collective: every rank of the group calls it once, in the same order as its other
+    /// buffers).
+    pub(crate) fn new(
+        device: &Device,
+        topo: Topology,
+        cfg: &BufferConfig,
+        buffer_id: u64,
+        group: &dyn Group,
+    ) -> Result<Self> {
+        let Device::Cuda(dev) = device else {
             return Err(Error::invalid(
                 "device",
-                format!("{:?}", buf.device),
+                format!("{device:?}"),
                 "the CUDA backend needs a CUDA device",
             ));
         };
-        let topo = buf.topology;
         if topo.num_nodes() > 1 {
             return Err(Error::Unsupported(format!(
                 "{} nodes of {} GPUs: CUDA buffers support one node (NVLink) only; the internode \
@@ -120,7 +118,6 @@ impl CudaBuffer {
                 ),
             ));
         }
-        let cfg: &BufferConfig = &buf.config;
         let c = &cfg.config;
         let kconfig = ki::Config::new(c.num_sms, c.num_max_send_tokens, c.num_max_recv_tokens)?;
         if c.num_max_recv_tokens < c.num_max_send_tokens + ki::COMBINE_ROUND_TOKENS {
@@ -161,7 +158,7 @@ impl CudaBuffer {
         });
         let bytes = bytes.max(ki::RING_BASE).div_ceil(128) * 128;
         let nvl = DeviceMemory::zeroed(&comm, bytes)?;
-        let records = gather_records(buf, PeerRecord::of(&nvl, ctx.ordinal())?)?;
+        let records = gather_records(group, PeerRecord::of(&nvl, ctx.ordinal())?)?;
         let nvl_peers = PeerMap::open(&ctx, &records, topo.rank, |i| i)?;
         let recv_counter = ki::HostMappedI32::new(&ctx, 1 + ki::MAX_NVL_RANKS, -1)?;
         let expert_counter = ki::HostMappedI32::new(&ctx, ki::MAX_LOCAL_EXPERTS, -1)?;
@@ -180,9 +177,11 @@ impl CudaBuffer {
             )
         }?
         .with_timeout(cfg.timeout);
+        let op = Arc::new(Mutex::new(()));
+        let ll = LowLatencyCuda::new(dev, &comm, topo, cfg.timeout, op.clone());
         let this = Self {
             dev: dev.clone(),
-            buffer_id: buf.id,
+            buffer_id,
             compute,
             comm,
             rank: topo.rank,
@@ -202,18 +201,16 @@ impl CudaBuffer {
             recv_counter,
             expert_counter,
             error_record,
-            ll: Mutex::new(None),
-            op: Mutex::new(()),
+            ll,
+            op,
         };
         if let Some(ll) = cfg.low_latency {
-            let state = LlState::new(
-                buf,
-                &this,
+            this.ll.build(
+                group,
                 ll.max_tokens_per_rank,
                 ll.hidden.div_ceil(ep_kernels::FP8_GROUP) * ep_kernels::FP8_GROUP,
                 ll.num_experts,
             )?;
-            *lock(&this.ll) = Some(state);
         }
         tracing::debug!(
             rank = topo.rank,
@@ -228,28 +225,21 @@ impl CudaBuffer {
         &self.comm
     }
 
+    /// The low-latency mode.
+    pub(crate) fn low_latency(&self) -> &LowLatencyCuda {
+        &self.ll
+    }
+
     /// Makes the communication stream wait for `previous` (or for candle's stream).
     fn begin(&self, previous: Option<&EventOverlap>) -> Result<()> {
-        self.dev.cuda_stream().context().bind_to_thread()?;
-        match previous {
-            Some(e) => e.stream_wait(&self.comm),
-            None => Ok(self.comm.join(&self.compute)?),
-        }
+        common::begin(&self.compute, &self.comm, previous)
     }
 
     /// Records the end of the op on the communication stream; in synchronous mode candle's
     /// stream waits for it too.
     fn finish(&self, async_finish: bool) -> Result<EventOverlap> {
-        Ok(EventOverlap::from_cuda(self.finish_event(async_finish)?))
-    }
-
-    /// [`Self::finish`], returning the recorded event itself (low-latency ops also poll it).
-    fn finish_event(&self, async_finish: bool) -> Result<Arc<cudarc::driver::CudaEvent>> {
-        let ev = Arc::new(self.comm.record_event(None)?);
-        if !async_finish {
-            self.compute.wait(&ev)?;
-        }
-        Ok(ev)
+        let ev = common::finish_event(&self.compute, &self.comm, async_finish)?;
+        Ok(EventOverlap::from_cuda(ev))
     }
 
     /// Fails with the rank a normal-mode device wait timed out on, if any (and clears the
@@ -265,13 +255,4 @@ impl CudaBuffer {
             Err(e) => Err(kernel_err(e, self.timeout)),
         }
     }
-}
-
-/// All-gathers `own` and returns the records of the node's ranks (index = local rank).
-fn gather_records(buf: &Buffer, own: PeerRecord) -> Result<Vec<PeerRecord>> {
-    let all = buf.host_all_gather(&own.to_bytes())?;
-    all.iter()
-        .enumerate()
-        .map(|(r, b)| PeerRecord::from_bytes(b, r))
-        .collect()
 }

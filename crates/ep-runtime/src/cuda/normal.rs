@@ -1,7 +1,8 @@
 //! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
 
+use super::common::{kernel_err, lock};
 use super::tensor::{alloc, wrap, DeviceTensor};
-use super::{kernel_err, lock, CudaBuffer};
+use super::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
 use crate::layout::DispatchLayout;

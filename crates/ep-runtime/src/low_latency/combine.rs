@@ -1,6 +1,7 @@
 //! Low-latency combine.
 
 use super::{LowLatencyHandle, RecvHook};
+use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer, Posted};
 use crate::codec::{pack, tensor_bytes, tensor_from_bytes, unpack};
 use crate::error::{Error, Result};
@@ -110,21 +111,50 @@ impl Buffer {
             check_shape("out", o, &[Some(t), Some(hid)])?;
             check_dtype("out", o, &[args.x.dtype()], "the dtype of x")?;
         }
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            let pending = c.ll_combine_send(
-                self,
-                args.x,
-                args.topk_idx,
-                args.topk_weights,
-                args.handle,
-                args.out,
-                args.async_finish,
-            )?;
-            return Ok(RecvHook {
-                finish: Box::new(move || c.ll_combine_recv(self, pending)),
-            });
+        match &self.backend {
+            Backend::Host => self.ll_combine_send_host(args),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                let ll = c.low_latency();
+                let dims = crate::cuda::LlCombineDims {
+                    num_tokens: t,
+                    num_topk: k,
+                    hidden: hid,
+                    max_tokens: m,
+                    num_experts: h.placement.num_experts,
+                };
+                let pending = ll.combine_send(
+                    self,
+                    args.x,
+                    args.topk_idx,
+                    args.topk_weights,
+                    h.cuda.as_ref(),
+                    dims,
+                    args.out,
+                    args.async_finish,
+                )?;
+                Ok(RecvHook {
+                    finish: Box::new(move || {
+                        let c = ll.combine_recv(self, pending)?;
+                        Ok(LowLatencyCombineOutput {
+                            combined_x: c.combined_x,
+                            event: c.event,
+                        })
+                    }),
+                })
+            }
         }
+    }
+
+    /// The send phase of a combine on the host backend (arguments checked).
+    fn ll_combine_send_host<'b>(
+        &'b self,
+        args: &LowLatencyCombineArgs<'_>,
+    ) -> Result<RecvHook<'b, LowLatencyCombineOutput>> {
+        let h = &args.handle.inner;
+        let r = self.topology.num_ranks;
+        let l = h.placement.experts_per_rank();
+        let (m, hid) = (h.max_tokens, h.hidden);
         // Host backend: the routing must be the dispatch's (CUDA buffers never read it back).
         if args.topk_idx.flatten_all()?.to_vec1::<i64>()? != h.topk_idx {
             return Err(Error::HandleMismatch(

@@ -1,6 +1,7 @@
 //! Low-latency dispatch.
 
 use super::RecvHook;
+use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer, Posted};
 use crate::codec::{i32_bytes, i32s, pack, tensor_from_bytes, unpack};
 use crate::error::{Error, Result};
@@ -112,7 +113,7 @@ pub(crate) struct LlHandleInner {
     pub layout_range: Option<Tensor>,
     /// The receive buffers the CUDA combine reads (handles made by CUDA buffers).
     #[cfg(feature = "cuda")]
-    pub cuda: Option<std::sync::Arc<crate::cuda::CudaLlDispatchData>>,
+    pub cuda: Option<Arc<crate::cuda::CudaLlDispatchData>>,
 }
 
 impl LowLatencyHandle {
@@ -130,11 +131,7 @@ impl LowLatencyHandle {
         }
         #[cfg(feature = "cuda")]
         if let Some(c) = &self.inner.cuda {
-            return c.layout_range(
-                self.inner.placement.experts_per_rank(),
-                self.inner.placement.num_ranks,
-                self.inner.src_info.device(),
-            );
+            return c.layout_range(self.inner.src_info.device());
         }
         Err(Error::invalid(
             "handle",
@@ -221,30 +218,71 @@ impl Buffer {
         args: &LowLatencyDispatchArgs<'_>,
     ) -> Result<RecvHook<'b, LowLatencyDispatchOutput>> {
         let (plan, msgs) = self.ll_dispatch_prepare(args)?;
-        #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
-            let pending = c.ll_dispatch_send(
-                self,
-                args.x,
-                args.topk_idx,
-                plan.num_topk,
-                args.use_fp8,
-                args.use_ue8m0,
-                args.async_finish,
-                crate::cuda::LlHostPlan {
-                    placement: plan.placement,
-                    max_tokens: plan.max_tokens,
-                    hidden: plan.hidden,
-                },
-            )?;
-            return Ok(RecvHook {
-                finish: Box::new(move || c.ll_dispatch_recv(self, pending)),
-            });
+        match &self.backend {
+            Backend::Host => {
+                let mut fails = Vec::new();
+                let posted = self.post("low_latency_dispatch", msgs, Some(&mut fails))?;
+                Ok(RecvHook {
+                    finish: Box::new(move || self.ll_dispatch_finish(plan, posted, fails)),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                let ll = c.low_latency();
+                let pending = ll.dispatch_send(
+                    self,
+                    args.x,
+                    args.topk_idx,
+                    plan.num_topk,
+                    args.use_fp8,
+                    args.use_ue8m0,
+                    args.async_finish,
+                    crate::cuda::LlHostPlan {
+                        placement: plan.placement,
+                        max_tokens: plan.max_tokens,
+                        hidden: plan.hidden,
+                    },
+                )?;
+                Ok(RecvHook {
+                    finish: Box::new(move || {
+                        let d = ll.dispatch_recv(self, pending)?;
+                        self.ll_dispatch_output_cuda(plan, d)
+                    }),
+                })
+            }
         }
-        let mut fails = Vec::new();
-        let posted = self.post("low_latency_dispatch", msgs, Some(&mut fails))?;
-        Ok(RecvHook {
-            finish: Box::new(move || self.ll_dispatch_finish(plan, posted, fails)),
+    }
+
+    /// The public output of a CUDA dispatch (its handle holds no host routing).
+    #[cfg(feature = "cuda")]
+    fn ll_dispatch_output_cuda(
+        &self,
+        plan: LlDispatchPlan,
+        d: crate::cuda::LlDispatched,
+    ) -> Result<LowLatencyDispatchOutput> {
+        let inner = LlHandleInner {
+            buffer_id: self.id,
+            placement: plan.placement,
+            num_tokens: plan.num_tokens,
+            num_topk: plan.num_topk,
+            hidden: plan.hidden,
+            max_tokens: plan.max_tokens,
+            topk_idx: Vec::new(),
+            slots: Vec::new(),
+            send_counts: Vec::new(),
+            src_info: d.src_info,
+            layout_range: None,
+            layout: None,
+            cuda: Some(d.data),
+        };
+        Ok(LowLatencyDispatchOutput {
+            recv_x: d.recv_x,
+            recv_x_scales: d.recv_x_scales,
+            recv_count: d.recv_count,
+            handle: LowLatencyHandle {
+                inner: Arc::new(inner),
+            },
+            event: d.event,
         })
     }
 
@@ -293,8 +331,7 @@ impl Buffer {
         check_shape("topk_idx", args.topk_idx, &[Some(t), None])?;
         let placement = self.placement(args.num_experts)?;
         // CUDA buffers send from the device and never read the routing back: no host plan.
-        #[cfg(feature = "cuda")]
-        if self.cuda.is_some() {
+        if !self.backend.is_host() {
             check_dtype("topk_idx", args.topk_idx, &[DType::I64], "i64")?;
             let plan = LlDispatchPlan {
                 placement,

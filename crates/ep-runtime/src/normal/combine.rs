@@ -92,7 +92,7 @@ impl Buffer {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
+        if let Some(c) = self.backend.cuda() {
             return c.combine(args);
         }
         if let Some(e) = args.previous_event {

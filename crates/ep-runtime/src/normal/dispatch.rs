@@ -193,7 +193,7 @@ impl Buffer {
         }
         // CUDA buffers order `previous_event` on their stream instead of waiting here.
         #[cfg(feature = "cuda")]
-        if self.cuda.is_some() {
+        if !self.backend.is_host() {
             return match args.handle {
                 Some(h) => self.dispatch_cached(args, &cx, h),
                 None => self.dispatch_fresh(args, &cx),
@@ -241,7 +241,7 @@ impl Buffer {
         let placement = self.placement(num_experts)?;
         // CUDA buffers: shapes and dtypes only; the routing stays on the device.
         #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
+        if let Some(c) = self.backend.cuda() {
             let num_topk = match args.topk_idx {
                 Some(idx) => {
                     self.check_device("topk_idx", idx)?;
@@ -571,7 +571,7 @@ impl Buffer {
             )));
         }
         #[cfg(feature = "cuda")]
-        if let Some(c) = &self.cuda {
+        if let Some(c) = self.backend.cuda() {
             return c.dispatch_cached(args, cx.hidden, cx.fp8, h);
         }
         let r = self.topology.num_ranks;
