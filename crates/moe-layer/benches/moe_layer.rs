@@ -18,8 +18,8 @@
 //! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
 //! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
-//! `EP_BENCH_SHARED=overlap|grouped` sets where the shared expert runs in low-latency mode
-//! (`MoeLayerOptions::shared_placement`, default `Auto`).
+//! `EP_BENCH_SHARED=grouped` runs the shared expert inside the low-latency grouped GEMMs
+//! (`MoeLayerOptions::shared_placement`; default `Overlap`).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -152,9 +152,8 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
         fp8_dispatch: false,
         expert_alignment: 1,
         shared_placement: match std::env::var("EP_BENCH_SHARED").as_deref() {
-            Ok("overlap") => moe_layer::SharedPlacement::Overlap,
             Ok("grouped") => moe_layer::SharedPlacement::Grouped,
-            _ => moe_layer::SharedPlacement::Auto,
+            _ => moe_layer::SharedPlacement::Overlap,
         },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)

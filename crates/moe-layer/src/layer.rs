@@ -31,11 +31,10 @@ pub enum Mode {
 /// layers always run them as their own MLP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SharedPlacement {
-    /// [`SharedPlacement::Grouped`] on one rank (no transfer to hide), else
-    /// [`SharedPlacement::Overlap`].
+    /// As their own MLP on the compute stream while the dispatch travels. The default: on one
+    /// H100 (2026-11-24, DeepSeek-V3 shapes) it was as fast or faster than
+    /// [`SharedPlacement::Grouped`] at 1, 8 and 128 tokens (see `docs/benchmarks.md`).
     #[default]
-    Auto,
-    /// As their own MLP on the compute stream while the dispatch travels.
     Overlap,
     /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
     /// when their inner width is a multiple of the routed experts'; else as `Overlap`.
@@ -66,7 +65,7 @@ impl Default for MoeLayerOptions {
             low_latency_max_tokens: 128,
             fp8_dispatch: false,
             expert_alignment: 1,
-            shared_placement: SharedPlacement::Auto,
+            shared_placement: SharedPlacement::Overlap,
         }
     }
 }
@@ -170,9 +169,6 @@ impl MoeLayer {
         #[cfg(feature = "cuda")]
         let shared_groups = match (&shared, options.shared_placement) {
             (Some(m), SharedPlacement::Grouped) => {
-                crate::shared_groups::SharedGroups::new(m, &experts)?
-            }
-            (Some(m), SharedPlacement::Auto) if topo.num_ranks == 1 => {
                 crate::shared_groups::SharedGroups::new(m, &experts)?
             }
             _ => None,

@@ -147,9 +147,9 @@ fn pair(
     if !gpu.experts().uses_grouped_gemm() {
         return Err("the GPU layer does not use the grouped GEMMs".into());
     }
-    // One rank: `Auto` places the shared experts in the grouped GEMMs (their inner width is a
+    // `Grouped` places the shared experts in the grouped GEMMs (their inner width is a
     // multiple of the routed experts' in every setup here).
-    let grouped = shared_placement != SharedPlacement::Overlap;
+    let grouped = shared_placement == SharedPlacement::Grouped;
     if gpu.shared_in_grouped_gemm() != grouped {
         return Err(format!(
             "{shared_placement:?}: shared experts in the grouped GEMMs = {}, want {grouped}",
@@ -306,7 +306,7 @@ fn main() {
         ..cfg(1024, 128, 32, 4, (4, 2))
     };
     // (name, config, hot expert, fp8 dispatch, low-latency mode possible, shared placement)
-    let auto = SharedPlacement::Auto;
+    let (overlap, grouped) = (SharedPlacement::default(), SharedPlacement::Grouped);
     let setups: Vec<(&str, MoeConfig, bool, bool, bool, SharedPlacement)> = vec![
         (
             "h1024-e32-fp8",
@@ -314,7 +314,7 @@ fn main() {
             false,
             true,
             true,
-            auto,
+            grouped,
         ),
         (
             "h1024-e32-bf16",
@@ -322,7 +322,7 @@ fn main() {
             false,
             false,
             true,
-            auto,
+            overlap,
         ),
         (
             "h1000-not-multiple-of-128",
@@ -330,7 +330,7 @@ fn main() {
             false,
             false,
             false,
-            auto,
+            overlap,
         ),
         (
             "hot-expert",
@@ -338,7 +338,7 @@ fn main() {
             true,
             false,
             true,
-            auto,
+            overlap,
         ),
         (
             "ds-v3-shapes-e32",
@@ -346,15 +346,15 @@ fn main() {
             false,
             true,
             true,
-            auto,
+            grouped,
         ),
         (
-            "shared-overlapped",
+            "shared-grouped-bf16",
             cfg(1024, 128, 32, 4, (4, 2)),
             false,
             false,
             true,
-            SharedPlacement::Overlap,
+            grouped,
         ),
         (
             "two-shared-blocks-grouped",
