@@ -27,6 +27,7 @@ fn run(num_ranks: usize, gpus_per_node: usize, dtype: DType, fp8: bool, tol: f64
                     low_latency_max_tokens: max_tokens,
                     fp8_dispatch: fp8,
                     expert_alignment: 4,
+                    ..Default::default()
                 };
                 let layer =
                     MoeLayer::load(var_builder(&path, dtype), &cfg, Arc::new(buf), opts).unwrap();
