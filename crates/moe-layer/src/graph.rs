@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Tensor};
-use ep_runtime::graph::{capture, CapturedGraph};
+use ep_runtime::graph::{capture, warm_up, CapturedGraph};
 use ep_runtime::Buffer;
 
 use crate::error::{Error, Result};
@@ -45,9 +45,14 @@ impl CapturedStep {
         }
         let h = layer.router().hidden_size();
         let input = Tensor::zeros((num_tokens, h), dtype, &dev)?;
-        for _ in 0..2 {
-            layer.forward_with_mode(&input, Mode::LowLatency)?;
-        }
+        warm_up(&dev, || {
+            for _ in 0..2 {
+                layer
+                    .forward_with_mode(&input, Mode::LowLatency)
+                    .map_err(ep_runtime::Error::Candle)?;
+            }
+            Ok(())
+        })?;
         let (graph, output) = capture(&dev, || {
             layer
                 .forward_with_mode(&input, Mode::LowLatency)

@@ -184,6 +184,58 @@ impl BatchPlan {
         ))
     }
 
+    /// The plan of a decode step over slots `0..b` (one token each) that is being captured
+    /// into a CUDA graph: built from device tensors only, so that every replay recomputes it
+    /// from the graph's inputs. `positions` `[b]` u32 holds each token's position (its
+    /// sequence's cached length), `keys` `[1, 1, 1, len]` u32 the key positions `0..len` that
+    /// attention reads, `rows` `[b]` u32 `0..b`; the last two are made before the capture
+    /// (creating them copies from the host). The host-side sequence list is a placeholder:
+    /// the caller advances the cache itself.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn captured_decode(
+        positions: &Tensor,
+        keys: &Tensor,
+        rows: &Tensor,
+        cache: &KvCache,
+        rotary: &Rotary,
+        dtype: DType,
+    ) -> Result<Self> {
+        let b = positions.dim(0)?;
+        let len = keys.dim(3)?;
+        let (cos, sin) = rotary.rows(positions)?;
+        let limits = positions.reshape((b, 1, 1, 1))?;
+        let allowed = keys.broadcast_le(&limits)?.to_dtype(DType::F32)?;
+        let mask = ((allowed - 1.0)? * 1e9)?.to_dtype(dtype)?;
+        let shape = cache.shape();
+        let index = |d: usize| {
+            positions
+                .reshape((b, 1, 1))?
+                .broadcast_as((b, 1, d))?
+                .contiguous()
+        };
+        Ok(Self {
+            first_slot: 0,
+            seqs: vec![
+                SeqSpan {
+                    offset: 0,
+                    new_tokens: 1
+                };
+                b
+            ],
+            max_new: 1,
+            max_len: len,
+            order: (0..b).collect(),
+            cos,
+            sin,
+            pad: None,
+            unpad: None,
+            mask,
+            scatter_latent: Some(index(shape.latent)?),
+            scatter_rope: Some(index(shape.rope)?),
+            last: rows.clone(),
+        })
+    }
+
     /// Slot of the first sequence.
     pub fn first_slot(&self) -> usize {
         self.first_slot

@@ -65,6 +65,9 @@ pub struct Engine {
     cache: KvCache,
     rank: usize,
     seqs: HashMap<SeqId, SeqState>,
+    /// Captured whole decode steps (one-GPU CUDA models), if used.
+    #[cfg(feature = "cuda")]
+    decode_graphs: Option<crate::decode_graph::DecodeGraphs>,
 }
 
 impl Engine {
@@ -79,7 +82,38 @@ impl Engine {
             cache,
             rank,
             seqs: HashMap::new(),
+            #[cfg(feature = "cuda")]
+            decode_graphs: None,
         })
+    }
+
+    /// Decodes through whole steps captured in CUDA graphs when `enabled` and the model
+    /// supports it (one GPU: see `decode_graph`); otherwise eagerly.
+    #[cfg(feature = "cuda")]
+    pub fn with_decode_graphs(mut self, enabled: bool) -> Self {
+        self.decode_graphs = (enabled && crate::decode_graph::DecodeGraphs::supported(&self.model))
+            .then(Default::default);
+        self
+    }
+
+    /// Decodes through whole steps captured in CUDA graphs when `enabled` and the model
+    /// supports it (CUDA builds only: here always eagerly).
+    #[cfg(not(feature = "cuda"))]
+    pub fn with_decode_graphs(self, enabled: bool) -> Self {
+        let _ = enabled;
+        self
+    }
+
+    /// Whether decode steps replay captured graphs.
+    pub fn uses_decode_graphs(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.decode_graphs.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
     }
 
     /// The model.
@@ -133,6 +167,18 @@ impl Engine {
                     .zip(&last)
                     .map(|(&seq, t)| SeqInput { seq, tokens: t })
                     .collect();
+                #[cfg(feature = "cuda")]
+                if let Some(graphs) = self.decode_graphs.as_mut().filter(|_| !ids.is_empty()) {
+                    let tokens: Vec<u32> = last.iter().map(|t| t[0]).collect();
+                    let logits = graphs
+                        .step(&self.model, &mut self.cache, &tokens)
+                        .with_context(|| {
+                            format!("rank {}: captured decode step failed", self.rank)
+                        })?;
+                    return self
+                        .sample(&inputs, &logits)
+                        .with_context(|| format!("rank {}: sampling failed", self.rank));
+                }
                 self.forward_and_sample(&inputs, StepKind::Decode)
             }
         }

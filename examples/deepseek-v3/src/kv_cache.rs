@@ -172,6 +172,21 @@ impl KvCache {
         }
     }
 
+    /// Records that each of the first `n` slots' sequences grew by one token (after a captured
+    /// decode step over all of them).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn advance_all(&mut self, n: usize) {
+        for len in &mut self.lens[..n] {
+            *len += 1;
+        }
+    }
+
+    /// Cached positions of each live sequence, in slot order.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
     /// Writes layer `layer`'s new latents `[b, t_max, latent]` and rope keys `[b, t_max, rope]`
     /// (padded as [`BatchPlan::pad`] makes them) at each sequence's positions. One-token steps
     /// take one scatter per tensor; longer ones one copy per sequence.

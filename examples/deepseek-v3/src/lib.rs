@@ -20,6 +20,8 @@ pub mod batch;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod decode_graph;
 pub mod dist;
 pub mod engine;
 pub mod init;

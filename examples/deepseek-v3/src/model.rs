@@ -56,6 +56,15 @@ impl Ffn {
             Ffn::DenseMoe(m) => m.forward(x),
         }
     }
+
+    /// [`Ffn::forward`] as a decode step being captured into a CUDA graph runs it: MoE layers
+    /// eagerly in low-latency mode (their kernels join the step's graph).
+    pub(crate) fn forward_captured(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Moe(m) => m.forward_with_mode(x, moe_layer::Mode::LowLatency),
+            other => other.forward(x, StepKind::Decode),
+        }
+    }
 }
 
 /// One decoder layer: pre-norm attention and pre-norm feed-forward, both residual.
@@ -176,17 +185,50 @@ impl DeepSeekV3 {
         let batch: Vec<(SeqKey, &[u32])> = seqs.iter().map(|s| (s.seq, s.tokens)).collect();
         let (plan, ids) = BatchPlan::new(&batch, cache, &self.rotary, self.dtype, &self.device)?;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
-        let mut x = self.embed.forward(&ids)?; // [total, hidden]
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = layer.input_norm.forward(&x)?;
-            x = (x + layer.attn.forward(&h, cache, l, &plan)?)?;
-            let h = layer.post_norm.forward(&x)?;
-            x = (&x + layer.ffn.forward(&h, kind)?)?;
-        }
+        let x = self.hidden_states(&ids, cache, &plan, Some(kind))?;
         cache.advance(&plan);
         let last = plan.last_rows(&x)?;
-        let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
-        logits.to_dtype(DType::F32)
+        self.logits(&last)?.to_dtype(DType::F32)
+    }
+
+    /// The decoder layers over the tokens `ids` laid out by `plan`: `[total, hidden]` before the
+    /// final norm. `kind` `None`: a decode step being captured ([`Ffn::forward_captured`]).
+    pub(crate) fn hidden_states(
+        &self,
+        ids: &Tensor,
+        cache: &KvCache,
+        plan: &BatchPlan,
+        kind: Option<StepKind>,
+    ) -> Result<Tensor> {
+        let mut x = self.embed.forward(ids)?; // [total, hidden]
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_norm.forward(&x)?;
+            x = (x + layer.attn.forward(&h, cache, l, plan)?)?;
+            let h = layer.post_norm.forward(&x)?;
+            let f = match kind {
+                Some(kind) => layer.ffn.forward(&h, kind)?,
+                None => layer.ffn.forward_captured(&h)?,
+            };
+            x = (&x + f)?;
+        }
+        Ok(x)
+    }
+
+    /// Final norm and `lm_head` of hidden rows `[n, hidden]`: `[n, vocab]` in the model dtype.
+    pub(crate) fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(&self.norm.forward(x)?)
+    }
+
+    /// The decoder layers (for the captured decode steps).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// The rotary tables.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn rotary(&self) -> &Rotary {
+        &self.rotary
     }
 
     /// Hidden size.

@@ -11,11 +11,22 @@
 //! What breaks a capture (and fails it with an error, leaving nothing half-captured):
 //! a device-to-host read or any synchronisation inside the closure, a host-to-device copy from
 //! pageable memory, loading a kernel module for the first time (run the step once eagerly
-//! first), and cudarc's cross-stream event tracking (waits on events recorded before the
-//! capture), which [`capture`] turns off for its duration after synchronising the device.
+//! first, through [`warm_up`]), and cudarc's cross-stream event tracking (waits on events
+//! recorded before the capture), which [`capture`] turns off for its duration after
+//! synchronising the device.
+//!
+//! candle's strided kernels (a transpose made contiguous, a broadcast operand) upload their
+//! shape and strides from host memory at every call; a graph would record that copy by the
+//! host address, and a replay would read memory freed long ago. [`warm_up`] and [`capture`]
+//! run their closures under candle's CUDA-graph upload cache
+//! (`CudaDevice::enable_cuda_graph_htod_cache`): an upload made while warming up stays on the
+//! device for the life of the process, keyed by its bytes, and the same upload inside the
+//! capture reads that copy; an upload the warm-up did not make fails the capture with candle's
+//! "cache miss" error instead of corrupting replays.
 
 use std::sync::Arc;
 
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Device;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream};
@@ -60,16 +71,31 @@ impl CapturedGraph {
     }
 }
 
+fn cuda_device(device: &Device) -> Result<&CudaDevice> {
+    match device {
+        Device::Cuda(dev) => Ok(dev),
+        other => Err(Error::invalid(
+            "device",
+            format!("{other:?}"),
+            "CUDA graphs need a CUDA device",
+        )),
+    }
+}
+
+/// Runs `f` eagerly on `device` the way a step is run before [`capture`] takes it: kernel
+/// modules load, workspaces are created, and every host-to-device upload candle makes (strided
+/// layouts) is kept on the device for the capture to reuse (see the module docs). Run the exact
+/// step to be captured, with the same shapes.
+pub fn warm_up<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let _uploads = cuda_device(device)?.enable_cuda_graph_htod_cache();
+    f()
+}
+
 /// Captures what `f` enqueues on `device`'s compute stream into a graph; returns it with `f`'s
 /// result. Synchronises the device first. Nothing else may use the device while `f` runs.
+/// Run the same step through [`warm_up`] first.
 pub fn capture<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(CapturedGraph, T)> {
-    let Device::Cuda(dev) = device else {
-        return Err(Error::invalid(
-            "device",
-            format!("{device:?}"),
-            "CUDA graphs need a CUDA device",
-        ));
-    };
+    let dev = cuda_device(device)?;
     let stream = dev.cuda_stream();
     let ctx = stream.context().clone();
     ctx.bind_to_thread()?;
@@ -81,7 +107,10 @@ pub fn capture<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(Cap
     unsafe { ctx.disable_event_tracking() };
     let result = (|| {
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let out = f();
+        let out = {
+            let _uploads = dev.enable_cuda_graph_htod_cache();
+            f()
+        };
         // End the capture whatever `f` returned, so the stream is usable again.
         let graph = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);

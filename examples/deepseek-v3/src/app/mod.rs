@@ -102,6 +102,10 @@ pub struct ModelArgs {
     /// Seconds any rank may wait for another before failing.
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
+    /// Launch decode steps kernel by kernel instead of replaying whole steps captured in CUDA
+    /// graphs (which one-GPU CUDA runs do by default).
+    #[arg(long)]
+    pub eager_decode: bool,
 }
 
 fn parse_dtype(s: &str) -> Result<DType> {
@@ -229,7 +233,8 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     );
     Ok((
         Cluster {
-            engine: Engine::new(loaded.model, info.rank, args.max_batch)?,
+            engine: Engine::new(loaded.model, info.rank, args.max_batch)?
+                .with_decode_graphs(!args.eager_decode),
             dist,
         },
         loaded.tokenizer,
