@@ -38,6 +38,9 @@ struct CapturedStep {
     positions: Tensor,
     /// `[B, vocab]` logits in the model dtype (written by every replay).
     logits: Tensor,
+    /// Tensors made before the capture that the graph reads (the key positions `0..L` and the
+    /// rows `0..B`): held for as long as the graph, which reads their memory by address.
+    _constants: [Tensor; 2],
     graph: CapturedGraph,
 }
 
@@ -187,6 +190,7 @@ impl CapturedStep {
             ids,
             positions,
             logits,
+            _constants: [keys, rows],
             graph,
         })
     }
