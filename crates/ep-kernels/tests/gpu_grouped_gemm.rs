@@ -494,7 +494,7 @@ fn trap_child(which: &str) -> ! {
         let (_ctx, stream) = device()?;
         let mut ws = GroupedGemmWorkspace::new(&stream, 4)?;
         let (counts, layout, rows): (Vec<i32>, GroupLayout, usize) = match which {
-            "masked" => (vec![3, 129], GroupLayout::Masked { m_max: 128 }, 256),
+            "masked" | "masked-gemv" => (vec![3, 129], GroupLayout::Masked { m_max: 128 }, 256),
             _ => (vec![3, 62], GroupLayout::Contiguous { alignment: 1 }, 64),
         };
         let shape = GroupedGemmShape {
@@ -508,16 +508,12 @@ fn trap_child(which: &str) -> ! {
         let b = stream.alloc_zeros::<bf16>(2 * 16 * 16)?;
         let c = stream.clone_htod(&counts)?;
         let mut d = stream.alloc_zeros::<bf16>(rows * 16)?;
-        gemm::grouped_gemm_bf16_cuda(
-            &stream,
-            &a,
-            &b,
-            &c,
-            &shape,
-            GemmTiles::Auto,
-            &mut d,
-            &mut ws,
-        )?;
+        let tiles = if which == "masked-gemv" {
+            GemmTiles::Gemv
+        } else {
+            GemmTiles::Auto
+        };
+        gemm::grouped_gemm_bf16_cuda(&stream, &a, &b, &c, &shape, tiles, &mut d, &mut ws)?;
         stream.synchronize()?;
         Ok(())
     })();
@@ -643,8 +639,82 @@ fn main() {
             )
         });
     }
+    // The tile-less kernel for a few rows per block (masked only): one row per group, several
+    // passes over the weights (counts above GEMV_ROWS_PER_PASS), a partial column slab.
+    let gemv = GemmTiles::Gemv;
+    runner.case("gemv/masked/small-odd-several-passes", |rng| {
+        gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &[0, 20, 7, 1],
+            masked(20),
+            0,
+            40,
+            72,
+            gemv,
+            None,
+        )
+    });
+    runner.case("gemv/masked/one-row-per-group", |rng| {
+        gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &[1, 0, 1, 1, 0, 0, 1],
+            masked(4),
+            0,
+            136,
+            264,
+            gemv,
+            None,
+        )
+    });
+    runner.case("gemv/masked/all-empty", |rng| {
+        gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &[0, 0, 0],
+            masked(2),
+            0,
+            16,
+            16,
+            gemv,
+            None,
+        )
+    });
+    runner.case("gemv/masked/ds-v3-decode-gate-up", |rng| {
+        let counts: Vec<i32> = (0..16).map(|_| rng.random_range(0..=2)).collect();
+        gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &counts,
+            masked(128),
+            0,
+            2 * 2048,
+            7168,
+            gemv,
+            None,
+        )
+    });
+    runner.case("gemv/masked/ds-v3-decode-down", |rng| {
+        gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &[0, 3, 1, 5, 0, 1],
+            masked(8),
+            0,
+            7168,
+            2048,
+            gemv,
+            None,
+        )
+    });
     // Extra groups (the shared experts' blocks in a MoE layer), masked layout.
-    for tiles in [GemmTiles::Narrow, GemmTiles::Wide] {
+    for tiles in [GemmTiles::Narrow, GemmTiles::Wide, GemmTiles::Gemv] {
         let t = format!("{tiles:?}").to_lowercase();
         runner.case(&format!("{t}/masked/extra-groups-own-rows"), |rng| {
             extra_case(
@@ -675,6 +745,32 @@ fn main() {
             )
         });
     }
+    runner.case("gemv/contiguous-layout-refused", |_| {
+        let zeros = |len| stream.alloc_zeros::<bf16>(len);
+        let (a, b, mut d) = (zeros(4 * 16)?, zeros(2 * 16 * 16)?, zeros(4 * 16)?);
+        let c = stream.clone_htod(&[1i32, 1])?;
+        let shape = GroupedGemmShape {
+            groups: 2,
+            rows: 4,
+            n: 16,
+            k: 16,
+            layout: GroupLayout::Contiguous { alignment: 1 },
+        };
+        match gemm::grouped_gemm_bf16_cuda(
+            &stream,
+            &a,
+            &b,
+            &c,
+            &shape,
+            GemmTiles::Gemv,
+            &mut d,
+            &mut ws,
+        ) {
+            Err(e) if e.to_string().contains("tiles") && e.to_string().contains("masked") => Ok(()),
+            Err(e) => Err(format!("error does not name tiles and the layout: {e}").into()),
+            Ok(()) => Err("Gemv accepted the contiguous layout".into()),
+        }
+    });
     runner.case("narrow/masked/extra-groups-bad-args", |rng| {
         // Host-side checks before any launch: extra groups need the masked layout, their
         // weights and own rows must match, `first` must leave at least one routed group.
@@ -832,6 +928,9 @@ fn main() {
     });
     runner.case("device-check/masked-count-above-m-max", |_| {
         trap_case("masked", "counts[1] = 129 exceeds m_max = 128")
+    });
+    runner.case("device-check/gemv-count-above-m-max", |_| {
+        trap_case("masked-gemv", "counts[1] = 129 exceeds m_max = 128")
     });
     runner.case("device-check/contiguous-counts-overrun-a", |_| {
         trap_case("contiguous", "need 65 rows of a, which has 64")

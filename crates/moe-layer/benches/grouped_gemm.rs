@@ -249,6 +249,13 @@ fn main() -> Result<(), BoxError> {
         tokens: 4096,
     });
     cases.push(Case {
+        name: "masked 256, one token (8 x 1, m_max 128)".into(),
+        experts: 256,
+        layout: GroupLayout::Masked { m_max: 128 },
+        topk_ids: balanced(1, 256),
+        tokens: 1,
+    });
+    cases.push(Case {
         name: "masked 256 x 4 (m_max 128)".into(),
         experts: 256,
         layout: GroupLayout::Masked { m_max: 128 },
@@ -394,6 +401,16 @@ fn main() -> Result<(), BoxError> {
             ("dense cuBLAS (candle matmul)", iters, Box::new(dense)),
             ("candle-nn moe_gemm", 3, Box::new(candle_moe)),
         ];
+        if matches!(case.layout, GroupLayout::Masked { .. }) {
+            methods.insert(
+                4,
+                (
+                    "ours gemv (no tiles)",
+                    iters,
+                    Box::new(ours(GemmTiles::Gemv)),
+                ),
+            );
+        }
         // Rounds over the methods, so that clock and power drift spread over all of them.
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); methods.len()];
         for _ in 0..rounds {

@@ -444,7 +444,9 @@ impl Experts {
         if self.uses_grouped_gemm() {
             let c: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
             let counts_dev = Tensor::from_vec(c, l, dev)?;
-            let y = crate::grouped::forward_masked(self, x, &counts_dev)?;
+            let most = counts.iter().copied().max().unwrap_or(0);
+            let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(most);
+            let y = crate::grouped::forward_masked(self, x, &counts_dev, tiles)?;
             // Rows past the counts: zero, as documented.
             let rows = Tensor::arange(0u32, m as u32, dev)?.reshape((1, m, 1))?;
             let limit = Tensor::from_vec(
@@ -483,6 +485,21 @@ impl Experts {
     /// **rows past the counts are not written** (their content is unspecified). Nothing is read
     /// back to the host with grouped GEMMs; otherwise the counts are read first.
     pub fn forward_masked(&self, x: &Tensor, counts: &Tensor) -> Result<Tensor> {
+        let m = x.dims().get(1).copied().unwrap_or(0);
+        self.forward_masked_expecting(x, counts, m)
+    }
+
+    /// [`Experts::forward_masked`] told how many valid rows each block is expected to hold at
+    /// most (a low-latency step: the tokens per rank times the ranks). The result is the same
+    /// for any counts; the hint picks the kernel: up to
+    /// [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows the grouped GEMMs stream each active
+    /// expert's weights once without tiles (`GemmTiles::Gemv`).
+    pub fn forward_masked_expecting(
+        &self,
+        x: &Tensor,
+        counts: &Tensor,
+        expected_rows: usize,
+    ) -> Result<Tensor> {
         let m = self.check_blocks(x, "x")?;
         let l = self.num_local();
         if counts.dims() != [l] || counts.dtype() != DType::I32 {
@@ -494,8 +511,11 @@ impl Experts {
         }
         #[cfg(feature = "cuda")]
         if self.uses_grouped_gemm() {
-            return crate::grouped::forward_masked(self, x, counts);
+            let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(expected_rows);
+            return crate::grouped::forward_masked(self, x, counts, tiles);
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = expected_rows;
         let host: Vec<i32> = counts.to_vec1()?;
         let host = host
             .iter()

@@ -87,6 +87,7 @@ fn mlp_rows(
     layout: GroupLayout,
     rows: usize,
     shared: Option<SharedRows<'_>>,
+    tiles: GemmTiles,
 ) -> Result<Tensor> {
     let stream = dev.cuda_stream();
     let (l, h, i) = (
@@ -152,7 +153,7 @@ fn mlp_rows(
             &c_v,
             &up,
             extra_up.as_ref(),
-            GemmTiles::Auto,
+            tiles,
             &mut h_v,
             ws,
         )?;
@@ -164,7 +165,7 @@ fn mlp_rows(
             &c_v,
             &down,
             extra_down.as_ref(),
-            GemmTiles::Auto,
+            tiles,
             &mut y_v,
             ws,
         )?;
@@ -219,6 +220,7 @@ pub(crate) fn forward_routed(
         GroupLayout::Contiguous { alignment: 1 },
         rows,
         None,
+        GemmTiles::Auto,
     )?;
     let mut out = alloc_uninit::<bf16>(&stream, n * h)?;
     {
@@ -238,8 +240,14 @@ pub(crate) fn forward_routed(
 }
 
 /// Low-latency path of [`Experts::forward_masked`]: `x` `[L, M, H]`, `counts` `[L]` i32
-/// (device); returns `[L, M, H]` bf16 with the rows past the counts unwritten.
-pub(crate) fn forward_masked(experts: &Experts, x: &Tensor, counts: &Tensor) -> Result<Tensor> {
+/// (device); returns `[L, M, H]` bf16 with the rows past the counts unwritten. `tiles`: the
+/// GEMMs' configuration (`Gemv` when the blocks are expected to hold a few rows).
+pub(crate) fn forward_masked(
+    experts: &Experts,
+    x: &Tensor,
+    counts: &Tensor,
+    tiles: GemmTiles,
+) -> Result<Tensor> {
     let dev = cuda(x.device())?;
     let (l, m, h) = x.dims3()?;
     let x = x.to_dtype(DType::BF16)?.contiguous()?;
@@ -253,13 +261,14 @@ pub(crate) fn forward_masked(experts: &Experts, x: &Tensor, counts: &Tensor) -> 
         GroupLayout::Masked { m_max: m },
         l * m,
         None,
+        tiles,
     )?;
     Ok(y.reshape((l, m, h))?)
 }
 
 /// [`forward_masked`] with the shared experts' blocks as extra groups over `tokens` (`[T, H]`,
 /// `T <= M`): returns the routed experts' `[L, M, H]` (rows past the counts unwritten) and the
-/// shared experts' output `[T, H]`, both bf16. The counts of the extra groups (`T`) join the
+/// shared experts' output `[T, H]`, both bf16 (`tiles` as for [`forward_masked`]). The counts of the extra groups (`T`) join the
 /// routed ones on the device (a copy and a memset: capturable, no host read).
 pub(crate) fn forward_masked_with_shared(
     experts: &Experts,
@@ -267,6 +276,7 @@ pub(crate) fn forward_masked_with_shared(
     counts: &Tensor,
     tokens: &Tensor,
     shared: &SharedGroups,
+    tiles: GemmTiles,
 ) -> Result<(Tensor, Tensor)> {
     let dev = cuda(x.device())?;
     let stream = dev.cuda_stream();
@@ -304,6 +314,7 @@ pub(crate) fn forward_masked_with_shared(
             groups: shared,
             tokens: &tokens,
         }),
+        tiles,
     )?;
     let routed = y.narrow(0, 0, l * m)?.reshape((l, m, h))?;
     let mut out = y.narrow(0, l * m, t)?;

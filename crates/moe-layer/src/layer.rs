@@ -439,6 +439,8 @@ impl MoeLayer {
         x: &Tensor,
         shared: Option<Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        // Rows an expert's block can expect: every rank's tokens (this rank's count for each).
+        let expected = x.dims()[0] * self.buffer.topology().num_ranks;
         #[cfg(feature = "cuda")]
         if let Some(groups) = self.shared_groups.as_ref().filter(|_| x.dims()[0] > 0) {
             let (y, s) = crate::grouped::forward_masked_with_shared(
@@ -447,12 +449,15 @@ impl MoeLayer {
                 recv_count,
                 x,
                 groups,
+                ep_kernels::gemm::GemmTiles::for_masked_rows(expected),
             )?;
             return Ok((y, Some(s)));
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = x;
-        Ok((self.experts.forward_masked(recv_x, recv_count)?, shared))
+        Ok((
+            self.experts
+                .forward_masked_expecting(recv_x, recv_count, expected)?,
+            shared,
+        ))
     }
 
     /// Low-latency mode; the shared experts run between the send and receive phases, or inside

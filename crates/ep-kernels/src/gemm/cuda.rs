@@ -69,7 +69,7 @@ extern "C" {
     ) -> i32;
 }
 
-/// The entry points of a resolved tile configuration.
+/// The entry points of a resolved tile configuration (a CUTLASS one: not `Gemv`).
 fn entry_points(tiles: GemmTiles) -> (&'static str, WorkspaceFn, RunFn) {
     match tiles {
         GemmTiles::Narrow => (
@@ -82,7 +82,7 @@ fn entry_points(tiles: GemmTiles) -> (&'static str, WorkspaceFn, RunFn) {
             ep_grouped_gemm_bf16_wide_m_workspace,
             ep_grouped_gemm_bf16_wide_m_run,
         ),
-        GemmTiles::Wide | GemmTiles::Auto => (
+        GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv => (
             "grouped_gemm_bf16_wide",
             ep_grouped_gemm_bf16_wide_workspace,
             ep_grouped_gemm_bf16_wide_run,
@@ -235,6 +235,13 @@ pub fn grouped_gemm_bf16_extra_cuda(
         k,
         layout,
     } = *shape;
+    if tiles == GemmTiles::Gemv && !matches!(layout, GroupLayout::Masked { .. }) {
+        return Err(Error::invalid(
+            "tiles",
+            "GemmTiles::Gemv",
+            "takes the masked layout only",
+        ));
+    }
     let first_extra = match extra {
         None => groups,
         Some(x) => {
@@ -295,7 +302,6 @@ pub fn grouped_gemm_bf16_extra_cuda(
         return Ok(());
     }
     let tiles = tiles.resolve(layout, rows, groups);
-    let (kernel, _, run) = entry_points(tiles);
     let (m_max, alignment) = layout.params();
     stream.context().bind_to_thread()?;
     let (a_ptr, _ga) = a.device_ptr(stream);
@@ -324,6 +330,26 @@ pub fn grouped_gemm_bf16_extra_cuda(
             check_align(arg, ptr, 16)?;
         }
     }
+    if tiles == GemmTiles::Gemv {
+        let params = GemvParams {
+            a: a_ptr,
+            b: b_ptr,
+            d: d_ptr,
+            counts: c_ptr,
+            extra_a: xa_ptr,
+            extra_b: xb_ptr,
+            extra_a_rows: xa_rows,
+            // The casts fit: `shape.check` bounds groups by MAX_GROUPS and n, k by i32::MAX.
+            groups: groups as i32,
+            n: n as i32,
+            k: k as i32,
+            m_max,
+            first_extra: first_extra as i32,
+            reserved: 0,
+        };
+        return launch_gemv(stream, params, groups, n);
+    }
+    let (kernel, _, run) = entry_points(tiles);
     let ws_bytes = workspace.buf.len() as u64;
     let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
     let args = GroupedGemmArgs {
@@ -374,6 +400,73 @@ pub fn grouped_gemm_bf16_extra_cuda(
         });
     }
     Ok(())
+}
+
+/// The cubin of `grouped_gemv.cu`.
+const GEMV_FILE: &str = "gemm/grouped_gemv";
+/// Threads per block (`kThreads` in `grouped_gemv.cu`).
+const GEMV_THREADS: u32 = 256;
+/// Output columns per work item of a block (`kColsPerItem`).
+const GEMV_COLS_PER_ITEM: usize = 16;
+/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride loops over the items).
+const GEMV_BLOCKS_PER_SM: u32 = 3;
+
+/// Mirror of `struct GemvParams` in `grouped_gemv.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvParams {
+    a: CUdeviceptr,
+    b: CUdeviceptr,
+    d: CUdeviceptr,
+    counts: CUdeviceptr,
+    extra_a: CUdeviceptr,
+    extra_b: CUdeviceptr,
+    extra_a_rows: i64,
+    groups: i32,
+    n: i32,
+    k: i32,
+    m_max: i32,
+    first_extra: i32,
+    reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
+const _: () = assert!(std::mem::offset_of!(GemvParams, extra_b) == 40);
+const _: () = assert!(std::mem::offset_of!(GemvParams, extra_a_rows) == 48);
+const _: () = assert!(std::mem::offset_of!(GemvParams, groups) == 56);
+const _: () = assert!(std::mem::offset_of!(GemvParams, first_extra) == 72);
+
+// SAFETY: `repr(C)` plain data mirroring `GemvParams` in grouped_gemv.cu (size asserted both
+// sides, field offsets here).
+unsafe impl KernelParams for GemvParams {}
+
+/// Launches `grouped_gemv_bf16` with `params` filled and checked by
+/// [`grouped_gemm_bf16_extra_cuda`]: one grid of blocks sized to the device, which take (active
+/// group, column slab) items in turn.
+fn launch_gemv(
+    stream: &Arc<CudaStream>,
+    params: GemvParams,
+    groups: usize,
+    n: usize,
+) -> Result<()> {
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(GEMV_FILE, "grouped_gemv_bf16")?;
+    let items = (groups * n.div_ceil(GEMV_COLS_PER_ITEM)) as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_for(items, 1, kernels.props(), GEMV_BLOCKS_PER_SM),
+            1,
+            1,
+        ),
+        block_dim: (GEMV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` matches `GemvParams`; the caller checked every operand's length against
+    // the shape (`a` its blocks, `b` and `extra_b` `[groups, n, k]` in two parts, `d`
+    // `[groups * m_max, n]`, `counts` `[groups]`, `extra_a` its rows) and their 16-byte
+    // alignment, and holds their guards until this returns, after the launch is queued; the
+    // kernel reads only rows below each group's count, which it checks against `m_max` and the
+    // rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
+    unsafe { kernel.launch(stream, cfg, params) }
 }
 
 /// The cubin of `swiglu.cu`.

@@ -16,7 +16,9 @@
 //! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3 ptr-array kernels for sm_90a (TMA, WGMMA,
 //! persistent grouped scheduler; `csrc/grouped_gemm_sm90.cuh`) in three tile configurations
 //! ([`GemmTiles`]); a setup kernel writes each group's shape and pointers from the device
-//! counts, so no count is read by the host. The host twins ([`host`]) compute the same
+//! counts, so no count is read by the host; for masked blocks of a few rows (decode) a
+//! hand-written kernel streams each active group's weights once instead
+//! ([`GemmTiles::Gemv`], `grouped_gemv.cu`). The host twins ([`host`]) compute the same
 //! functions in f32 and are the test reference.
 //!
 //! The module is shaped for more element types: a block-scaled FP8 kernel would be one more
@@ -124,9 +126,31 @@ pub enum GemmTiles {
     WideM,
     /// 64 x 128 ping-pong tiles, clusters of 2 along N: few rows per group (decode).
     Narrow,
+    /// No tiles (masked layout only): warps stream each active group's weight rows once and
+    /// multiply them with the group's valid rows, [`GEMV_ROWS_PER_PASS`] rows per pass over
+    /// the weights (`grouped_gemv.cu`). For blocks expected to hold at most a few rows (one
+    /// decode token per rank); `Auto` never picks it because the counts are on the device:
+    /// the caller who knows the expected rows does ([`GemmTiles::for_masked_rows`]).
+    Gemv,
 }
 
+/// Valid rows a [`GemmTiles::Gemv`] GEMM multiplies per pass over a group's weights (more rows
+/// take more passes).
+pub const GEMV_ROWS_PER_PASS: usize = 4;
+
 impl GemmTiles {
+    /// The configuration for a masked GEMM whose blocks are expected to hold at most
+    /// `expected_rows` valid rows each (e.g. a low-latency step's tokens per rank times the
+    /// ranks): [`GemmTiles::Gemv`] up to [`GEMV_ROWS_PER_PASS`] rows, else `Auto`. Any counts
+    /// the layout allows give the right result either way; this only picks the faster kernel.
+    pub fn for_masked_rows(expected_rows: usize) -> GemmTiles {
+        if expected_rows <= GEMV_ROWS_PER_PASS {
+            GemmTiles::Gemv
+        } else {
+            GemmTiles::Auto
+        }
+    }
+
     /// The configuration `Auto` picks for `layout` with `rows` rows over `groups` groups.
     pub fn resolve(self, layout: GroupLayout, rows: usize, groups: usize) -> GemmTiles {
         match self {
