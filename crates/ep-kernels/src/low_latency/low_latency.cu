@@ -197,23 +197,6 @@ EP_DEVICE int ld_vol(const int* ptr) { return ep::ld_volatile(ptr); }
 
 EP_DEVICE uint32_t tag_of(uint32_t seq) { return (seq & 0x7fffffffu) + 1u; }
 
-// Timeline trace (experiment builds only: `EP_NVCC_FLAGS=-DEP_LL_TRACE=1`). Per kind, the
-// earliest block start and the latest time each block / warp passed a point; the last block of
-// every 256th op (full send + receive launches only) prints them relative to the start.
-#ifndef EP_LL_TRACE
-#define EP_LL_TRACE 0
-#endif
-#if EP_LL_TRACE
-__device__ unsigned long long g_trace_start[2] = {~0ull, ~0ull};
-__device__ unsigned long long g_trace_point[2][5];
-#define LL_TRACE_START(kind) \
-    do { if (threadIdx.x == 0) atomicMin(&g_trace_start[kind], ep::globaltimer_ns()); } while (0)
-#define LL_TRACE(kind, i) atomicMax(&g_trace_point[kind][i], ep::globaltimer_ns())
-#else
-#define LL_TRACE_START(kind) do {} while (0)
-#define LL_TRACE(kind, i) do {} while (0)
-#endif
-
 // ------------------------------------------------------------------------------------------
 // Op sequencing (see the file comment)
 // ------------------------------------------------------------------------------------------
@@ -261,23 +244,6 @@ __device__ void op_end(const LlBuffer& b, int kind, uint32_t phases, uint32_t se
                     b.active_mirror[r] = ld_vol(active + r);
                 }
             }
-#if EP_LL_TRACE
-            const unsigned long long now = ep::globaltimer_ns();
-            const unsigned long long t0 = g_trace_start[kind];
-            if (phases == (kPhaseSend | kPhaseRecv) && seq % 256u == 128u) {
-                long long d[5];
-                for (int i = 0; i < 5; ++i) {
-                    const unsigned long long v = g_trace_point[kind][i];
-                    d[i] = v == 0 ? -1 : static_cast<long long>(v - t0);
-                }
-                printf("LLTRACE kind=%d seq=%u start=%llu p1=%lld p2=%lld p3=%lld p4=%lld p5=%lld end=%lld\n",
-                       kind, seq, t0, d[0], d[1], d[2], d[3], d[4], static_cast<long long>(now - t0));
-            }
-            g_trace_start[kind] = ~0ull;
-            for (int i = 0; i < 5; ++i) {
-                g_trace_point[kind][i] = 0;
-            }
-#endif
             __threadfence();
         }
     }
@@ -547,12 +513,8 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 atomicExch(send_done + e, 0);
                 ep::fence_acq_rel_sys();
                 signal(e, s_count[e]);
-                LL_TRACE(kKindDispatch, 2);
             }
         }
-    }
-    if (tid == 0) {
-        LL_TRACE(kKindDispatch, 1);
     }
 }
 
@@ -576,9 +538,6 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         s_cnt[i] = wait_count(sigs + i, tag, active + i % R, b.timeout_ns);
     }
     __syncthreads();
-    if (tid == 0) {
-        LL_TRACE(kKindDispatch, 3);
-    }
     for (int l = tid; l < L; l += kThreads) {
         int acc = 0;
         for (int s = 0; s < R; ++s) {
@@ -675,9 +634,6 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
             }
         }
     }
-    if (lane == 0) {
-        LL_TRACE(kKindDispatch, 4);
-    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -740,9 +696,6 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
     const int* s_active = sm.active;
     block_prefix_sum(s_pre, E);
     __syncthreads();
-    if (tid == 0) {
-        LL_TRACE(kKindCombine, 0);
-    }
 
     // Units without rows: their flag goes out now (one thread per unit, over the blocks).
     for (int u = blockIdx.x + tid * static_cast<int>(gridDim.x); u < E;
@@ -809,12 +762,8 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
                 put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
                              static_cast<int64_t>(b.rank * L + u / R) * 4,
                          static_cast<int>(tag));
-                LL_TRACE(kKindCombine, 2);
             }
         }
-    }
-    if (lane == 0) {
-        LL_TRACE(kKindCombine, 1);
     }
 }
 
@@ -844,9 +793,6 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
         wait_flag(flags + e, tag, active + e / L, b.timeout_ns);
     }
     __syncthreads();
-    if (tid == 0) {
-        LL_TRACE(kKindCombine, 3);
-    }
     // One snapshot of the mask for the whole block.
     for (int r = tid; r < R; r += kThreads) {
         s_active[r] = ld_vol(active + r);
@@ -909,9 +855,6 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
         }
         __syncthreads();
     }
-    if (tid == 0) {
-        LL_TRACE(kKindCombine, 4);
-    }
 }
 
 }  // namespace
@@ -928,7 +871,6 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
     const LlBuffer& b = p.buf;
     uint32_t* ctl = reinterpret_cast<uint32_t*>(b.local);
     __shared__ uint32_t s_seq;
-    LL_TRACE_START(kKindDispatch);
     int* s_topk = reinterpret_cast<int*>(smem + b.msg_stride + kMaxTopk * 8);
     // Selections per expert of this rank [E], after the top-k table.
     int* s_count = s_topk + p.num_tokens * p.num_topk;
@@ -956,9 +898,6 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
         s_seq = seq0;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        LL_TRACE(kKindDispatch, 0);
-    }
     const uint32_t seq = s_seq;
     const uint32_t set = seq & 1u;
     const uint32_t tag = tag_of(seq);
@@ -981,7 +920,6 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
     __shared__ uint32_t s_seq;
-    LL_TRACE_START(kKindCombine);
     // The op sequence and the send phase's layout loads are in flight together.
     const uint32_t seq0 =
         threadIdx.x == 0 ? op_begin(reinterpret_cast<const uint32_t*>(b.local), kKindCombine, p.phases) : 0u;
