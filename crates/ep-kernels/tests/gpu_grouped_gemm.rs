@@ -245,6 +245,92 @@ fn extra_case(
     Ok(())
 }
 
+/// The fused gate_up + SwiGLU GEMV (`grouped_gemv_swiglu_bf16_cuda`, masked layout) against
+/// its host twin (`grouped_gemm_swiglu`) on every valid row; rows past the counts keep their
+/// poison. `extra`: `(groups, own rows)` of extra groups after the routed ones.
+fn gemv_swiglu_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    routed_counts: &[i32],
+    extra: Option<(usize, Option<usize>)>,
+    m_max: usize,
+    inter: usize,
+    k: usize,
+) -> CaseResult {
+    let first = routed_counts.len();
+    let (nx, own_rows) = extra.unwrap_or((0, None));
+    let groups = first + nx;
+    let (rows, n) = (groups * m_max, 2 * inter);
+    let mut counts = routed_counts.to_vec();
+    counts.extend(std::iter::repeat_n(
+        own_rows.unwrap_or(m_max / 2 + 1) as i32,
+        nx,
+    ));
+    let a_rows = if own_rows.is_some() {
+        first * m_max
+    } else {
+        rows
+    };
+    let a = random_bf16(rng, a_rows * k, 1.0);
+    let b = random_bf16(rng, first * n * k, 0.05);
+    let xb = random_bf16(rng, nx * n * k, 0.05);
+    let xa = own_rows.map(|r| random_bf16(rng, r * k, 1.0));
+    let shape = GroupedGemmShape {
+        groups,
+        rows,
+        n,
+        k,
+        layout: GroupLayout::Masked { m_max },
+    };
+    let a_dev = stream.clone_htod(&a)?;
+    let b_dev = stream.clone_htod(&b)?;
+    let xb_dev = stream.clone_htod(&xb)?;
+    let xa_dev = xa.as_ref().map(|v| stream.clone_htod(v)).transpose()?;
+    let c_dev = stream.clone_htod(&counts)?;
+    let mut act_dev = poisoned::<bf16>(stream, rows * inter)?;
+    let spec = (nx > 0).then(|| gemm::ExtraGroups {
+        first,
+        b: &xb_dev,
+        a: xa_dev
+            .as_ref()
+            .map(|a| a as &dyn cudarc::driver::DevicePtr<bf16>),
+    });
+    gemm::grouped_gemv_swiglu_bf16_cuda(
+        stream,
+        &a_dev,
+        &b_dev,
+        &c_dev,
+        &shape,
+        spec.as_ref(),
+        &mut act_dev,
+    )?;
+    let act = stream.clone_dtoh(&act_dev)?;
+    let host_extra = (nx > 0).then(|| gemm::HostExtraGroups {
+        first,
+        b: &xb,
+        a: xa.as_deref(),
+    });
+    let mut want = vec![bf16::poison(); rows * inter];
+    gemm::grouped_gemm_swiglu(&a, &b, &counts, &shape, host_extra.as_ref(), &mut want)?;
+    let st = starts(&counts, shape.layout, rows);
+    check_untouched("act", &act, inter, &counts, &st)?;
+    for (g, (&s, &c)) in st.iter().zip(&counts).enumerate() {
+        for m in 0..c as usize {
+            let r = s + m;
+            let w: Vec<f32> = want[r * inter..(r + 1) * inter]
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            check_row(
+                &format!("group {g} row {m} (act row {r})"),
+                &act[r * inter..(r + 1) * inter],
+                &w,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Random counts for `groups` groups with `total` rows: some zero, one heavy.
 fn uneven_counts(rng: &mut StdRng, groups: usize, total: usize) -> Vec<i32> {
     let weights: Vec<f64> = (0..groups)
@@ -745,6 +831,36 @@ fn main() {
             )
         });
     }
+    runner.case("gemv-swiglu/masked/small-odd-several-passes", |rng| {
+        gemv_swiglu_case(&stream, rng, &[0, 5, 3, 1], None, 8, 40, 72)
+    });
+    runner.case("gemv-swiglu/masked/extra-groups-own-rows", |rng| {
+        gemv_swiglu_case(&stream, rng, &[2, 0, 1], Some((2, Some(3))), 4, 24, 48)
+    });
+    runner.case("gemv-swiglu/masked/extra-groups-block-rows", |rng| {
+        gemv_swiglu_case(&stream, rng, &[1, 1], Some((1, None)), 6, 16, 264)
+    });
+    runner.case("gemv-swiglu/masked/ds-v3-decode", |rng| {
+        let counts: Vec<i32> = (0..8).map(|_| rng.random_range(0..=2)).collect();
+        gemv_swiglu_case(&stream, rng, &counts, None, 128, 2048, 7168)
+    });
+    runner.case("gemv-swiglu/odd-inter-refused", |_| {
+        let zeros = |len| stream.alloc_zeros::<bf16>(len);
+        let (a, b, mut act) = (zeros(2 * 16)?, zeros(2 * 24 * 16)?, zeros(2 * 12)?);
+        let c = stream.clone_htod(&[1i32, 0])?;
+        let shape = GroupedGemmShape {
+            groups: 2,
+            rows: 2,
+            n: 24,
+            k: 16,
+            layout: GroupLayout::Masked { m_max: 1 },
+        };
+        match gemm::grouped_gemv_swiglu_bf16_cuda(&stream, &a, &b, &c, &shape, None, &mut act) {
+            Err(e) if e.to_string().contains("`n` = 24") => Ok(()),
+            Err(e) => Err(format!("error does not name n = 24: {e}").into()),
+            Ok(()) => Err("an odd inter width (2I = 24) was accepted".into()),
+        }
+    });
     runner.case("gemv/contiguous-layout-refused", |_| {
         let zeros = |len| stream.alloc_zeros::<bf16>(len);
         let (a, b, mut d) = (zeros(4 * 16)?, zeros(2 * 16 * 16)?, zeros(4 * 16)?);

@@ -3,7 +3,8 @@
 //!
 //! - routed rows (normal mode): expert-major permute (`ep_kernels::expert_order`) ->
 //!   contiguous gate_up GEMM -> SwiGLU -> down GEMM -> weighted un-permute;
-//! - blocks with device counts (low-latency mode): masked gate_up GEMM -> SwiGLU -> down GEMM.
+//! - blocks with device counts (low-latency mode): masked gate_up GEMM -> SwiGLU -> down GEMM
+//!   (with `GemmTiles::Gemv`, for a few rows per block, SwiGLU runs inside the gate_up GEMM).
 //!
 //! Intermediates are allocated uninitialised (every row the next step reads is written by the
 //! previous one). The GEMM workspace is created on first use and reused; a lock keeps one
@@ -112,7 +113,9 @@ fn mlp_rows(
         k: i,
         layout,
     };
-    let mut hbuf = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
+    // The tile-less GEMV fuses SwiGLU into the gate_up GEMM (no [rows, 2I] intermediate).
+    let fused = tiles == GemmTiles::Gemv;
+    let mut hbuf = alloc_uninit::<bf16>(&stream, if fused { 1 } else { rows * 2 * i })?;
     let mut act = alloc_uninit::<bf16>(&stream, rows * i)?;
     let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
     {
@@ -143,21 +146,33 @@ fn mlp_rows(
             a: None,
         });
         let c_v = c_d.view::<i32>()?;
-        let mut h_v = hbuf.slice_mut(0..rows * 2 * i);
         let mut act_v = act.slice_mut(0..rows * i);
         let mut y_v = y.slice_mut(0..rows * h);
-        gemm::grouped_gemm_bf16_extra_cuda(
-            &stream,
-            &a_d.view::<bf16>()?,
-            &w1.view::<bf16>()?,
-            &c_v,
-            &up,
-            extra_up.as_ref(),
-            tiles,
-            &mut h_v,
-            ws,
-        )?;
-        gemm::swiglu_cuda(&stream, &h_v, &c_v, layout, rows, i, &mut act_v)?;
+        if fused {
+            gemm::grouped_gemv_swiglu_bf16_cuda(
+                &stream,
+                &a_d.view::<bf16>()?,
+                &w1.view::<bf16>()?,
+                &c_v,
+                &up,
+                extra_up.as_ref(),
+                &mut act_v,
+            )?;
+        } else {
+            let mut h_v = hbuf.slice_mut(0..rows * 2 * i);
+            gemm::grouped_gemm_bf16_extra_cuda(
+                &stream,
+                &a_d.view::<bf16>()?,
+                &w1.view::<bf16>()?,
+                &c_v,
+                &up,
+                extra_up.as_ref(),
+                tiles,
+                &mut h_v,
+                ws,
+            )?;
+            gemm::swiglu_cuda(&stream, &h_v, &c_v, layout, rows, i, &mut act_v)?;
+        }
         gemm::grouped_gemm_bf16_extra_cuda(
             &stream,
             &act_v,

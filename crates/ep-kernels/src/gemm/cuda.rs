@@ -227,6 +227,71 @@ pub fn grouped_gemm_bf16_extra_cuda(
     d: &mut impl DevicePtrMut<bf16>,
     workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
+    run_grouped(
+        stream,
+        a,
+        b,
+        counts,
+        shape,
+        extra,
+        tiles,
+        d,
+        Some(workspace),
+    )
+}
+
+/// The experts' first GEMM with SwiGLU fused, for masked blocks of a few rows
+/// ([`GemmTiles::Gemv`]): `b` is the stacked gate_up weight (`shape.n = 2I` rows per group:
+/// gate, then up) and `act` (`[rows, I]`) receives, for every valid row,
+/// `bf16(silu(bf16(a x gate^T)) * bf16(a x up^T))`: the same values as
+/// [`grouped_gemm_bf16_extra_cuda`] followed by [`swiglu_cuda`], in one launch and without the
+/// `[rows, 2I]` intermediate. Host twin: [`super::host::grouped_gemm_swiglu`]. Same checks as
+/// [`grouped_gemm_bf16_extra_cuda`], and `shape.n / 2` a multiple of 8.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemv_swiglu_bf16_cuda(
+    stream: &Arc<CudaStream>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    extra: Option<&ExtraGroups<'_>>,
+    act: &mut impl DevicePtrMut<bf16>,
+) -> Result<()> {
+    if shape.n % 16 != 0 {
+        return Err(Error::invalid(
+            "n",
+            shape.n,
+            "the stacked gate_up width 2I must be a multiple of 16 (I a multiple of 8)",
+        ));
+    }
+    run_grouped(
+        stream,
+        a,
+        b,
+        counts,
+        shape,
+        extra,
+        GemmTiles::Gemv,
+        act,
+        None,
+    )
+}
+
+/// The checks and launch behind both public GEMMs. `workspace: None` is the fused SwiGLU GEMV
+/// (output `[rows, n / 2]`); otherwise a plain grouped GEMM (output `[rows, n]`).
+#[allow(clippy::too_many_arguments)]
+fn run_grouped(
+    stream: &Arc<CudaStream>,
+    a: &impl DevicePtr<bf16>,
+    b: &impl DevicePtr<bf16>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    extra: Option<&ExtraGroups<'_>>,
+    tiles: GemmTiles,
+    d: &mut impl DevicePtrMut<bf16>,
+    workspace: Option<&mut GroupedGemmWorkspace>,
+) -> Result<()> {
+    let swiglu = workspace.is_none();
     shape.check()?;
     let GroupedGemmShape {
         groups,
@@ -280,23 +345,29 @@ pub fn grouped_gemm_bf16_extra_cuda(
     Error::check_len("a", a_rows * k, a.len())?;
     Error::check_len("b", first_extra * n * k, b.len())?;
     Error::check_len("counts", groups, counts.len())?;
-    Error::check_len("d", rows * n, d.len())?;
-    if groups > workspace.max_groups {
-        return Err(Error::invalid(
-            "workspace",
-            format!("sized for {} groups", workspace.max_groups),
-            format!("this GEMM has {groups} groups"),
-        ));
+    if swiglu {
+        Error::check_len("act", rows * (n / 2), d.len())?;
+    } else {
+        Error::check_len("d", rows * n, d.len())?;
     }
-    if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
-        return Err(Error::invalid(
-            "workspace",
-            format!("memory of device {}", workspace.buf.context().ordinal()),
-            format!(
-                "must be on the stream's device {}",
-                stream.context().ordinal()
-            ),
-        ));
+    if let Some(workspace) = &workspace {
+        if groups > workspace.max_groups {
+            return Err(Error::invalid(
+                "workspace",
+                format!("sized for {} groups", workspace.max_groups),
+                format!("this GEMM has {groups} groups"),
+            ));
+        }
+        if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
+            return Err(Error::invalid(
+                "workspace",
+                format!("memory of device {}", workspace.buf.context().ordinal()),
+                format!(
+                    "must be on the stream's device {}",
+                    stream.context().ordinal()
+                ),
+            ));
+        }
     }
     if rows == 0 {
         return Ok(());
@@ -347,8 +418,11 @@ pub fn grouped_gemm_bf16_extra_cuda(
             first_extra: first_extra as i32,
             reserved: 0,
         };
-        return launch_gemv(stream, params, groups, n);
+        return launch_gemv(stream, params, groups, n, swiglu);
     }
+    let Some(workspace) = workspace else {
+        unreachable!("only the SwiGLU GEMV runs without a workspace, and it is a Gemv");
+    };
     let (kernel, _, run) = entry_points(tiles);
     let ws_bytes = workspace.buf.len() as u64;
     let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
@@ -409,7 +483,7 @@ const GEMV_THREADS: u32 = 256;
 /// Output columns per work item of a block (`kColsPerItem`).
 const GEMV_COLS_PER_ITEM: usize = 16;
 /// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride loops over the items).
-const GEMV_BLOCKS_PER_SM: u32 = 3;
+const GEMV_BLOCKS_PER_SM: u32 = 2;
 
 /// Mirror of `struct GemvParams` in `grouped_gemv.cu`.
 #[repr(C)]
@@ -439,17 +513,24 @@ const _: () = assert!(std::mem::offset_of!(GemvParams, first_extra) == 72);
 // sides, field offsets here).
 unsafe impl KernelParams for GemvParams {}
 
-/// Launches `grouped_gemv_bf16` with `params` filled and checked by
-/// [`grouped_gemm_bf16_extra_cuda`]: one grid of blocks sized to the device, which take (active
-/// group, column slab) items in turn.
+/// Launches `grouped_gemv_bf16` (or, with `swiglu`, `grouped_gemv_swiglu_bf16`) with `params`
+/// filled and checked by [`run_grouped`]: one grid of blocks sized to the device, which take
+/// (active group, column slab) items in turn.
 fn launch_gemv(
     stream: &Arc<CudaStream>,
     params: GemvParams,
     groups: usize,
     n: usize,
+    swiglu: bool,
 ) -> Result<()> {
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(GEMV_FILE, "grouped_gemv_bf16")?;
+    let name = if swiglu {
+        "grouped_gemv_swiglu_bf16"
+    } else {
+        "grouped_gemv_bf16"
+    };
+    let kernel = kernels.kernel(GEMV_FILE, name)?;
+    // A SwiGLU item covers 8 output columns (16 weight rows), a plain one 16 columns.
     let items = (groups * n.div_ceil(GEMV_COLS_PER_ITEM)) as u64;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -462,7 +543,8 @@ fn launch_gemv(
     };
     // SAFETY: `params` matches `GemvParams`; the caller checked every operand's length against
     // the shape (`a` its blocks, `b` and `extra_b` `[groups, n, k]` in two parts, `d`
-    // `[groups * m_max, n]`, `counts` `[groups]`, `extra_a` its rows) and their 16-byte
+    // `[groups * m_max, n]` or with `swiglu` `[groups * m_max, n / 2]`, `counts` `[groups]`,
+    // `extra_a` its rows) and their 16-byte
     // alignment, and holds their guards until this returns, after the launch is queued; the
     // kernel reads only rows below each group's count, which it checks against `m_max` and the
     // rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.

@@ -16,6 +16,11 @@
 // same weights (the second pass mostly from L2); the launcher picks this kernel only when few
 // rows are expected.
 //
+// `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the stacked
+// gate_up weight ([n = 2I, k] per group), a warp takes weight rows j and I + j, and the block
+// writes act[r, j] = bf16(silu(bf16(gate)) * bf16(up)) ([rows, I]) instead of [gate | up]: the
+// same rounding as the GEMM followed by swiglu.cu, one launch and no [rows, 2I] round trip.
+//
 // Counts are checked like the CUTLASS path's setup kernel does: a negative count, one above
 // m_max, or an extra group's count above the rows of extra_a prints the entry and traps.
 
@@ -27,10 +32,10 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / ep::kWarpSize;
 constexpr int kColsPerWarp = 2;
 constexpr int kColsPerItem = kWarps * kColsPerWarp;
-constexpr int kRowsPerPass = 4;
-constexpr int kUnroll = 4;
+constexpr int kRowsPerPass = 2;
+constexpr int kUnroll = 8;  // 16-byte vectors in flight per weight row and lane
 constexpr int kMaxGroups = 1024;
-constexpr int kBlocksPerSm = 3;  // 80 registers a thread at most: 3 blocks of 256 per SM
+constexpr int kBlocksPerSm = 2;  // 128 registers a thread at most: 2 blocks of 256 per SM
 constexpr int kVec = 8;  // bf16 per 16-byte vector
 
 }  // namespace
@@ -39,13 +44,13 @@ constexpr int kVec = 8;  // bf16 per 16-byte vector
 struct GemvParams {
     const __nv_bfloat16* a;        // [groups (or first_extra), m_max, k]
     const __nv_bfloat16* b;        // [first_extra, n, k]
-    __nv_bfloat16* d;              // [groups, m_max, n]
+    __nv_bfloat16* d;              // [groups, m_max, n] (SwiGLU: [groups, m_max, n / 2])
     const int32_t* counts;         // [groups]
     const __nv_bfloat16* extra_a;  // [extra_a_rows, k] or null
     const __nv_bfloat16* extra_b;  // [groups - first_extra, n, k] or null
     int64_t extra_a_rows;
     int32_t groups;
-    int32_t n;
+    int32_t n;  // weight rows per group (SwiGLU: 2I, even)
     int32_t k;  // a multiple of 8
     int32_t m_max;
     int32_t first_extra;  // == groups without extra groups
@@ -68,6 +73,8 @@ EP_DEVICE float dot8(const int4& w, const int4& x) {
     }
     return acc;
 }
+
+EP_DEVICE float silu(float x) { return x / (1.0f + expf(-x)); }
 
 EP_DEVICE float warp_sum(float v) {
 #pragma unroll
@@ -124,20 +131,27 @@ EP_DEVICE int active_groups(const GemvParams& p, int* active, int* warp_totals) 
 
 }  // namespace
 
-EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm) grouped_gemv_bf16(const __grid_constant__ GemvParams p) {
+// kSwiglu: weight rows (j, I + j) per warp, output act [rows, I]; else rows (2w, 2w + 1) of a
+// 16-column slab, output d [rows, n].
+template <bool kSwiglu>
+__device__ __forceinline__ void gemv_body(const GemvParams& p) {
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
     const int num_active = active_groups(p, active, warp_totals);
 
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
-    const int64_t slabs = (p.n + kColsPerItem - 1) / kColsPerItem;
+    // Output columns and columns per item: SwiGLU pairs two weight rows into one column.
+    const int out_cols = kSwiglu ? p.n / 2 : p.n;
+    const int cols_per_item = kSwiglu ? kWarps : kColsPerItem;
+    const int64_t slabs = (out_cols + cols_per_item - 1) / cols_per_item;
     const int64_t items = static_cast<int64_t>(num_active) * slabs;
     const int vectors = p.k / kVec;
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
         const int g = active[item / slabs];
-        const int col0 = static_cast<int>(item % slabs) * kColsPerItem + warp * kColsPerWarp;
-        if (col0 >= p.n) {
+        const int col0 = static_cast<int>(item % slabs) * cols_per_item +
+                         warp * (kSwiglu ? 1 : kColsPerWarp);
+        if (col0 >= out_cols) {
             continue;
         }
         const int count = p.counts[g];
@@ -151,8 +165,9 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm) grouped_gemv_bf16(const
         const int4* w[kColsPerWarp];
 #pragma unroll
         for (int c = 0; c < kColsPerWarp; ++c) {
-            // A column past n (odd n / kColsPerWarp) re-reads the last one and is not stored.
-            const int col = min(col0 + c, p.n - 1);
+            // SwiGLU: gate row j, up row I + j. Else a column past n re-reads the last one and is
+            // not stored.
+            const int col = kSwiglu ? col0 + c * out_cols : min(col0 + c, p.n - 1);
             w[c] = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(col) * p.k);
         }
         for (int r0 = 0; r0 < count; r0 += kRowsPerPass) {
@@ -194,15 +209,38 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm) grouped_gemv_bf16(const
             }
 #pragma unroll
             for (int r = 0; r < kRowsPerPass; ++r) {
+                float s[kColsPerWarp];
 #pragma unroll
                 for (int c = 0; c < kColsPerWarp; ++c) {
-                    const float s = warp_sum(acc[c][r]);
-                    if (lane == 0 && r < rows && col0 + c < p.n) {
-                        const int64_t row = static_cast<int64_t>(g) * p.m_max + r0 + r;
-                        p.d[row * p.n + col0 + c] = ep::f32_to_bf16(s);
+                    s[c] = warp_sum(acc[c][r]);
+                }
+                if (lane != 0 || r >= rows) {
+                    continue;
+                }
+                const int64_t row = static_cast<int64_t>(g) * p.m_max + r0 + r;
+                if (kSwiglu) {
+                    const float gate = ep::bf16_to_f32(ep::f32_to_bf16(s[0]));
+                    const float up = ep::bf16_to_f32(ep::f32_to_bf16(s[1]));
+                    p.d[row * out_cols + col0] = ep::f32_to_bf16(silu(gate) * up);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < kColsPerWarp; ++c) {
+                        if (col0 + c < p.n) {
+                            p.d[row * p.n + col0 + c] = ep::f32_to_bf16(s[c]);
+                        }
                     }
                 }
             }
         }
     }
+}
+
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_bf16(const __grid_constant__ GemvParams p) {
+    gemv_body<false>(p);
+}
+
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_swiglu_bf16(const __grid_constant__ GemvParams p) {
+    gemv_body<true>(p);
 }

@@ -218,6 +218,25 @@ pub fn swiglu(
     Ok(())
 }
 
+/// Host twin of `grouped_gemv_swiglu_bf16_cuda`: [`grouped_gemm_extra`] (or [`grouped_gemm`]
+/// without extra groups) into a `[rows, n]` intermediate, then [`swiglu`] into `act`
+/// (`[rows, n / 2]`); rows past the counts keep their values.
+pub fn grouped_gemm_swiglu(
+    a: &[bf16],
+    b: &[bf16],
+    counts: &[i32],
+    shape: &GroupedGemmShape,
+    extra: Option<&HostExtraGroups<'_>>,
+    act: &mut [bf16],
+) -> Result<()> {
+    if shape.n % 2 != 0 {
+        return Err(Error::invalid("n", shape.n, "must be even (2I)"));
+    }
+    let mut h = vec![bf16::ZERO; shape.rows * shape.n];
+    grouped_gemm_impl(a, b, counts, shape, extra, &mut h)?;
+    swiglu(&h, counts, shape.layout, shape.rows, shape.n / 2, act)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -31,7 +31,9 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
-pub use host::{group_starts, grouped_gemm, grouped_gemm_extra, swiglu, HostExtraGroups};
+pub use host::{
+    group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, swiglu, HostExtraGroups,
+};
 
 use crate::error::{Error, Result};
 
@@ -136,7 +138,7 @@ pub enum GemmTiles {
 
 /// Valid rows a [`GemmTiles::Gemv`] GEMM multiplies per pass over a group's weights (more rows
 /// take more passes).
-pub const GEMV_ROWS_PER_PASS: usize = 4;
+pub const GEMV_ROWS_PER_PASS: usize = 2;
 
 impl GemmTiles {
     /// The configuration for a masked GEMM whose blocks are expected to hold at most
