@@ -17,6 +17,10 @@
 //!   weighted sum back per token;
 //! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a)
 //!   and the SwiGLU between them.
+//!
+//! With the `cuda` feature, `memory` owns the device memory the kernels use (raw
+//! allocations, host-mapped words, CUDA IPC handles, peer access); launchers take pointers and
+//! sizes and own nothing.
 
 pub mod error;
 pub mod expert_order;
@@ -29,6 +33,8 @@ pub mod routing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod memory;
 
 pub use error::{Error, Result};
 

@@ -7,10 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::result;
-use cudarc::driver::sys::{self, cudaError_enum};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use ep_kernels::intranode::{HostMappedI32, PeerBuffers, HEADER_ZERO_BYTES};
+use ep_kernels::intranode::{PeerBuffers, HEADER_ZERO_BYTES};
+use ep_kernels::memory::{enable_peer_access, DeviceMemory, HostMappedI32};
 
 /// Boxed error of the test and bench binaries.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -23,7 +22,7 @@ pub struct Node {
     pub streams: Vec<Arc<CudaStream>>,
     /// Per rank: its NVLink buffer (`cuMemAlloc`: stream-ordered pool allocations are not
     /// reachable through peer access).
-    pub buffers: Vec<RawBuffer>,
+    pub buffers: Vec<DeviceMemory>,
     /// Per rank: its error record (4 words, host-mapped).
     pub errors: Vec<HostMappedI32>,
     /// Per rank: the kernels' view of the node.
@@ -61,23 +60,9 @@ impl Node {
             .map(CudaContext::new)
             .collect::<Result<_, _>>()?;
         for (i, ci) in ctxs.iter().enumerate() {
-            ci.bind_to_thread()?;
             for (j, cj) in ctxs.iter().enumerate() {
-                if i == j {
-                    continue;
-                }
-                let mut can = 0;
-                // SAFETY: plain query with valid device ordinals and out-pointer.
-                unsafe { sys::cuDeviceCanAccessPeer(&mut can, i as i32, j as i32) }.result()?;
-                if can == 0 {
-                    return Err(format!("GPU {i} cannot access GPU {j} as a peer").into());
-                }
-                // SAFETY: `ci` is current; `cj` is a live context of another device.
-                let res = unsafe { sys::cuCtxEnablePeerAccess(cj.cu_ctx(), 0) };
-                if res != cudaError_enum::CUDA_SUCCESS
-                    && res != cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-                {
-                    res.result()?;
+                if i != j {
+                    enable_peer_access(ci, cj)?;
                 }
             }
         }
@@ -85,11 +70,15 @@ impl Node {
             .iter()
             .map(|c| c.new_stream())
             .collect::<Result<_, _>>()?;
-        let buffers: Vec<RawBuffer> = ctxs
+        let buffers: Vec<DeviceMemory> = ctxs
             .iter()
-            .map(|c| RawBuffer::new(c, bytes))
+            .map(|c| {
+                let mut b = DeviceMemory::alloc(c, bytes)?;
+                b.zero_sync(bytes)?;
+                Ok::<_, ep_kernels::Error>(b)
+            })
             .collect::<Result<_, _>>()?;
-        let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr).collect();
+        let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr()).collect();
         let errors: Vec<HostMappedI32> = ctxs
             .iter()
             .map(|c| HostMappedI32::new(c, 4, 0))
@@ -177,8 +166,8 @@ impl Node {
         for s in &self.streams {
             s.synchronize()?;
         }
-        for b in &self.buffers {
-            b.zero(HEADER_ZERO_BYTES)?;
+        for b in &mut self.buffers {
+            b.zero_sync(HEADER_ZERO_BYTES)?;
         }
         for e in &self.errors {
             e.fill(0);
@@ -192,47 +181,5 @@ impl Drop for Node {
         for s in &self.streams {
             let _ = s.synchronize();
         }
-    }
-}
-
-/// A device allocation made with `cuMemAlloc` (peer-accessible once peer access is enabled).
-pub struct RawBuffer {
-    /// Device address.
-    pub ptr: u64,
-    /// Size in bytes.
-    pub bytes: usize,
-    ctx: Arc<CudaContext>,
-}
-
-impl RawBuffer {
-    /// Allocates `bytes` on `ctx`'s device, zeroed.
-    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, BoxError> {
-        ctx.bind_to_thread()?;
-        // SAFETY: plain allocation; zeroed below before anyone reads it.
-        let ptr = unsafe { result::malloc_sync(bytes) }?;
-        let buf = Self {
-            ptr,
-            bytes,
-            ctx: ctx.clone(),
-        };
-        buf.zero(bytes)?;
-        Ok(buf)
-    }
-
-    /// Zeroes the first `bytes` (synchronously; no kernel may be using the buffer).
-    pub fn zero(&self, bytes: usize) -> Result<(), BoxError> {
-        self.ctx.bind_to_thread()?;
-        // SAFETY: `ptr` is a live allocation of `self.bytes >= bytes` bytes.
-        unsafe { result::memset_d8_sync(self.ptr, 0, bytes.min(self.bytes)) }?;
-        Ok(())
-    }
-}
-
-impl Drop for RawBuffer {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by `malloc_sync` and freed once; the owning `Node` synchronised its
-        // streams first.
-        let _ = unsafe { result::free_sync(self.ptr) };
     }
 }

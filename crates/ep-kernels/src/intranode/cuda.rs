@@ -16,7 +16,8 @@
 //! Modules, one concern each (kernels in `src/intranode/*.cu`, the NVLink buffer layout they
 //! share in `csrc/intranode.cuh`):
 //! - `buffers`: [`PeerBuffers`], the node's buffers and this rank's error record;
-//! - `mapped`: [`HostMappedI32`], counters the host polls while kernels run;
+//! - [`HostMappedI32`], counters the host polls while kernels run, lives in [`crate::memory`]
+//!   (re-exported here);
 //! - `config`: [`Config`] of the SM rings and [`buffer_size_hint`];
 //! - `payload`: the rows, scales and routing a dispatch moves ([`Payload`], [`TopK`], ...);
 //! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu` and `rings.cu`;
@@ -27,10 +28,10 @@ mod combine;
 mod config;
 mod copy_engine;
 mod dispatch;
-mod mapped;
 mod notify;
 mod payload;
 
+pub use crate::memory::HostMappedI32;
 pub use buffers::{PeerBuffers, DEFAULT_TIMEOUT};
 pub use combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
 pub use config::{buffer_size_hint, Config, MAX_CHANNELS};
@@ -39,7 +40,6 @@ pub use copy_engine::{
     MAX_COPY_LANES,
 };
 pub use dispatch::{dispatch_cuda, DispatchArgs};
-pub use mapped::HostMappedI32;
 pub use notify::{cached_notify_cuda, notify_dispatch_cuda, NotifyArgs};
 pub use payload::{Payload, RecvPayload, RecvTopK, TopK};
 
@@ -57,8 +57,8 @@ pub const RING_BASE: usize = 65536;
 pub const HEADER_ZERO_BYTES: usize = RING_BASE;
 
 /// Kernel names by the ids the device writes into error records (`KernelId` in
-/// `csrc/intranode.cuh`).
-const KERNEL_NAMES: [&str; 8] = [
+/// `csrc/intranode.cuh`; [`HostMappedI32::poll_nonneg`] names entry 1).
+pub(crate) const KERNEL_NAMES: [&str; 8] = [
     "intranode_unknown",
     "intranode_notify_dispatch",
     "intranode_cached_notify",

@@ -34,6 +34,8 @@
 mod buffer;
 mod recv;
 
+/// Peer access lives with the rest of device memory in [`crate::memory`].
+pub use crate::memory::enable_peer_access;
 pub use buffer::{LowLatencyBuffer, DEFAULT_TIMEOUT};
 pub use recv::{
     LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RecvXMut,
@@ -372,32 +374,4 @@ pub fn delay_cuda(stream: &CudaStream, duration: Duration) -> Result<()> {
     };
     // SAFETY: `params` matches `SpinParams`; the kernel touches no memory.
     unsafe { kernel.launch(stream, cfg, params) }
-}
-
-/// Lets kernels of `ctx` access memory of `peer` (one process driving several GPUs: the
-/// peer pointers of [`LowLatencyBuffer::connect`]). Enabling twice is not an error.
-pub fn enable_peer_access(
-    ctx: &cudarc::driver::CudaContext,
-    peer: &cudarc::driver::CudaContext,
-) -> Result<()> {
-    use cudarc::driver::sys::{cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, CUresult};
-    if ctx.cu_ctx() == peer.cu_ctx() {
-        return Ok(());
-    }
-    ctx.bind_to_thread()?;
-    let mut can = 0i32;
-    // SAFETY: both devices are valid handles of live contexts; `can` outlives the call.
-    unsafe { cuDeviceCanAccessPeer(&mut can, ctx.cu_device(), peer.cu_device()) }.result()?;
-    if can == 0 {
-        return Err(Error::invalid(
-            "peer",
-            format!("device {}", peer.ordinal()),
-            format!("is not peer-accessible from device {}", ctx.ordinal()),
-        ));
-    }
-    // SAFETY: `ctx` is current on this thread and `peer` is a live context.
-    match unsafe { cuCtxEnablePeerAccess(peer.cu_ctx(), 0) } {
-        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
-        e => Err(e.result().unwrap_err().into()),
-    }
 }

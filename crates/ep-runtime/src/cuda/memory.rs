@@ -1,70 +1,17 @@
-//! Device memory that peers of the node map: raw allocations, CUDA IPC handles, peer pointers.
+//! Device memory that peers of the node map: the records ranks swap, and the peer pointers.
 //!
-//! Every rank allocates its buffer with `cuMemAlloc` (not a stream-ordered pool, which peers
-//! cannot reach), then the ranks swap one [`PeerRecord`] each over the host transport. A peer
-//! in another process is mapped with `cuIpcOpenMemHandle`; a peer in this process (several
-//! GPUs driven by threads) is reached through its raw pointer after `cuCtxEnablePeerAccess`
-//! (a process cannot open its own IPC handles).
+//! Every rank allocates its buffer as an [`ep_kernels::memory::DeviceMemory`] (`cuMemAlloc`,
+//! not a stream-ordered pool, which peers cannot reach), then the ranks swap one
+//! [`PeerRecord`] each over the host transport. A peer in another process is mapped with
+//! CUDA IPC ([`ipc::open`]); a peer in this process (several GPUs driven by threads) is
+//! reached through its raw pointer after [`enable_peer_access`] (a process cannot open its own
+//! IPC handles). The driver calls themselves live in [`ep_kernels::memory`].
 
 use crate::error::{Error, Result};
-use cudarc::driver::sys::{self, CUdeviceptr};
-use cudarc::driver::{result, CudaContext, CudaStream};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaContext;
+use ep_kernels::memory::{enable_peer_access, ipc, DeviceMemory};
 use std::sync::Arc;
-
-/// A zeroed `cuMemAlloc` allocation of this rank, freed on drop.
-#[derive(Debug)]
-pub(crate) struct DeviceMemory {
-    ctx: Arc<CudaContext>,
-    ptr: CUdeviceptr,
-    bytes: usize,
-}
-
-// SAFETY: the allocation is owned by this value and only touched through the (thread-safe)
-// CUDA driver; nothing in it is tied to the creating thread.
-unsafe impl Send for DeviceMemory {}
-// SAFETY: as above; `&self` methods only read the address.
-unsafe impl Sync for DeviceMemory {}
-
-impl DeviceMemory {
-    /// Allocates `bytes` (>= 1) on `stream`'s device and zeroes them (synchronises `stream`).
-    pub(crate) fn zeroed(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        if bytes == 0 {
-            return Err(Error::invalid(
-                "bytes",
-                0,
-                "a device buffer needs at least 1 byte",
-            ));
-        }
-        let ctx = stream.context().clone();
-        ctx.bind_to_thread()?;
-        // SAFETY: a plain allocation; it is zeroed below before any use and freed once in
-        // `Drop` (the owning value is built right away).
-        let ptr = unsafe { result::malloc_sync(bytes) }?;
-        let mem = Self { ctx, ptr, bytes };
-        // SAFETY: `ptr` holds `bytes` bytes of this context; ordered on `stream`, which is
-        // synchronised before the memory is used.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }?;
-        stream.synchronize()?;
-        Ok(mem)
-    }
-
-    /// The size in bytes.
-    pub(crate) fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for DeviceMemory {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // Kernels (of this rank) using the memory must be done before it is freed.
-            let _ = self.ctx.synchronize();
-            // SAFETY: `ptr` came from `malloc_sync` and is freed only here, after the
-            // context's work has finished.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
-    }
-}
 
 /// What one rank tells the others about a buffer: who it is and how to reach the memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,33 +25,28 @@ pub(crate) struct PeerRecord {
     /// The buffer's size.
     pub bytes: u64,
     /// `cuIpcGetMemHandle` of the allocation.
-    pub handle: [u8; 64],
+    pub handle: ipc::Handle,
 }
 
 impl PeerRecord {
-    const LEN: usize = 4 + 4 + 8 + 8 + 64;
+    const LEN: usize = 4 + 4 + 8 + 8 + ipc::HANDLE_BYTES;
 
     /// The record of `mem` (gets its IPC handle).
     pub(crate) fn of(mem: &DeviceMemory, ordinal: usize) -> Result<Self> {
-        Self::of_ptr(&mem.ctx, mem.ptr, mem.bytes, ordinal)
+        Self::of_ptr(mem.context(), mem.ptr(), mem.bytes(), ordinal)
     }
 
-    /// The record of the allocation at `ptr` (from `cuMemAlloc` in `ctx`).
+    /// The record of the allocation at `ptr` (gets its IPC handle). `ptr` must be the base of
+    /// a live `cuMemAlloc` allocation of `ctx` (the low-latency buffer's `base_ptr`).
     pub(crate) fn of_ptr(
         ctx: &Arc<CudaContext>,
         ptr: CUdeviceptr,
         bytes: usize,
         ordinal: usize,
     ) -> Result<Self> {
-        ctx.bind_to_thread()?;
-        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: `ptr` is the base of a live `cuMemAlloc` allocation of the current context;
-        // `h` is a valid out-pointer.
-        unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result()?;
-        let mut handle = [0u8; 64];
-        for (d, s) in handle.iter_mut().zip(h.reserved.iter()) {
-            *d = *s as u8;
-        }
+        // SAFETY: `ptr` is the base of a live `cuMemAlloc` allocation of `ctx`: a
+        // `DeviceMemory` (`of`) or the low-latency buffer's `base_ptr` (the crate's callers).
+        let handle = unsafe { ipc::get_handle(ctx, ptr) }?;
         Ok(Self {
             pid: std::process::id(),
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
@@ -139,7 +81,7 @@ impl PeerRecord {
         }
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
-        let mut handle = [0u8; 64];
+        let mut handle = [0u8; ipc::HANDLE_BYTES];
         handle.copy_from_slice(&b[24..88]);
         Ok(Self {
             pid: u32_at(0),
@@ -157,7 +99,7 @@ pub(crate) struct PeerMap {
     ctx: Arc<CudaContext>,
     /// `ptrs[i]`: the buffer of the `i`-th rank of the node.
     ptrs: Vec<u64>,
-    /// Addresses returned by `cuIpcOpenMemHandle` (closed on drop).
+    /// Addresses returned by [`ipc::open`] (closed on drop).
     opened: Vec<CUdeviceptr>,
     /// Primary contexts of same-process peers on other devices (kept alive while mapped).
     _peer_ctxs: Vec<Arc<CudaContext>>,
@@ -202,7 +144,7 @@ impl PeerMap {
                 // Same process: unified addressing; enable peer access to the other device.
                 if rec.ordinal != own.ordinal {
                     let peer = CudaContext::new(rec.ordinal as usize)?;
-                    ep_kernels::low_latency::enable_peer_access(ctx, &peer).map_err(|e| {
+                    enable_peer_access(ctx, &peer).map_err(|e| {
                         Error::Unsupported(format!(
                             "rank {} (device {}) is not reachable over NVLink/P2P from device {}: {e}",
                             global_rank(i),
@@ -215,21 +157,8 @@ impl PeerMap {
                 }
                 map.ptrs.push(rec.ptr);
             } else {
-                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-                for (d, s) in h.reserved.iter_mut().zip(rec.handle.iter()) {
-                    *d = *s as _;
-                }
-                let mut ptr: CUdeviceptr = 0;
-                // SAFETY: `h` is a handle made by `cuIpcGetMemHandle` in another process of
-                // this node; `ptr` is a valid out-pointer; the mapping is closed in `Drop`.
-                let res = unsafe {
-                    sys::cuIpcOpenMemHandle_v2(
-                        &mut ptr,
-                        h,
-                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    )
-                };
-                res.result().map_err(|e| {
+                // The mapping (into `ctx`, bound above) is closed in `Drop`.
+                let ptr = ipc::open(&rec.handle).map_err(|e| {
                     Error::Unsupported(format!(
                         "cannot open the CUDA IPC handle of rank {} (pid {}, device {}): {e}; \
                          are both processes on one node with NVLink/P2P between the GPUs?",
@@ -256,9 +185,9 @@ impl Drop for PeerMap {
         if self.ctx.bind_to_thread().is_ok() {
             let _ = self.ctx.synchronize();
             for &p in &self.opened {
-                // SAFETY: `p` came from `cuIpcOpenMemHandle` in this context and is closed
-                // once, after this context's kernels (the only users of the mapping) finished.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+                // SAFETY: `p` came from `ipc::open` in this context and is closed once, after
+                // this context's kernels (the only users of the mapping) finished.
+                let _ = unsafe { ipc::close(p) };
             }
         }
     }

@@ -40,7 +40,8 @@ use candle_core::Device;
 use common::gather_records;
 use cudarc::driver::{CudaContext, CudaStream};
 use ep_kernels::intranode as ki;
-use memory::{DeviceMemory, PeerMap, PeerRecord};
+use ep_kernels::memory::DeviceMemory;
+use memory::{PeerMap, PeerRecord};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

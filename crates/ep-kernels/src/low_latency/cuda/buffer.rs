@@ -10,7 +10,7 @@ use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use super::layout::LowLatencyLayout;
 use crate::cuda::assert_params_layout;
 use crate::error::{Error, Result};
-use crate::intranode::HostMappedI32;
+use crate::memory::{DeviceMemory, HostMappedI32};
 
 /// Default time any device wait of the low-latency kernels may take before the peer it waits
 /// for is marked inactive.
@@ -18,27 +18,29 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One rank's low-latency buffer (layout: [`LowLatencyLayout`]).
 ///
-/// The memory comes from `cuMemAlloc` (not a stream-ordered pool), so that peers can reach it
-/// through peer access or CUDA IPC. Lifecycle: [`LowLatencyBuffer::new`] on every rank, share
-/// [`LowLatencyBuffer::base_ptr`] (as a peer pointer or an IPC handle), then
+/// The memory is a [`DeviceMemory`] (`cuMemAlloc`, not a stream-ordered pool), so that peers
+/// can reach it through peer access or CUDA IPC. Lifecycle: [`LowLatencyBuffer::new`] on
+/// every rank, share [`LowLatencyBuffer::base_ptr`] (as a peer pointer or an IPC handle), then
 /// [`LowLatencyBuffer::connect`] with every rank's base address as this GPU sees it.
 #[derive(Debug)]
 pub struct LowLatencyBuffer {
     ctx: Arc<CudaContext>,
-    ptr: CUdeviceptr,
+    /// The buffer's memory. Declared before the peer table and the mirror: its drop
+    /// synchronises the context (so no kernel uses any of them any more), then frees it.
+    mem: DeviceMemory,
     layout: LowLatencyLayout,
     rank: usize,
     peers: CudaSlice<u64>,
     connected: bool,
     timeout: Duration,
     /// Host-mapped copy of the active-ranks mask, written by every launch with a receive phase
-    /// as it ends (see [`LowLatencyBuffer::active_ranks_mirror`]); dropped after `Drop`
+    /// as it ends (see [`LowLatencyBuffer::active_ranks_mirror`]); dropped after `mem`
     /// synchronised the context, so no kernel writes it any more.
     mirror: HostMappedI32,
 }
 
-// SAFETY: the raw allocation is owned by this value and only touched through the CUDA driver,
-// which is thread-safe; nothing in it is tied to the creating thread.
+// SAFETY: the allocation (owned through `mem`) is only touched through the CUDA driver, which
+// is thread-safe; nothing in it is tied to the creating thread.
 unsafe impl Send for LowLatencyBuffer {}
 // SAFETY: as above; `&self` methods only enqueue driver calls.
 unsafe impl Sync for LowLatencyBuffer {}
@@ -59,14 +61,13 @@ impl LowLatencyBuffer {
         let mut table = vec![0u64; layout.num_ranks];
         let mut peers = stream.alloc_zeros::<u64>(layout.num_ranks)?;
         let mirror = HostMappedI32::new(&ctx, layout.num_ranks, 1)?;
-        // SAFETY: a plain allocation of `total_bytes`; it is zeroed below before any use and
-        // freed exactly once in `Drop` (the value owning it is built right away).
-        let ptr = unsafe { result::malloc_sync(layout.total_bytes) }?;
-        table[rank] = ptr;
+        // Zeroed below before any use; freed by `DeviceMemory`'s drop.
+        let mem = DeviceMemory::alloc(&ctx, layout.total_bytes)?;
+        table[rank] = mem.ptr();
         stream.memcpy_htod(&table, &mut peers)?;
-        let buffer = Self {
+        let mut buffer = Self {
             ctx,
-            ptr,
+            mem,
             layout,
             rank,
             peers,
@@ -74,16 +75,15 @@ impl LowLatencyBuffer {
             timeout: DEFAULT_TIMEOUT,
             mirror,
         };
-        // SAFETY: `ptr` holds `total_bytes` bytes of this context; the memset is ordered on
-        // `stream` and completes before `set_active_ranks` synchronises it.
-        unsafe { result::memset_d8_async(ptr, 0, layout.total_bytes, stream.cu_stream()) }?;
+        // Ordered on `stream`; completes before `set_active_ranks` synchronises it.
+        buffer.mem.zero_async(stream)?;
         buffer.set_active_ranks(stream, &vec![true; layout.num_ranks])?;
         Ok(buffer)
     }
 
     /// The device address of this rank's buffer (what peers map).
     pub fn base_ptr(&self) -> u64 {
-        self.ptr
+        self.mem.ptr()
     }
 
     /// The layout.
@@ -117,11 +117,14 @@ impl LowLatencyBuffer {
     /// mapped for as long as kernels use this buffer: the kernels write to those addresses.
     pub unsafe fn connect(&mut self, stream: &Arc<CudaStream>, peer_bases: &[u64]) -> Result<()> {
         Error::check_len("peer_bases", self.layout.num_ranks, peer_bases.len())?;
-        if peer_bases[self.rank] != self.ptr {
+        if peer_bases[self.rank] != self.mem.ptr() {
             return Err(Error::invalid(
                 "peer_bases",
                 format!("[{}] = {:#x}", self.rank, peer_bases[self.rank]),
-                format!("this rank's own entry must be its base_ptr {:#x}", self.ptr),
+                format!(
+                    "this rank's own entry must be its base_ptr {:#x}",
+                    self.mem.ptr()
+                ),
             ));
         }
         if let Some(r) = peer_bases.iter().position(|&b| b == 0 || b % 256 != 0) {
@@ -156,7 +159,7 @@ impl LowLatencyBuffer {
         unsafe {
             result::memcpy_dtoh_async(
                 &mut raw,
-                self.ptr + self.layout.off_active as u64,
+                self.mem.ptr() + self.layout.off_active as u64,
                 stream.cu_stream(),
             )
         }?;
@@ -176,11 +179,7 @@ impl LowLatencyBuffer {
     /// Enqueues a copy of the active-ranks mask into `dst` (host-mapped, `num_ranks` words) on
     /// `stream` without waiting (capturable in a CUDA graph): `dst` holds the mask once the
     /// stream has passed this point (record an event after it and query that).
-    pub fn copy_active_ranks(
-        &self,
-        stream: &Arc<CudaStream>,
-        dst: &crate::intranode::HostMappedI32,
-    ) -> Result<()> {
+    pub fn copy_active_ranks(&self, stream: &Arc<CudaStream>, dst: &HostMappedI32) -> Result<()> {
         Error::check_len("dst", self.layout.num_ranks, dst.len())?;
         self.ctx.bind_to_thread()?;
         // SAFETY: the mask holds `num_ranks` i32 inside this allocation and `dst` is a live
@@ -189,7 +188,7 @@ impl LowLatencyBuffer {
         unsafe {
             result::memcpy_dtod_async(
                 dst.device_ptr(),
-                self.ptr + self.layout.off_active as u64,
+                self.mem.ptr() + self.layout.off_active as u64,
                 self.layout.num_ranks * std::mem::size_of::<i32>(),
                 stream.cu_stream(),
             )
@@ -207,7 +206,7 @@ impl LowLatencyBuffer {
         // copy (the stream is synchronised before return).
         unsafe {
             result::memcpy_htod_async(
-                self.ptr + self.layout.off_active as u64,
+                self.mem.ptr() + self.layout.off_active as u64,
                 &raw,
                 stream.cu_stream(),
             )
@@ -252,7 +251,7 @@ impl LowLatencyBuffer {
             i32::try_from(v).map_err(|_| Error::invalid(arg, v, "must fit in i32"))
         };
         Ok(LlBuffer {
-            local: self.ptr,
+            local: self.mem.ptr(),
             peers,
             set_bytes: l.set_bytes as u64,
             sets_offset: l.sets_offset as u64,
@@ -274,18 +273,6 @@ impl LowLatencyBuffer {
             reserved: 0,
             active_mirror: self.mirror.device_ptr(),
         })
-    }
-}
-
-impl Drop for LowLatencyBuffer {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // Kernels using the buffer must be done before it is freed.
-            let _ = self.ctx.synchronize();
-            // SAFETY: `ptr` came from `malloc_sync` in `new` and is freed only here; the
-            // context has been synchronised, so no kernel still uses it.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
     }
 }
 

@@ -1,5 +1,6 @@
-//! Host-mapped `i32` words: counters the notify kernel writes and the host polls while it
-//! runs, and error records.
+//! [`HostMappedI32`]: host-mapped `i32` words (page-locked host memory every context
+//! addresses): counters the notify kernel writes and the host polls while it runs, error
+//! records, and the low-latency active-ranks mirror.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -8,8 +9,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::CudaContext;
 
-use super::KERNEL_NAMES;
 use crate::error::{Error, Result};
+use crate::intranode::KERNEL_NAMES;
 
 /// `i32`s in page-locked host memory mapped into every context (`cuMemHostAlloc` with
 /// `DEVICEMAP | PORTABLE`): the host reads what kernels write while they run.
