@@ -7,10 +7,16 @@
 //! - `Backend::Cuda` (feature `cuda`): CUDA tensors; the kernels of `ep-kernels` over NVLink,
 //!   on the buffer's communication stream ([`crate::cuda`]).
 //!
-//! The op modules (`layout`, `normal`, `low_latency`) check their arguments once, then call
-//! the backend once. Backends see the buffer only through [`Group`] and return raw parts
-//! (tensors, events, backend data), which the op modules assemble into the public outputs: so
-//! no backend module imports the buffer or the public ops.
+//! Each op of the op modules (`layout`, `normal`, `low_latency`) checks its arguments once,
+//! then matches on the backend once: the `Host` arm runs the op's host code (the layout's
+//! `dispatch_layout_host`, the functions of `normal::host`, the host send and finish steps of
+//! `low_latency`), the `Cuda` arm the op of `crate::cuda::CudaBuffer` (after any checks that
+//! only CUDA buffers need). Low-latency dispatch also asks [`Backend::is_host`] whether to
+//! plan on the host before that. The calls that need no op module's code are methods here. Backends see the buffer only
+//! through [`Group`], so no backend module imports the buffer. The low-latency CUDA ops return
+//! raw parts (tensors, events, backend data), which the op modules assemble into the public
+//! outputs; the layout and normal-mode CUDA ops take the public arguments and build the public
+//! outputs themselves (`crate::cuda::normal`).
 
 use crate::error::Result;
 use crate::group::Group;
@@ -69,16 +75,6 @@ impl Backend {
             Self::Host => Ok(()),
             #[cfg(feature = "cuda")]
             Self::Cuda(c) => c.low_latency().note_replay(),
-        }
-    }
-
-    /// The CUDA backend, for the normal-mode ops and the layout, which still branch on it
-    /// (their CUDA code builds the public outputs itself).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
-        match self {
-            Self::Host => None,
-            Self::Cuda(c) => Some(&**c),
         }
     }
 

@@ -1,5 +1,6 @@
 //! `get_dispatch_layout`: where each token goes, computed locally.
 
+use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
@@ -79,15 +80,28 @@ impl Buffer {
             ));
         }
         let placement = self.placement(num_experts)?;
-        // CUDA buffers: the layout kernel reads the routing on the device (entries outside
-        // [0, num_experts) other than -1 are skipped there); nothing comes back to the host.
-        #[cfg(feature = "cuda")]
-        if let Some(c) = self.backend.cuda() {
-            check_shape("topk_idx", topk_idx, &[None, None])?;
-            check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
-            let k = topk_idx.dims2()?.1;
-            return c.get_dispatch_layout(topk_idx, k, &placement);
+        match &self.backend {
+            Backend::Host => self.dispatch_layout_host(topk_idx, num_experts, placement),
+            // CUDA buffers: the layout kernel reads the routing on the device (entries outside
+            // [0, num_experts) other than -1 are skipped there); nothing comes back to the host.
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                check_shape("topk_idx", topk_idx, &[None, None])?;
+                check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
+                let k = topk_idx.dims2()?.1;
+                c.get_dispatch_layout(topk_idx, k, &placement)
+            }
         }
+    }
+
+    /// The layout on the host backend (arguments checked): the routing is read back and the
+    /// host twin computes the layout.
+    fn dispatch_layout_host(
+        &self,
+        topk_idx: &Tensor,
+        num_experts: usize,
+        placement: ExpertPlacement,
+    ) -> Result<DispatchLayout> {
         let (idx, t, k) = read_topk_idx(topk_idx, &placement)?;
         let host = kl::get_dispatch_layout(&idx, t, k, &placement)?;
         let dev = &self.device;

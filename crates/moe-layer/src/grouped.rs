@@ -80,6 +80,7 @@ struct SharedRows<'a> {
 /// and `counts` (`[groups]` i32, device) make valid; returns `y` `[rows, H]` bf16 (other rows
 /// unwritten). With `shared`, the last groups are its blocks (masked layout; `a` then holds
 /// only the routed experts' blocks).
+#[allow(clippy::too_many_arguments)]
 fn mlp_rows(
     experts: &Experts,
     dev: &CudaDevice,

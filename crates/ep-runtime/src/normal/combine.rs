@@ -1,9 +1,9 @@
 //! Normal-mode combine.
 
 use super::handle::Handle;
+use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer};
-use crate::codec::{pack, tensor_bytes, tensor_from_bytes, unpack};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::event::EventOverlap;
 use candle_core::{DType, Tensor};
 
@@ -91,85 +91,10 @@ impl Buffer {
             }
             None => None,
         };
-        #[cfg(feature = "cuda")]
-        if let Some(c) = self.backend.cuda() {
-            return c.combine(args);
+        match &self.backend {
+            Backend::Host => self.combine_host(args, hidden, k),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.combine(args),
         }
-        if let Some(e) = args.previous_event {
-            e.wait()?;
-        }
-        let r = self.topology.num_ranks;
-        let me = self.topology.rank;
-        let t = hi.num_tokens;
-        let x_bytes = tensor_bytes(args.x)?;
-        let row = hidden * args.x.dtype().size_in_bytes();
-        let w_bytes = match args.topk_weights {
-            Some(w) => tensor_bytes(w)?,
-            None => Vec::new(),
-        };
-        let wrow = k.unwrap_or(0) * 4;
-        let counts = h.recv_counts_from(me);
-        let mut off = 0;
-        let msgs = (0..r)
-            .map(|s| {
-                let c = counts[s];
-                let m = pack(&[
-                    &x_bytes[off * row..(off + c) * row],
-                    &w_bytes[off * wrow..(off + c) * wrow],
-                ]);
-                off += c;
-                Some(m)
-            })
-            .collect();
-        let got = self.exchange("combine", msgs, None)?;
-
-        let mut acc = vec![0f32; t * hidden];
-        let kk = k.unwrap_or(0);
-        let mut wacc = vec![0f32; t * kk];
-        for (d, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
-            let parts = unpack(&m, 2, d)?;
-            let tokens: Vec<usize> = (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]).collect();
-            if parts[0].len() != tokens.len() * row || parts[1].len() != tokens.len() * wrow {
-                return Err(Error::Protocol {
-                    rank: d,
-                    what: format!(
-                        "combine sent {} bytes for {} tokens of {row} bytes (different hidden size, dtype or weights on that rank?)",
-                        parts[0].len(),
-                        tokens.len()
-                    ),
-                });
-            }
-            let rows = tensor_from_bytes(parts[0], args.x.dtype(), &[tokens.len(), hidden])?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            for (j, &i) in tokens.iter().enumerate() {
-                for (a, v) in acc[i * hidden..(i + 1) * hidden]
-                    .iter_mut()
-                    .zip(&rows[j * hidden..(j + 1) * hidden])
-                {
-                    *a += v;
-                }
-                if kk > 0 {
-                    let ws = &parts[1][j * wrow..(j + 1) * wrow];
-                    for (a, c) in wacc[i * kk..(i + 1) * kk]
-                        .iter_mut()
-                        .zip(ws.chunks_exact(4))
-                    {
-                        *a += f32::from_le_bytes(c.try_into().expect("4 bytes"));
-                    }
-                }
-            }
-        }
-        let dev = &self.device;
-        Ok(CombineOutput {
-            combined_x: Tensor::from_vec(acc, (t, hidden), dev)?.to_dtype(args.x.dtype())?,
-            combined_topk_weights: match k {
-                Some(k) => Some(Tensor::from_vec(wacc, (t, k), dev)?),
-                None => None,
-            },
-            event: EventOverlap::complete(),
-        })
     }
 }

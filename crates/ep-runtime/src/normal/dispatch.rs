@@ -1,15 +1,13 @@
 //! Normal-mode dispatch.
 
-use super::handle::{Handle, HandleInner, HandleTensors};
+use super::handle::Handle;
+use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer};
-use crate::codec::{i32_bytes, i32s, pack, tensor_bytes, tensor_from_bytes, unpack};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
-use crate::layout::{read_topk_idx, DispatchLayout};
+use crate::layout::DispatchLayout;
 use candle_core::{DType, Tensor};
-use ep_kernels::intranode as ki;
 use ep_kernels::FP8_GROUP;
-use std::sync::Arc;
 
 /// The inputs of [`Buffer::dispatch`], built with [`DispatchArgs::new`] and its setters.
 #[derive(Debug, Clone)]
@@ -126,10 +124,11 @@ pub struct DispatchOutput {
     pub event: EventOverlap,
 }
 
-struct CheckedX {
-    num_tokens: usize,
-    hidden: usize,
-    fp8: bool,
+/// What [`check_x`] learnt about `x`.
+pub(super) struct CheckedX {
+    pub(super) num_tokens: usize,
+    pub(super) hidden: usize,
+    pub(super) fp8: bool,
 }
 
 fn check_x(buf: &Buffer, x: &Tensor, x_scales: Option<&Tensor>) -> Result<CheckedX> {
@@ -191,16 +190,12 @@ impl Buffer {
         if args.expert_alignment == 0 {
             return Err(Error::invalid("expert_alignment", 0, "must be >= 1"));
         }
-        // CUDA buffers order `previous_event` on their stream instead of waiting here.
-        #[cfg(feature = "cuda")]
-        if !self.backend.is_host() {
-            return match args.handle {
-                Some(h) => self.dispatch_cached(args, &cx, h),
-                None => self.dispatch_fresh(args, &cx),
-            };
-        }
-        if let Some(e) = args.previous_event {
-            e.wait()?;
+        // The host backend waits for `previous_event` here; CUDA buffers order it on their
+        // stream instead.
+        if self.backend.is_host() {
+            if let Some(e) = args.previous_event {
+                e.wait()?;
+            }
         }
         match args.handle {
             Some(h) => self.dispatch_cached(args, &cx, h),
@@ -210,8 +205,6 @@ impl Buffer {
 
     fn dispatch_fresh(&self, args: &DispatchArgs<'_>, cx: &CheckedX) -> Result<DispatchOutput> {
         let r = self.topology.num_ranks;
-        let me = self.topology.rank;
-        let t = cx.num_tokens;
         // Routing and layout.
         let num_experts = match (args.layout, args.num_experts) {
             (Some(l), Some(n)) if l.num_experts != n => {
@@ -239,70 +232,40 @@ impl Buffer {
             ));
         }
         let placement = self.placement(num_experts)?;
-        // CUDA buffers: shapes and dtypes only; the routing stays on the device.
-        #[cfg(feature = "cuda")]
-        if let Some(c) = self.backend.cuda() {
-            let num_topk = match args.topk_idx {
-                Some(idx) => {
-                    self.check_device("topk_idx", idx)?;
-                    check_shape("topk_idx", idx, &[Some(t), None])?;
-                    check_dtype("topk_idx", idx, &[DType::I64], "i64")?;
-                    idx.dims2()?.1
-                }
-                None => 0,
-            };
-            match (args.topk_weights, args.topk_idx) {
-                (Some(_), None) => {
-                    return Err(Error::invalid(
-                        "topk_weights",
-                        "Some",
-                        "needs topk_idx as well",
-                    ))
-                }
-                (Some(w), Some(_)) => {
-                    self.check_device("topk_weights", w)?;
-                    check_shape("topk_weights", w, &[Some(t), Some(num_topk)])?;
-                    check_dtype("topk_weights", w, &[DType::F32], "f32")?;
-                }
-                _ => {}
+        match &self.backend {
+            Backend::Host => self.dispatch_fresh_host(args, cx, num_experts, placement),
+            // CUDA buffers: shapes and dtypes only; the routing stays on the device.
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                let t = cx.num_tokens;
+                let num_topk = self.check_routing_cuda(args, t)?;
+                c.dispatch_fresh(crate::cuda::FreshDispatch {
+                    args,
+                    num_tokens: t,
+                    hidden: cx.hidden,
+                    fp8: cx.fp8,
+                    num_experts,
+                    placement,
+                    num_topk,
+                })
             }
-            match args.layout {
-                Some(l) if l.num_tokens != t => {
-                    return Err(Error::invalid(
-                        "layout",
-                        format!("a layout of {} tokens", l.num_tokens),
-                        format!("must be for x's {t} tokens"),
-                    ))
-                }
-                None if args.topk_idx.is_none() => {
-                    return Err(Error::invalid(
-                        "topk_idx",
-                        "None",
-                        "needed to compute the layout when none is given",
-                    ))
-                }
-                _ => {}
-            }
-            return c.dispatch_fresh(crate::cuda::FreshDispatch {
-                args,
-                num_tokens: t,
-                hidden: cx.hidden,
-                fp8: cx.fp8,
-                num_experts,
-                placement,
-                num_topk,
-            });
         }
-        let topk = match args.topk_idx {
+    }
+
+    /// The routing checks of a fresh dispatch on a CUDA buffer (shapes and dtypes only: the
+    /// routing is never read back): returns the top-k of `topk_idx` (0 when none).
+    #[cfg(feature = "cuda")]
+    fn check_routing_cuda(&self, args: &DispatchArgs<'_>, t: usize) -> Result<usize> {
+        let num_topk = match args.topk_idx {
             Some(idx) => {
                 self.check_device("topk_idx", idx)?;
                 check_shape("topk_idx", idx, &[Some(t), None])?;
-                let (v, _, k) = read_topk_idx(idx, &placement)?;
-                Some((v, k))
+                check_dtype("topk_idx", idx, &[DType::I64], "i64")?;
+                idx.dims2()?.1
             }
-            None => None,
+            None => 0,
         };
-        let weights = match (args.topk_weights, &topk) {
+        match (args.topk_weights, args.topk_idx) {
             (Some(_), None) => {
                 return Err(Error::invalid(
                     "topk_weights",
@@ -310,232 +273,31 @@ impl Buffer {
                     "needs topk_idx as well",
                 ))
             }
-            (Some(w), Some((_, k))) => {
+            (Some(w), Some(_)) => {
                 self.check_device("topk_weights", w)?;
-                check_shape("topk_weights", w, &[Some(t), Some(*k)])?;
+                check_shape("topk_weights", w, &[Some(t), Some(num_topk)])?;
                 check_dtype("topk_weights", w, &[DType::F32], "f32")?;
-                Some(w.flatten_all()?.to_vec1::<f32>()?)
             }
-            (None, _) => None,
-        };
-        let computed;
-        let layout = match args.layout {
-            Some(l) => {
-                if l.num_tokens != t {
-                    return Err(Error::invalid(
-                        "layout",
-                        format!("a layout of {} tokens", l.num_tokens),
-                        format!("must be for x's {t} tokens"),
-                    ));
-                }
-                l.host.as_ref().ok_or_else(|| {
-                    Error::invalid(
-                        "layout",
-                        "a layout made by a CUDA buffer",
-                        "a CPU buffer needs a layout of its own backend",
-                    )
-                })?
-            }
-            None => {
-                let Some((idx, k)) = &topk else {
-                    return Err(Error::invalid(
-                        "topk_idx",
-                        "None",
-                        "needed to compute the layout when none is given",
-                    ));
-                };
-                computed = ep_kernels::layout::get_dispatch_layout(idx, t, *k, &placement)?;
-                &computed
-            }
-        };
-
-        // Notify: every rank learns every rank's counts.
-        let mut counts = layout.num_tokens_per_rank.clone();
-        counts.extend_from_slice(&layout.num_tokens_per_expert);
-        let msg = i32_bytes(&counts);
-        let all = self.exchange("notify", (0..r).map(|_| Some(msg.clone())).collect(), None)?;
-        let mut per_rank_all = Vec::with_capacity(r * r);
-        let mut per_expert_all = Vec::with_capacity(r * num_experts);
-        for (src, m) in all.into_iter().enumerate() {
-            let v = i32s(&m.unwrap_or_default());
-            if v.len() != r + num_experts {
-                return Err(Error::Protocol {
-                    rank: src,
-                    what: format!(
-                        "notify carried {} counts, expected {} (do all ranks use num_experts = {num_experts}?)",
-                        v.len(),
-                        r + num_experts
-                    ),
-                });
-            }
-            per_rank_all.extend_from_slice(&v[..r]);
-            per_expert_all.extend_from_slice(&v[r..]);
+            _ => {}
         }
-        let notify = ki::notify(
-            me,
-            &per_rank_all,
-            &per_expert_all,
-            &placement,
-            args.expert_alignment,
-        )?;
-        let send_slots = ki::send_slots(
-            me,
-            &layout.is_token_in_rank,
-            t,
-            &notify.rank_prefix_matrix,
-            r,
-        )?;
-        let channel_prefix = ki::channel_prefix_matrix(
-            &layout.is_token_in_rank,
-            t,
-            r,
-            self.config.config.num_channels(),
-        )?;
-
-        // Payload.
-        let x_bytes = tensor_bytes(args.x)?;
-        let scale_bytes = match args.x_scales {
-            Some(s) => Some(tensor_bytes(s)?),
-            None => None,
-        };
-        let row = cx.hidden * args.x.dtype().size_in_bytes();
-        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
-        let k = topk.as_ref().map_or(0, |(_, k)| *k);
-        let mut msgs = Vec::with_capacity(r);
-        let mut local_idx = vec![0i64; k];
-        let mut local_w = vec![0f32; k];
-        for d in 0..r {
-            let tokens: Vec<usize> = (0..t)
-                .filter(|&i| layout.is_token_in_rank[i * r + d])
-                .collect();
-            let mut xs = Vec::with_capacity(tokens.len() * row);
-            let mut ss = Vec::with_capacity(tokens.len() * srow);
-            let mut src = Vec::with_capacity(tokens.len());
-            let mut ids: Vec<i64> = Vec::with_capacity(tokens.len() * k);
-            let mut ws: Vec<f32> = Vec::with_capacity(tokens.len() * k);
-            for &i in &tokens {
-                xs.extend_from_slice(&x_bytes[i * row..(i + 1) * row]);
-                if let Some(sb) = &scale_bytes {
-                    ss.extend_from_slice(&sb[i * srow..(i + 1) * srow]);
-                }
-                src.push(i as i32);
-                if let Some((idx, _)) = &topk {
-                    let zeros = vec![0f32; k];
-                    let w = weights
-                        .as_ref()
-                        .map_or(&zeros[..], |w| &w[i * k..(i + 1) * k]);
-                    ki::localize_topk(
-                        &idx[i * k..(i + 1) * k],
-                        w,
-                        d,
-                        &placement,
-                        &mut local_idx,
-                        &mut local_w,
-                    );
-                    ids.extend_from_slice(&local_idx);
-                    ws.extend_from_slice(&local_w);
-                }
+        match args.layout {
+            Some(l) if l.num_tokens != t => {
+                return Err(Error::invalid(
+                    "layout",
+                    format!("a layout of {} tokens", l.num_tokens),
+                    format!("must be for x's {t} tokens"),
+                ))
             }
-            msgs.push(Some(pack(&[
-                &xs,
-                &ss,
-                &i32_bytes(&src),
-                bytemuck::cast_slice(&ids),
-                bytemuck::cast_slice(&ws),
-            ])));
-        }
-        let got = self.exchange("dispatch", msgs, None)?;
-
-        let recv_counts = super::handle::recv_counts(&notify.rank_prefix_matrix, r, me);
-        let n = notify.num_recv_tokens;
-        let mut rx = Vec::with_capacity(n * row);
-        let mut rs = Vec::with_capacity(n * srow);
-        let mut rsrc = Vec::with_capacity(n);
-        let mut rids: Vec<i64> = Vec::with_capacity(n * k);
-        let mut rws: Vec<f32> = Vec::with_capacity(n * k);
-        for (s, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
-            let parts = unpack(&m, 5, s)?;
-            let c = recv_counts[s];
-            let expect = [c * row, c * srow, c * 4, c * k * 8, c * k * 4];
-            for (i, (p, e)) in parts.iter().zip(expect).enumerate() {
-                if p.len() != e {
-                    return Err(Error::Protocol {
-                        rank: s,
-                        what: format!("dispatch section {i} has {} bytes, expected {e}", p.len()),
-                    });
-                }
+            None if args.topk_idx.is_none() => {
+                return Err(Error::invalid(
+                    "topk_idx",
+                    "None",
+                    "needed to compute the layout when none is given",
+                ))
             }
-            rx.extend_from_slice(parts[0]);
-            rs.extend_from_slice(parts[1]);
-            rsrc.extend(i32s(parts[2]));
-            rids.extend(
-                parts[3]
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().expect("8"))),
-            );
-            rws.extend(
-                parts[4]
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4"))),
-            );
+            _ => {}
         }
-        let dev = &self.device;
-        let recv_x = tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?;
-        let recv_x_scales = if cx.fp8 {
-            Some(tensor_from_bytes(
-                &rs,
-                DType::F32,
-                &[n, cx.hidden / FP8_GROUP],
-            )?)
-        } else {
-            None
-        };
-        let (recv_topk_idx, recv_topk_weights) = if topk.is_some() {
-            (
-                Some(Tensor::from_vec(rids, (n, k), dev)?),
-                Some(Tensor::from_vec(rws, (n, k), dev)?),
-            )
-        } else {
-            (None, None)
-        };
-        let recv_src_idx = Tensor::from_slice(&rsrc, n, dev)?;
-        let nch = self.config.config.num_channels();
-        let in_rank_u8: Vec<u8> = layout.is_token_in_rank.iter().map(|&b| b as u8).collect();
-        let tensors = HandleTensors {
-            rank_prefix_matrix: Tensor::from_slice(&notify.rank_prefix_matrix, (r, r), dev)?,
-            channel_prefix_matrix: Tensor::from_slice(&channel_prefix, (r, nch), dev)?,
-            recv_src_idx: recv_src_idx.clone(),
-            is_token_in_rank: Tensor::from_vec(in_rank_u8, (t, r), dev)?,
-            send_head: Tensor::from_slice(&send_slots, (t, r), dev)?,
-        };
-        let handle = Handle {
-            inner: Arc::new(HandleInner {
-                buffer_id: self.id,
-                num_ranks: r,
-                num_tokens: t,
-                num_recv_tokens: n,
-                rank_prefix_matrix: notify.rank_prefix_matrix,
-                is_token_in_rank: layout.is_token_in_rank.clone(),
-                tensors,
-                #[cfg(feature = "cuda")]
-                cuda: None,
-            }),
-        };
-        Ok(DispatchOutput {
-            recv_x,
-            recv_x_scales,
-            recv_topk_idx,
-            recv_topk_weights,
-            recv_src_idx,
-            num_recv_tokens_per_expert: notify
-                .num_recv_tokens_per_expert
-                .iter()
-                .map(|&c| c as usize)
-                .collect(),
-            handle,
-            event: EventOverlap::complete(),
-        })
+        Ok(num_topk)
     }
 
     /// Checks that `handle` was made by this buffer.
@@ -570,71 +332,10 @@ impl Buffer {
                 cx.num_tokens, hi.num_tokens
             )));
         }
-        #[cfg(feature = "cuda")]
-        if let Some(c) = self.backend.cuda() {
-            return c.dispatch_cached(args, cx.hidden, cx.fp8, h);
+        match &self.backend {
+            Backend::Host => self.dispatch_cached_host(args, cx, h),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.dispatch_cached(args, cx.hidden, cx.fp8, h),
         }
-        let r = self.topology.num_ranks;
-        let me = self.topology.rank;
-        let t = cx.num_tokens;
-        let x_bytes = tensor_bytes(args.x)?;
-        let scale_bytes = match args.x_scales {
-            Some(s) => Some(tensor_bytes(s)?),
-            None => None,
-        };
-        let row = cx.hidden * args.x.dtype().size_in_bytes();
-        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
-        let msgs = (0..r)
-            .map(|d| {
-                let mut xs = Vec::new();
-                let mut ss = Vec::new();
-                for i in (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]) {
-                    xs.extend_from_slice(&x_bytes[i * row..(i + 1) * row]);
-                    if let Some(sb) = &scale_bytes {
-                        ss.extend_from_slice(&sb[i * srow..(i + 1) * srow]);
-                    }
-                }
-                Some(pack(&[&xs, &ss]))
-            })
-            .collect();
-        let got = self.exchange("cached_dispatch", msgs, None)?;
-        let counts = h.recv_counts_from(me);
-        let n = hi.num_recv_tokens;
-        let mut rx = Vec::with_capacity(n * row);
-        let mut rs = Vec::with_capacity(n * srow);
-        for (s, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
-            let parts = unpack(&m, 2, s)?;
-            if parts[0].len() != counts[s] * row || parts[1].len() != counts[s] * srow {
-                return Err(Error::Protocol {
-                    rank: s,
-                    what: format!(
-                        "cached dispatch sent {} bytes for {} tokens of {row} bytes (different hidden size or dtype on that rank?)",
-                        parts[0].len(),
-                        counts[s]
-                    ),
-                });
-            }
-            rx.extend_from_slice(parts[0]);
-            rs.extend_from_slice(parts[1]);
-        }
-        Ok(DispatchOutput {
-            recv_x: tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
-            recv_x_scales: if cx.fp8 {
-                Some(tensor_from_bytes(
-                    &rs,
-                    DType::F32,
-                    &[n, cx.hidden / FP8_GROUP],
-                )?)
-            } else {
-                None
-            },
-            recv_topk_idx: None,
-            recv_topk_weights: None,
-            recv_src_idx: hi.tensors.recv_src_idx.clone(),
-            num_recv_tokens_per_expert: Vec::new(),
-            handle: h.clone(),
-            event: EventOverlap::complete(),
-        })
     }
 }

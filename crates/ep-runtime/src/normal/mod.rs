@@ -5,10 +5,15 @@
 //! moves the tokens into exactly-sized outputs ordered by source rank, then token order.
 //! [`Buffer::combine`](crate::Buffer::combine) sends rows back along the same path, using
 //! the [`Handle`] of the dispatch, and sums them on the tokens' home ranks.
+//!
+//! `dispatch` and `combine` hold the public ops and their argument checks; each op then
+//! matches on the buffer's backend once: `host` moves the
+//! payloads through the transport, and CUDA buffers run the NVLink kernels of `crate::cuda`.
 
 mod combine;
 mod dispatch;
 pub(crate) mod handle;
+mod host;
 
 pub use combine::{CombineArgs, CombineOutput};
 pub use dispatch::{DispatchArgs, DispatchOutput};

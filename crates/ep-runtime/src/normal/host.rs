@@ -1,0 +1,442 @@
+//! Normal mode on the host backend: the transport moves the payloads.
+//!
+//! [`Buffer::dispatch`] and [`Buffer::combine`] check their arguments, then call these for CPU
+//! buffers (CUDA buffers go to `crate::cuda` instead). Dispatch exchanges the layout counts
+//! (notify), plans with the host twins of `ep_kernels::intranode`, and sends each destination
+//! its tokens in one message; cached dispatch resends `x` along a handle's routing; combine
+//! sends each source its rows back and sums them in rank order, in f32.
+
+use super::combine::{CombineArgs, CombineOutput};
+use super::dispatch::{CheckedX, DispatchArgs, DispatchOutput};
+use super::handle::{Handle, HandleInner, HandleTensors};
+use crate::buffer::{check_dtype, check_shape, Buffer};
+use crate::codec::{i32_bytes, i32s, pack, tensor_bytes, tensor_from_bytes, unpack};
+use crate::error::{Error, Result};
+use crate::event::EventOverlap;
+use crate::layout::read_topk_idx;
+use candle_core::{DType, Tensor};
+use ep_kernels::intranode as ki;
+use ep_kernels::layout::ExpertPlacement;
+use ep_kernels::FP8_GROUP;
+use std::sync::Arc;
+
+impl Buffer {
+    /// Fresh dispatch on the host backend (`x`, `num_experts` and the placement checked):
+    /// reads and checks the routing, takes or computes the layout, exchanges the counts, then
+    /// the tokens.
+    pub(super) fn dispatch_fresh_host(
+        &self,
+        args: &DispatchArgs<'_>,
+        cx: &CheckedX,
+        num_experts: usize,
+        placement: ExpertPlacement,
+    ) -> Result<DispatchOutput> {
+        let r = self.topology.num_ranks;
+        let me = self.topology.rank;
+        let t = cx.num_tokens;
+        let topk = match args.topk_idx {
+            Some(idx) => {
+                self.check_device("topk_idx", idx)?;
+                check_shape("topk_idx", idx, &[Some(t), None])?;
+                let (v, _, k) = read_topk_idx(idx, &placement)?;
+                Some((v, k))
+            }
+            None => None,
+        };
+        let weights = match (args.topk_weights, &topk) {
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "topk_weights",
+                    "Some",
+                    "needs topk_idx as well",
+                ))
+            }
+            (Some(w), Some((_, k))) => {
+                self.check_device("topk_weights", w)?;
+                check_shape("topk_weights", w, &[Some(t), Some(*k)])?;
+                check_dtype("topk_weights", w, &[DType::F32], "f32")?;
+                Some(w.flatten_all()?.to_vec1::<f32>()?)
+            }
+            (None, _) => None,
+        };
+        let computed;
+        let layout = match args.layout {
+            Some(l) => {
+                if l.num_tokens != t {
+                    return Err(Error::invalid(
+                        "layout",
+                        format!("a layout of {} tokens", l.num_tokens),
+                        format!("must be for x's {t} tokens"),
+                    ));
+                }
+                l.host.as_ref().ok_or_else(|| {
+                    Error::invalid(
+                        "layout",
+                        "a layout made by a CUDA buffer",
+                        "a CPU buffer needs a layout of its own backend",
+                    )
+                })?
+            }
+            None => {
+                let Some((idx, k)) = &topk else {
+                    return Err(Error::invalid(
+                        "topk_idx",
+                        "None",
+                        "needed to compute the layout when none is given",
+                    ));
+                };
+                computed = ep_kernels::layout::get_dispatch_layout(idx, t, *k, &placement)?;
+                &computed
+            }
+        };
+
+        // Notify: every rank learns every rank's counts.
+        let mut counts = layout.num_tokens_per_rank.clone();
+        counts.extend_from_slice(&layout.num_tokens_per_expert);
+        let msg = i32_bytes(&counts);
+        let all = self.exchange("notify", (0..r).map(|_| Some(msg.clone())).collect(), None)?;
+        let mut per_rank_all = Vec::with_capacity(r * r);
+        let mut per_expert_all = Vec::with_capacity(r * num_experts);
+        for (src, m) in all.into_iter().enumerate() {
+            let v = i32s(&m.unwrap_or_default());
+            if v.len() != r + num_experts {
+                return Err(Error::Protocol {
+                    rank: src,
+                    what: format!(
+                        "notify carried {} counts, expected {} (do all ranks use num_experts = {num_experts}?)",
+                        v.len(),
+                        r + num_experts
+                    ),
+                });
+            }
+            per_rank_all.extend_from_slice(&v[..r]);
+            per_expert_all.extend_from_slice(&v[r..]);
+        }
+        let notify = ki::notify(
+            me,
+            &per_rank_all,
+            &per_expert_all,
+            &placement,
+            args.expert_alignment,
+        )?;
+        let send_slots = ki::send_slots(
+            me,
+            &layout.is_token_in_rank,
+            t,
+            &notify.rank_prefix_matrix,
+            r,
+        )?;
+        let channel_prefix = ki::channel_prefix_matrix(
+            &layout.is_token_in_rank,
+            t,
+            r,
+            self.config.config.num_channels(),
+        )?;
+
+        // Payload.
+        let x_bytes = tensor_bytes(args.x)?;
+        let scale_bytes = match args.x_scales {
+            Some(s) => Some(tensor_bytes(s)?),
+            None => None,
+        };
+        let row = cx.hidden * args.x.dtype().size_in_bytes();
+        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
+        let k = topk.as_ref().map_or(0, |(_, k)| *k);
+        let mut msgs = Vec::with_capacity(r);
+        let mut local_idx = vec![0i64; k];
+        let mut local_w = vec![0f32; k];
+        for d in 0..r {
+            let tokens: Vec<usize> = (0..t)
+                .filter(|&i| layout.is_token_in_rank[i * r + d])
+                .collect();
+            let mut xs = Vec::with_capacity(tokens.len() * row);
+            let mut ss = Vec::with_capacity(tokens.len() * srow);
+            let mut src = Vec::with_capacity(tokens.len());
+            let mut ids: Vec<i64> = Vec::with_capacity(tokens.len() * k);
+            let mut ws: Vec<f32> = Vec::with_capacity(tokens.len() * k);
+            for &i in &tokens {
+                xs.extend_from_slice(&x_bytes[i * row..(i + 1) * row]);
+                if let Some(sb) = &scale_bytes {
+                    ss.extend_from_slice(&sb[i * srow..(i + 1) * srow]);
+                }
+                src.push(i as i32);
+                if let Some((idx, _)) = &topk {
+                    let zeros = vec![0f32; k];
+                    let w = weights
+                        .as_ref()
+                        .map_or(&zeros[..], |w| &w[i * k..(i + 1) * k]);
+                    ki::localize_topk(
+                        &idx[i * k..(i + 1) * k],
+                        w,
+                        d,
+                        &placement,
+                        &mut local_idx,
+                        &mut local_w,
+                    );
+                    ids.extend_from_slice(&local_idx);
+                    ws.extend_from_slice(&local_w);
+                }
+            }
+            msgs.push(Some(pack(&[
+                &xs,
+                &ss,
+                &i32_bytes(&src),
+                bytemuck::cast_slice(&ids),
+                bytemuck::cast_slice(&ws),
+            ])));
+        }
+        let got = self.exchange("dispatch", msgs, None)?;
+
+        let recv_counts = super::handle::recv_counts(&notify.rank_prefix_matrix, r, me);
+        let n = notify.num_recv_tokens;
+        let mut rx = Vec::with_capacity(n * row);
+        let mut rs = Vec::with_capacity(n * srow);
+        let mut rsrc = Vec::with_capacity(n);
+        let mut rids: Vec<i64> = Vec::with_capacity(n * k);
+        let mut rws: Vec<f32> = Vec::with_capacity(n * k);
+        for (s, m) in got.into_iter().enumerate() {
+            let m = m.unwrap_or_default();
+            let parts = unpack(&m, 5, s)?;
+            let c = recv_counts[s];
+            let expect = [c * row, c * srow, c * 4, c * k * 8, c * k * 4];
+            for (i, (p, e)) in parts.iter().zip(expect).enumerate() {
+                if p.len() != e {
+                    return Err(Error::Protocol {
+                        rank: s,
+                        what: format!("dispatch section {i} has {} bytes, expected {e}", p.len()),
+                    });
+                }
+            }
+            rx.extend_from_slice(parts[0]);
+            rs.extend_from_slice(parts[1]);
+            rsrc.extend(i32s(parts[2]));
+            rids.extend(
+                parts[3]
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8"))),
+            );
+            rws.extend(
+                parts[4]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4"))),
+            );
+        }
+        let dev = &self.device;
+        let recv_x = tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?;
+        let recv_x_scales = if cx.fp8 {
+            Some(tensor_from_bytes(
+                &rs,
+                DType::F32,
+                &[n, cx.hidden / FP8_GROUP],
+            )?)
+        } else {
+            None
+        };
+        let (recv_topk_idx, recv_topk_weights) = if topk.is_some() {
+            (
+                Some(Tensor::from_vec(rids, (n, k), dev)?),
+                Some(Tensor::from_vec(rws, (n, k), dev)?),
+            )
+        } else {
+            (None, None)
+        };
+        let recv_src_idx = Tensor::from_slice(&rsrc, n, dev)?;
+        let nch = self.config.config.num_channels();
+        let in_rank_u8: Vec<u8> = layout.is_token_in_rank.iter().map(|&b| b as u8).collect();
+        let tensors = HandleTensors {
+            rank_prefix_matrix: Tensor::from_slice(&notify.rank_prefix_matrix, (r, r), dev)?,
+            channel_prefix_matrix: Tensor::from_slice(&channel_prefix, (r, nch), dev)?,
+            recv_src_idx: recv_src_idx.clone(),
+            is_token_in_rank: Tensor::from_vec(in_rank_u8, (t, r), dev)?,
+            send_head: Tensor::from_slice(&send_slots, (t, r), dev)?,
+        };
+        let handle = Handle {
+            inner: Arc::new(HandleInner {
+                buffer_id: self.id,
+                num_ranks: r,
+                num_tokens: t,
+                num_recv_tokens: n,
+                rank_prefix_matrix: notify.rank_prefix_matrix,
+                is_token_in_rank: layout.is_token_in_rank.clone(),
+                tensors,
+                #[cfg(feature = "cuda")]
+                cuda: None,
+            }),
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            num_recv_tokens_per_expert: notify
+                .num_recv_tokens_per_expert
+                .iter()
+                .map(|&c| c as usize)
+                .collect(),
+            handle,
+            event: EventOverlap::complete(),
+        })
+    }
+
+    /// Cached dispatch on the host backend (arguments and handle checked): sends `x` (and its
+    /// scales) along the handle's routing.
+    pub(super) fn dispatch_cached_host(
+        &self,
+        args: &DispatchArgs<'_>,
+        cx: &CheckedX,
+        h: &Handle,
+    ) -> Result<DispatchOutput> {
+        let hi = &h.inner;
+        let r = self.topology.num_ranks;
+        let me = self.topology.rank;
+        let t = cx.num_tokens;
+        let x_bytes = tensor_bytes(args.x)?;
+        let scale_bytes = match args.x_scales {
+            Some(s) => Some(tensor_bytes(s)?),
+            None => None,
+        };
+        let row = cx.hidden * args.x.dtype().size_in_bytes();
+        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
+        let msgs = (0..r)
+            .map(|d| {
+                let mut xs = Vec::new();
+                let mut ss = Vec::new();
+                for i in (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]) {
+                    xs.extend_from_slice(&x_bytes[i * row..(i + 1) * row]);
+                    if let Some(sb) = &scale_bytes {
+                        ss.extend_from_slice(&sb[i * srow..(i + 1) * srow]);
+                    }
+                }
+                Some(pack(&[&xs, &ss]))
+            })
+            .collect();
+        let got = self.exchange("cached_dispatch", msgs, None)?;
+        let counts = h.recv_counts_from(me);
+        let n = hi.num_recv_tokens;
+        let mut rx = Vec::with_capacity(n * row);
+        let mut rs = Vec::with_capacity(n * srow);
+        for (s, m) in got.into_iter().enumerate() {
+            let m = m.unwrap_or_default();
+            let parts = unpack(&m, 2, s)?;
+            if parts[0].len() != counts[s] * row || parts[1].len() != counts[s] * srow {
+                return Err(Error::Protocol {
+                    rank: s,
+                    what: format!(
+                        "cached dispatch sent {} bytes for {} tokens of {row} bytes (different hidden size or dtype on that rank?)",
+                        parts[0].len(),
+                        counts[s]
+                    ),
+                });
+            }
+            rx.extend_from_slice(parts[0]);
+            rs.extend_from_slice(parts[1]);
+        }
+        Ok(DispatchOutput {
+            recv_x: tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
+            recv_x_scales: if cx.fp8 {
+                Some(tensor_from_bytes(
+                    &rs,
+                    DType::F32,
+                    &[n, cx.hidden / FP8_GROUP],
+                )?)
+            } else {
+                None
+            },
+            recv_topk_idx: None,
+            recv_topk_weights: None,
+            recv_src_idx: hi.tensors.recv_src_idx.clone(),
+            num_recv_tokens_per_expert: Vec::new(),
+            handle: h.clone(),
+            event: EventOverlap::complete(),
+        })
+    }
+
+    /// Combine on the host backend (arguments checked): `hidden` is `x`'s row size and `k` the
+    /// top-k of `topk_weights`, when given.
+    pub(super) fn combine_host(
+        &self,
+        args: &CombineArgs<'_>,
+        hidden: usize,
+        k: Option<usize>,
+    ) -> Result<CombineOutput> {
+        let h = args.handle;
+        let hi = &h.inner;
+        if let Some(e) = args.previous_event {
+            e.wait()?;
+        }
+        let r = self.topology.num_ranks;
+        let me = self.topology.rank;
+        let t = hi.num_tokens;
+        let x_bytes = tensor_bytes(args.x)?;
+        let row = hidden * args.x.dtype().size_in_bytes();
+        let w_bytes = match args.topk_weights {
+            Some(w) => tensor_bytes(w)?,
+            None => Vec::new(),
+        };
+        let wrow = k.unwrap_or(0) * 4;
+        let counts = h.recv_counts_from(me);
+        let mut off = 0;
+        let msgs = (0..r)
+            .map(|s| {
+                let c = counts[s];
+                let m = pack(&[
+                    &x_bytes[off * row..(off + c) * row],
+                    &w_bytes[off * wrow..(off + c) * wrow],
+                ]);
+                off += c;
+                Some(m)
+            })
+            .collect();
+        let got = self.exchange("combine", msgs, None)?;
+
+        let mut acc = vec![0f32; t * hidden];
+        let kk = k.unwrap_or(0);
+        let mut wacc = vec![0f32; t * kk];
+        for (d, m) in got.into_iter().enumerate() {
+            let m = m.unwrap_or_default();
+            let parts = unpack(&m, 2, d)?;
+            let tokens: Vec<usize> = (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]).collect();
+            if parts[0].len() != tokens.len() * row || parts[1].len() != tokens.len() * wrow {
+                return Err(Error::Protocol {
+                    rank: d,
+                    what: format!(
+                        "combine sent {} bytes for {} tokens of {row} bytes (different hidden size, dtype or weights on that rank?)",
+                        parts[0].len(),
+                        tokens.len()
+                    ),
+                });
+            }
+            let rows = tensor_from_bytes(parts[0], args.x.dtype(), &[tokens.len(), hidden])?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for (j, &i) in tokens.iter().enumerate() {
+                for (a, v) in acc[i * hidden..(i + 1) * hidden]
+                    .iter_mut()
+                    .zip(&rows[j * hidden..(j + 1) * hidden])
+                {
+                    *a += v;
+                }
+                if kk > 0 {
+                    let ws = &parts[1][j * wrow..(j + 1) * wrow];
+                    for (a, c) in wacc[i * kk..(i + 1) * kk]
+                        .iter_mut()
+                        .zip(ws.chunks_exact(4))
+                    {
+                        *a += f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                    }
+                }
+            }
+        }
+        let dev = &self.device;
+        Ok(CombineOutput {
+            combined_x: Tensor::from_vec(acc, (t, hidden), dev)?.to_dtype(args.x.dtype())?,
+            combined_topk_weights: match k {
+                Some(k) => Some(Tensor::from_vec(wacc, (t, k), dev)?),
+                None => None,
+            },
+            event: EventOverlap::complete(),
+        })
+    }
+}
