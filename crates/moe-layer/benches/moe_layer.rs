@@ -153,7 +153,8 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
         expert_alignment: 1,
         shared_placement: match std::env::var("EP_BENCH_SHARED").as_deref() {
             Ok("grouped") => moe_layer::SharedPlacement::Grouped,
-            _ => moe_layer::SharedPlacement::Overlap,
+            Ok("overlap") => moe_layer::SharedPlacement::Overlap,
+            _ => moe_layer::SharedPlacement::Auto,
         },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
@@ -231,7 +232,7 @@ fn bench_tokens(
         Ok(())
     })?;
     // With the shared expert inside the low-latency grouped GEMMs, its time is in "GEMMs".
-    row.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm() {
+    row.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm(t) {
         0.0
     } else {
         part(&mut || {

@@ -31,13 +31,20 @@ pub enum Mode {
 /// layers always run them as their own MLP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SharedPlacement {
-    /// As their own MLP on the compute stream while the dispatch travels. The default: on one
-    /// H100 (2026-11-24, DeepSeek-V3 shapes) it was as fast or faster than
-    /// [`SharedPlacement::Grouped`] at 1, 8 and 128 tokens (see `docs/benchmarks.md`).
+    /// `Grouped` in the steps whose GEMMs run tile-less (at most
+    /// [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected per expert: a decode token or
+    /// two per rank), where an extra group costs only its weight bytes and, at one rank, there
+    /// is no dispatch to hide the shared MLP behind; `Overlap` in the others. The default.
     #[default]
+    Auto,
+    /// As their own MLP on the compute stream while the dispatch travels. With the tiled
+    /// GEMMs (more rows per expert) this was as fast or faster than `Grouped` on one H100
+    /// (2026-11-24, DeepSeek-V3 shapes; `docs/benchmarks.md`).
     Overlap,
     /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
-    /// when their inner width is a multiple of the routed experts'; else as `Overlap`.
+    /// when their inner width is a multiple of the routed experts'; else as `Overlap`. The
+    /// shared weights are restacked into blocks of the routed width once (a copy when the
+    /// shared MLP is wider than one routed expert; views otherwise), also under `Auto`.
     Grouped,
 }
 
@@ -65,7 +72,7 @@ impl Default for MoeLayerOptions {
             low_latency_max_tokens: 128,
             fp8_dispatch: false,
             expert_alignment: 1,
-            shared_placement: SharedPlacement::Overlap,
+            shared_placement: SharedPlacement::Auto,
         }
     }
 }
@@ -168,7 +175,7 @@ impl MoeLayer {
         }
         #[cfg(feature = "cuda")]
         let shared_groups = match (&shared, options.shared_placement) {
-            (Some(m), SharedPlacement::Grouped) => {
+            (Some(m), SharedPlacement::Grouped | SharedPlacement::Auto) => {
                 crate::shared_groups::SharedGroups::new(m, &experts)?
             }
             _ => None,
@@ -417,17 +424,32 @@ impl MoeLayer {
         self.expert_blocks(recv_x, recv_count, x, None)
     }
 
-    /// Whether the shared experts run inside the low-latency grouped GEMMs
-    /// ([`SharedPlacement`]).
-    pub fn shared_in_grouped_gemm(&self) -> bool {
+    /// Whether the shared experts run inside the low-latency grouped GEMMs of a step of
+    /// `tokens` tokens on this rank ([`SharedPlacement`]).
+    pub fn shared_in_grouped_gemm(&self, tokens: usize) -> bool {
         #[cfg(feature = "cuda")]
         {
-            self.shared_groups.is_some()
+            tokens > 0
+                && self.shared_groups.is_some()
+                && match self.options.shared_placement {
+                    SharedPlacement::Grouped => true,
+                    SharedPlacement::Auto => {
+                        self.expected_rows(tokens) <= ep_kernels::gemm::GEMV_ROWS_PER_PASS
+                    }
+                    SharedPlacement::Overlap => false,
+                }
         }
         #[cfg(not(feature = "cuda"))]
         {
+            let _ = tokens;
             false
         }
+    }
+
+    /// Rows an expert's low-latency block can expect in a step of `tokens` tokens per rank:
+    /// one from each rank (a token picks an expert at most once).
+    fn expected_rows(&self, tokens: usize) -> usize {
+        tokens * self.buffer.topology().num_ranks
     }
 
     /// The routed experts over the received blocks, and the shared experts' output: `shared`
@@ -439,10 +461,13 @@ impl MoeLayer {
         x: &Tensor,
         shared: Option<Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        // Rows an expert's block can expect: every rank's tokens (this rank's count for each).
-        let expected = x.dims()[0] * self.buffer.topology().num_ranks;
+        let expected = self.expected_rows(x.dims()[0]);
         #[cfg(feature = "cuda")]
-        if let Some(groups) = self.shared_groups.as_ref().filter(|_| x.dims()[0] > 0) {
+        if let Some(groups) = self
+            .shared_groups
+            .as_ref()
+            .filter(|_| self.shared_in_grouped_gemm(x.dims()[0]))
+        {
             let (y, s) = crate::grouped::forward_masked_with_shared(
                 &self.experts,
                 recv_x,
@@ -476,7 +501,7 @@ impl MoeLayer {
             args = args.fp8(false);
         }
         let hook = self.buffer.low_latency_dispatch_send(&args)?;
-        let shared = if t == 0 || self.shared_in_grouped_gemm() {
+        let shared = if t == 0 || self.shared_in_grouped_gemm(t) {
             None
         } else {
             self.shared_forward(x)?

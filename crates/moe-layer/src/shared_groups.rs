@@ -40,6 +40,13 @@ impl SharedGroups {
             return Ok(None);
         }
         let x = i_s / i;
+        if x == 1 {
+            // One block: the MLP's own stacked weights, as views (no copy).
+            return Ok(Some(Self {
+                gate_up: shared.gate_up().unsqueeze(0)?,
+                down: shared.down_proj().unsqueeze(0)?,
+            }));
+        }
         let mut gate_up = Vec::with_capacity(x);
         let mut down = Vec::with_capacity(x);
         for j in 0..x {

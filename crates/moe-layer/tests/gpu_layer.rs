@@ -148,14 +148,21 @@ fn pair(
         return Err("the GPU layer does not use the grouped GEMMs".into());
     }
     // `Grouped` places the shared experts in the grouped GEMMs (their inner width is a
-    // multiple of the routed experts' in every setup here).
-    let grouped = shared_placement == SharedPlacement::Grouped;
-    if gpu.shared_in_grouped_gemm() != grouped {
-        return Err(format!(
-            "{shared_placement:?}: shared experts in the grouped GEMMs = {}, want {grouped}",
-            gpu.shared_in_grouped_gemm()
-        )
-        .into());
+    // multiple of the routed experts' in every setup here); `Auto` only in steps of the
+    // tile-less GEMMs (<= 2 rows expected per expert: here, one rank, 1 or 2 tokens).
+    for tokens in [1, 2, 3, 64] {
+        let grouped = match shared_placement {
+            SharedPlacement::Grouped => true,
+            SharedPlacement::Auto => tokens <= 2,
+            SharedPlacement::Overlap => false,
+        };
+        if gpu.shared_in_grouped_gemm(tokens) != grouped {
+            return Err(format!(
+                "{shared_placement:?}, {tokens} tokens: shared experts in the grouped GEMMs = {}, want {grouped}",
+                gpu.shared_in_grouped_gemm(tokens)
+            )
+            .into());
+        }
     }
     Ok(Pair { gpu, cpu, dev })
 }
@@ -306,7 +313,11 @@ fn main() {
         ..cfg(1024, 128, 32, 4, (4, 2))
     };
     // (name, config, hot expert, fp8 dispatch, low-latency mode possible, shared placement)
-    let (overlap, grouped) = (SharedPlacement::default(), SharedPlacement::Grouped);
+    let (overlap, grouped, auto) = (
+        SharedPlacement::Overlap,
+        SharedPlacement::Grouped,
+        SharedPlacement::Auto,
+    );
     let setups: Vec<(&str, MoeConfig, bool, bool, bool, SharedPlacement)> = vec![
         (
             "h1024-e32-fp8",
@@ -338,7 +349,15 @@ fn main() {
             true,
             false,
             true,
-            overlap,
+            auto,
+        ),
+        (
+            "shared-auto-bf16",
+            cfg(1024, 128, 32, 4, (4, 2)),
+            false,
+            false,
+            true,
+            auto,
         ),
         (
             "ds-v3-shapes-e32",
@@ -397,7 +416,7 @@ fn main() {
             );
             continue;
         }
-        for t in [0usize, 1, 7, 64] {
+        for t in [0usize, 1, 2, 7, 64] {
             run(&format!("{name}/low-latency/T={t}"), &mut || {
                 layer_case(&p, t, Mode::LowLatency)
             });
