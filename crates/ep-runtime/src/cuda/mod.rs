@@ -3,11 +3,12 @@
 //!
 //! Built by [`Buffer::new`](crate::Buffer::new) / [`Buffer::from_store`](crate::Buffer::from_store)
 //! when the device is CUDA, as the buffer's [`Backend::Cuda`](crate::backend::Backend); it sees
-//! the buffer only through [`Group`] and returns raw parts that the op modules assemble, so
-//! nothing here imports the buffer or the public ops. Every rank allocates its NVLink buffer (normal mode) and, with
-//! [`BufferConfig::low_latency`](crate::BufferConfig::low_latency), its low-latency buffer
-//! with `cuMemAlloc`; the ranks swap IPC handles (or raw pointers, for ranks that are threads
-//! of one process) through the group's all-gather.
+//! the buffer only through [`Group`]. The low-latency ops return raw parts that the op modules
+//! assemble; the layout and normal-mode ops (`normal.rs`) take the public argument types and
+//! build the public outputs themselves. Every rank allocates its NVLink buffer (normal mode)
+//! and, with [`BufferConfig::low_latency`](crate::BufferConfig::low_latency), its low-latency
+//! buffer with `cuMemAlloc` (`ep_kernels::memory`); the ranks swap IPC handles (or raw
+//! pointers, for ranks that are threads of one process) through the group's all-gather.
 //! Communication kernels run on the buffer's own stream: it first waits for the caller's
 //! `previous_event` (or for candle's stream), and at the end either candle's stream waits for
 //! it (synchronous mode) or the caller gets an [`EventOverlap`] to wait on (`async_finish`).
