@@ -38,8 +38,8 @@ pub enum SharedPlacement {
     #[default]
     Auto,
     /// As their own MLP on the compute stream while the dispatch travels. With the tiled
-    /// GEMMs (more rows per expert) this was as fast or faster than `Grouped` on one H100
-    /// (2026-11-24, DeepSeek-V3 shapes; `docs/benchmarks.md`).
+    /// GEMMs (more rows per expert) this measured as fast as `Grouped` or faster
+    /// (`docs/benchmarks.md`, "The MoE layer").
     Overlap,
     /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
     /// when their inner width is a multiple of the routed experts'; else as `Overlap`. The
