@@ -32,13 +32,7 @@ impl Topology {
                 format!("must be < num_ranks = {num_ranks}"),
             ));
         }
-        if gpus_per_node == 0 || num_ranks % gpus_per_node != 0 {
-            return Err(Error::invalid(
-                "gpus_per_node",
-                gpus_per_node,
-                format!("must be >= 1 and divide num_ranks = {num_ranks}"),
-            ));
-        }
+        ep_kernels::layout::host::check_gpus_per_node(num_ranks, gpus_per_node)?;
         Ok(Self {
             rank,
             num_ranks,

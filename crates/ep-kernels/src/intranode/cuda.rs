@@ -21,9 +21,11 @@
 //! - `config`: [`Config`] of the SM rings and [`buffer_size_hint`];
 //! - `payload`: the rows, scales and routing a dispatch moves ([`Payload`], [`TopK`], ...);
 //! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu` and `rings.cu`;
+//! - `checks`: the argument checks these launchers share;
 //! - `copy_engine`: the copy-engine path (`copy_engine.cu`).
 
 mod buffers;
+mod checks;
 mod combine;
 mod config;
 mod copy_engine;

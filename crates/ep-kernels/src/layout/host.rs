@@ -33,13 +33,7 @@ impl ExpertPlacement {
                 format!("must be a positive multiple of num_ranks = {num_ranks}"),
             ));
         }
-        if gpus_per_node == 0 || num_ranks % gpus_per_node != 0 {
-            return Err(Error::invalid(
-                "gpus_per_node",
-                gpus_per_node,
-                format!("must be >= 1 and divide num_ranks = {num_ranks}"),
-            ));
-        }
+        check_gpus_per_node(num_ranks, gpus_per_node)?;
         Ok(Self {
             num_experts,
             num_ranks,
@@ -74,6 +68,18 @@ impl ExpertPlacement {
         }
         Ok(())
     }
+}
+
+/// Checks that `gpus_per_node` (ranks per node) is at least 1 and divides `num_ranks`.
+pub fn check_gpus_per_node(num_ranks: usize, gpus_per_node: usize) -> Result<()> {
+    if gpus_per_node == 0 || num_ranks % gpus_per_node != 0 {
+        return Err(Error::invalid(
+            "gpus_per_node",
+            gpus_per_node,
+            format!("must be >= 1 and divide num_ranks = {num_ranks}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Token counts per destination, as the layout kernel writes them.

@@ -4,7 +4,7 @@
 
 use super::common::{kernel_err, lock};
 use super::ll_recv::{CudaLlDispatchData, DispatchOutputs, RecvSlices};
-use super::low_latency::LowLatencyCuda;
+use super::low_latency::{LlState, LowLatencyCuda};
 use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
@@ -12,7 +12,7 @@ use crate::group::Group;
 use candle_core::{DType, Tensor};
 use cudarc::driver::CudaSlice;
 use ep_kernels::layout::ExpertPlacement;
-use ep_kernels::low_latency::{self as kll, LowLatencyFormat, Phases};
+use ep_kernels::low_latency::{self as kll, LowLatencyBuffer, LowLatencyFormat, Phases};
 use half::bf16;
 use std::sync::Arc;
 
@@ -108,12 +108,7 @@ fn check_bf16(x: &Tensor) -> Result<()> {
 impl LowLatencyCuda {
     /// The phases of an op's send call, and how its receive call runs; with fused phases, the
     /// previous op's mask is polled first (the launch rewrites its mirror).
-    fn send_phases(
-        &self,
-        group: &dyn Group,
-        st: &mut super::low_latency::LlState,
-        what: &str,
-    ) -> (Phases, RecvPhase) {
+    fn send_phases(&self, group: &dyn Group, st: &mut LlState, what: &str) -> (Phases, RecvPhase) {
         if self.fuse_phases() {
             let prior = self.poll_mask(group, st, what);
             st.mask_event = None;
@@ -121,6 +116,92 @@ impl LowLatencyCuda {
         } else {
             (Phases::Send, RecvPhase::Launch)
         }
+    }
+
+    /// The receive call of a pending op (the caller holds the op lock): the previous op's mask
+    /// polled for `what` and `launch` (the receive phase) with the state, unless the send call's
+    /// fused launch ran both (then its poll's result), and the op's end. Returns the mask poll's
+    /// result and the end event.
+    fn recv_call(
+        &self,
+        group: &dyn Group,
+        recv_phase: RecvPhase,
+        what: &str,
+        async_finish: bool,
+        launch: impl FnOnce(&LlState) -> Result<()>,
+    ) -> Result<(Result<()>, EventOverlap)> {
+        let mut g = lock(&self.state);
+        let st = g.as_mut().ok_or_else(|| {
+            Error::invalid("low_latency", "None", "the low-latency buffer is gone")
+        })?;
+        let masked = match recv_phase {
+            RecvPhase::Fused(prior) => prior,
+            RecvPhase::Launch => {
+                // The previous op's mask first (the launch overwrites its mirror).
+                let prior = self.poll_mask(group, st, what);
+                launch(st)?;
+                prior
+            }
+        };
+        let event = self.end_op(st, async_finish)?;
+        Ok((masked, event))
+    }
+
+    /// Launches `phases` of the low-latency dispatch of `x` (`[t, H]` bf16) routed by
+    /// `topk_idx` (`[t, k]` i64) into `recv`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_dispatch(
+        &self,
+        buffer: &LowLatencyBuffer,
+        recv: &mut RecvSlices,
+        x: &Tensor,
+        topk_idx: &Tensor,
+        t: usize,
+        k: usize,
+        phases: Phases,
+    ) -> Result<()> {
+        let x_d = DeviceTensor::new("x", x)?;
+        let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
+        let (x_v, i_v) = (x_d.view::<bf16>()?, i_d.view::<i64>()?);
+        recv.dispatch(&self.comm, buffer, &x_v, &i_v, t, k, phases)
+            .map_err(|e| kernel_err(e, self.timeout))
+    }
+
+    /// Launches `phases` of the low-latency combine of `x` (`[T, H]` bf16) with its routing
+    /// `topk_idx` and `topk_weights` into `out` (`[T, H]`), answering the dispatch that made
+    /// `data`; the sizes are `dims`'.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_combine(
+        &self,
+        buffer: &LowLatencyBuffer,
+        data: &CudaLlDispatchData,
+        x: &Tensor,
+        topk_idx: &Tensor,
+        topk_weights: &Tensor,
+        dims: LlCombineDims,
+        phases: Phases,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let (t, k, hid) = (dims.num_tokens, dims.num_topk, dims.hidden);
+        let x_d = DeviceTensor::new("x", x)?;
+        let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
+        let w_d = DeviceTensor::new("topk_weights", topk_weights)?;
+        let (x_v, i_v, w_v) = (x_d.view::<bf16>()?, i_d.view()?, w_d.view()?);
+        data.with_views(|recv| {
+            kll::combine_cuda(
+                &self.comm,
+                buffer,
+                &x_v,
+                recv,
+                &i_v,
+                &w_v,
+                t,
+                k,
+                phases,
+                &mut out.slice_mut(0..t * hid),
+            )
+        })?
+        .map_err(|e| kernel_err(e, self.timeout))
     }
 
     /// The send phase of a low-latency dispatch (arguments already checked).
@@ -155,13 +236,7 @@ impl LowLatencyCuda {
         let mut recv = RecvSlices::alloc(&self.compute, format, l, r, m, h)?;
         let (phases, recv_phase) = self.send_phases(group, st, "low_latency_dispatch");
         self.begin()?;
-        {
-            let x_d = DeviceTensor::new("x", x)?;
-            let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
-            let (x_v, i_v) = (x_d.view::<bf16>()?, i_d.view::<i64>()?);
-            recv.dispatch(&self.comm, &st.buffer, &x_v, &i_v, t, num_topk, phases)
-                .map_err(|e| kernel_err(e, self.timeout))?;
-        }
+        self.launch_dispatch(&st.buffer, &mut recv, x, topk_idx, t, num_topk, phases)?;
         Ok(LlDispatchPending {
             recv,
             x: x.clone(),
@@ -189,33 +264,18 @@ impl LowLatencyCuda {
             recv_phase,
         } = pending;
         let _op = lock(&self.op);
-        let mut g = lock(&self.state);
-        let st = g.as_mut().ok_or_else(|| {
-            Error::invalid("low_latency", "None", "the low-latency buffer is gone")
+        let what = "low_latency_dispatch";
+        let (masked, event) = self.recv_call(group, recv_phase, what, async_finish, |st| {
+            self.launch_dispatch(
+                &st.buffer,
+                &mut recv,
+                &x,
+                &topk,
+                num_tokens,
+                num_topk,
+                Phases::Recv,
+            )
         })?;
-        let masked = match recv_phase {
-            RecvPhase::Fused(prior) => prior,
-            RecvPhase::Launch => {
-                // The previous op's mask first (the launch overwrites its mirror).
-                let prior = self.poll_mask(group, st, "low_latency_dispatch");
-                let x_d = DeviceTensor::new("x", &x)?;
-                let i_d = DeviceTensor::new("topk_idx", &topk)?;
-                let (x_v, i_v) = (x_d.view::<bf16>()?, i_d.view::<i64>()?);
-                recv.dispatch(
-                    &self.comm,
-                    &st.buffer,
-                    &x_v,
-                    &i_v,
-                    num_tokens,
-                    num_topk,
-                    Phases::Recv,
-                )
-                .map_err(|e| kernel_err(e, self.timeout))?;
-                prior
-            }
-        };
-        let event = self.end_op(st, async_finish)?;
-        drop(g);
         let DispatchOutputs {
             recv_x,
             recv_x_scales,
@@ -251,7 +311,7 @@ impl LowLatencyCuda {
         let data = data.ok_or_else(|| {
             Error::HandleMismatch("the low-latency handle was made by a CPU buffer".into())
         })?;
-        let (t, k, hid) = (dims.num_tokens, dims.num_topk, dims.hidden);
+        let (t, hid) = (dims.num_tokens, dims.hidden);
         let _op = lock(&self.op);
         let mut g = self.state_for(group, dims.max_tokens, hid, dims.num_experts)?;
         let st = g.as_mut().expect("built by state_for");
@@ -260,27 +320,16 @@ impl LowLatencyCuda {
         let mut o = alloc_uninit::<bf16>(&self.compute, t * hid)?;
         let (phases, recv_phase) = self.send_phases(group, st, "low_latency_combine");
         self.begin()?;
-        {
-            let x_d = DeviceTensor::new("x", x)?;
-            let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
-            let w_d = DeviceTensor::new("topk_weights", topk_weights)?;
-            let (x_v, i_v, w_v) = (x_d.view::<bf16>()?, i_d.view()?, w_d.view()?);
-            data.with_views(|recv| {
-                kll::combine_cuda(
-                    &self.comm,
-                    &st.buffer,
-                    &x_v,
-                    recv,
-                    &i_v,
-                    &w_v,
-                    t,
-                    k,
-                    phases,
-                    &mut o.slice_mut(0..t * hid),
-                )
-            })?
-            .map_err(|e| kernel_err(e, self.timeout))?;
-        }
+        self.launch_combine(
+            &st.buffer,
+            data,
+            x,
+            topk_idx,
+            topk_weights,
+            dims,
+            phases,
+            &mut o,
+        )?;
         Ok(LlCombinePending {
             data: data.clone(),
             dims,
@@ -311,41 +360,21 @@ impl LowLatencyCuda {
             async_finish,
             recv_phase,
         } = pending;
-        let (t, k, hid) = (dims.num_tokens, dims.num_topk, dims.hidden);
+        let (t, hid) = (dims.num_tokens, dims.hidden);
         let _op = lock(&self.op);
-        let mut g = lock(&self.state);
-        let st = g.as_mut().ok_or_else(|| {
-            Error::invalid("low_latency", "None", "the low-latency buffer is gone")
+        let what = "low_latency_combine";
+        let (masked, event) = self.recv_call(group, recv_phase, what, async_finish, |st| {
+            self.launch_combine(
+                &st.buffer,
+                &data,
+                &x,
+                &topk_idx,
+                &topk_weights,
+                dims,
+                Phases::Recv,
+                &mut out,
+            )
         })?;
-        let masked = match recv_phase {
-            RecvPhase::Fused(prior) => prior,
-            RecvPhase::Launch => {
-                // The previous op's mask first (the launch overwrites its mirror).
-                let prior = self.poll_mask(group, st, "low_latency_combine");
-                let x_d = DeviceTensor::new("x", &x)?;
-                let i_d = DeviceTensor::new("topk_idx", &topk_idx)?;
-                let w_d = DeviceTensor::new("topk_weights", &topk_weights)?;
-                let (x_v, i_v, w_v) = (x_d.view::<bf16>()?, i_d.view()?, w_d.view()?);
-                data.with_views(|recv| {
-                    kll::combine_cuda(
-                        &self.comm,
-                        &st.buffer,
-                        &x_v,
-                        recv,
-                        &i_v,
-                        &w_v,
-                        t,
-                        k,
-                        Phases::Recv,
-                        &mut out.slice_mut(0..t * hid),
-                    )
-                })?
-                .map_err(|e| kernel_err(e, self.timeout))?;
-                prior
-            }
-        };
-        let event = self.end_op(st, async_finish)?;
-        drop(g);
         let combined = wrap(out, (t, hid), &self.dev);
         let combined_x = match user_out {
             Some(o) => {

@@ -23,6 +23,7 @@ mod ll_recv;
 mod low_latency;
 mod memory;
 mod normal;
+mod normal_launch;
 pub mod tensor;
 
 pub(crate) use common::kernel_err;

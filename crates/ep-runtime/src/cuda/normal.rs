@@ -1,6 +1,7 @@
 //! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
 
 use super::common::{kernel_err, lock};
+use super::normal_launch::{x_tensors, DispatchPath, DispatchRows, RecvRows};
 use super::tensor::{alloc, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::error::{Error, Result};
@@ -247,7 +248,6 @@ impl CudaBuffer {
         tracing::trace!(rank = me, recv = n, "notify done");
 
         // Outputs (exact sizes) and dispatch.
-        let groups = h / FP8_GROUP;
         let mut recv_src_idx = alloc::<i32>(comm, n)?;
         let mut recv_channel_offset = alloc::<i32>(comm, r * c)?;
         let mut send_head = alloc::<i32>(comm, t * r)?;
@@ -257,15 +257,9 @@ impl CudaBuffer {
             (true, None) => Some(alloc::<f32>(comm, t * k)?),
             _ => None,
         };
-        let mut recv_bf16 = None;
-        let mut recv_fp8 = None;
-        let mut recv_scales = None;
+        let mut recv_rows = RecvRows::default();
         {
-            let x_d = DeviceTensor::new("x", args.x)?;
-            let xs_d = args
-                .x_scales
-                .map(|s| DeviceTensor::new("x_scales", s))
-                .transpose()?;
+            let (x_d, xs_d) = x_tensors(args)?;
             let idx_d = args
                 .topk_idx
                 .filter(|_| k > 0)
@@ -288,17 +282,7 @@ impl CudaBuffer {
             } else {
                 ki::Payload::Bf16(x_d.view::<half::bf16>()?)
             };
-            let recv_payload = if f.fp8 {
-                let rx = recv_fp8.insert(alloc::<float8::F8E4M3>(comm, n * h)?);
-                let rs = recv_scales.insert(alloc::<f32>(comm, n * groups)?);
-                ki::RecvPayload::Fp8 {
-                    x: rx.slice_mut(0..n * h),
-                    scales: rs.slice_mut(0..n * groups),
-                }
-            } else {
-                let rx = recv_bf16.insert(alloc::<half::bf16>(comm, n * h)?);
-                ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
-            };
+            let recv_payload = recv_rows.alloc(comm, f.fp8, n, h)?;
             let topk = match &idx_d {
                 Some(i) => Some(ki::TopK {
                     idx: i.view::<i64>()?,
@@ -318,60 +302,37 @@ impl CudaBuffer {
             } else {
                 None
             };
-            if let (Some((ce, _)), Some(si)) = (&self.ce, &send_index) {
-                ki::ce_dispatch_cuda(
-                    comm,
-                    &self.copies,
-                    &self.peer_buffers,
-                    ce,
-                    ki::CeDispatchArgs {
-                        x: payload,
-                        topk,
-                        num_experts: f.num_experts,
-                        send_index: si.slice(0..t * r),
-                        rank_prefix_matrix: rpm.slice(0..r * r),
-                        recv_per_source: &recv_per_source,
-                        recv_x: recv_payload,
-                        recv_src_idx: recv_src_idx.slice_mut(0..n),
-                        recv_topk,
-                        hidden: h,
-                        num_topk: k,
-                    },
-                )
-                .map_err(|e| kernel_err(e, self.timeout))?;
-            } else {
-                ki::dispatch_cuda(
-                    comm,
-                    &self.peer_buffers,
-                    &self.kconfig,
-                    ki::DispatchArgs {
-                        x: payload,
-                        topk,
-                        num_experts: f.num_experts,
-                        is_token_in_rank: itir_d.view::<u8>()?,
-                        rank_prefix_matrix: rpm.slice(0..r * r),
-                        channel_prefix_matrix: cpm.slice(0..r * c),
-                        recv_x: recv_payload,
-                        recv_src_idx: recv_src_idx.slice_mut(0..n),
-                        recv_topk,
-                        recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
-                        send_head: send_head.slice_mut(0..t * r),
-                        num_recv_tokens: n,
-                        hidden: h,
-                        num_topk: k,
-                    },
-                )
-                .map_err(|e| kernel_err(e, self.timeout))?;
-            }
+            let rows = DispatchRows {
+                x: payload,
+                topk,
+                num_experts: f.num_experts,
+                recv_x: recv_payload,
+                recv_src_idx: recv_src_idx.slice_mut(0..n),
+                recv_topk,
+                hidden: h,
+                num_topk: k,
+            };
+            let path = match (&self.ce, &send_index) {
+                (Some((ce, _)), Some(si)) => DispatchPath::CopyEngine {
+                    config: ce,
+                    send_index: si.slice(0..t * r),
+                    rank_prefix_matrix: rpm.slice(0..r * r),
+                    recv_per_source: &recv_per_source,
+                },
+                _ => DispatchPath::Rings {
+                    is_token_in_rank: itir_d.view::<u8>()?,
+                    rank_prefix_matrix: rpm.slice(0..r * r),
+                    channel_prefix_matrix: cpm.slice(0..r * c),
+                    recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
+                    send_head: send_head.slice_mut(0..t * r),
+                    num_recv_tokens: n,
+                },
+            };
+            self.launch_dispatch(path, rows)?;
         }
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
-        let recv_x = match (recv_bf16, recv_fp8) {
-            (Some(b), _) => wrap(b, (n, h), dev),
-            (None, Some(q)) => wrap(q, (n, h), dev),
-            (None, None) => unreachable!("one payload buffer was allocated"),
-        };
-        let recv_x_scales = recv_scales.map(|s| wrap(s, (n, groups), dev));
+        let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, dev);
         let (recv_topk_idx, recv_topk_weights) = if k > 0 && args.topk_idx.is_some() {
             (
                 Some(wrap(recv_idx, (n, k), dev)),
@@ -448,40 +409,23 @@ impl CudaBuffer {
         self.check_nvl_error()?;
         let (r, t, n, h) = (self.num_ranks, hi.num_tokens, hi.num_recv_tokens, hidden);
         let c = self.kconfig.num_channels();
-        let groups = h / FP8_GROUP;
         self.begin(args.previous_event)?;
         let comm = &self.comm;
         ki::cached_notify_cuda(comm, &self.peer_buffers)
             .map_err(|e| kernel_err(e, self.timeout))?;
-        let ce = match (cd, &self.ce) {
-            (
-                CudaHandleData::CopyEngine {
-                    send_index,
-                    recv_per_source,
-                },
-                Some((ce, _)),
-            ) => Some((send_index, recv_per_source, ce)),
-            (CudaHandleData::CopyEngine { .. }, None) => {
-                return Err(Error::invalid(
-                    "handle",
-                    "a copy-engine dispatch's",
-                    "this buffer has the copy-engine path off",
-                ))
-            }
-            (CudaHandleData::Rings { .. }, _) => None,
+        let ce = match cd {
+            CudaHandleData::CopyEngine {
+                send_index,
+                recv_per_source,
+            } => Some((send_index, recv_per_source, &self.ce_configs()?.0)),
+            CudaHandleData::Rings { .. } => None,
         };
         let mut scratch_src = alloc::<i32>(comm, n)?;
         let mut scratch_off = alloc::<i32>(comm, r * c)?;
         let mut scratch_head = alloc::<i32>(comm, t * r)?;
-        let mut recv_bf16 = None;
-        let mut recv_fp8 = None;
-        let mut recv_scales = None;
+        let mut recv_rows = RecvRows::default();
         {
-            let x_d = DeviceTensor::new("x", args.x)?;
-            let xs_d = args
-                .x_scales
-                .map(|s| DeviceTensor::new("x_scales", s))
-                .transpose()?;
+            let (x_d, xs_d) = x_tensors(args)?;
             let itir = DeviceTensor::new("handle.is_token_in_rank", &hi.tensors.is_token_in_rank)?;
             let rpm =
                 DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
@@ -496,74 +440,44 @@ impl CudaBuffer {
                 },
                 _ => ki::Payload::Bf16(x_d.view::<half::bf16>()?),
             };
-            let recv_payload = if fp8 {
-                let rx = recv_fp8.insert(alloc::<float8::F8E4M3>(comm, n * h)?);
-                let rs = recv_scales.insert(alloc::<f32>(comm, n * groups)?);
-                ki::RecvPayload::Fp8 {
-                    x: rx.slice_mut(0..n * h),
-                    scales: rs.slice_mut(0..n * groups),
-                }
-            } else {
-                let rx = recv_bf16.insert(alloc::<half::bf16>(comm, n * h)?);
-                ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
+            let recv_payload = recv_rows.alloc(comm, fp8, n, h)?;
+            let rows = DispatchRows {
+                x: payload,
+                topk: None,
+                num_experts: 0,
+                recv_x: recv_payload,
+                recv_src_idx: scratch_src.slice_mut(0..n),
+                recv_topk: None,
+                hidden: h,
+                num_topk: 0,
             };
-            if let Some((si, per_source, ce)) = ce {
-                let si = DeviceTensor::new("handle.send_index", si)?;
-                ki::ce_dispatch_cuda(
-                    comm,
-                    &self.copies,
-                    &self.peer_buffers,
-                    ce,
-                    ki::CeDispatchArgs {
-                        x: payload,
-                        topk: None,
-                        num_experts: 0,
-                        send_index: si.view::<i32>()?,
+            let si_d;
+            let path = match ce {
+                Some((si, per_source, ce)) => {
+                    si_d = DeviceTensor::new("handle.send_index", si)?;
+                    DispatchPath::CopyEngine {
+                        config: ce,
+                        send_index: si_d.view::<i32>()?,
                         rank_prefix_matrix: rpm.view::<i32>()?,
                         recv_per_source: per_source,
-                        recv_x: recv_payload,
-                        recv_src_idx: scratch_src.slice_mut(0..n),
-                        recv_topk: None,
-                        hidden: h,
-                        num_topk: 0,
-                    },
-                )
-                .map_err(|e| kernel_err(e, self.timeout))?;
-            } else {
-                ki::dispatch_cuda(
-                    comm,
-                    &self.peer_buffers,
-                    &self.kconfig,
-                    ki::DispatchArgs {
-                        x: payload,
-                        topk: None,
-                        num_experts: 0,
-                        is_token_in_rank: itir.view::<u8>()?,
-                        rank_prefix_matrix: rpm.view::<i32>()?,
-                        channel_prefix_matrix: cpm.view::<i32>()?,
-                        recv_x: recv_payload,
-                        recv_src_idx: scratch_src.slice_mut(0..n),
-                        recv_topk: None,
-                        recv_channel_offset: scratch_off.slice_mut(0..r * c),
-                        send_head: scratch_head.slice_mut(0..t * r),
-                        num_recv_tokens: n,
-                        hidden: h,
-                        num_topk: 0,
-                    },
-                )
-                .map_err(|e| kernel_err(e, self.timeout))?;
-            }
+                    }
+                }
+                None => DispatchPath::Rings {
+                    is_token_in_rank: itir.view::<u8>()?,
+                    rank_prefix_matrix: rpm.view::<i32>()?,
+                    channel_prefix_matrix: cpm.view::<i32>()?,
+                    recv_channel_offset: scratch_off.slice_mut(0..r * c),
+                    send_head: scratch_head.slice_mut(0..t * r),
+                    num_recv_tokens: n,
+                },
+            };
+            self.launch_dispatch(path, rows)?;
         }
         let event = self.finish(args.async_finish)?;
-        let dev = &self.dev;
-        let recv_x = match (recv_bf16, recv_fp8) {
-            (Some(b), _) => wrap(b, (n, h), dev),
-            (None, Some(q)) => wrap(q, (n, h), dev),
-            (None, None) => unreachable!("one payload buffer was allocated"),
-        };
+        let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
         Ok(DispatchOutput {
             recv_x,
-            recv_x_scales: recv_scales.map(|s| wrap(s, (n, groups), dev)),
+            recv_x_scales,
             recv_topk_idx: None,
             recv_topk_weights: None,
             recv_src_idx: hi.tensors.recv_src_idx.clone(),
@@ -613,22 +527,36 @@ impl CudaBuffer {
             } else {
                 None
             };
-            let (recv_channel_offset, kernel_send_head) = match cd {
+            match cd {
                 CudaHandleData::Rings {
                     recv_channel_offset,
                     kernel_send_head,
-                } => (recv_channel_offset, kernel_send_head),
+                } => {
+                    let rco = DeviceTensor::new("handle.recv_channel_offset", recv_channel_offset)?;
+                    let sh = DeviceTensor::new("handle.send_head", kernel_send_head)?;
+                    ki::combine_cuda(
+                        comm,
+                        &self.peer_buffers,
+                        &self.kconfig,
+                        ki::CombineArgs {
+                            x: x_d.view::<half::bf16>()?,
+                            topk_weights,
+                            rank_prefix_matrix: rpm.view::<i32>()?,
+                            recv_channel_offset: rco.view::<i32>()?,
+                            send_head: sh.view::<i32>()?,
+                            combined_x: combined.slice_mut(0..t * h),
+                            combined_topk_weights,
+                            num_recv_tokens: n,
+                            hidden: h,
+                            num_topk: k,
+                        },
+                    )
+                }
                 CudaHandleData::CopyEngine {
                     send_index,
                     recv_per_source,
                 } => {
-                    let (_, ce) = self.ce.as_ref().ok_or_else(|| {
-                        Error::invalid(
-                            "handle",
-                            "a copy-engine dispatch's",
-                            "this buffer has the copy-engine path off",
-                        )
-                    })?;
+                    let (_, ce) = self.ce_configs()?;
                     let si = DeviceTensor::new("handle.send_index", send_index)?;
                     ki::ce_combine_cuda(
                         comm,
@@ -647,39 +575,8 @@ impl CudaBuffer {
                             num_topk: k,
                         },
                     )
-                    .map_err(|e| kernel_err(e, self.timeout))?;
-                    let event = self.finish(args.async_finish)?;
-                    let dev = &self.dev;
-                    return Ok(CombineOutput {
-                        combined_x: wrap(combined, (t, h), dev),
-                        combined_topk_weights: if k > 0 {
-                            Some(wrap(combined_w, (t, k), dev))
-                        } else {
-                            None
-                        },
-                        event,
-                    });
                 }
-            };
-            let rco = DeviceTensor::new("handle.recv_channel_offset", recv_channel_offset)?;
-            let sh = DeviceTensor::new("handle.send_head", kernel_send_head)?;
-            ki::combine_cuda(
-                comm,
-                &self.peer_buffers,
-                &self.kconfig,
-                ki::CombineArgs {
-                    x: x_d.view::<half::bf16>()?,
-                    topk_weights,
-                    rank_prefix_matrix: rpm.view::<i32>()?,
-                    recv_channel_offset: rco.view::<i32>()?,
-                    send_head: sh.view::<i32>()?,
-                    combined_x: combined.slice_mut(0..t * h),
-                    combined_topk_weights,
-                    num_recv_tokens: n,
-                    hidden: h,
-                    num_topk: k,
-                },
-            )
+            }
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
         let event = self.finish(args.async_finish)?;

@@ -3,6 +3,7 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
+use super::checks::{check_resident, ring_sizes};
 use super::config::{check_buffer, combine_ring_bytes};
 use super::payload::combine_weights_ptrs;
 use super::{to_i32, Config, PeerBuffers, MAX_NVL_RANKS};
@@ -88,9 +89,7 @@ pub fn combine_cuda(
     config: &Config,
     args: CombineArgs<'_>,
 ) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks();
-    let c = config.num_channels();
+    let (r, c) = ring_sizes(config, buffers)?;
     let q = config.num_max_recv_tokens;
     if q < config.num_max_send_tokens + COMBINE_ROUND_TOKENS {
         return Err(Error::invalid(
@@ -128,16 +127,7 @@ pub fn combine_cuda(
     )?;
     check_buffer(buffers, c, combine_ring_bytes(q, h * 2, k))?;
     let kernels = Kernels::for_stream(stream)?;
-    if 2 * c > kernels.props().sm_count as usize {
-        return Err(Error::invalid(
-            "num_sms",
-            config.num_sms,
-            format!(
-                "must be <= the device's {} SMs (all blocks must be resident)",
-                kernels.props().sm_count
-            ),
-        ));
-    }
+    check_resident(config, &kernels)?;
     let name = format!("intranode_combine_{r}");
     let kernel = kernels.kernel(FILE, &name)?;
     let (x_ptr, _g0) = args.x.device_ptr(stream);

@@ -32,9 +32,11 @@ pub use streams::CopyStreams;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, DevicePtr, LaunchConfig};
 
-use super::{PeerBuffers, RING_BASE};
+use super::{to_i32, PeerBuffers, RING_BASE};
+use crate::cuda::{Kernel, KernelParams};
 use crate::error::{Error, Result};
 use crate::intranode::{CeSlotLayout, CE_SLOT_BASE};
+use params::CeFusedParams;
 
 const _: () = assert!(CE_SLOT_BASE == RING_BASE);
 
@@ -61,14 +63,46 @@ fn op_sizes(
     Ok((r, buffers.rank(), t, recv_per_source.iter().sum()))
 }
 
-/// A fused kernel's launch: `blocks` blocks of [`CE_THREADS`] (the pack or reduce blocks, then
-/// the SM copy blocks).
-fn fused_grid(blocks: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (CE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+/// Launches a fused kernel on `stream` unless it has nothing to do (no own tokens, `t == 0`,
+/// and no SM copies): `config.num_sms` blocks running `main` (pack or reduce), then, when
+/// `sm_copies` (some peer's rows or metadata move by SM copies), `config.sm_blocks` blocks
+/// running `copies` (SM pull or push), in one kernel so that they run side by side, all of
+/// [`CE_THREADS`] threads.
+///
+/// # Safety
+///
+/// As for [`Kernel::launch`]: `CeFusedParams<M, C>` must be `kernel`'s params type, and
+/// `main` and `copies` must point only into memory that holds what the kernel touches.
+unsafe fn launch_fused<M, C>(
+    stream: &CudaStream,
+    kernel: &Kernel,
+    config: &CeConfig,
+    t: usize,
+    sm_copies: bool,
+    main: M,
+    copies: C,
+) -> Result<()>
+where
+    CeFusedParams<M, C>: KernelParams,
+{
+    if t > 0 || sm_copies {
+        let copy_blocks = if sm_copies { config.sm_blocks } else { 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((config.num_sms + copy_blocks) as u32, 1, 1),
+            block_dim: (CE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let fp = CeFusedParams {
+            main,
+            copies,
+            main_blocks: to_i32("num_sms", config.num_sms)?,
+            pad: 0,
+        };
+        // SAFETY: `fp` is `kernel`'s params type and points only into memory that holds what
+        // the kernel touches (this function's contract).
+        unsafe { kernel.launch(stream, cfg, fp) }?;
     }
+    Ok(())
 }
 
 /// Errors unless the slots of `lay` hold this rank's `t` tokens and every source's block.

@@ -3,8 +3,9 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
+use super::checks::{args_payload_ptrs, check_prefix_matrices, check_resident, ring_sizes};
 use super::config::{check_buffer, dispatch_ring_bytes};
-use super::payload::{dispatch_payload_ptrs, dispatch_row_shape, PayloadCounts};
+use super::payload::dispatch_row_shape;
 use super::{to_i32, Config, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK, MAX_NVL_RANKS};
 use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
@@ -106,34 +107,18 @@ pub fn dispatch_cuda(
     config: &Config,
     args: DispatchArgs<'_>,
 ) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks();
-    let c = config.num_channels();
+    let (r, c) = ring_sizes(config, buffers)?;
     let t = args.is_token_in_rank.len() / r.max(1);
     Error::check_len("is_token_in_rank", t * r, args.is_token_in_rank.len())?;
     let n = args.num_recv_tokens;
     let shape = dispatch_row_shape(&args.x, args.hidden)?;
     let (row_bytes, scales) = (shape.row_bytes, shape.scales);
     let k = args.num_topk;
-    let payload = dispatch_payload_ptrs(
-        stream,
-        shape,
-        PayloadCounts {
-            num_tokens: t,
-            num_recv_tokens: n,
-            num_topk: k,
-            num_experts: args.num_experts,
-            num_ranks: r,
-        },
-        &args.x,
-        &args.recv_x,
-        args.topk.as_ref(),
-        args.recv_topk.as_ref(),
-    )?;
-    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
-    Error::check_len(
-        "channel_prefix_matrix",
-        r * c,
+    let payload = args_payload_ptrs!(stream, shape, args, t, n, r)?;
+    check_prefix_matrices(
+        r,
+        c,
+        args.rank_prefix_matrix.len(),
         args.channel_prefix_matrix.len(),
     )?;
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
@@ -152,16 +137,7 @@ pub fn dispatch_cuda(
     check_buffer(buffers, c, dispatch_ring_bytes(q, row_bytes, k, scales))?;
 
     let kernels = Kernels::for_stream(stream)?;
-    if 2 * c > kernels.props().sm_count as usize {
-        return Err(Error::invalid(
-            "num_sms",
-            config.num_sms,
-            format!(
-                "must be <= the device's {} SMs (all blocks must be resident)",
-                kernels.props().sm_count
-            ),
-        ));
-    }
+    check_resident(config, &kernels)?;
     let kernel = kernels.kernel(FILE, "intranode_dispatch")?;
     payload.check_row_align()?;
     let (itir, _g0) = args.is_token_in_rank.device_ptr(stream);

@@ -4,6 +4,7 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
+use super::checks::{check_prefix_matrices, ring_sizes};
 use super::{to_i32, Config, HostMappedI32, PeerBuffers, MAX_LOCAL_EXPERTS, MAX_NVL_RANKS};
 use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
@@ -122,9 +123,7 @@ pub fn notify_dispatch_cuda(
     config: &Config,
     args: NotifyArgs<'_>,
 ) -> Result<()> {
-    config.validate()?;
-    let r = buffers.num_ranks();
-    let c = config.num_channels();
+    let (r, c) = ring_sizes(config, buffers)?;
     let t = args.num_tokens;
     if args.num_experts == 0 || args.num_experts % r != 0 {
         return Err(Error::invalid(
@@ -151,10 +150,10 @@ pub fn notify_dispatch_cuda(
         args.num_tokens_per_expert.len(),
     )?;
     Error::check_len("is_token_in_rank", t * r, args.is_token_in_rank.len())?;
-    Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
-    Error::check_len(
-        "channel_prefix_matrix",
-        r * c,
+    check_prefix_matrices(
+        r,
+        c,
+        args.rank_prefix_matrix.len(),
         args.channel_prefix_matrix.len(),
     )?;
     check_min_len("moe_recv_counter", 1 + r, args.moe_recv_counter.len())?;

@@ -4,9 +4,9 @@
 use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
 
-use super::params::{flag_offset, CeCombineParams, CeReduceParams, CeSmPushParams};
+use super::params::{flag_offset, CeReduceParams, CeSmPushParams};
 use super::streams::{copy, fork, join};
-use super::{check_slot_capacity, dptr, fused_grid, op_sizes, CeConfig, CopyStreams, FILE};
+use super::{check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FILE};
 use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
 use crate::intranode::cuda::payload::combine_weights_ptrs;
@@ -180,26 +180,15 @@ pub fn ce_combine_cuda(
             .result()?;
         }
     }
-    if t > 0 || any_sm {
-        // Reduce blocks, then (when some home is not served by copy engines) the SM push
-        // blocks, in one kernel so that they run side by side.
-        let push_blocks = if any_sm { config.sm_blocks } else { 0 };
-        let cfg = fused_grid(config.num_sms + push_blocks);
-        let fp = CeCombineParams {
-            reduce: params,
-            push,
-            reduce_blocks: to_i32("num_sms", config.num_sms)?,
-            pad: 0,
-        };
-        // SAFETY: `fp` matches `CeCombineParams`. Reduce: x holds N rows (the own block lies
-        // in [0, N)), send_index T*R and the prefixes R*R from the dispatch of these rows; the
-        // outputs T*H and T*K; slots of `lay.capacity >= T` rows fit the buffers; it reads a
-        // peer's slot rows only after that peer's flag for their chunk. Push: for each home s
-        // with rows[s] = m > 0 it reads rows [row_begin[s], + m) of x (the per-source counts
-        // sum to N) and their weights, and writes rows [0, m) of slot `me` in s's buffer
-        // (capacity >= m, checked), free since cached notify's barrier, which `stream`
-        // follows; it counts chunks in this rank's own header and flags them in the home's.
-        unsafe { fused.launch(stream, cfg, fp) }?;
-    }
+    // Reduce blocks, then (when some home is not served by copy engines) the SM push blocks.
+    // SAFETY: `CeCombineParams` is the params type of `intranode_ce_combine`. Reduce: x
+    // holds N rows (the own block lies in [0, N)), send_index T*R and the prefixes R*R from the
+    // dispatch of these rows; the outputs T*H and T*K; slots of `lay.capacity >= T` rows fit
+    // the buffers; it reads a peer's slot rows only after that peer's flag for their chunk.
+    // Push: for each home s with rows[s] = m > 0 it reads rows [row_begin[s], + m) of x (the
+    // per-source counts sum to N) and their weights, and writes rows [0, m) of slot `me` in
+    // s's buffer (capacity >= m, checked), free since cached notify's barrier, which `stream`
+    // follows; it counts chunks in this rank's own header and flags them in the home's.
+    unsafe { launch_fused(stream, &fused, config, t, any_sm, params, push) }?;
     join(stream, copies, streams(), 1)
 }

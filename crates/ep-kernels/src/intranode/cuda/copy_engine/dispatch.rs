@@ -3,12 +3,13 @@
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
-use super::params::{flag_offset, CeDispatchParams, CePackParams, CeSmPullParams, CeWaitParams};
+use super::params::{flag_offset, CePackParams, CeSmPullParams, CeWaitParams};
 use super::streams::{copy, fork, join};
-use super::{check_slot_capacity, dptr, fused_grid, op_sizes, CeConfig, CopyStreams, FILE};
+use super::{check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FILE};
 use crate::cuda::Kernels;
 use crate::error::{Error, Result};
-use crate::intranode::cuda::payload::{dispatch_payload_ptrs, dispatch_row_shape, PayloadCounts};
+use crate::intranode::cuda::checks::args_payload_ptrs;
+use crate::intranode::cuda::payload::dispatch_row_shape;
 use crate::intranode::cuda::{to_i32, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK};
 use crate::intranode::cuda::{MAX_NVL_RANKS, RING_BASE};
 use crate::intranode::{chunk_bounds, copy_engine_peer, CeSlotLayout};
@@ -64,21 +65,7 @@ pub fn ce_dispatch_cuda(
     let k = args.num_topk;
     let lay = CeSlotLayout::dispatch(buffers.bytes(), r, row_bytes, scales, k);
     check_slot_capacity(buffers, &lay, t, args.recv_per_source, "dispatch")?;
-    let payload = dispatch_payload_ptrs(
-        stream,
-        shape,
-        PayloadCounts {
-            num_tokens: t,
-            num_recv_tokens: n,
-            num_topk: k,
-            num_experts: args.num_experts,
-            num_ranks: r,
-        },
-        &args.x,
-        &args.recv_x,
-        args.topk.as_ref(),
-        args.recv_topk.as_ref(),
-    )?;
+    let payload = args_payload_ptrs!(stream, shape, args, t, n, r)?;
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
     payload.check_row_align()?;
     let kernels = Kernels::for_stream(stream)?;
@@ -178,27 +165,16 @@ pub fn ce_dispatch_cuda(
             pull.sm_rows_mask |= 1 << s;
         }
     }
-    if t > 0 || any_peer {
-        // Pack blocks, then (when any peer sends rows here) the SM pull blocks, in one kernel
-        // so that they run side by side.
-        let pull_blocks = if any_peer { config.sm_blocks } else { 0 };
-        let cfg = fused_grid(config.num_sms + pull_blocks);
-        let fp = CeDispatchParams {
-            pack: params,
-            pull,
-            pack_blocks: to_i32("num_sms", config.num_sms)?,
-            pad: 0,
-        };
-        // SAFETY: `fp` matches `CeDispatchParams`. Pack: the views hold what it touches: T rows
-        // of x (and T*S scales, T*K routing), T*R send indices and R*R prefixes from the same
-        // notify, N receive rows / indices / routing for the own block (which lies in [0, N)
-        // because the prefixes sum to N); peer slots hold `lay.capacity >= T` rows and fit in
-        // the buffers (CeSlotLayout), valid per `PeerBuffers::new`. Pull: for each source s
-        // with rows[s] = m > 0 it reads rows [0, m) of slot `me` in s's buffer (capacity >= m,
-        // checked) only after the flag of their chunk, and writes receive rows
-        // [row_begin[s], + m), inside the N-row outputs.
-        unsafe { fused.launch(stream, cfg, fp) }?;
-    }
+    // Pack blocks, then (when any peer sends rows here) the SM pull blocks.
+    // SAFETY: `CeDispatchParams` is the params type of `intranode_ce_dispatch`. Pack: the
+    // views hold what it touches: T rows of x (and T*S scales, T*K routing), T*R send indices
+    // and R*R prefixes from the same notify, N receive rows / indices / routing for the own
+    // block (which lies in [0, N) because the prefixes sum to N); peer slots hold
+    // `lay.capacity >= T` rows and fit in the buffers (CeSlotLayout), valid per
+    // `PeerBuffers::new`. Pull: for each source s with rows[s] = m > 0 it reads rows [0, m)
+    // of slot `me` in s's buffer (capacity >= m, checked) only after the flag of their chunk,
+    // and writes receive rows [row_begin[s], + m), inside the N-row outputs.
+    unsafe { launch_fused(stream, &fused, config, t, any_peer, params, pull) }?;
     // The copy-engine sources' chunks, each pulled once its flag is up (or, for sources that
     // pushed them, copied out of this rank's own buffer). Launched after the kernel: a wait
     // kernel that shares a hardware queue with it must not hold it back.

@@ -171,36 +171,37 @@ assert_params_layout!(
     first_chunk_rows = 244, max_chunk_rows = 248, sm_rows_mask = 252, local_mask = 256, pad = 260,
 );
 
-/// Mirror of `CeDispatchParams` in copy_engine.cu: pack blocks, then SM pull blocks.
+/// Mirror of `CeDispatchParams` and `CeCombineParams` in copy_engine.cu, the params of a fused
+/// kernel: `main_blocks` pack (dispatch) or reduce (combine) blocks, then SM copy blocks (pull
+/// or push).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeDispatchParams {
-    pub(super) pack: CePackParams,
-    pub(super) pull: CeSmPullParams,
-    pub(super) pack_blocks: i32,
+pub(super) struct CeFusedParams<M, C> {
+    /// `pack` or `reduce`.
+    pub(super) main: M,
+    /// `pull` or `push`.
+    pub(super) copies: C,
+    /// `pack_blocks` or `reduce_blocks`.
+    pub(super) main_blocks: i32,
     pub(super) pad: i32,
 }
+
+/// Mirror of `CeDispatchParams` in copy_engine.cu: pack blocks, then SM pull blocks.
+pub(super) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
 assert_params_layout!(
     CeDispatchParams,
     512;
-    pack = 0, pull = 240, pack_blocks = 504, pad = 508,
+    main = 0, copies = 240, main_blocks = 504, pad = 508,
 );
 // SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine.cu.
 unsafe impl KernelParams for CeDispatchParams {}
 
 /// Mirror of `CeCombineParams` in copy_engine.cu: reduce blocks, then SM push blocks.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(super) struct CeCombineParams {
-    pub(super) reduce: CeReduceParams,
-    pub(super) push: CeSmPushParams,
-    pub(super) reduce_blocks: i32,
-    pub(super) pad: i32,
-}
+pub(super) type CeCombineParams = CeFusedParams<CeReduceParams, CeSmPushParams>;
 assert_params_layout!(
     CeCombineParams,
     376;
-    reduce = 0, push = 176, reduce_blocks = 368, pad = 372,
+    main = 0, copies = 176, main_blocks = 368, pad = 372,
 );
 // SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine.cu.
 unsafe impl KernelParams for CeCombineParams {}
