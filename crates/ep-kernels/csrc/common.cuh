@@ -175,12 +175,55 @@ EP_DEVICE int atomic_add_relaxed_sys(int* ptr, int v) {
 EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 EP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// ------------------------------------------------------------------------------------------
+// Loads of data, by who may write it (the cache policy follows):
+// - ld_nc_no_alloc: no one writes it during the kernel (non-coherent path, no L1 allocation);
+// - ld_peer_no_alloc: another GPU wrote it before an acquire and a barrier of this block that
+//   order it (weak, coherent, no L1 allocation);
+// - ld_cg_*: peers write it during this kernel (L2, the coherence point for NVLink writes,
+//   never a possibly stale L1 line).
+// ------------------------------------------------------------------------------------------
+
 // Streaming read of data no one writes during the kernel: non-coherent path, no L1 allocation.
 EP_DEVICE int4 ld_nc_no_alloc(const int4* ptr) {
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(ptr));
+    return v;
+}
+
+// Non-allocating weak load of data another GPU wrote (ordered by a prior acquire + barrier).
+EP_DEVICE int4 ld_peer_no_alloc(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+// A 16-byte load of data that peers wrote during this kernel: L2, never a stale L1 line.
+EP_DEVICE int4 ld_cg_v4(const uint8_t* ptr) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+// A 4-byte load of data that peers wrote during this kernel (L2).
+EP_DEVICE int ld_cg_i32(const uint8_t* ptr) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+// An f32 load of data that peers wrote during this kernel (L2).
+EP_DEVICE float ld_cg_f32(const uint8_t* ptr) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr) : "memory");
     return v;
 }
 

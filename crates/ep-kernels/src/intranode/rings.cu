@@ -64,16 +64,6 @@ EP_DEVICE char* ring(char* base, size_t ring_bytes, int channel, int num_ranks, 
     return base + kRingBase + (size_t(channel) * num_ranks + peer) * ring_bytes;
 }
 
-// Non-allocating weak load of data another GPU wrote (ordered by a prior acquire + barrier).
-EP_DEVICE int4 ld_ring(const int4* ptr) {
-    int4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr)
-                 : "memory");
-    return v;
-}
-
 EP_DEVICE void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -88,7 +78,7 @@ EP_DEVICE void warp_copy(int4* dst, const int4* src, int n, int lane) {
         for (int u = 0; u < kUnroll; ++u) {
             const int i = base + u * ep::kWarpSize;
             if (i < n) {
-                v[u] = kSrcReadOnly ? ep::ld_nc_no_alloc(src + i) : ld_ring(src + i);
+                v[u] = kSrcReadOnly ? ep::ld_nc_no_alloc(src + i) : ep::ld_peer_no_alloc(src + i);
             }
         }
 #pragma unroll
@@ -595,7 +585,7 @@ __device__ void combine_home(const CombineParams& p, int c, int* s_abort) {
 #pragma unroll
                         for (int b = 0; b < kBatch; ++b) {
                             if (d0 + b < kR && row[d0 + b] >= 0) {
-                                v[b] = ld_ring(reinterpret_cast<const int4*>(ring0 + (d0 + b) * lay.bytes) + row[d0 + b] + i);
+                                v[b] = ep::ld_peer_no_alloc(reinterpret_cast<const int4*>(ring0 + (d0 + b) * lay.bytes) + row[d0 + b] + i);
                             }
                         }
 #pragma unroll

@@ -170,29 +170,6 @@ EP_DEVICE void put_signal(uint8_t* dst, uint64_t v) {
 
 EP_DEVICE void put_flag(uint8_t* dst, int v) { ep::st_relaxed_sys(reinterpret_cast<int*>(dst), v); }
 
-// A 16-byte load of data that peers wrote during this kernel: L2 (the coherence point for
-// NVLink writes), never a possibly stale L1 line.
-EP_DEVICE int4 ld_cg_v4(const uint8_t* ptr) {
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr)
-                 : "memory");
-    return v;
-}
-
-EP_DEVICE int ld_cg_i32(const uint8_t* ptr) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-EP_DEVICE float ld_cg_f32(const uint8_t* ptr) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
 EP_DEVICE int ld_vol(const int* ptr) { return ep::ld_volatile(ptr); }
 
 EP_DEVICE uint32_t tag_of(uint32_t seq) { return (seq & 0x7fffffffu) + 1u; }
@@ -591,7 +568,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
             --s;
         }
         const int slot = row - s_off[l * R + s];
-        const int entry = ld_cg_i32(my_set + b.off_idx +
+        const int entry = ep::ld_cg_i32(my_set + b.off_idx +
                                     ((static_cast<int64_t>(l) * R + s) * M + slot) * 4);
         const int t = entry & 0xffffff;
         const int64_t out_row = l * rows_per_expert + row;
@@ -611,7 +588,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         for (int u = 0; u < kRecvUnroll; ++u) {
             const int i = chunk * kChunkVecs + u * ep::kWarpSize + lane;
             if (i < payload_vecs) {
-                v[u] = ld_cg_v4(msg + 16 + i * 16);
+                v[u] = ep::ld_cg_v4(msg + 16 + i * 16);
             }
         }
         if (chunk == 0) {
@@ -622,7 +599,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
             if (p.fp8) {
                 float* scales = p.recv_scales + out_row * groups;
                 for (int g = lane; g < groups; g += ep::kWarpSize) {
-                    scales[g] = ld_cg_f32(msg + 16 + H + g * 4);
+                    scales[g] = ep::ld_cg_f32(msg + 16 + H + g * 4);
                 }
             }
         }
@@ -825,7 +802,7 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
                 for (int q = 0; q < 4; ++q) {
                     const int k = k0 + q;
                     if (k < K && s_valid[k] != 0) {
-                        v[q] = ld_cg_v4(rows + k * row_bytes + static_cast<int64_t>(i) * 16);
+                        v[q] = ep::ld_cg_v4(rows + k * row_bytes + static_cast<int64_t>(i) * 16);
                     }
                 }
 #pragma unroll
