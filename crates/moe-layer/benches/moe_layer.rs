@@ -18,8 +18,8 @@
 //! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
 //! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
-//! `EP_BENCH_SHARED=grouped` runs the shared expert inside the low-latency grouped GEMMs
-//! (`MoeLayerOptions::shared_placement`; default `Overlap`).
+//! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
+//! (`MoeLayerOptions::shared_placement`; default `Auto`).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
