@@ -104,7 +104,7 @@ impl LowLatencyCuda {
         let mut buffer = LowLatencyBuffer::new(&self.comm, layout, self.rank)?;
         buffer.set_timeout(self.timeout);
         let ctx = self.comm.context().clone();
-        let own = PeerRecord::of_ptr(&ctx, buffer.base_ptr(), layout.total_bytes, ctx.ordinal())?;
+        let own = PeerRecord::of(buffer.memory(), ctx.ordinal())?;
         let records = gather_records(group, own)?;
         let peers = PeerMap::open(&ctx, &records, self.rank, |i| i)?;
         // SAFETY: `peers` maps every rank's low-latency buffer of this layout into this

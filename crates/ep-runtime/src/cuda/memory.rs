@@ -33,25 +33,12 @@ impl PeerRecord {
 
     /// The record of `mem` (gets its IPC handle).
     pub(crate) fn of(mem: &DeviceMemory, ordinal: usize) -> Result<Self> {
-        Self::of_ptr(mem.context(), mem.ptr(), mem.bytes(), ordinal)
-    }
-
-    /// The record of the allocation at `ptr` (gets its IPC handle). `ptr` must be the base of
-    /// a live `cuMemAlloc` allocation of `ctx` (the low-latency buffer's `base_ptr`).
-    pub(crate) fn of_ptr(
-        ctx: &Arc<CudaContext>,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        ordinal: usize,
-    ) -> Result<Self> {
-        // SAFETY: `ptr` is the base of a live `cuMemAlloc` allocation of `ctx`: a
-        // `DeviceMemory` (`of`) or the low-latency buffer's `base_ptr` (the crate's callers).
-        let handle = unsafe { ipc::get_handle(ctx, ptr) }?;
+        let handle = mem.ipc_handle()?;
         Ok(Self {
             pid: std::process::id(),
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
-            ptr,
-            bytes: bytes as u64,
+            ptr: mem.ptr(),
+            bytes: mem.bytes() as u64,
             handle,
         })
     }

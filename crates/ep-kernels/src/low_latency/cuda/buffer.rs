@@ -86,6 +86,11 @@ impl LowLatencyBuffer {
         self.mem.ptr()
     }
 
+    /// The buffer's memory (for its IPC handle).
+    pub fn memory(&self) -> &DeviceMemory {
+        &self.mem
+    }
+
     /// The layout.
     pub fn layout(&self) -> &LowLatencyLayout {
         &self.layout
