@@ -18,7 +18,8 @@
 // optionally, their own input rows: a MoE layer's shared experts run in the same launch as the
 // routed ones (their weights read in the same wave of tiles), over the layer's tokens.
 //
-// One translation unit per tile configuration includes this header and instantiates
+// One translation unit per tile configuration and epilogue (plain, or SwiGLU for the experts'
+// first GEMM: swiglu_epilogue_sm90.cuh) includes this header and instantiates
 // `EP_GROUPED_GEMM_BF16(name, ...)`, which defines two C functions the Rust launcher
 // (src/gemm/cuda.rs) calls:
 //   uint64_t ep_grouped_gemm_bf16_<name>_workspace(int32_t groups, int32_t sm_count);
@@ -47,6 +48,8 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+
+#include "swiglu_epilogue_sm90.cuh"
 
 namespace ep::gemm {
 
@@ -86,7 +89,10 @@ static_assert(sizeof(GroupedGemmArgs) == 112, "GroupedGemmArgs must match its Ru
 // Bytes of one table section, rounded up so that every section starts 128-byte aligned.
 inline uint64_t section_bytes(uint64_t bytes) { return (bytes + 127) / 128 * 128; }
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// `Swiglu`: the experts' first GEMM, B the gate_up weight in the blocked layout
+// (swiglu_epilogue_sm90.cuh) and D = act [rows, n / 2] = silu(gate) * up; else D = [rows, n].
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool Swiglu>
 struct GroupedGemmBf16 {
     using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
     using Shape3 = typename ProblemShape::UnderlyingProblemShape;
@@ -96,13 +102,18 @@ struct GroupedGemmBf16 {
     using LayoutD = cutlass::layout::RowMajor;     // [M, N]
     static constexpr int kAlign = 8;               // 16 bytes of bf16 (TMA)
 
-    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    static constexpr bool kSwiglu = Swiglu;
+
+    using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float,
         void, LayoutD*, kAlign,      // no source C
         Element, LayoutD*, kAlign,   // D
         EpilogueSchedule,
         cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+    using SwigluEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+        SwigluEpilogueArray<Element, typename PlainEpilogue::StrideD>>;
+    using CollectiveEpilogue = cute::conditional_t<Swiglu, SwigluEpilogue, PlainEpilogue>;
 
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -165,14 +176,19 @@ struct GroupedGemmBf16 {
         cutlass::KernelHardwareInfo hw;
         hw.device_id = 0;
         hw.sm_count = sm_count;
-        typename Gemm::Arguments args{
-            cutlass::gemm::GemmUniversalMode::kGrouped,
-            {groups, t.shapes, nullptr},
-            {t.ptr_a, t.stride_a, t.ptr_b, t.stride_b},
-            {{}, nullptr, t.stride_d, t.ptr_d, t.stride_d},
-            hw};
-        args.epilogue.thread.alpha = 1.0f;
-        args.epilogue.thread.beta = 0.0f;
+        typename Gemm::Arguments args{};
+        args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+        args.problem_shape = {groups, t.shapes, nullptr};
+        args.mainloop = {t.ptr_a, t.stride_a, t.ptr_b, t.stride_b};
+        args.hw_info = hw;
+        if constexpr (Swiglu) {
+            args.epilogue.ptr_D = t.ptr_d;
+            args.epilogue.dD = t.stride_d;
+        } else {
+            args.epilogue = {{}, nullptr, t.stride_d, t.ptr_d, t.stride_d};
+            args.epilogue.thread.alpha = 1.0f;
+            args.epilogue.thread.beta = 0.0f;
+        }
         return args;
     }
 
@@ -220,6 +236,8 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups(const GroupedGemmA
     using E = typename G::Element;
     const int64_t n = args.n;
     const int64_t k = args.k;
+    // Columns of d: the SwiGLU GEMM writes act, half of the gate_up width.
+    const int32_t d_cols = G::kSwiglu ? args.n / 2 : args.n;
 #pragma unroll
     for (int i = 0; i < kGroupsPerThread; ++i) {
         const int g = threadIdx.x * kGroupsPerThread + i;
@@ -244,10 +262,10 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups(const GroupedGemmA
         t.ptr_b[g] = extra ? static_cast<const E*>(args.extra_b) +
                                  static_cast<int64_t>(g - args.first_extra) * n * k
                            : static_cast<const E*>(args.b) + static_cast<int64_t>(g) * n * k;
-        t.ptr_d[g] = static_cast<E*>(args.d) + start[i] * n;
+        t.ptr_d[g] = static_cast<E*>(args.d) + start[i] * d_cols;
         t.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {count[i], args.k, 1});
         t.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {args.n, args.k, 1});
-        t.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {count[i], args.n, 1});
+        t.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {count[i], d_cols, 1});
     }
 }
 
@@ -296,10 +314,13 @@ int32_t run_grouped_gemm(const GroupedGemmArgs* args, cudaStream_t stream, char*
 }  // namespace ep::gemm
 
 // Defines the two C entry points of one configuration.
-#define EP_GROUPED_GEMM_BF16(name, TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, KERNEL, EPILOGUE) \
+// SWIGLU: true for the SwiGLU epilogue (EPILOGUE then only shapes the unused plain one).
+#define EP_GROUPED_GEMM_BF16(name, TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, KERNEL, EPILOGUE, \
+                             SWIGLU)                                                             \
     using EpGroupedGemm_##name = ep::gemm::GroupedGemmBf16<                                      \
         cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::Int<TILE_K>>,                    \
-        cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>, KERNEL, EPILOGUE>;    \
+        cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>, KERNEL, EPILOGUE,     \
+        SWIGLU>;                                                                                 \
     extern "C" uint64_t ep_grouped_gemm_bf16_##name##_workspace(int32_t groups, int32_t sm_count) { \
         return EpGroupedGemm_##name::workspace_bytes(groups, sm_count);                          \
     }                                                                                            \

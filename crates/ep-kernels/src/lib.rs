@@ -15,8 +15,8 @@
 //!   weighted combine;
 //! - [`expert_order`]: received rows to expert-major order for the grouped GEMM, and the
 //!   weighted sum back per token;
-//! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a)
-//!   and the SwiGLU between them.
+//! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a),
+//!   SwiGLU in the first one's epilogue.
 //!
 //! With the `cuda` feature, `memory` owns the device memory the kernels use (raw
 //! allocations, host-mapped words, CUDA IPC handles, peer access); launchers take pointers and

@@ -1,11 +1,12 @@
-//! GPU tests: the grouped GEMMs (both layouts, both tile configurations) and SwiGLU against
-//! their host twins, on fresh random inputs written into poisoned outputs.
+//! GPU tests: the grouped GEMMs (both layouts, every tile configuration, plain and with the
+//! SwiGLU epilogue) against their host twins, on fresh random inputs written into poisoned
+//! outputs.
 //!
 //! Tolerance (bf16 out, f32 accumulation in a different order than the host's): per row,
 //! `||got - ref|| / ||ref|| <= 1e-2` and every element within `2e-2 * max|ref|` of the
 //! reference (one bf16 rounding is 2^-9 relative; the rest is summation order). Rows outside
-//! the groups' counts must keep their poison bit for bit. SwiGLU: within one bf16 ulp
-//! (its `exp` differs from the host's by an f32 ulp). For the DeepSeek-V3 shapes the
+//! the groups' counts must keep their poison bit for bit. The SwiGLU GEMMs are held to the
+//! same per-row tolerance on `act = silu(gate) * up`. For the DeepSeek-V3 shapes the
 //! reference is computed on sampled rows of every group (all rows are checked for poison).
 //!
 //! `gpu_grouped_gemm` runs every case; `gpu_grouped_gemm NAME` only those whose name contains
@@ -245,29 +246,45 @@ fn extra_case(
     Ok(())
 }
 
-/// The fused gate_up + SwiGLU GEMV (`grouped_gemv_swiglu_bf16_cuda`, masked layout) against
-/// its host twin (`grouped_gemm_swiglu`) on every valid row; rows past the counts keep their
-/// poison. `extra`: `(groups, own rows)` of extra groups after the routed ones.
-fn gemv_swiglu_case(
+/// The experts' first GEMM with the SwiGLU epilogue (`grouped_gemm_swiglu_bf16_cuda`, any
+/// tiles) against its host twin (`grouped_gemm_swiglu`) on every valid row; rows past the
+/// counts keep their poison. `extra` (masked layout only): `(groups, own rows)` of extra
+/// groups after the routed ones.
+#[allow(clippy::too_many_arguments)]
+fn swiglu_gemm_case(
     stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
     rng: &mut StdRng,
     routed_counts: &[i32],
     extra: Option<(usize, Option<usize>)>,
-    m_max: usize,
+    layout: GroupLayout,
     inter: usize,
     k: usize,
+    tiles: GemmTiles,
 ) -> CaseResult {
     let first = routed_counts.len();
     let (nx, own_rows) = extra.unwrap_or((0, None));
     let groups = first + nx;
-    let (rows, n) = (groups * m_max, 2 * inter);
     let mut counts = routed_counts.to_vec();
-    counts.extend(std::iter::repeat_n(
-        own_rows.unwrap_or(m_max / 2 + 1) as i32,
-        nx,
-    ));
+    let (rows, block_rows) = match layout {
+        GroupLayout::Masked { m_max } => {
+            counts.extend(std::iter::repeat_n(
+                own_rows.unwrap_or(m_max / 2 + 1) as i32,
+                nx,
+            ));
+            (groups * m_max, m_max)
+        }
+        GroupLayout::Contiguous { alignment } => {
+            let rows = counts
+                .iter()
+                .map(|&c| (c as usize).div_ceil(alignment) * alignment)
+                .sum();
+            (rows, 0)
+        }
+    };
+    let n = 2 * inter;
     let a_rows = if own_rows.is_some() {
-        first * m_max
+        first * block_rows
     } else {
         rows
     };
@@ -280,7 +297,7 @@ fn gemv_swiglu_case(
         rows,
         n,
         k,
-        layout: GroupLayout::Masked { m_max },
+        layout,
     };
     let a_dev = stream.clone_htod(&a)?;
     let b_dev = stream.clone_htod(&b)?;
@@ -295,14 +312,16 @@ fn gemv_swiglu_case(
             .as_ref()
             .map(|a| a as &dyn cudarc::driver::DevicePtr<bf16>),
     });
-    gemm::grouped_gemv_swiglu_bf16_cuda(
+    gemm::grouped_gemm_swiglu_bf16_cuda(
         stream,
         &a_dev,
         &b_dev,
         &c_dev,
         &shape,
         spec.as_ref(),
+        tiles,
         &mut act_dev,
+        ws,
     )?;
     let act = stream.clone_dtoh(&act_dev)?;
     let host_extra = (nx > 0).then(|| gemm::HostExtraGroups {
@@ -349,43 +368,8 @@ fn uneven_counts(rng: &mut StdRng, groups: usize, total: usize) -> Vec<i32> {
         .collect()
 }
 
-fn swiglu_case(
-    stream: &Arc<CudaStream>,
-    rng: &mut StdRng,
-    counts: &[i32],
-    layout: GroupLayout,
-    rows: usize,
-    inter: usize,
-) -> CaseResult {
-    let h = random_bf16(rng, rows * 2 * inter, 4.0);
-    let h_dev = stream.clone_htod(&h)?;
-    let c_dev = stream.clone_htod(counts)?;
-    let mut out_dev = poisoned::<bf16>(stream, rows * inter)?;
-    gemm::swiglu_cuda(stream, &h_dev, &c_dev, layout, rows, inter, &mut out_dev)?;
-    let got = stream.clone_dtoh(&out_dev)?;
-    let mut want = vec![bf16::poison(); rows * inter];
-    gemm::swiglu(&h, counts, layout, rows, inter, &mut want)?;
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        let (gb, wb) = (g.to_bits() as i32, w.to_bits() as i32);
-        if w.to_bits() == bf16::poison().to_bits() {
-            if gb != wb {
-                return Err(format!(
-                    "out[{i}] (row {}) is past every count but was written",
-                    i / inter
-                )
-                .into());
-            }
-        } else if (gb - wb).abs() > 1 {
-            return Err(
-                format!("out[{i}]: got {g}, want {w} (more than one bf16 ulp apart)").into(),
-            );
-        }
-    }
-    Ok(())
-}
-
-/// gate_up GEMM -> SwiGLU -> down GEMM (the experts' MLP) against an f32 reference of the MLP
-/// with bf16 rounding at the same two points, on sampled rows.
+/// gate_up GEMM with SwiGLU -> down GEMM (the experts' MLP, blocked gate_up weights) against an
+/// f32 reference of the MLP with bf16 rounding at the same point (act), on sampled rows.
 #[allow(clippy::too_many_arguments)]
 fn mlp_case(
     stream: &Arc<CudaStream>,
@@ -412,7 +396,6 @@ fn mlp_case(
     let w1_dev = stream.clone_htod(&w1)?;
     let w2_dev = stream.clone_htod(&w2)?;
     let c_dev = stream.clone_htod(counts)?;
-    let mut h_dev = poisoned::<bf16>(stream, rows * 2 * inter)?;
     let mut a_dev = poisoned::<bf16>(stream, rows * inter)?;
     let mut y_dev = poisoned::<bf16>(stream, rows * hidden)?;
     let up = GroupedGemmShape {
@@ -429,17 +412,17 @@ fn mlp_case(
         k: inter,
         layout,
     };
-    gemm::grouped_gemm_bf16_cuda(
+    gemm::grouped_gemm_swiglu_bf16_cuda(
         stream,
         &x_dev,
         &w1_dev,
         &c_dev,
         &up,
+        None,
         GemmTiles::Auto,
-        &mut h_dev,
+        &mut a_dev,
         ws,
     )?;
-    gemm::swiglu_cuda(stream, &h_dev, &c_dev, layout, rows, inter, &mut a_dev)?;
     gemm::grouped_gemm_bf16_cuda(
         stream,
         &a_dev,
@@ -462,9 +445,8 @@ fn mlp_case(
             gemm::host::gemm_row(&x[r * hidden..(r + 1) * hidden], w1g, 2 * inter, &mut h);
             let act: Vec<bf16> = (0..inter)
                 .map(|j| {
-                    let gate = bf16::from_f32(h[j]).to_f32();
-                    let upv = bf16::from_f32(h[inter + j]).to_f32();
-                    bf16::from_f32(gemm::host::silu(gate) * upv)
+                    let (gate, upv) = gemm::gate_up_rows(j);
+                    bf16::from_f32(gemm::host::silu(h[gate]) * h[upv])
                 })
                 .collect();
             let w2g = &w2[g * hidden * inter..(g + 1) * hidden * inter];
@@ -547,10 +529,21 @@ fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> Ca
         "`workspace`",
     )?;
     let mut o = stream.alloc_zeros::<bf16>(4 * 12)?;
+    let b24 = stream.alloc_zeros::<bf16>(2 * 24 * 16)?;
     expect(
-        "swiglu inter 12",
-        gemm::swiglu_cuda(stream, &a, &counts, ok.layout, 4, 12, &mut o),
-        "`inter`",
+        "swiglu gate_up width 24",
+        gemm::grouped_gemm_swiglu_bf16_cuda(
+            stream,
+            &a,
+            &b24,
+            &counts,
+            &GroupedGemmShape { n: 24, ..ok },
+            None,
+            GemmTiles::Auto,
+            &mut o,
+            ws,
+        ),
+        "`n` = 24",
     )?;
     Ok(())
 }
@@ -831,36 +824,130 @@ fn main() {
             )
         });
     }
-    runner.case("gemv-swiglu/masked/small-odd-several-passes", |rng| {
-        gemv_swiglu_case(&stream, rng, &[0, 5, 3, 1], None, 8, 40, 72)
+    // The SwiGLU epilogue: the tile-less GEMV and every CUTLASS configuration.
+    for tiles in [GemmTiles::Gemv, GemmTiles::Narrow] {
+        let t = format!("{tiles:?}").to_lowercase();
+        runner.case(&format!("{t}-swiglu/masked/small-odd"), |rng| {
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &[0, 5, 3, 1],
+                None,
+                masked(8),
+                40,
+                72,
+                tiles,
+            )
+        });
+        runner.case(&format!("{t}-swiglu/masked/extra-groups-own-rows"), |rng| {
+            let extra = Some((2, Some(3)));
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &[2, 0, 1],
+                extra,
+                masked(4),
+                24,
+                48,
+                tiles,
+            )
+        });
+        runner.case(
+            &format!("{t}-swiglu/masked/extra-groups-block-rows"),
+            |rng| {
+                let extra = Some((1, None));
+                swiglu_gemm_case(
+                    &stream,
+                    &mut ws,
+                    rng,
+                    &[1, 1],
+                    extra,
+                    masked(6),
+                    16,
+                    264,
+                    tiles,
+                )
+            },
+        );
+        runner.case(&format!("{t}-swiglu/masked/ds-v3-decode"), |rng| {
+            let counts: Vec<i32> = (0..8).map(|_| rng.random_range(0..=2)).collect();
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &counts,
+                None,
+                masked(128),
+                2048,
+                7168,
+                tiles,
+            )
+        });
+    }
+    runner.case("narrow-swiglu/masked/full-blocks", |rng| {
+        let counts = [64, 0, 37, 1];
+        swiglu_gemm_case(
+            &stream,
+            &mut ws,
+            rng,
+            &counts,
+            None,
+            masked(64),
+            136,
+            200,
+            GemmTiles::Narrow,
+        )
     });
-    runner.case("gemv-swiglu/masked/extra-groups-own-rows", |rng| {
-        gemv_swiglu_case(&stream, rng, &[2, 0, 1], Some((2, Some(3))), 4, 24, 48)
-    });
-    runner.case("gemv-swiglu/masked/extra-groups-block-rows", |rng| {
-        gemv_swiglu_case(&stream, rng, &[1, 1], Some((1, None)), 6, 16, 264)
-    });
-    runner.case("gemv-swiglu/masked/ds-v3-decode", |rng| {
-        let counts: Vec<i32> = (0..8).map(|_| rng.random_range(0..=2)).collect();
-        gemv_swiglu_case(&stream, rng, &counts, None, 128, 2048, 7168)
-    });
-    runner.case("gemv-swiglu/odd-inter-refused", |_| {
-        let zeros = |len| stream.alloc_zeros::<bf16>(len);
-        let (a, b, mut act) = (zeros(2 * 16)?, zeros(2 * 24 * 16)?, zeros(2 * 12)?);
-        let c = stream.clone_htod(&[1i32, 0])?;
-        let shape = GroupedGemmShape {
-            groups: 2,
-            rows: 2,
-            n: 24,
-            k: 16,
-            layout: GroupLayout::Masked { m_max: 1 },
-        };
-        match gemm::grouped_gemv_swiglu_bf16_cuda(&stream, &a, &b, &c, &shape, None, &mut act) {
-            Err(e) if e.to_string().contains("`n` = 24") => Ok(()),
-            Err(e) => Err(format!("error does not name n = 24: {e}").into()),
-            Ok(()) => Err("an odd inter width (2I = 24) was accepted".into()),
-        }
-    });
+    for tiles in [GemmTiles::Wide, GemmTiles::WideM] {
+        let t = format!("{tiles:?}").to_lowercase();
+        runner.case(&format!("{t}-swiglu/contiguous/uneven-odd-m"), |rng| {
+            let counts = [3, 0, 130, 64, 1, 257];
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &counts,
+                None,
+                contiguous(1),
+                264,
+                520,
+                tiles,
+            )
+        });
+        runner.case(
+            &format!("{t}-swiglu/contiguous/one-group-all-rows-aligned"),
+            |rng| {
+                let counts = [0, 0, 300, 0];
+                swiglu_gemm_case(
+                    &stream,
+                    &mut ws,
+                    rng,
+                    &counts,
+                    None,
+                    contiguous(128),
+                    136,
+                    96,
+                    tiles,
+                )
+            },
+        );
+        runner.case(&format!("{t}-swiglu/contiguous/ds-v3-shapes"), |rng| {
+            let counts = [5, 0, 33, 129];
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &counts,
+                None,
+                contiguous(1),
+                2048,
+                7168,
+                tiles,
+            )
+        });
+    }
     runner.case("gemv/contiguous-layout-refused", |_| {
         let zeros = |len| stream.alloc_zeros::<bf16>(len);
         let (a, b, mut d) = (zeros(4 * 16)?, zeros(2 * 16 * 16)?, zeros(4 * 16)?);
@@ -1017,12 +1104,6 @@ fn main() {
             GemmTiles::Auto,
             Some(4),
         )
-    });
-    runner.case("swiglu/contiguous", |rng| {
-        swiglu_case(&stream, rng, &[3, 0, 17, 1], contiguous(4), 40, 2048)
-    });
-    runner.case("swiglu/masked", |rng| {
-        swiglu_case(&stream, rng, &[0, 5, 16, 2], masked(16), 64, 1408)
     });
     runner.case("mlp/contiguous/hidden-not-multiple-of-128", |rng| {
         mlp_case(

@@ -3,7 +3,8 @@
 //! row counts (low-latency mode).
 //!
 //! The weights are stacked once, when the shard is built: `gate_up` `[L, 2I, H]` (each
-//! expert's `gate_proj` then `up_proj`) and `down` `[L, H, I]`; each expert's [`Mlp`] is a view
+//! expert's `gate_proj` and `up_proj` rows, [`GateUpLayout::Blocked`] where the grouped GEMMs
+//! run, else [`GateUpLayout::Stacked`]) and `down` `[L, H, I]`; each expert's [`Mlp`] is a view
 //! of them. On CUDA with bf16 weights (and `H`, `I` multiples of 8) the forward passes run
 //! as grouped GEMMs on the device (`crate::grouped`): no routing or count is read by the host.
 //! On the CPU (and for other dtypes) each expert runs over its rows, grouped on the host.
@@ -13,14 +14,26 @@ use candle_nn::VarBuilder;
 
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
-pub use crate::mlp::Mlp;
+pub use crate::mlp::{GateUpLayout, Mlp};
+
+/// The gate_up layout of a shard of `l` experts of `[2I, H]` on `device`: blocked where the
+/// grouped GEMMs run (their SwiGLU epilogue reads it), else stacked.
+fn weight_layout(device: &Device, dtype: DType, l: usize, h: usize, i: usize) -> GateUpLayout {
+    #[cfg(feature = "cuda")]
+    if crate::grouped::eligible_shape(device, dtype, l, h, i) {
+        return GateUpLayout::Blocked;
+    }
+    let _ = (device, dtype, l, h, i);
+    GateUpLayout::Stacked
+}
 
 /// The routed experts `first_expert .. first_expert + num_local` that one rank holds.
 #[derive(Clone, Debug)]
 pub struct Experts {
     first_expert: usize,
-    /// `[L, 2I, H]`: gate_proj rows then up_proj rows of every expert.
+    /// `[L, 2I, H]`: the gate_proj and up_proj rows of every expert, in `layout`.
     gate_up: Tensor,
+    layout: GateUpLayout,
     /// `[L, H, I]`.
     down: Tensor,
     /// Views of the stacked weights, one per expert.
@@ -76,18 +89,35 @@ impl Experts {
                 ));
             }
         }
-        let gate_up: Vec<Tensor> = experts.iter().map(|m| m.gate_up().clone()).collect();
+        let layout = weight_layout(first.device(), dtype, experts.len(), h, i);
+        let gate_up = experts
+            .iter()
+            .map(|m| Ok(m.with_layout(layout)?.gate_up().clone()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let down: Vec<&Tensor> = experts.iter().map(Mlp::down_proj).collect();
-        Self::from_stacked(
+        Self::from_parts(
             first_expert,
             Tensor::stack(&gate_up, 0)?,
+            layout,
             Tensor::stack(&down, 0)?,
         )
     }
 
     /// Builds the shard from stacked weights: `gate_up` `[L, 2I, H]` (each expert's
     /// `gate_proj` rows, then its `up_proj` rows) and `down` `[L, H, I]`, one dtype and device.
+    /// Where the grouped GEMMs run, `gate_up` is re-laid into [`GateUpLayout::Blocked`] (a copy;
+    /// [`Experts::load`] writes that layout as it reads, without the second copy).
     pub fn from_stacked(first_expert: usize, gate_up: Tensor, down: Tensor) -> Result<Self> {
+        Self::from_parts(first_expert, gate_up, GateUpLayout::Stacked, down)
+    }
+
+    /// [`Experts::from_stacked`] with `gate_up` in `layout`.
+    fn from_parts(
+        first_expert: usize,
+        gate_up: Tensor,
+        layout: GateUpLayout,
+        down: Tensor,
+    ) -> Result<Self> {
         let (l, i2, h) = gate_up.dims3().map_err(|_| {
             Error::invalid(
                 "gate_up",
@@ -124,17 +154,34 @@ impl Experts {
                 ),
             ));
         }
-        let gate_up = gate_up.contiguous()?;
+        let target = weight_layout(gate_up.device(), gate_up.dtype(), l, h, i);
+        let gate_up = if layout == target {
+            gate_up.contiguous()?
+        } else {
+            let b = ep_kernels::gemm::GATE_UP_BLOCK;
+            // Between [L, 2, I/B, B, H] (stacked) and [L, I/B, 2, B, H] (blocked): the same
+            // swap of dims 1 and 2 either way.
+            let dims = match layout {
+                GateUpLayout::Stacked => (l, 2, i / b, b, h),
+                GateUpLayout::Blocked => (l, i / b, 2, b, h),
+            };
+            gate_up
+                .reshape(dims)?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((l, 2 * i, h))?
+        };
         let down = down.contiguous()?;
         let experts = (0..l)
             .map(|e| {
                 // Views of the stacked weights: no copy.
-                Mlp::from_gate_up(gate_up.get(e)?, down.get(e)?)
+                Mlp::from_parts(gate_up.get(e)?, target, down.get(e)?)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
             first_expert,
             gate_up,
+            layout: target,
             down,
             experts,
             #[cfg(feature = "cuda")]
@@ -174,8 +221,13 @@ impl Experts {
         }
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         let mut stacked: Option<(Tensor, Tensor)> = None;
+        let mut layout = GateUpLayout::Stacked;
         for (l, e) in (first_expert..end).enumerate() {
             let m = Mlp::load(vb.pp(e), h, i)?;
+            if l == 0 {
+                layout = weight_layout(m.device(), m.dtype(), num_local, h, i);
+            }
+            let m = m.with_layout(layout)?;
             let (gate_up, down) = match &stacked {
                 Some(s) => s,
                 None => stacked.insert((
@@ -187,7 +239,7 @@ impl Experts {
             down.slice_set(&m.down_proj().unsqueeze(0)?, 0, l)?;
         }
         let (gate_up, down) = stacked.expect("num_local >= 1");
-        Self::from_stacked(first_expert, gate_up, down)
+        Self::from_parts(first_expert, gate_up, layout, down)
     }
 
     /// Global id of local expert 0.
@@ -225,9 +277,15 @@ impl Experts {
         &self.experts
     }
 
-    /// The stacked `[L, 2I, H]` gate_proj / up_proj weights.
+    /// The stacked `[L, 2I, H]` gate_proj / up_proj weights, in [`Experts::gate_up_layout`].
     pub fn gate_up(&self) -> &Tensor {
         &self.gate_up
+    }
+
+    /// How [`Experts::gate_up`] holds each expert's gate and up rows:
+    /// [`GateUpLayout::Blocked`] where the grouped GEMMs run ([`Experts::uses_grouped_gemm`]).
+    pub fn gate_up_layout(&self) -> GateUpLayout {
+        self.layout
     }
 
     /// The stacked `[L, H, I]` down_proj weights.

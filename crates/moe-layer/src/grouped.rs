@@ -2,9 +2,12 @@
 //! candle's stream, with no host read of routing or counts:
 //!
 //! - routed rows (normal mode): expert-major permute (`ep_kernels::expert_order`) ->
-//!   contiguous gate_up GEMM -> SwiGLU -> down GEMM -> weighted un-permute;
-//! - blocks with device counts (low-latency mode): masked gate_up GEMM -> SwiGLU -> down GEMM
-//!   (with `GemmTiles::Gemv`, for a few rows per block, SwiGLU runs inside the gate_up GEMM).
+//!   contiguous gate_up GEMM with SwiGLU in its epilogue -> down GEMM -> weighted un-permute;
+//! - blocks with device counts (low-latency mode): masked gate_up GEMM with SwiGLU -> down GEMM
+//!   (`GemmTiles::Gemv` for a few rows per block).
+//!
+//! The gate_up weights are in the blocked layout the SwiGLU epilogue pairs
+//! (`ep_kernels::gemm::GATE_UP_BLOCK`; see [`crate::Experts`]).
 //!
 //! Intermediates are allocated uninitialised (every row the next step reads is written by the
 //! previous one). The GEMM workspace is created on first use and reused; a lock keeps one
@@ -35,11 +38,22 @@ pub(crate) struct GroupedState {
 
 /// Whether `experts` run as device grouped GEMMs.
 pub(crate) fn eligible(experts: &Experts) -> bool {
-    experts.device().is_cuda()
-        && experts.dtype() == DType::BF16
-        && experts.hidden_size() % 8 == 0
-        && experts.intermediate_size() % 8 == 0
-        && experts.num_local() <= gemm::MAX_GROUPS
+    eligible_shape(
+        experts.device(),
+        experts.dtype(),
+        experts.num_local(),
+        experts.hidden_size(),
+        experts.intermediate_size(),
+    )
+}
+
+/// [`eligible`] for `l` experts of `[2I, H]` weights of `dtype` on `device`.
+pub(crate) fn eligible_shape(device: &Device, dtype: DType, l: usize, h: usize, i: usize) -> bool {
+    device.is_cuda()
+        && dtype == DType::BF16
+        && h % 8 == 0
+        && i % gemm::GATE_UP_BLOCK == 0
+        && l <= gemm::MAX_GROUPS
 }
 
 fn cuda(dev: &Device) -> Result<&CudaDevice> {
@@ -76,7 +90,7 @@ struct SharedRows<'a> {
     tokens: &'a Tensor,
 }
 
-/// gate_up GEMM -> SwiGLU -> down GEMM over the rows of `a` (`[rows, H]` bf16) that `layout`
+/// gate_up GEMM with SwiGLU -> down GEMM over the rows of `a` (`[rows, H]` bf16) that `layout`
 /// and `counts` (`[groups]` i32, device) make valid; returns `y` `[rows, H]` bf16 (other rows
 /// unwritten). With `shared`, the last groups are its blocks (masked layout; `a` then holds
 /// only the routed experts' blocks).
@@ -114,9 +128,6 @@ fn mlp_rows(
         k: i,
         layout,
     };
-    // The tile-less GEMV fuses SwiGLU into the gate_up GEMM (no [rows, 2I] intermediate).
-    let fused = tiles == GemmTiles::Gemv;
-    let mut hbuf = alloc_uninit::<bf16>(&stream, if fused { 1 } else { rows * 2 * i })?;
     let mut act = alloc_uninit::<bf16>(&stream, rows * i)?;
     let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
     {
@@ -149,31 +160,18 @@ fn mlp_rows(
         let c_v = c_d.view::<i32>()?;
         let mut act_v = act.slice_mut(0..rows * i);
         let mut y_v = y.slice_mut(0..rows * h);
-        if fused {
-            gemm::grouped_gemv_swiglu_bf16_cuda(
-                &stream,
-                &a_d.view::<bf16>()?,
-                &w1.view::<bf16>()?,
-                &c_v,
-                &up,
-                extra_up.as_ref(),
-                &mut act_v,
-            )?;
-        } else {
-            let mut h_v = hbuf.slice_mut(0..rows * 2 * i);
-            gemm::grouped_gemm_bf16_extra_cuda(
-                &stream,
-                &a_d.view::<bf16>()?,
-                &w1.view::<bf16>()?,
-                &c_v,
-                &up,
-                extra_up.as_ref(),
-                tiles,
-                &mut h_v,
-                ws,
-            )?;
-            gemm::swiglu_cuda(&stream, &h_v, &c_v, layout, rows, i, &mut act_v)?;
-        }
+        // SwiGLU runs in the gate_up GEMM's epilogue: no [rows, 2I] intermediate.
+        gemm::grouped_gemm_swiglu_bf16_cuda(
+            &stream,
+            &a_d.view::<bf16>()?,
+            &w1.view::<bf16>()?,
+            &c_v,
+            &up,
+            extra_up.as_ref(),
+            tiles,
+            &mut act_v,
+            ws,
+        )?;
         gemm::grouped_gemm_bf16_extra_cuda(
             &stream,
             &act_v,

@@ -43,8 +43,9 @@ pub enum SharedPlacement {
     Overlap,
     /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
     /// when their inner width is a multiple of the routed experts'; else as `Overlap`. The
-    /// shared weights are restacked into blocks of the routed width once (a copy when the
-    /// shared MLP is wider than one routed expert; views otherwise), also under `Auto`.
+    /// shared MLP's gate_up is re-laid once into the grouped GEMMs' blocked layout (a copy that
+    /// replaces the layer's shared MLP, whose blocks are then views; `down_proj` is copied into
+    /// blocks when the shared MLP is wider than one routed expert), also under `Auto`.
     Grouped,
 }
 
@@ -174,11 +175,16 @@ impl MoeLayer {
             }
         }
         #[cfg(feature = "cuda")]
-        let shared_groups = match (&shared, options.shared_placement) {
-            (Some(m), SharedPlacement::Grouped | SharedPlacement::Auto) => {
-                crate::shared_groups::SharedGroups::new(m, &experts)?
+        let (shared, shared_groups) = match (shared, options.shared_placement) {
+            (Some(m), SharedPlacement::Grouped | SharedPlacement::Auto)
+                if crate::shared_groups::SharedGroups::eligible(&m, &experts) =>
+            {
+                // The shared MLP in the blocked layout; its blocks are views of its weights.
+                let m = m.with_layout(crate::GateUpLayout::Blocked)?;
+                let groups = crate::shared_groups::SharedGroups::new(&m, &experts)?;
+                (Some(m), Some(groups))
             }
-            _ => None,
+            (shared, _) => (shared, None),
         };
         Ok(Self {
             router,

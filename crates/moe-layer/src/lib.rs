@@ -51,5 +51,5 @@ pub use experts::Experts;
 #[cfg(feature = "cuda")]
 pub use graph::DecodeGraph;
 pub use layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
-pub use mlp::Mlp;
+pub use mlp::{GateUpLayout, Mlp};
 pub use router::{Router, Routing};

@@ -5,19 +5,30 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::error::Error;
+use ep_kernels::gemm::GATE_UP_BLOCK;
+
+/// How an [`Mlp`]'s stacked `gate_up` weight `[2I, H]` holds the `gate_proj` and `up_proj`
+/// rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GateUpLayout {
+    /// All `gate_proj` rows, then all `up_proj` rows.
+    #[default]
+    Stacked,
+    /// Blocks of [`GATE_UP_BLOCK`] `gate_proj` rows, each followed by the `up_proj` rows of the
+    /// same indices (`I` a multiple of [`GATE_UP_BLOCK`]): the layout the device grouped GEMMs'
+    /// SwiGLU epilogue reads (`ep_kernels::gemm::gate_up_rows`).
+    Blocked,
+}
 
 /// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 ///
-/// `gate_proj` and `up_proj` are kept stacked as one `[2I, H]` weight (`gate_proj` rows first),
-/// the layout the grouped GEMMs read; [`Mlp::gate_proj`] and [`Mlp::up_proj`] are views of it.
+/// `gate_proj` and `up_proj` are kept stacked as one `[2I, H]` weight in a [`GateUpLayout`]
+/// ([`GateUpLayout::Stacked`] unless made [`GateUpLayout::Blocked`] for the grouped GEMMs).
 #[derive(Clone, Debug)]
 pub struct Mlp {
-    /// `[2I, H]`: gate rows, then up rows.
+    /// `[2I, H]` in `layout`.
     gate_up: Tensor,
-    /// `[I, H]`, a view of `gate_up`.
-    gate_proj: Tensor,
-    /// `[I, H]`, a view of `gate_up`.
-    up_proj: Tensor,
+    layout: GateUpLayout,
     /// `[H, I]`.
     down_proj: Tensor,
 }
@@ -39,6 +50,13 @@ impl Mlp {
     /// `down_proj` `[H, I]` without copying them (e.g. one expert's block of stacked expert
     /// weights). Errors as [`Mlp::new`].
     pub fn from_gate_up(gate_up: Tensor, down_proj: Tensor) -> Result<Self> {
+        Self::from_parts(gate_up, GateUpLayout::Stacked, down_proj)
+    }
+
+    /// Builds an MLP from `gate_up` `[2I, H]` in `layout` and `down_proj` `[H, I]` without
+    /// copying them. Errors as [`Mlp::new`], and for [`GateUpLayout::Blocked`] when `I` is not
+    /// a multiple of [`GATE_UP_BLOCK`].
+    pub fn from_parts(gate_up: Tensor, layout: GateUpLayout, down_proj: Tensor) -> Result<Self> {
         let (two_i, h) = gate_up.dims2().map_err(|_| {
             Error::invalid(
                 "gate_up",
@@ -50,21 +68,57 @@ impl Mlp {
             return Err(Error::invalid(
                 "gate_up",
                 format!("shape {:?}", gate_up.dims()),
-                "must have an even number of rows (gate rows, then up rows)",
+                "must have an even number of rows (gate rows and up rows)",
             )
             .into());
         }
         let i = two_i / 2;
+        if layout == GateUpLayout::Blocked && i % GATE_UP_BLOCK != 0 {
+            return Err(Error::invalid(
+                "gate_up",
+                format!("shape {:?}", gate_up.dims()),
+                format!("the blocked layout needs an intermediate size that is a multiple of {GATE_UP_BLOCK}"),
+            )
+            .into());
+        }
         let gate_proj = gate_up.narrow(0, 0, i)?;
         let up_proj = gate_up.narrow(0, i, i)?;
         Self::check(&gate_proj, &up_proj, &down_proj)?;
         debug_assert_eq!(gate_proj.dims(), [i, h]);
         Ok(Self {
             gate_up,
-            gate_proj,
-            up_proj,
+            layout,
             down_proj,
         })
+    }
+
+    /// The same MLP with its `gate_up` weight in `layout`: itself (no copy) when it already is,
+    /// else with a re-laid copy of `gate_up` (`down_proj` shared). Errors as
+    /// [`Mlp::from_parts`].
+    pub fn with_layout(&self, layout: GateUpLayout) -> Result<Self> {
+        if layout == self.layout {
+            return Ok(self.clone());
+        }
+        let (i, h) = (self.intermediate_size(), self.hidden_size());
+        if i % GATE_UP_BLOCK != 0 {
+            return Err(Error::invalid(
+                "layout",
+                format!("{layout:?}"),
+                format!(
+                    "needs an intermediate size that is a multiple of {GATE_UP_BLOCK}, not {i}"
+                ),
+            )
+            .into());
+        }
+        let b = GATE_UP_BLOCK;
+        let gate_up = match layout {
+            // [2, I/B, B, H] -> [I/B, 2, B, H]
+            GateUpLayout::Blocked => self.gate_up.reshape((2, i / b, b, h))?.transpose(0, 1)?,
+            // [I/B, 2, B, H] -> [2, I/B, B, H]
+            GateUpLayout::Stacked => self.gate_up.reshape((i / b, 2, b, h))?.transpose(0, 1)?,
+        };
+        let gate_up = gate_up.contiguous()?.reshape((2 * i, h))?;
+        Self::from_parts(gate_up, layout, self.down_proj.clone())
     }
 
     fn check(gate_proj: &Tensor, up_proj: &Tensor, down_proj: &Tensor) -> Result<()> {
@@ -125,37 +179,58 @@ impl Mlp {
 
     /// Hidden size `H`.
     pub fn hidden_size(&self) -> usize {
-        self.gate_proj.dims()[1]
+        self.gate_up.dims()[1]
     }
 
     /// Inner width `I`.
     pub fn intermediate_size(&self) -> usize {
-        self.gate_proj.dims()[0]
+        self.down_proj.dims()[1]
     }
 
     /// Weight dtype.
     pub fn dtype(&self) -> DType {
-        self.gate_proj.dtype()
+        self.gate_up.dtype()
     }
 
     /// Weight device.
     pub fn device(&self) -> &Device {
-        self.gate_proj.device()
+        self.gate_up.device()
     }
 
-    /// `gate_proj` and `up_proj` stacked, `[2I, H]`.
+    /// `gate_proj` and `up_proj` stacked, `[2I, H]`, in [`Mlp::gate_up_layout`].
     pub fn gate_up(&self) -> &Tensor {
         &self.gate_up
     }
 
-    /// `gate_proj` weight `[I, H]`.
-    pub fn gate_proj(&self) -> &Tensor {
-        &self.gate_proj
+    /// How [`Mlp::gate_up`] holds the gate and up rows.
+    pub fn gate_up_layout(&self) -> GateUpLayout {
+        self.layout
     }
 
-    /// `up_proj` weight `[I, H]`.
-    pub fn up_proj(&self) -> &Tensor {
-        &self.up_proj
+    /// `gate_proj` weight `[I, H]`: a view of `gate_up` when stacked, else a copy.
+    pub fn gate_proj(&self) -> Result<Tensor> {
+        self.half(0)
+    }
+
+    /// `up_proj` weight `[I, H]`: a view of `gate_up` when stacked, else a copy.
+    pub fn up_proj(&self) -> Result<Tensor> {
+        self.half(1)
+    }
+
+    /// Gate (`which` 0) or up (1) rows of `gate_up`.
+    fn half(&self, which: usize) -> Result<Tensor> {
+        let (i, h) = (self.intermediate_size(), self.hidden_size());
+        match self.layout {
+            GateUpLayout::Stacked => self.gate_up.narrow(0, which * i, i),
+            GateUpLayout::Blocked => {
+                let b = GATE_UP_BLOCK;
+                self.gate_up
+                    .reshape((i / b, 2, b, h))?
+                    .narrow(1, which, 1)?
+                    .contiguous()?
+                    .reshape((i, h))
+            }
+        }
     }
 
     /// `down_proj` weight `[H, I]`.
@@ -182,12 +257,27 @@ impl Mlp {
             return crate::empty::empty(dims, x.dtype(), x.device());
         }
         let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
-        // Every operand contiguous (the weights are contiguous row blocks of `gate_up`): on
-        // CUDA a strided candle op uploads its layout from host memory, which a CUDA graph
-        // capture would record by address (the MLP runs inside captured decode steps).
-        let gate = xs.matmul(&self.gate_proj.t()?)?.silu()?;
-        let up = xs.matmul(&self.up_proj.t()?)?;
-        let y = (gate * up)?.matmul(&self.down_proj.t()?)?;
+        let i = self.intermediate_size();
+        let act = match self.layout {
+            // Every operand contiguous (the weights are contiguous row blocks of `gate_up`).
+            GateUpLayout::Stacked => {
+                let gate = xs.matmul(&self.gate_up.narrow(0, 0, i)?.t()?)?.silu()?;
+                let up = xs.matmul(&self.gate_up.narrow(0, i, i)?.t()?)?;
+                (gate * up)?
+            }
+            // One GEMM, then the gate and up columns of each block as strided views (on CUDA
+            // their layouts are uploaded from host memory: inside a captured step, under
+            // `ep_runtime::graph`'s upload cache).
+            GateUpLayout::Blocked => {
+                let b = GATE_UP_BLOCK;
+                let hu = xs
+                    .matmul(&self.gate_up.t()?)?
+                    .reshape((rows, i / b, 2, b))?;
+                let gate = hu.narrow(2, 0, 1)?.silu()?;
+                (gate * hu.narrow(2, 1, 1)?)?.reshape((rows, i))?
+            }
+        };
+        let y = act.matmul(&self.down_proj.t()?)?;
         y.to_dtype(x.dtype())?.reshape(dims)
     }
 }
@@ -195,5 +285,72 @@ impl Mlp {
 impl Module for Mlp {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         Mlp::forward(self, xs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    fn blocked_layout_holds_the_same_mlp() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, i) = (12, 24);
+        let gate = Tensor::randn(0f32, 1.0, (i, h), &dev)?;
+        let up = Tensor::randn(0f32, 1.0, (i, h), &dev)?;
+        let down = Tensor::randn(0f32, 1.0, (h, i), &dev)?;
+        let stacked = Mlp::new(gate.clone(), up.clone(), down)?;
+        let blocked = stacked.with_layout(GateUpLayout::Blocked)?;
+        assert_eq!(blocked.gate_up_layout(), GateUpLayout::Blocked);
+        // Row 16b + r of the blocked weight is gate row 8b + r, row 16b + 8 + r up row 8b + r.
+        let rows = blocked.gate_up().to_vec2::<f32>()?;
+        let (g, u) = (gate.to_vec2::<f32>()?, up.to_vec2::<f32>()?);
+        for j in 0..i {
+            let (gr, ur) = ep_kernels::gemm::gate_up_rows(j);
+            assert_eq!(rows[gr], g[j], "gate row {j}");
+            assert_eq!(rows[ur], u[j], "up row {j}");
+        }
+        assert_eq!(max_abs_diff(&blocked.gate_proj()?, &gate), 0.0);
+        assert_eq!(max_abs_diff(&blocked.up_proj()?, &up), 0.0);
+        let back = blocked.with_layout(GateUpLayout::Stacked)?;
+        assert_eq!(max_abs_diff(back.gate_up(), stacked.gate_up()), 0.0);
+        let x = Tensor::randn(0f32, 1.0, (3, 5, h), &dev)?;
+        let (ys, yb) = (stacked.forward(&x)?, blocked.forward(&x)?);
+        assert_eq!(yb.dims(), [3, 5, h]);
+        assert!(max_abs_diff(&ys, &yb) < 1e-4);
+        Ok(())
+    }
+
+    #[test]
+    fn blocked_layout_needs_a_multiple_of_the_block() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, i) = (4, 6);
+        let m = Mlp::new(
+            Tensor::zeros((i, h), DType::F32, &dev)?,
+            Tensor::zeros((i, h), DType::F32, &dev)?,
+            Tensor::zeros((h, i), DType::F32, &dev)?,
+        )?;
+        let err = m
+            .with_layout(GateUpLayout::Blocked)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multiple of 8"), "{err}");
+        let gu = Tensor::zeros((2 * i, h), DType::F32, &dev)?;
+        let down = Tensor::zeros((h, i), DType::F32, &dev)?;
+        assert!(Mlp::from_parts(gu, GateUpLayout::Blocked, down).is_err());
+        Ok(())
     }
 }

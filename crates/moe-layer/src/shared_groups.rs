@@ -10,59 +10,58 @@
 use candle_core::{DType, Tensor};
 use ep_kernels::gemm::MAX_GROUPS;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::experts::Experts;
-use crate::mlp::Mlp;
+use crate::mlp::{GateUpLayout, Mlp};
 
-/// A shared MLP restacked into blocks of the routed experts' width.
+/// A shared MLP as blocks of the routed experts' width.
 #[derive(Debug)]
 pub(crate) struct SharedGroups {
-    /// `[X, 2I, H]`: block `j`'s gate rows `jI..(j+1)I`, then its up rows.
+    /// `[X, 2I, H]`, blocked gate_up layout: block `j` holds inner columns `jI..(j+1)I` (a view
+    /// of the shared MLP's blocked `gate_up`: with `I` a multiple of the layout's block, those
+    /// columns' rows are rows `2jI..2(j+1)I`).
     gate_up: Tensor,
     /// `[X, H, I]`: block `j`'s columns `jI..(j+1)I` of `down_proj`.
     down: Tensor,
 }
 
 impl SharedGroups {
-    /// The blocks of `shared` for `experts`' grouped GEMMs, or `None` when they cannot join them
-    /// (experts not on grouped GEMMs, another dtype or device, an inner width that is not a
-    /// multiple of the experts', or too many groups).
-    pub(crate) fn new(shared: &Mlp, experts: &Experts) -> Result<Option<Self>> {
+    /// Whether `shared` can join `experts`' grouped GEMMs: experts on grouped GEMMs, the same
+    /// dtype and device, an inner width that is a multiple of the experts', not too many groups.
+    pub(crate) fn eligible(shared: &Mlp, experts: &Experts) -> bool {
         let (h, i) = (experts.hidden_size(), experts.intermediate_size());
         let i_s = shared.intermediate_size();
-        let eligible = experts.uses_grouped_gemm()
+        experts.uses_grouped_gemm()
             && shared.dtype() == DType::BF16
             && shared.device().same_device(experts.device())
             && shared.hidden_size() == h
             && i_s % i == 0
-            && experts.num_local() + i_s / i <= MAX_GROUPS;
-        if !eligible {
-            return Ok(None);
+            && experts.num_local() + i_s / i <= MAX_GROUPS
+    }
+
+    /// The blocks of `shared` (eligible, its `gate_up` in [`GateUpLayout::Blocked`]) for
+    /// `experts`' grouped GEMMs.
+    pub(crate) fn new(shared: &Mlp, experts: &Experts) -> Result<Self> {
+        debug_assert!(Self::eligible(shared, experts));
+        if shared.gate_up_layout() != GateUpLayout::Blocked {
+            return Err(Error::invalid(
+                "shared",
+                format!("{:?} gate_up", shared.gate_up_layout()),
+                "the shared experts' blocks need the blocked gate_up layout",
+            ));
         }
-        let x = i_s / i;
-        if x == 1 {
-            // One block: the MLP's own stacked weights, as views (no copy).
-            return Ok(Some(Self {
-                gate_up: shared.gate_up().unsqueeze(0)?,
-                down: shared.down_proj().unsqueeze(0)?,
-            }));
-        }
-        let mut gate_up = Vec::with_capacity(x);
-        let mut down = Vec::with_capacity(x);
-        for j in 0..x {
-            gate_up.push(Tensor::cat(
-                &[
-                    shared.gate_proj().narrow(0, j * i, i)?,
-                    shared.up_proj().narrow(0, j * i, i)?,
-                ],
-                0,
-            )?);
-            down.push(shared.down_proj().narrow(1, j * i, i)?);
-        }
-        Ok(Some(Self {
-            gate_up: Tensor::stack(&gate_up, 0)?.contiguous()?,
-            down: Tensor::stack(&down, 0)?.contiguous()?,
-        }))
+        let (h, i) = (experts.hidden_size(), experts.intermediate_size());
+        let x = shared.intermediate_size() / i;
+        let gate_up = shared.gate_up().reshape((x, 2 * i, h))?;
+        let down = if x == 1 {
+            shared.down_proj().unsqueeze(0)?
+        } else {
+            let blocks = (0..x)
+                .map(|j| shared.down_proj().narrow(1, j * i, i))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::stack(&blocks, 0)?.contiguous()?
+        };
+        Ok(Self { gate_up, down })
     }
 
     /// Number of blocks `X`.

@@ -60,8 +60,8 @@ struct HostMlp {
 impl HostMlp {
     fn of(m: &Mlp) -> Result<Self> {
         Ok(Self {
-            gate: m.gate_proj().to_dtype(DType::F32)?.to_vec2()?,
-            up: m.up_proj().to_dtype(DType::F32)?.to_vec2()?,
+            gate: m.gate_proj()?.to_dtype(DType::F32)?.to_vec2()?,
+            up: m.up_proj()?.to_dtype(DType::F32)?.to_vec2()?,
             down: m.down_proj().to_dtype(DType::F32)?.to_vec2()?,
         })
     }

@@ -1,5 +1,6 @@
-//! Launchers of the grouped GEMMs (CUTLASS kernels of the host library, see
-//! `csrc/grouped_gemm_sm90.cuh`) and of SwiGLU (`swiglu.cu`). Host twins: [`super::host`].
+//! Launchers of the grouped GEMMs: CUTLASS kernels of the host library (see
+//! `csrc/grouped_gemm_sm90.cuh`, plain or with the SwiGLU epilogue) and the tile-less GEMV
+//! (`grouped_gemv.cu`). Host twins: [`super::host`].
 
 use std::ffi::{c_char, CStr};
 use std::sync::Arc;
@@ -67,25 +68,70 @@ extern "C" {
         message: *mut c_char,
         message_len: u64,
     ) -> i32;
+    fn ep_grouped_gemm_bf16_swiglu_wide_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_swiglu_wide_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+    fn ep_grouped_gemm_bf16_swiglu_wide_m_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_swiglu_wide_m_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+    fn ep_grouped_gemm_bf16_swiglu_narrow_workspace(groups: i32, sm_count: i32) -> u64;
+    fn ep_grouped_gemm_bf16_swiglu_narrow_run(
+        args: *const GroupedGemmArgs,
+        stream: CUstream,
+        message: *mut c_char,
+        message_len: u64,
+    ) -> i32;
+}
+
+/// What a grouped GEMM writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Epilogue {
+    /// `d = a x b^T`, `[rows, n]`.
+    Plain,
+    /// `act = silu(gate) * up`, `[rows, n / 2]`, `b` the blocked gate_up weight.
+    Swiglu,
 }
 
 /// The entry points of a resolved tile configuration (a CUTLASS one: not `Gemv`).
-fn entry_points(tiles: GemmTiles) -> (&'static str, WorkspaceFn, RunFn) {
-    match tiles {
-        GemmTiles::Narrow => (
+fn entry_points(tiles: GemmTiles, epilogue: Epilogue) -> (&'static str, WorkspaceFn, RunFn) {
+    match (tiles, epilogue) {
+        (GemmTiles::Narrow, Epilogue::Plain) => (
             "grouped_gemm_bf16_narrow",
             ep_grouped_gemm_bf16_narrow_workspace,
             ep_grouped_gemm_bf16_narrow_run,
         ),
-        GemmTiles::WideM => (
+        (GemmTiles::WideM, Epilogue::Plain) => (
             "grouped_gemm_bf16_wide_m",
             ep_grouped_gemm_bf16_wide_m_workspace,
             ep_grouped_gemm_bf16_wide_m_run,
         ),
-        GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv => (
+        (GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv, Epilogue::Plain) => (
             "grouped_gemm_bf16_wide",
             ep_grouped_gemm_bf16_wide_workspace,
             ep_grouped_gemm_bf16_wide_run,
+        ),
+        (GemmTiles::Narrow, Epilogue::Swiglu) => (
+            "grouped_gemm_bf16_swiglu_narrow",
+            ep_grouped_gemm_bf16_swiglu_narrow_workspace,
+            ep_grouped_gemm_bf16_swiglu_narrow_run,
+        ),
+        (GemmTiles::WideM, Epilogue::Swiglu) => (
+            "grouped_gemm_bf16_swiglu_wide_m",
+            ep_grouped_gemm_bf16_swiglu_wide_m_workspace,
+            ep_grouped_gemm_bf16_swiglu_wide_m_run,
+        ),
+        (GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv, Epilogue::Swiglu) => (
+            "grouped_gemm_bf16_swiglu_wide",
+            ep_grouped_gemm_bf16_swiglu_wide_workspace,
+            ep_grouped_gemm_bf16_swiglu_wide_run,
         ),
     }
 }
@@ -131,10 +177,12 @@ impl GroupedGemmWorkspace {
                 format!("must be in 1..={} (the device's SMs)", props.sm_count),
             ));
         }
-        let bytes = [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow]
+        let tiles = [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow];
+        let bytes = tiles
             .into_iter()
-            .map(|t| {
-                let (_, workspace, _) = entry_points(t);
+            .flat_map(|t| [(t, Epilogue::Plain), (t, Epilogue::Swiglu)])
+            .map(|(t, e)| {
+                let (_, workspace, _) = entry_points(t, e);
                 // SAFETY: pure host computation on two integers (no device access).
                 unsafe { workspace(max_groups as i32, sm_count as i32) }
             })
@@ -236,32 +284,39 @@ pub fn grouped_gemm_bf16_extra_cuda(
         extra,
         tiles,
         d,
-        Some(workspace),
+        workspace,
+        Epilogue::Plain,
     )
 }
 
-/// The experts' first GEMM with SwiGLU fused, for masked blocks of a few rows
-/// ([`GemmTiles::Gemv`]): `b` is the stacked gate_up weight (`shape.n = 2I` rows per group:
-/// gate, then up) and `act` (`[rows, I]`) receives, for every valid row,
-/// `bf16(silu(bf16(a x gate^T)) * bf16(a x up^T))`: the same values as
-/// [`grouped_gemm_bf16_extra_cuda`] followed by [`swiglu_cuda`], in one launch and without the
-/// `[rows, 2I]` intermediate. Host twin: [`super::host::grouped_gemm_swiglu`]. Same checks as
-/// [`grouped_gemm_bf16_extra_cuda`], and `shape.n / 2` a multiple of 8.
+/// The experts' first GEMM with SwiGLU in its epilogue: [`grouped_gemm_bf16_extra_cuda`] whose
+/// `b` is each expert's gate_up weight in the blocked layout ([`super::GATE_UP_BLOCK`]:
+/// `shape.n = 2I` rows per group) and whose output `act` (`[rows, I]`) receives, for every
+/// valid row, `bf16(silu(gate) * up)` from the f32 products: the `[rows, 2I]` product is never
+/// stored. Any [`GemmTiles`] (`Gemv` for masked blocks of a few rows); the workspace is only
+/// read by the CUTLASS configurations. Host twin: [`super::host::grouped_gemm_swiglu`]. Same
+/// checks as [`grouped_gemm_bf16_extra_cuda`], and `shape.n` a multiple of 16.
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_gemv_swiglu_bf16_cuda(
+pub fn grouped_gemm_swiglu_bf16_cuda(
     stream: &Arc<CudaStream>,
     a: &impl DevicePtr<bf16>,
     b: &impl DevicePtr<bf16>,
     counts: &impl DevicePtr<i32>,
     shape: &GroupedGemmShape,
     extra: Option<&ExtraGroups<'_>>,
+    tiles: GemmTiles,
     act: &mut impl DevicePtrMut<bf16>,
+    workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
-    if shape.n % 16 != 0 {
+    if shape.n % (2 * super::GATE_UP_BLOCK) != 0 {
         return Err(Error::invalid(
             "n",
             shape.n,
-            "the stacked gate_up width 2I must be a multiple of 16 (I a multiple of 8)",
+            format!(
+                "the gate_up width 2I must be a multiple of {} (I a multiple of {})",
+                2 * super::GATE_UP_BLOCK,
+                super::GATE_UP_BLOCK
+            ),
         ));
     }
     run_grouped(
@@ -271,14 +326,15 @@ pub fn grouped_gemv_swiglu_bf16_cuda(
         counts,
         shape,
         extra,
-        GemmTiles::Gemv,
+        tiles,
         act,
-        None,
+        workspace,
+        Epilogue::Swiglu,
     )
 }
 
-/// The checks and launch behind both public GEMMs. `workspace: None` is the fused SwiGLU GEMV
-/// (output `[rows, n / 2]`); otherwise a plain grouped GEMM (output `[rows, n]`).
+/// The checks and launch behind the public GEMMs (output `[rows, n]`, or `[rows, n / 2]` with
+/// the SwiGLU epilogue).
 #[allow(clippy::too_many_arguments)]
 fn run_grouped(
     stream: &Arc<CudaStream>,
@@ -289,9 +345,10 @@ fn run_grouped(
     extra: Option<&ExtraGroups<'_>>,
     tiles: GemmTiles,
     d: &mut impl DevicePtrMut<bf16>,
-    workspace: Option<&mut GroupedGemmWorkspace>,
+    workspace: &mut GroupedGemmWorkspace,
+    epilogue: Epilogue,
 ) -> Result<()> {
-    let swiglu = workspace.is_none();
+    let swiglu = epilogue == Epilogue::Swiglu;
     shape.check()?;
     let GroupedGemmShape {
         groups,
@@ -350,24 +407,22 @@ fn run_grouped(
     } else {
         Error::check_len("d", rows * n, d.len())?;
     }
-    if let Some(workspace) = &workspace {
-        if groups > workspace.max_groups {
-            return Err(Error::invalid(
-                "workspace",
-                format!("sized for {} groups", workspace.max_groups),
-                format!("this GEMM has {groups} groups"),
-            ));
-        }
-        if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
-            return Err(Error::invalid(
-                "workspace",
-                format!("memory of device {}", workspace.buf.context().ordinal()),
-                format!(
-                    "must be on the stream's device {}",
-                    stream.context().ordinal()
-                ),
-            ));
-        }
+    if groups > workspace.max_groups {
+        return Err(Error::invalid(
+            "workspace",
+            format!("sized for {} groups", workspace.max_groups),
+            format!("this GEMM has {groups} groups"),
+        ));
+    }
+    if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
+        return Err(Error::invalid(
+            "workspace",
+            format!("memory of device {}", workspace.buf.context().ordinal()),
+            format!(
+                "must be on the stream's device {}",
+                stream.context().ordinal()
+            ),
+        ));
     }
     if rows == 0 {
         return Ok(());
@@ -420,10 +475,7 @@ fn run_grouped(
         };
         return launch_gemv(stream, params, groups, n, swiglu);
     }
-    let Some(workspace) = workspace else {
-        unreachable!("only the SwiGLU GEMV runs without a workspace, and it is a Gemv");
-    };
-    let (kernel, _, run) = entry_points(tiles);
+    let (kernel, _, run) = entry_points(tiles, epilogue);
     let ws_bytes = workspace.buf.len() as u64;
     let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
     let args = GroupedGemmArgs {
@@ -548,107 +600,5 @@ fn launch_gemv(
     // alignment, and holds their guards until this returns, after the launch is queued; the
     // kernel reads only rows below each group's count, which it checks against `m_max` and the
     // rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
-    unsafe { kernel.launch(stream, cfg, params) }
-}
-
-/// The cubin of `swiglu.cu`.
-const SWIGLU_FILE: &str = "gemm/swiglu";
-/// Threads per block (`kThreads` in `swiglu.cu`); one warp per row.
-const SWIGLU_THREADS: u32 = 256;
-/// Resident blocks per SM the grid is capped at (grid-stride loops cover the rest).
-const SWIGLU_BLOCKS_PER_SM: u32 = 4;
-
-/// Mirror of `struct SwigluParams` in `swiglu.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct SwigluParams {
-    h: CUdeviceptr,
-    counts: CUdeviceptr,
-    out: CUdeviceptr,
-    rows: i64,
-    groups: i32,
-    inter: i32,
-    layout: i32,
-    m_max: i32,
-    alignment: i32,
-    reserved: i32,
-}
-const _: () = assert!(std::mem::size_of::<SwigluParams>() == 56);
-const _: () = assert!(std::mem::offset_of!(SwigluParams, groups) == 32);
-const _: () = assert!(std::mem::offset_of!(SwigluParams, alignment) == 48);
-
-// SAFETY: `repr(C)` plain data mirroring `SwigluParams` in swiglu.cu (size asserted both
-// sides, field offsets here).
-unsafe impl KernelParams for SwigluParams {}
-
-/// SwiGLU on `stream` over the valid rows of `layout`: `out[r, j] = silu(h[r, j]) *
-/// h[r, inter + j]` with `h` `[rows, 2 * inter]` (the stacked gate_up GEMM's output),
-/// `out` `[rows, inter]`, `counts` `[groups]` on the device. Rows outside every group's count
-/// are neither read nor written. Same result as the host twin [`super::swiglu`] up to the
-/// `exp` rounding.
-pub fn swiglu_cuda(
-    stream: &Arc<CudaStream>,
-    h: &impl DevicePtr<bf16>,
-    counts: &impl DevicePtr<i32>,
-    layout: GroupLayout,
-    rows: usize,
-    inter: usize,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    let groups = counts.len();
-    layout.check(groups, rows)?;
-    if inter == 0 || inter % 8 != 0 || inter > i32::MAX as usize {
-        return Err(Error::invalid(
-            "inter",
-            inter,
-            "must be a positive multiple of 8 (16-byte rows) below 2^31",
-        ));
-    }
-    Error::check_len("h", rows * 2 * inter, h.len())?;
-    Error::check_len("out", rows * inter, out.len())?;
-    if rows == 0 {
-        return Ok(());
-    }
-    let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(SWIGLU_FILE, "swiglu_grouped")?;
-    let (h_ptr, _gh) = h.device_ptr(stream);
-    let (c_ptr, _gc) = counts.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_align("h", h_ptr, 16)?;
-    check_align("out", o_ptr, 16)?;
-    let (m_max, alignment) = layout.params();
-    let params = SwigluParams {
-        h: h_ptr,
-        counts: c_ptr,
-        out: o_ptr,
-        rows: rows as i64,
-        // Fit: `layout.check` bounds groups by MAX_GROUPS; inter checked above.
-        groups: groups as i32,
-        inter: inter as i32,
-        layout: layout.code(),
-        m_max,
-        alignment,
-        reserved: 0,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            grid_for(
-                rows as u64,
-                u64::from(SWIGLU_THREADS / 32),
-                kernels.props(),
-                SWIGLU_BLOCKS_PER_SM,
-            ),
-            1,
-            1,
-        ),
-        block_dim: (SWIGLU_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `params` matches `SwigluParams`; `h` holds `rows * 2 * inter` bf16, `out`
-    // `rows * inter`, `counts` `groups` i32 (checked above), 16-byte aligned with 16-byte rows;
-    // the kernel touches only rows inside the groups' counts, which lie within `rows` for any
-    // counts accepted by the layout (masked: blocks of m_max; contiguous: rows past `rows` are
-    // skipped by the grid-stride bound). The guards keep stream order until the launch is
-    // queued.
     unsafe { kernel.launch(stream, cfg, params) }
 }

@@ -8,4 +8,4 @@
 
 EP_GROUPED_GEMM_BF16(narrow, 64, 128, 128, 1, 2,
                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong)
+                     cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, false)

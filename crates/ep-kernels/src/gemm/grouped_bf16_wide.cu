@@ -7,4 +7,4 @@
 
 EP_GROUPED_GEMM_BF16(wide, 128, 256, 64, 1, 2,
                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, false)

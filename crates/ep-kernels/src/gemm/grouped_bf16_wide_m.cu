@@ -7,4 +7,4 @@
 
 EP_GROUPED_GEMM_BF16(wide_m, 128, 256, 64, 2, 1,
                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
+                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, false)

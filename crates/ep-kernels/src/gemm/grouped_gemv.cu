@@ -16,10 +16,12 @@
 // same weights (the second pass mostly from L2); the launcher picks this kernel only when few
 // rows are expected.
 //
-// `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the stacked
-// gate_up weight ([n = 2I, k] per group), a warp takes weight rows j and I + j, and the block
-// writes act[r, j] = bf16(silu(bf16(gate)) * bf16(up)) ([rows, I]) instead of [gate | up]: the
-// same rounding as the GEMM followed by swiglu.cu, one launch and no [rows, 2I] round trip.
+// `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the gate_up
+// weight ([n = 2I, k] per group) in the blocked layout of the CUTLASS SwiGLU epilogue
+// (csrc/swiglu_epilogue_sm90.cuh: gate rows 8b..8b+7 at rows 16b..16b+7, the matching up rows
+// right after them), a warp takes the gate and the up row of one output column j, and the block
+// writes act[r, j] = bf16(silu(gate) * up) ([rows, I], gate and up in f32, one rounding, as
+// the CUTLASS epilogue) instead of [gate | up]: one launch and no [rows, 2I] round trip.
 //
 // Counts are checked like the CUTLASS path's setup kernel does: a negative count, one above
 // m_max, or an extra group's count above the rows of extra_a prints the entry and traps.
@@ -165,9 +167,9 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         const int4* w[kColsPerWarp];
 #pragma unroll
         for (int c = 0; c < kColsPerWarp; ++c) {
-            // SwiGLU: gate row j, up row I + j. Else a column past n re-reads the last one and is
-            // not stored.
-            const int col = kSwiglu ? col0 + c * out_cols : min(col0 + c, p.n - 1);
+            // SwiGLU: the gate and the up row of column j (blocked layout). Else a column past n
+            // re-reads the last one and is not stored.
+            const int col = kSwiglu ? (col0 / 8) * 16 + col0 % 8 + c * 8 : min(col0 + c, p.n - 1);
             w[c] = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(col) * p.k);
         }
         for (int r0 = 0; r0 < count; r0 += kRowsPerPass) {
@@ -219,9 +221,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
                 }
                 const int64_t row = static_cast<int64_t>(g) * p.m_max + r0 + r;
                 if (kSwiglu) {
-                    const float gate = ep::bf16_to_f32(ep::f32_to_bf16(s[0]));
-                    const float up = ep::bf16_to_f32(ep::f32_to_bf16(s[1]));
-                    p.d[row * out_cols + col0] = ep::f32_to_bf16(silu(gate) * up);
+                    p.d[row * out_cols + col0] = ep::f32_to_bf16(silu(s[0]) * s[1]);
                 } else {
 #pragma unroll
                     for (int c = 0; c < kColsPerWarp; ++c) {

@@ -1,10 +1,10 @@
-//! Host twins of the grouped GEMM and SwiGLU kernels: the same functions over plain slices,
+//! Host twins of the grouped GEMM kernels (plain and with SwiGLU): the same functions over plain slices,
 //! accumulated in f32 and rounded to bf16 once, as the kernels do (the kernels' summation
 //! order differs, so they agree to bf16 rounding, not bit for bit).
 
 use half::bf16;
 
-use super::{GroupLayout, GroupedGemmShape};
+use super::{gate_up_rows, GroupLayout, GroupedGemmShape, GATE_UP_BLOCK};
 use crate::error::{Error, Result};
 
 /// The first row of every group of `layout`, checking `counts` (one per group) against it and
@@ -71,7 +71,15 @@ pub fn grouped_gemm(
     shape: &GroupedGemmShape,
     d: &mut [bf16],
 ) -> Result<()> {
-    grouped_gemm_impl(a, b, counts, shape, None, d)
+    grouped_gemm_impl(a, b, counts, shape, None, Output::Plain(d))
+}
+
+/// Where [`grouped_gemm_impl`] writes a row's product.
+enum Output<'a> {
+    /// `d [rows, n]`.
+    Plain(&'a mut [bf16]),
+    /// `act [rows, n / 2]`: SwiGLU of the blocked gate_up product ([`super::GATE_UP_BLOCK`]).
+    Swiglu(&'a mut [bf16]),
 }
 
 /// The extra groups of [`grouped_gemm_extra`] (the host side of `ExtraGroups`).
@@ -97,7 +105,7 @@ pub fn grouped_gemm_extra(
     extra: &HostExtraGroups<'_>,
     d: &mut [bf16],
 ) -> Result<()> {
-    grouped_gemm_impl(a, b, counts, shape, Some(extra), d)
+    grouped_gemm_impl(a, b, counts, shape, Some(extra), Output::Plain(d))
 }
 
 fn grouped_gemm_impl(
@@ -106,7 +114,7 @@ fn grouped_gemm_impl(
     counts: &[i32],
     shape: &GroupedGemmShape,
     extra: Option<&HostExtraGroups<'_>>,
-    d: &mut [bf16],
+    mut out: Output<'_>,
 ) -> Result<()> {
     shape.check()?;
     if counts.len() != shape.groups {
@@ -145,7 +153,22 @@ fn grouped_gemm_impl(
     };
     Error::check_len("a", a_rows * k, a.len())?;
     Error::check_len("b", first_extra * n * k, b.len())?;
-    Error::check_len("d", shape.rows * n, d.len())?;
+    match &out {
+        Output::Plain(d) => Error::check_len("d", shape.rows * n, d.len())?,
+        Output::Swiglu(act) => {
+            if n % (2 * GATE_UP_BLOCK) != 0 {
+                return Err(Error::invalid(
+                    "n",
+                    n,
+                    format!(
+                        "the gate_up width 2I must be a multiple of {}",
+                        2 * GATE_UP_BLOCK
+                    ),
+                ));
+            }
+            Error::check_len("act", shape.rows * (n / 2), act.len())?
+        }
+    }
     let starts = group_starts(counts, shape.layout, shape.rows)?;
     if let Some(xa) = extra_a {
         if let Some((g, c)) = counts
@@ -176,8 +199,19 @@ fn grouped_gemm_impl(
                 _ => &a[r * k..(r + 1) * k],
             };
             gemm_row(a_row, b_g, n, &mut acc);
-            for (o, v) in d[r * n..(r + 1) * n].iter_mut().zip(&acc) {
-                *o = bf16::from_f32(*v);
+            match &mut out {
+                Output::Plain(d) => {
+                    for (o, v) in d[r * n..(r + 1) * n].iter_mut().zip(&acc) {
+                        *o = bf16::from_f32(*v);
+                    }
+                }
+                Output::Swiglu(act) => {
+                    let row = &mut act[r * (n / 2)..(r + 1) * (n / 2)];
+                    for (j, o) in row.iter_mut().enumerate() {
+                        let (gate, up) = gate_up_rows(j);
+                        *o = bf16::from_f32(silu(acc[gate]) * acc[up]);
+                    }
+                }
             }
         }
     }
@@ -189,38 +223,12 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// Host twin of `swiglu_cuda`: for every valid row `r` of `layout`,
-/// `out[r, j] = bf16(silu(h[r, j]) * h[r, inter + j])`; other rows are left as they are.
-/// `h` is `[rows, 2 * inter]`, `out` `[rows, inter]`.
-pub fn swiglu(
-    h: &[bf16],
-    counts: &[i32],
-    layout: GroupLayout,
-    rows: usize,
-    inter: usize,
-    out: &mut [bf16],
-) -> Result<()> {
-    if inter == 0 {
-        return Err(Error::invalid("inter", inter, "must be positive"));
-    }
-    Error::check_len("h", rows * 2 * inter, h.len())?;
-    Error::check_len("out", rows * inter, out.len())?;
-    let starts = group_starts(counts, layout, rows)?;
-    for (&start, &c) in starts.iter().zip(counts) {
-        for r in start..start + c as usize {
-            let row = &h[r * 2 * inter..(r + 1) * 2 * inter];
-            let (gate, up) = row.split_at(inter);
-            for ((o, g), u) in out[r * inter..(r + 1) * inter].iter_mut().zip(gate).zip(up) {
-                *o = bf16::from_f32(silu(g.to_f32()) * u.to_f32());
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Host twin of `grouped_gemv_swiglu_bf16_cuda`: [`grouped_gemm_extra`] (or [`grouped_gemm`]
-/// without extra groups) into a `[rows, n]` intermediate, then [`swiglu`] into `act`
-/// (`[rows, n / 2]`); rows past the counts keep their values.
+/// Host twin of `grouped_gemm_swiglu_bf16_cuda`, the experts' first GEMM with SwiGLU in its
+/// epilogue: for every valid row `r`, `act[r, j] = bf16(silu(gate) * up)` with `gate` and `up`
+/// the f32 products of `a[r]` with the gate and the up row of column `j` of the group's blocked
+/// gate_up weight ([`super::GATE_UP_BLOCK`], [`gate_up_rows`]); `b` is `[groups, n = 2I, k]`,
+/// `act` `[rows, n / 2]`, and `extra` as in [`grouped_gemm_extra`]. Rows past the counts keep
+/// their values.
 pub fn grouped_gemm_swiglu(
     a: &[bf16],
     b: &[bf16],
@@ -229,12 +237,7 @@ pub fn grouped_gemm_swiglu(
     extra: Option<&HostExtraGroups<'_>>,
     act: &mut [bf16],
 ) -> Result<()> {
-    if shape.n % 2 != 0 {
-        return Err(Error::invalid("n", shape.n, "must be even (2I)"));
-    }
-    let mut h = vec![bf16::ZERO; shape.rows * shape.n];
-    grouped_gemm_impl(a, b, counts, shape, extra, &mut h)?;
-    swiglu(&h, counts, shape.layout, shape.rows, shape.n / 2, act)
+    grouped_gemm_impl(a, b, counts, shape, extra, Output::Swiglu(act))
 }
 
 #[cfg(test)]
@@ -365,22 +368,34 @@ mod tests {
     }
 
     #[test]
-    fn swiglu_multiplies_silu_of_gate_by_up_on_valid_rows() {
-        let inter = 2;
-        let h = bf(&[1.0, -2.0, 3.0, 4.0, /* row 1 */ 0.5, 0.5, 0.5, 0.5]);
-        let sentinel = bf16::from_f32(9.0);
-        let mut out = vec![sentinel; 2 * inter];
-        swiglu(
-            &h,
-            &[1],
-            GroupLayout::Contiguous { alignment: 1 },
-            2,
-            inter,
-            &mut out,
-        )
-        .unwrap();
-        assert_eq!(out[0], bf16::from_f32(silu(1.0) * 3.0));
-        assert_eq!(out[1], bf16::from_f32(silu(-2.0) * 4.0));
-        assert_eq!(&out[2..], &[sentinel, sentinel]);
+    fn swiglu_gemm_pairs_the_blocked_gate_and_up_rows() {
+        // One group, I = 8, k = 1: weight row w holds the value w + 1, so the product of a
+        // row x is x * (w + 1) and column j pairs rows gate_up_rows(j).
+        let (inter, k) = (8, 1);
+        let b: Vec<bf16> = (0..2 * inter)
+            .map(|w| bf16::from_f32(w as f32 + 1.0))
+            .collect();
+        let a = bf(&[0.5, 9.0]);
+        let sentinel = bf16::from_f32(7.0);
+        let mut act = vec![sentinel; 2 * inter];
+        let shape = GroupedGemmShape {
+            groups: 1,
+            rows: 2,
+            n: 2 * inter,
+            k,
+            layout: GroupLayout::Contiguous { alignment: 1 },
+        };
+        grouped_gemm_swiglu(&a, &b, &[1], &shape, None, &mut act).unwrap();
+        for (j, got) in act[..inter].iter().enumerate() {
+            // Blocked layout: gate row j, up row j + 8 (one block of 8).
+            let (gate, up) = (0.5 * (j as f32 + 1.0), 0.5 * (j as f32 + 9.0));
+            assert_eq!(*got, bf16::from_f32(silu(gate) * up), "column {j}");
+        }
+        assert!(
+            act[inter..].iter().all(|&v| v == sentinel),
+            "row 1 is past the count"
+        );
+        let odd = GroupedGemmShape { n: 8, ..shape };
+        assert!(grouped_gemm_swiglu(&a, &b[..8], &[1], &odd, None, &mut act).is_err());
     }
 }

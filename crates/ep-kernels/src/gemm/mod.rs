@@ -9,17 +9,19 @@
 //!
 //! `B = [groups, N, K]` (each expert's weight in `nn.Linear` order, out x in) and
 //! `D = [rows, N]`, row for row with `A`. Rows past a group's count are never read nor written.
-//! bf16 in and out, f32 accumulation. [`swiglu`] joins the experts' two GEMMs: the stacked
-//! `gate_up` GEMM (`N = 2I`) gives `[gate | up]`, SwiGLU gives `silu(gate) * up` (`[rows, I]`)
-//! for the `down` GEMM (`N = H`, `K = I`).
+//! bf16 in and out, f32 accumulation. The experts' first GEMM runs with SwiGLU in its
+//! epilogue ([`grouped_gemm_swiglu`]): its weight is the expert's `gate_proj` and `up_proj` in
+//! the blocked layout ([`GATE_UP_BLOCK`], `N = 2I` rows) and it writes
+//! `act = silu(gate) * up` (`[rows, I]`) for the `down` GEMM (`N = H`, `K = I`); the
+//! `[rows, 2I]` product is never stored.
 //!
 //! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3 ptr-array kernels for sm_90a (TMA, WGMMA,
-//! persistent grouped scheduler; `csrc/grouped_gemm_sm90.cuh`) in three tile configurations
-//! ([`GemmTiles`]); a setup kernel writes each group's shape and pointers from the device
-//! counts, so no count is read by the host; for masked blocks of a few rows (decode) a
-//! hand-written kernel streams each active group's weights once instead
-//! ([`GemmTiles::Gemv`], `grouped_gemv.cu`). The host twins ([`host`]) compute the same
-//! functions in f32 and are the test reference.
+//! persistent grouped scheduler; `csrc/grouped_gemm_sm90.cuh`, the SwiGLU epilogue in
+//! `csrc/swiglu_epilogue_sm90.cuh`) in three tile configurations ([`GemmTiles`]); a setup
+//! kernel writes each group's shape and pointers from the device counts, so no count is read
+//! by the host; for masked blocks of a few rows (decode) a hand-written kernel streams each
+//! active group's weights once instead ([`GemmTiles::Gemv`], `grouped_gemv.cu`). The host
+//! twins ([`host`]) compute the same functions in f32 and are the test reference.
 //!
 //! The module is shaped for more element types: a block-scaled FP8 kernel would be one more
 //! CUTLASS translation unit and launcher beside the bf16 ones, with the same layouts.
@@ -32,13 +34,26 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::{
-    group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, swiglu, HostExtraGroups,
+    group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, HostExtraGroups,
 };
 
 use crate::error::{Error, Result};
 
 /// Most groups (local experts) one grouped GEMM takes.
 pub const MAX_GROUPS: usize = 1024;
+
+/// Rows per block of the blocked gate_up layout the SwiGLU GEMMs read: an expert's `[2I, H]`
+/// gate_up weight holds `gate_proj` rows `8b .. 8b + 8` at rows `16b .. 16b + 8` and the
+/// `up_proj` rows of the same indices right after them, so that one thread of a WGMMA tile
+/// holds both operands of each SwiGLU product (`csrc/swiglu_epilogue_sm90.cuh`). `I` must be a
+/// multiple of it.
+pub const GATE_UP_BLOCK: usize = 8;
+
+/// The rows `(gate, up)` of output column `j` in the blocked gate_up layout ([`GATE_UP_BLOCK`]).
+pub fn gate_up_rows(j: usize) -> (usize, usize) {
+    let gate = (j / GATE_UP_BLOCK) * 2 * GATE_UP_BLOCK + j % GATE_UP_BLOCK;
+    (gate, gate + GATE_UP_BLOCK)
+}
 
 /// How the rows of the groups lie in `A` (and `D`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
