@@ -369,13 +369,21 @@ mod tests {
 
     #[test]
     fn swiglu_gemm_pairs_the_blocked_gate_and_up_rows() {
-        // One group, I = 8, k = 1: weight row w holds the value w + 1, so the product of a
-        // row x is x * (w + 1) and column j pairs rows gate_up_rows(j).
-        let (inter, k) = (8, 1);
-        let b: Vec<bf16> = (0..2 * inter)
-            .map(|w| bf16::from_f32(w as f32 + 1.0))
+        // One group, I = 8, k = 8: weight row w is (w + 1, 0, ..), so the product of a row
+        // (x, 0, ..) is x * (w + 1) and column j pairs rows gate_up_rows(j).
+        let (inter, k) = (8, 8);
+        let b: Vec<bf16> = (0..2 * inter * k)
+            .map(|e| {
+                bf16::from_f32(if e % k == 0 {
+                    (e / k) as f32 + 1.0
+                } else {
+                    0.0
+                })
+            })
             .collect();
-        let a = bf(&[0.5, 9.0]);
+        let mut a = vec![bf16::ZERO; 2 * k];
+        a[0] = bf16::from_f32(0.5);
+        a[k] = bf16::from_f32(9.0);
         let sentinel = bf16::from_f32(7.0);
         let mut act = vec![sentinel; 2 * inter];
         let shape = GroupedGemmShape {
@@ -396,6 +404,6 @@ mod tests {
             "row 1 is past the count"
         );
         let odd = GroupedGemmShape { n: 8, ..shape };
-        assert!(grouped_gemm_swiglu(&a, &b[..8], &[1], &odd, None, &mut act).is_err());
+        assert!(grouped_gemm_swiglu(&a, &b[..8 * k], &[1], &odd, None, &mut act).is_err());
     }
 }
