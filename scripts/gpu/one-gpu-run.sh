@@ -23,7 +23,7 @@ if want tests; then
 fi
 if want sanitize; then
     for tool in memcheck racecheck; do
-        for spec in "gpu_grouped_gemm small-odd" "gpu_expert_path expert-order/aligned" "gpu_layer hot-expert/low-latency/T=7"; do
+        for spec in "gpu_grouped_gemm small-odd" "gpu_grouped_gemm swiglu/contiguous/one-group" "gpu_expert_path expert-order/aligned" "gpu_layer hot-expert/low-latency/T=7"; do
             set -- $spec
             timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/$1" "$2" >"$OUT/sanitize-$tool-$1.txt" 2>&1
             echo "sanitize $tool $1 $2: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed, ' "$OUT/sanitize-$tool-$1.txt" | tr '\n' ' ')"

@@ -158,18 +158,16 @@ impl Experts {
         let gate_up = if layout == target {
             gate_up.contiguous()?
         } else {
-            let b = ep_kernels::gemm::GATE_UP_BLOCK;
-            // Between [L, 2, I/B, B, H] (stacked) and [L, I/B, 2, B, H] (blocked): the same
-            // swap of dims 1 and 2 either way.
-            let dims = match layout {
-                GateUpLayout::Stacked => (l, 2, i / b, b, h),
-                GateUpLayout::Blocked => (l, i / b, 2, b, h),
-            };
-            gate_up
-                .reshape(dims)?
-                .transpose(1, 2)?
-                .contiguous()?
-                .reshape((l, 2 * i, h))?
+            // One expert at a time: candle's strided copy kernels index with 32 bits, and a
+            // whole stack (7.5e9 values at DeepSeek-V3 shapes) is past that.
+            let down_e = down.get(0)?;
+            let blocks = (0..l)
+                .map(|e| {
+                    let m = Mlp::from_parts(gate_up.get(e)?, layout, down_e.clone())?;
+                    Ok(m.with_layout(target)?.gate_up().clone())
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::stack(&blocks, 0)?
         };
         let down = down.contiguous()?;
         let experts = (0..l)
