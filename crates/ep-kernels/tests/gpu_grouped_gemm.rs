@@ -368,6 +368,39 @@ fn uneven_counts(rng: &mut StdRng, groups: usize, total: usize) -> Vec<i32> {
         .collect()
 }
 
+/// SwiGLU over dense rows of a blocked gate_up product (`swiglu_rows_bf16_cuda`) against its
+/// host twin: within one bf16 ulp (the device `expf` differs from the host's by an f32 ulp).
+fn swiglu_rows_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    rows: usize,
+    inter: usize,
+) -> CaseResult {
+    let h = random_bf16(rng, rows * 2 * inter, 4.0);
+    let h_dev = stream.clone_htod(&h)?;
+    let mut act_dev = poisoned::<bf16>(stream, rows * inter)?;
+    gemm::swiglu_rows_bf16_cuda(stream, &h_dev, rows, inter, &mut act_dev)?;
+    let got = stream.clone_dtoh(&act_dev)?;
+    let mut want = vec![bf16::ZERO; rows * inter];
+    gemm::swiglu_rows(&h, rows, inter, &mut want)?;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if (g.to_bits() as i32 - w.to_bits() as i32).abs() > 1 {
+            return Err(
+                format!("act[{i}]: got {g}, want {w} (more than one bf16 ulp apart)").into(),
+            );
+        }
+    }
+    let mut short = stream.alloc_zeros::<bf16>(rows * inter - 8)?;
+    match gemm::swiglu_rows_bf16_cuda(stream, &h_dev, rows, inter, &mut short) {
+        Err(e) if e.to_string().contains("`act`") => {}
+        other => return Err(format!("a short act gave {other:?}").into()),
+    }
+    match gemm::swiglu_rows_bf16_cuda(stream, &h_dev, rows, inter + 4, &mut act_dev) {
+        Err(e) if e.to_string().contains("`inter`") => Ok(()),
+        other => Err(format!("inter = {} gave {other:?}", inter + 4).into()),
+    }
+}
+
 /// gate_up GEMM with SwiGLU -> down GEMM (the experts' MLP, blocked gate_up weights) against an
 /// f32 reference of the MLP with bf16 rounding at the same point (act), on sampled rows.
 #[allow(clippy::too_many_arguments)]
@@ -1119,6 +1152,12 @@ fn main() {
     });
     runner.case("mlp/masked/ds-v3-shapes", |rng| {
         mlp_case(&stream, &mut ws, rng, &[4, 0, 1, 31], masked(32), h, i, 2)
+    });
+    runner.case("swiglu-rows/odd-rows", |rng| {
+        swiglu_rows_case(&stream, rng, 37, 136)
+    });
+    runner.case("swiglu-rows/ds-v3-shared", |rng| {
+        swiglu_rows_case(&stream, rng, 300, 2048)
     });
     runner.case("bad-input/errors-before-launch", |_| {
         bad_input_case(&stream, &mut ws)

@@ -265,14 +265,19 @@ impl Mlp {
                 let up = xs.matmul(&self.gate_up.narrow(0, i, i)?.t()?)?;
                 (gate * up)?
             }
-            // One GEMM, then the gate and up columns of each block as strided views (on CUDA
-            // their layouts are uploaded from host memory: inside a captured step, under
-            // `ep_runtime::graph`'s upload cache).
+            // One GEMM over [2I, H], then SwiGLU of each block's gate and up columns: one
+            // kernel on CUDA (bf16), strided views elsewhere.
             GateUpLayout::Blocked => {
+                let hu = xs.matmul(&self.gate_up.t()?)?;
+                #[cfg(feature = "cuda")]
+                if hu.device().is_cuda() && hu.dtype() == DType::BF16 {
+                    return crate::grouped::swiglu_rows(&hu)?
+                        .matmul(&self.down_proj.t()?)?
+                        .to_dtype(x.dtype())?
+                        .reshape(dims);
+                }
                 let b = GATE_UP_BLOCK;
-                let hu = xs
-                    .matmul(&self.gate_up.t()?)?
-                    .reshape((rows, i / b, 2, b))?;
+                let hu = hu.reshape((rows, i / b, 2, b))?;
                 let gate = hu.narrow(2, 0, 1)?.silu()?;
                 (gate * hu.narrow(2, 1, 1)?)?.reshape((rows, i))?
             }

@@ -240,6 +240,29 @@ pub fn grouped_gemm_swiglu(
     grouped_gemm_impl(a, b, counts, shape, extra, Output::Swiglu(act))
 }
 
+/// Host twin of `swiglu_rows_bf16_cuda`: `act[r, j] = bf16(silu(gate) * up)` for every row of
+/// `h` (`[rows, 2 * inter]`, blocked column order, [`gate_up_rows`]) into `act`
+/// (`[rows, inter]`).
+pub fn swiglu_rows(h: &[bf16], rows: usize, inter: usize, act: &mut [bf16]) -> Result<()> {
+    if inter == 0 || inter % GATE_UP_BLOCK != 0 {
+        return Err(Error::invalid(
+            "inter",
+            inter,
+            format!("must be a positive multiple of {GATE_UP_BLOCK}"),
+        ));
+    }
+    Error::check_len("h", rows * 2 * inter, h.len())?;
+    Error::check_len("act", rows * inter, act.len())?;
+    for r in 0..rows {
+        let row = &h[r * 2 * inter..(r + 1) * 2 * inter];
+        for (j, o) in act[r * inter..(r + 1) * inter].iter_mut().enumerate() {
+            let (gate, up) = gate_up_rows(j);
+            *o = bf16::from_f32(silu(row[gate].to_f32()) * row[up].to_f32());
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,5 +428,26 @@ mod tests {
         );
         let odd = GroupedGemmShape { n: 8, ..shape };
         assert!(grouped_gemm_swiglu(&a, &b[..8 * k], &[1], &odd, None, &mut act).is_err());
+    }
+
+    #[test]
+    fn swiglu_rows_pairs_blocked_columns() {
+        let inter = 8;
+        let h: Vec<bf16> = (0..2 * 2 * inter)
+            .map(|c| bf16::from_f32(c as f32 * 0.25 - 1.0))
+            .collect();
+        let mut act = vec![bf16::ZERO; 2 * inter];
+        swiglu_rows(&h, 2, inter, &mut act).unwrap();
+        for r in 0..2 {
+            for j in 0..inter {
+                let (g, u) = (h[r * 16 + j].to_f32(), h[r * 16 + 8 + j].to_f32());
+                assert_eq!(
+                    act[r * inter + j],
+                    bf16::from_f32(silu(g) * u),
+                    "row {r} col {j}"
+                );
+            }
+        }
+        assert!(swiglu_rows(&h, 2, 12, &mut act).is_err());
     }
 }

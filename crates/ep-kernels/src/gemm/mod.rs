@@ -32,9 +32,14 @@ pub mod host;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
+#[cfg(feature = "cuda")]
+mod swiglu_rows_cuda;
+#[cfg(feature = "cuda")]
+pub use swiglu_rows_cuda::swiglu_rows_bf16_cuda;
 
 pub use host::{
-    group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, HostExtraGroups,
+    group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, swiglu_rows,
+    HostExtraGroups,
 };
 
 use crate::error::{Error, Result};
