@@ -13,7 +13,8 @@
 //!
 //! FLOPs are `rows x 3 x 2 x H x I`; weight bytes are `3 x H x I x 2` per expert with rows.
 //! Each method's time is the median over `EP_BENCH_ROUNDS` rounds (default 3; every round
-//! runs every method, so clock and power drift spread over all of them) of the median of
+//! runs every method, so clock and power drift spread over all of them, and starts one method
+//! later than the round before, so that no method is always timed first) of the median of
 //! `EP_BENCH_ITERS` (default 10) event-timed runs after at least 200 ms of warm-up (sustained
 //! clocks: a method timed right after an idle spell runs up to 15% faster on H200).
 //! Prints a table; writes JSON lines to `$EP_BENCH_OUT` if set.
@@ -405,10 +406,15 @@ fn main() -> Result<(), BoxError> {
                 ),
             );
         }
-        // Rounds over the methods, so that clock and power drift spread over all of them.
+        // Rounds over the methods, so that clock and power drift spread over all of them; each
+        // round starts one method later, so that no method is always timed first (the first
+        // in a round measured up to 2-4 % faster than the same kernel later in it).
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); methods.len()];
-        for _ in 0..rounds {
-            for (i, (_, n, f)) in methods.iter_mut().enumerate() {
+        let count = methods.len();
+        for round in 0..rounds {
+            for j in 0..count {
+                let i = (round + j) % count;
+                let (_, n, f) = &mut methods[i];
                 times[i].push(time_ms(&stream, *n, f)?);
             }
         }
