@@ -337,20 +337,3 @@ pub(crate) fn forward_masked_with_shared(
     }
     Ok((routed, out))
 }
-
-/// SwiGLU of `h` (`[rows, 2I]` bf16 on CUDA, contiguous, columns in the blocked gate_up order)
-/// into a new `[rows, I]` tensor, on candle's stream (`ep_kernels::gemm::swiglu_rows_bf16_cuda`):
-/// the middle of an [`crate::Mlp`] in the blocked layout.
-pub(crate) fn swiglu_rows(h: &Tensor) -> Result<Tensor> {
-    let dev = cuda(h.device())?;
-    let (rows, two_i) = h.dims2()?;
-    let i = two_i / 2;
-    let stream = dev.cuda_stream();
-    let mut act = alloc_uninit::<bf16>(&stream, rows * i)?;
-    {
-        let h_d = DeviceTensor::new("h", h)?;
-        let mut act_v = act.slice_mut(0..rows * i);
-        gemm::swiglu_rows_bf16_cuda(&stream, &h_d.view::<bf16>()?, rows, i, &mut act_v)?;
-    }
-    Ok(wrap(act, (rows, i), dev))
-}

@@ -271,7 +271,7 @@ impl Mlp {
                 let hu = xs.matmul(&self.gate_up.t()?)?;
                 #[cfg(feature = "cuda")]
                 if hu.device().is_cuda() && hu.dtype() == DType::BF16 {
-                    return crate::grouped::swiglu_rows(&hu)?
+                    return swiglu_rows_cuda(&hu)?
                         .matmul(&self.down_proj.t()?)?
                         .to_dtype(x.dtype())?
                         .reshape(dims);
@@ -285,6 +285,37 @@ impl Mlp {
         let y = act.matmul(&self.down_proj.t()?)?;
         y.to_dtype(x.dtype())?.reshape(dims)
     }
+}
+
+/// SwiGLU of `h` (`[rows, 2I]` bf16 on CUDA, contiguous, columns in the blocked gate_up order)
+/// into a new `[rows, I]` tensor on candle's stream (`ep_kernels::gemm::swiglu_rows_bf16_cuda`).
+#[cfg(feature = "cuda")]
+fn swiglu_rows_cuda(h: &Tensor) -> crate::error::Result<Tensor> {
+    use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
+    use half::bf16;
+    let Device::Cuda(dev) = h.device() else {
+        return Err(Error::invalid(
+            "h",
+            format!("a tensor on {:?}", h.device()),
+            "must be on CUDA",
+        ));
+    };
+    let (rows, two_i) = h.dims2()?;
+    let i = two_i / 2;
+    let stream = dev.cuda_stream();
+    let mut act = alloc_uninit::<bf16>(&stream, rows * i)?;
+    {
+        let h_d = DeviceTensor::new("h", h)?;
+        let mut act_v = act.slice_mut(0..rows * i);
+        ep_kernels::gemm::swiglu_rows_bf16_cuda(
+            &stream,
+            &h_d.view::<bf16>()?,
+            rows,
+            i,
+            &mut act_v,
+        )?;
+    }
+    Ok(wrap(act, (rows, i), dev))
 }
 
 impl Module for Mlp {
