@@ -156,111 +156,25 @@ fn gemm_case(
     Ok(())
 }
 
-/// A masked grouped GEMM whose last `extra_b.len() / (n * k)` groups are extra groups with
-/// their own weights and, with `own_rows` of their own input (`ExtraGroups`), against the host
-/// twin's row rule, every valid row checked; rows past the counts keep their poison.
+/// A grouped GEMM (`swiglu`: the experts' first GEMM with the SwiGLU epilogue,
+/// `grouped_gemm_swiglu_bf16_cuda`, `n` = 2I; else `grouped_gemm_bf16_extra_cuda`) with any
+/// tiles against its host twin (`grouped_gemm_swiglu` / `grouped_gemm_extra` /
+/// `grouped_gemm`) on every valid row; rows past the counts keep their poison. `extra`
+/// (masked layout only): `(groups, own rows)` of extra groups after the routed ones, with
+/// their own weights and, with own rows, their own input (the shared experts' blocks in a MoE
+/// layer).
 #[allow(clippy::too_many_arguments)]
-fn extra_case(
-    stream: &Arc<CudaStream>,
-    ws: &mut GroupedGemmWorkspace,
-    rng: &mut StdRng,
-    routed_counts: &[i32],
-    extra: usize,
-    own_rows: Option<usize>,
-    m_max: usize,
-    n: usize,
-    k: usize,
-    tiles: GemmTiles,
-) -> CaseResult {
-    let first = routed_counts.len();
-    let groups = first + extra;
-    let rows = groups * m_max;
-    let extra_count = own_rows.unwrap_or(m_max / 2 + 1) as i32;
-    let mut counts = routed_counts.to_vec();
-    counts.extend(std::iter::repeat_n(extra_count, extra));
-    let a_rows = if own_rows.is_some() {
-        first * m_max
-    } else {
-        rows
-    };
-    let a = random_bf16(rng, a_rows * k, 1.0);
-    let b = random_bf16(rng, first * n * k, 0.05);
-    let xb = random_bf16(rng, extra * n * k, 0.05);
-    let xa = own_rows.map(|r| random_bf16(rng, r * k, 1.0));
-    let a_dev = stream.clone_htod(&a)?;
-    let b_dev = stream.clone_htod(&b)?;
-    let xb_dev = stream.clone_htod(&xb)?;
-    let xa_dev = xa.as_ref().map(|v| stream.clone_htod(v)).transpose()?;
-    let c_dev = stream.clone_htod(&counts)?;
-    let mut d_dev = poisoned::<bf16>(stream, rows * n)?;
-    let shape = GroupedGemmShape {
-        groups,
-        rows,
-        n,
-        k,
-        layout: GroupLayout::Masked { m_max },
-    };
-    let spec = gemm::ExtraGroups {
-        first,
-        b: &xb_dev,
-        a: xa_dev
-            .as_ref()
-            .map(|a| a as &dyn cudarc::driver::DevicePtr<bf16>),
-    };
-    gemm::grouped_gemm_bf16_extra_cuda(
-        stream,
-        &a_dev,
-        &b_dev,
-        &c_dev,
-        &shape,
-        Some(&spec),
-        tiles,
-        &mut d_dev,
-        ws,
-    )?;
-    let d = stream.clone_dtoh(&d_dev)?;
-    let st = starts(&counts, shape.layout, rows);
-    check_untouched("d", &d, n, &counts, &st)?;
-    let mut want = vec![0f32; n];
-    for (g, (&s, &c)) in st.iter().zip(&counts).enumerate() {
-        for m in 0..c as usize {
-            let r = s + m;
-            let (a_row, b_g) = if g >= first {
-                let j = g - first;
-                let a_row = match &xa {
-                    Some(xa) => &xa[m * k..(m + 1) * k],
-                    None => &a[r * k..(r + 1) * k],
-                };
-                (a_row, &xb[j * n * k..(j + 1) * n * k])
-            } else {
-                (&a[r * k..(r + 1) * k], &b[g * n * k..(g + 1) * n * k])
-            };
-            gemm::host::gemm_row(a_row, b_g, n, &mut want);
-            check_row(
-                &format!("group {g} row {m} (d row {r})"),
-                &d[r * n..(r + 1) * n],
-                &want,
-            )?;
-        }
-    }
-    Ok(())
-}
-
-/// The experts' first GEMM with the SwiGLU epilogue (`grouped_gemm_swiglu_bf16_cuda`, any
-/// tiles) against its host twin (`grouped_gemm_swiglu`) on every valid row; rows past the
-/// counts keep their poison. `extra` (masked layout only): `(groups, own rows)` of extra
-/// groups after the routed ones.
-#[allow(clippy::too_many_arguments)]
-fn swiglu_gemm_case(
+fn host_twin_case(
     stream: &Arc<CudaStream>,
     ws: &mut GroupedGemmWorkspace,
     rng: &mut StdRng,
     routed_counts: &[i32],
     extra: Option<(usize, Option<usize>)>,
     layout: GroupLayout,
-    inter: usize,
+    n: usize,
     k: usize,
     tiles: GemmTiles,
+    swiglu: bool,
 ) -> CaseResult {
     let first = routed_counts.len();
     let (nx, own_rows) = extra.unwrap_or((0, None));
@@ -282,7 +196,8 @@ fn swiglu_gemm_case(
             (rows, 0)
         }
     };
-    let n = 2 * inter;
+    // Output columns: act is half the gate_up width.
+    let w = if swiglu { n / 2 } else { n };
     let a_rows = if own_rows.is_some() {
         first * block_rows
     } else {
@@ -304,7 +219,7 @@ fn swiglu_gemm_case(
     let xb_dev = stream.clone_htod(&xb)?;
     let xa_dev = xa.as_ref().map(|v| stream.clone_htod(v)).transpose()?;
     let c_dev = stream.clone_htod(&counts)?;
-    let mut act_dev = poisoned::<bf16>(stream, rows * inter)?;
+    let mut out_dev = poisoned::<bf16>(stream, rows * w)?;
     let spec = (nx > 0).then(|| gemm::ExtraGroups {
         first,
         b: &xb_dev,
@@ -312,38 +227,56 @@ fn swiglu_gemm_case(
             .as_ref()
             .map(|a| a as &dyn cudarc::driver::DevicePtr<bf16>),
     });
-    gemm::grouped_gemm_swiglu_bf16_cuda(
-        stream,
-        &a_dev,
-        &b_dev,
-        &c_dev,
-        &shape,
-        spec.as_ref(),
-        tiles,
-        &mut act_dev,
-        ws,
-    )?;
-    let act = stream.clone_dtoh(&act_dev)?;
     let host_extra = (nx > 0).then(|| gemm::HostExtraGroups {
         first,
         b: &xb,
         a: xa.as_deref(),
     });
-    let mut want = vec![bf16::poison(); rows * inter];
-    gemm::grouped_gemm_swiglu(&a, &b, &counts, &shape, host_extra.as_ref(), &mut want)?;
+    let mut want = vec![bf16::poison(); rows * w];
+    if swiglu {
+        gemm::grouped_gemm_swiglu_bf16_cuda(
+            stream,
+            &a_dev,
+            &b_dev,
+            &c_dev,
+            &shape,
+            spec.as_ref(),
+            tiles,
+            &mut out_dev,
+            ws,
+        )?;
+        gemm::grouped_gemm_swiglu(&a, &b, &counts, &shape, host_extra.as_ref(), &mut want)?;
+    } else {
+        gemm::grouped_gemm_bf16_extra_cuda(
+            stream,
+            &a_dev,
+            &b_dev,
+            &c_dev,
+            &shape,
+            spec.as_ref(),
+            tiles,
+            &mut out_dev,
+            ws,
+        )?;
+        match &host_extra {
+            Some(x) => gemm::grouped_gemm_extra(&a, &b, &counts, &shape, x, &mut want)?,
+            None => gemm::grouped_gemm(&a, &b, &counts, &shape, &mut want)?,
+        }
+    }
+    let out = stream.clone_dtoh(&out_dev)?;
     let st = starts(&counts, shape.layout, rows);
-    check_untouched("act", &act, inter, &counts, &st)?;
+    check_untouched("out", &out, w, &counts, &st)?;
     for (g, (&s, &c)) in st.iter().zip(&counts).enumerate() {
         for m in 0..c as usize {
             let r = s + m;
-            let w: Vec<f32> = want[r * inter..(r + 1) * inter]
+            let want_row: Vec<f32> = want[r * w..(r + 1) * w]
                 .iter()
                 .map(|v| v.to_f32())
                 .collect();
             check_row(
-                &format!("group {g} row {m} (act row {r})"),
-                &act[r * inter..(r + 1) * inter],
-                &w,
+                &format!("group {g} row {m} (out row {r})"),
+                &out[r * w..(r + 1) * w],
+                &want_row,
             )?;
         }
     }
@@ -829,31 +762,33 @@ fn main() {
     for tiles in [GemmTiles::Narrow, GemmTiles::Wide, GemmTiles::Gemv] {
         let t = format!("{tiles:?}").to_lowercase();
         runner.case(&format!("{t}/masked/extra-groups-own-rows"), |rng| {
-            extra_case(
+            let extra = Some((2, Some(5)));
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &[3, 0, 16, 1],
-                2,
-                Some(5),
-                16,
+                extra,
+                masked(16),
                 40,
                 72,
                 tiles,
+                false,
             )
         });
         runner.case(&format!("{t}/masked/extra-groups-block-rows"), |rng| {
-            extra_case(
+            let extra = Some((1, None));
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &[0, 9, 2],
-                1,
-                None,
-                12,
+                extra,
+                masked(12),
                 136,
                 48,
                 tiles,
+                false,
             )
         });
     }
@@ -861,123 +796,131 @@ fn main() {
     for tiles in [GemmTiles::Gemv, GemmTiles::Narrow] {
         let t = format!("{tiles:?}").to_lowercase();
         runner.case(&format!("{t}-swiglu/masked/small-odd"), |rng| {
-            swiglu_gemm_case(
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &[0, 5, 3, 1],
                 None,
                 masked(8),
-                40,
+                80,
                 72,
                 tiles,
+                true,
             )
         });
         runner.case(&format!("{t}-swiglu/masked/extra-groups-own-rows"), |rng| {
             let extra = Some((2, Some(3)));
-            swiglu_gemm_case(
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &[2, 0, 1],
                 extra,
                 masked(4),
-                24,
+                48,
                 48,
                 tiles,
+                true,
             )
         });
         runner.case(
             &format!("{t}-swiglu/masked/extra-groups-block-rows"),
             |rng| {
                 let extra = Some((1, None));
-                swiglu_gemm_case(
+                host_twin_case(
                     &stream,
                     &mut ws,
                     rng,
                     &[1, 1],
                     extra,
                     masked(6),
-                    16,
+                    32,
                     264,
                     tiles,
+                    true,
                 )
             },
         );
         runner.case(&format!("{t}-swiglu/masked/ds-v3-decode"), |rng| {
             let counts: Vec<i32> = (0..8).map(|_| rng.random_range(0..=2)).collect();
-            swiglu_gemm_case(
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &counts,
                 None,
                 masked(128),
-                2048,
+                4096,
                 7168,
                 tiles,
+                true,
             )
         });
     }
     runner.case("narrow-swiglu/masked/full-blocks", |rng| {
         let counts = [64, 0, 37, 1];
-        swiglu_gemm_case(
+        host_twin_case(
             &stream,
             &mut ws,
             rng,
             &counts,
             None,
             masked(64),
-            136,
+            272,
             200,
             GemmTiles::Narrow,
+            true,
         )
     });
     for tiles in [GemmTiles::Wide, GemmTiles::WideM] {
         let t = format!("{tiles:?}").to_lowercase();
         runner.case(&format!("{t}-swiglu/contiguous/uneven-odd-m"), |rng| {
             let counts = [3, 0, 130, 64, 1, 257];
-            swiglu_gemm_case(
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &counts,
                 None,
                 contiguous(1),
-                264,
+                528,
                 520,
                 tiles,
+                true,
             )
         });
         runner.case(
             &format!("{t}-swiglu/contiguous/one-group-all-rows-aligned"),
             |rng| {
                 let counts = [0, 0, 300, 0];
-                swiglu_gemm_case(
+                host_twin_case(
                     &stream,
                     &mut ws,
                     rng,
                     &counts,
                     None,
                     contiguous(128),
-                    136,
+                    272,
                     96,
                     tiles,
+                    true,
                 )
             },
         );
         runner.case(&format!("{t}-swiglu/contiguous/ds-v3-shapes"), |rng| {
             let counts = [5, 0, 33, 129];
-            swiglu_gemm_case(
+            host_twin_case(
                 &stream,
                 &mut ws,
                 rng,
                 &counts,
                 None,
                 contiguous(1),
-                2048,
+                4096,
                 7168,
                 tiles,
+                true,
             )
         });
     }

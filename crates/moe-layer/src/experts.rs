@@ -160,12 +160,8 @@ impl Experts {
         } else {
             // One expert at a time: candle's strided copy kernels index with 32 bits, and a
             // whole stack (7.5e9 values at DeepSeek-V3 shapes) is past that.
-            let down_e = down.get(0)?;
             let blocks = (0..l)
-                .map(|e| {
-                    let m = Mlp::from_parts(gate_up.get(e)?, layout, down_e.clone())?;
-                    Ok(m.with_layout(target)?.gate_up().clone())
-                })
+                .map(|e| crate::mlp::relaid_gate_up(&gate_up.get(e)?, layout, target))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::stack(&blocks, 0)?
         };

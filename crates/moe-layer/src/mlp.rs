@@ -99,25 +99,7 @@ impl Mlp {
         if layout == self.layout {
             return Ok(self.clone());
         }
-        let (i, h) = (self.intermediate_size(), self.hidden_size());
-        if i % GATE_UP_BLOCK != 0 {
-            return Err(Error::invalid(
-                "layout",
-                format!("{layout:?}"),
-                format!(
-                    "needs an intermediate size that is a multiple of {GATE_UP_BLOCK}, not {i}"
-                ),
-            )
-            .into());
-        }
-        let b = GATE_UP_BLOCK;
-        let gate_up = match layout {
-            // [2, I/B, B, H] -> [I/B, 2, B, H]
-            GateUpLayout::Blocked => self.gate_up.reshape((2, i / b, b, h))?.transpose(0, 1)?,
-            // [I/B, 2, B, H] -> [2, I/B, B, H]
-            GateUpLayout::Stacked => self.gate_up.reshape((i / b, 2, b, h))?.transpose(0, 1)?,
-        };
-        let gate_up = gate_up.contiguous()?.reshape((2 * i, h))?;
+        let gate_up = relaid_gate_up(&self.gate_up, self.layout, layout)?;
         Self::from_parts(gate_up, layout, self.down_proj.clone())
     }
 
@@ -285,6 +267,39 @@ impl Mlp {
         let y = act.matmul(&self.down_proj.t()?)?;
         y.to_dtype(x.dtype())?.reshape(dims)
     }
+}
+
+/// A `[2I, H]` gate_up weight in layout `from`, re-laid (copied) into layout `to` (the same
+/// tensor when they agree). Errors when either is [`GateUpLayout::Blocked`] and `I` is not a
+/// multiple of [`GATE_UP_BLOCK`].
+pub(crate) fn relaid_gate_up(
+    gate_up: &Tensor,
+    from: GateUpLayout,
+    to: GateUpLayout,
+) -> Result<Tensor> {
+    if from == to {
+        return Ok(gate_up.clone());
+    }
+    let (two_i, h) = gate_up.dims2()?;
+    let (i, b) = (two_i / 2, GATE_UP_BLOCK);
+    if two_i % 2 != 0 || i % b != 0 {
+        return Err(Error::invalid(
+            "layout",
+            format!("{to:?}"),
+            format!("needs an intermediate size that is a multiple of {b}, not {i}"),
+        )
+        .into());
+    }
+    // Stacked [2, I/B, B, H] and blocked [I/B, 2, B, H] differ by a swap of the first two dims.
+    let dims = match from {
+        GateUpLayout::Stacked => (2, i / b, b, h),
+        GateUpLayout::Blocked => (i / b, 2, b, h),
+    };
+    gate_up
+        .reshape(dims)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((two_i, h))
 }
 
 /// SwiGLU of `h` (`[rows, 2I]` bf16 on CUDA, contiguous, columns in the blocked gate_up order)

@@ -46,49 +46,31 @@ const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, sm_count) == 80);
 type RunFn = unsafe extern "C" fn(*const GroupedGemmArgs, CUstream, *mut c_char, u64) -> i32;
 type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
 
-extern "C" {
-    fn ep_grouped_gemm_bf16_wide_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_wide_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_bf16_wide_m_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_wide_m_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_bf16_narrow_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_narrow_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_bf16_swiglu_wide_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_swiglu_wide_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_bf16_swiglu_wide_m_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_swiglu_wide_m_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_bf16_swiglu_narrow_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_bf16_swiglu_narrow_run(
-        args: *const GroupedGemmArgs,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
+/// Declares the two C entry points of each CUTLASS configuration (`EP_GROUPED_GEMM_BF16` in
+/// `csrc/grouped_gemm_sm90.cuh`): its workspace size and its run function.
+macro_rules! cutlass_entry_points {
+    ($($workspace:ident, $run:ident;)*) => {
+        extern "C" {
+            $(
+                fn $workspace(groups: i32, sm_count: i32) -> u64;
+                fn $run(
+                    args: *const GroupedGemmArgs,
+                    stream: CUstream,
+                    message: *mut c_char,
+                    message_len: u64,
+                ) -> i32;
+            )*
+        }
+    };
+}
+
+cutlass_entry_points! {
+    ep_grouped_gemm_bf16_wide_workspace, ep_grouped_gemm_bf16_wide_run;
+    ep_grouped_gemm_bf16_wide_m_workspace, ep_grouped_gemm_bf16_wide_m_run;
+    ep_grouped_gemm_bf16_narrow_workspace, ep_grouped_gemm_bf16_narrow_run;
+    ep_grouped_gemm_bf16_swiglu_wide_workspace, ep_grouped_gemm_bf16_swiglu_wide_run;
+    ep_grouped_gemm_bf16_swiglu_wide_m_workspace, ep_grouped_gemm_bf16_swiglu_wide_m_run;
+    ep_grouped_gemm_bf16_swiglu_narrow_workspace, ep_grouped_gemm_bf16_swiglu_narrow_run;
 }
 
 /// What a grouped GEMM writes.
