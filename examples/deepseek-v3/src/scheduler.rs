@@ -197,6 +197,9 @@ impl Active {
             metrics.e2e.observe(timing.total.as_secs_f64());
             metrics.prompt_tokens.inc_by(self.req.prompt.len() as u64);
             metrics.finished.with_label_values(&[reason.as_str()]).inc();
+            // Leaves the running gauge before the client can see the end of its response (the
+            // step loop sets the gauge to the batch size again after the step).
+            metrics.running.dec();
             let _ = self.req.events.send(GenEvent::Done {
                 index: self.req.index,
                 text,
