@@ -5,11 +5,13 @@
 // functions below mirror operation for operation (explicitly rounded intrinsics, so that no
 // multiply-add is contracted differently): the same bits on both sides.
 //
-// The warp keeps the token's scores and selection keys in shared memory. Group scores: each lane reduces
-// its members (top-2 or max), then the lanes merge. Groups and experts are picked by repeated
-// warp arg-max under the total order of f32 (`f32::total_cmp`), ties to the lower id, which
-// picks exactly what the host twin's sort does. Lane 0 computes the weights with the host's
-// f32 operations in the host's order.
+// The warp keeps the token's scores and selection keys in shared memory. Group scores: each
+// lane reduces its members (top-2 or max), then the lanes merge. Groups and experts are picked
+// by repeated warp arg-max under the total order of f32 (`f32::total_cmp`), ties to the lower
+// id, which picks exactly what the host twin's sort does; for the experts each lane keeps its
+// own best candidate between rounds, so a round costs one arg-max and one lane's rescan (a
+// serial chain of instructions is this kernel's whole cost at a few tokens). Lane 0 computes
+// the weights with the host's f32 operations in the host's order.
 
 #include <climits>
 
@@ -201,24 +203,39 @@ EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ Ro
             }
         }
 
-        // Top-k experts among the allowed groups.
+        // Top-k experts among the allowed groups. `used` marks the experts no longer
+        // eligible (taken, or in a group not allowed); each lane keeps the best eligible expert
+        // among its own (j = lane mod 32), so that a round is one warp arg-max plus a rescan by
+        // the lane that owned the winner.
+        for (int j = lane; j < e; j += ep::kWarpSize) {
+            used[j] = ((allowed >> (j / per_group)) & 1u) ? 0 : 1;
+        }
+        __syncwarp();
+        int32_t mine_ord = 0;
+        int32_t mine_id = -1;
+        for (int j = lane; j < e; j += ep::kWarpSize) {
+            if (!used[j]) {
+                better_of(mine_ord, mine_id, total_order(key[j]), j);
+            }
+        }
         int64_t chosen = -1;  // lane i < K holds the i-th choice
         for (int i = 0; i < p.top_k; ++i) {
-            int32_t ord = 0;
-            int32_t id = -1;
-            for (int j = lane; j < e; j += ep::kWarpSize) {
-                if (!used[j] && (allowed >> (j / per_group)) & 1u) {
-                    better_of(ord, id, total_order(key[j]), j);
-                }
-            }
+            int32_t ord = mine_ord;
+            int32_t id = mine_id;
             warp_best(ord, id);
-            if (lane == 0) {
-                used[id] = 1;
-            }
             if (lane == i) {
                 chosen = id;
             }
-            __syncwarp();
+            if (id >= 0 && (id % ep::kWarpSize) == lane) {
+                used[id] = 1;
+                mine_ord = 0;
+                mine_id = -1;
+                for (int j = lane; j < e; j += ep::kWarpSize) {
+                    if (!used[j]) {
+                        better_of(mine_ord, mine_id, total_order(key[j]), j);
+                    }
+                }
+            }
         }
 
         // Weights, in the host's order of f32 operations.
