@@ -514,10 +514,10 @@ fn run_grouped(
 const GEMV_FILE: &str = "gemm/grouped_gemv";
 /// Threads per block (`kThreads` in `grouped_gemv.cu`: 8 consumer warps and the producer).
 const GEMV_THREADS: u32 = 288;
-/// Weight rows of one work item of a block (`kRowsPerItem`).
-const GEMV_ROWS_PER_ITEM: usize = 16;
-/// Dynamic shared memory of a block: the ring of `kStages` stages of `kStageBytes`.
-const GEMV_RING_BYTES: u32 = 12 * 16 * 1024;
+/// Weight rows of one work item of a block (a pair: SwiGLU's gate and up row of one column).
+const GEMV_ROWS_PER_ITEM: usize = 2;
+/// Dynamic shared memory of a block: the ring of weight slots (`kRingBytes`).
+const GEMV_RING_BYTES: u32 = 192 * 1024;
 
 /// Mirror of `struct GemvParams` in `grouped_gemv.cu`.
 #[repr(C)]
@@ -549,7 +549,7 @@ unsafe impl KernelParams for GemvParams {}
 
 /// Launches `grouped_gemv_bf16` (or, with `swiglu`, `grouped_gemv_swiglu_bf16`) with `params`
 /// filled and checked by [`run_grouped`]: one block per SM (its shared memory is the ring of
-/// weight stages), each taking a contiguous range of (active group, 16-row block) items.
+/// weight stages), each taking a contiguous range of (active group, weight row pair) items.
 fn launch_gemv(
     stream: &Arc<CudaStream>,
     params: GemvParams,
@@ -564,8 +564,8 @@ fn launch_gemv(
         "grouped_gemv_bf16"
     };
     let kernel = kernels.kernel(GEMV_FILE, name)?;
-    // An item is 16 weight rows (SwiGLU: 8 output columns, else 16); one block per SM takes a
-    // contiguous range of them.
+    // An item is a pair of weight rows (SwiGLU: one output column, else two); one block per SM
+    // takes a contiguous range of them.
     let items = (groups * n.div_ceil(GEMV_ROWS_PER_ITEM)) as u64;
     let cfg = LaunchConfig {
         grid_dim: (grid_for(items, 1, kernels.props(), 1), 1, 1),

@@ -7,26 +7,28 @@
 // At one decode token per rank a block holds one row, and a 64-row WGMMA tile spends its
 // time waiting for the weights it streams through shared memory. Here there is no tile, only
 // the stream: one block per SM, whose producer warp copies weight rows global -> shared with
-// 1-D bulk copies (TMA) into a ring of `kStages` stages of `kRowsPerItem` rows x `kChunk`
-// columns, each stage completing on its own mbarrier (transaction bytes), while
-// `kConsumerWarps` warps multiply the stages with the group's valid input rows (read through
-// L1: every warp reads the same rows) and release them on a second mbarrier. The ring keeps
-// `kStages x 16 KB` of weights in flight per SM whatever the consumers do, which register
-// loads (a warp's vectors in flight, then a pause while it multiplies and reduces) did not:
-// they streamed at 73 % of an H200's copy bandwidth. Work items are (active group, block of
-// 16 weight rows), a contiguous range of them per block; groups with no rows are skipped
-// without reading their weights (every block builds the ordered list of the active groups from
-// `counts` first). A warp owns two weight rows of an item and accumulates them over the item's
-// chunks; more than `kRowsPerPass` valid rows are taken in passes over the same weights (the
-// second pass mostly from L2); the launcher picks this kernel only when few rows are expected.
+// 1-D bulk copies (TMA) into a ring of slots (`kRingBytes` in flight per SM), each slot
+// completing on its own mbarrier (transaction bytes), while `kConsumerWarps` warps multiply
+// the slots with the group's valid input rows (read through L1: every warp reads the same
+// rows) and release them on a second mbarrier. A work item is a pair of weight rows of an
+// active group; a block takes a contiguous range of items, and the items' units (one per pass
+// of `kRowsPerPass` input rows over the pair's weights) go to the consumer warps in turn, each
+// unit `chunks` slots of 2 rows x up to `kMaxChunk` columns, so a warp multiplies a whole row
+// pair (14 KB rows at k = 7168) per slot and the ring's bookkeeping is a few instructions per
+// slot. Register loads instead (a warp's vectors in flight, then a pause while it multiplies
+// and reduces) streamed at 73 % of an H200's copy bandwidth; a ring of 1 KB row chunks shared
+// by all warps, at 62 %, spent its time on the per-chunk waits. Groups with no rows are
+// skipped without reading their weights (every block builds the ordered list of the active
+// groups from `counts` first). More than `kRowsPerPass` valid rows are taken in passes over
+// the same weights (the second mostly from L2); the launcher picks this kernel only when few
+// rows are expected.
 //
 // `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the gate_up
 // weight ([n = 2I, k] per group) in the blocked layout of the CUTLASS SwiGLU epilogue
 // (csrc/swiglu_epilogue_sm90.cuh: gate rows 8b..8b+7 at rows 16b..16b+7, the matching up rows
-// right after them), so an item is 8 gate rows and their 8 up rows, a warp takes the gate and
-// the up row of one output column j, and the block writes act[r, j] = bf16(silu(gate) * up)
-// ([rows, I], gate and up in f32, one rounding, as the CUTLASS epilogue) instead of
-// [gate | up]: one launch and no [rows, 2I] round trip.
+// right after them), an item is the gate and the up row of one output column j, and the block
+// writes act[r, j] = bf16(silu(gate) * up) ([rows, I], gate and up in f32, one rounding, as
+// the CUTLASS epilogue) instead of [gate | up]: one launch and no [rows, 2I] round trip.
 //
 // Counts are checked like the CUTLASS path's setup kernel does: a negative count, one above
 // m_max, or an extra group's count above the rows of extra_a prints the entry and traps.
@@ -38,14 +40,13 @@ namespace {
 constexpr int kConsumerWarps = 8;
 constexpr int kThreads = (kConsumerWarps + 1) * ep::kWarpSize;  // + the producer warp
 constexpr int kWarps = kThreads / ep::kWarpSize;
-constexpr int kRowsPerItem = 2 * kConsumerWarps;  // weight rows of one work item
-constexpr int kChunk = 512;                       // columns (k) of a stage: 1 KB per row
-constexpr int kStageBytes = kRowsPerItem * kChunk * 2;
-constexpr int kStages = 12;                       // 192 KB of weights in flight per SM
+constexpr int kRingBytes = 192 * 1024;  // weights in flight per SM (Rust: GEMV_RING_BYTES)
+constexpr int kMaxChunk = 8192;         // columns (k) of a stage at most: 2 rows x 16 KB
+constexpr int kMaxSlots = 32;
 constexpr int kRowsPerPass = 2;
 constexpr int kMaxGroups = 1024;
-constexpr int kVec = 8;  // bf16 per 16-byte vector
-constexpr int kVecsPerLane = kChunk / kVec / ep::kWarpSize;
+constexpr int kVec = 8;     // bf16 per 16-byte vector
+constexpr int kUnroll = 4;  // vectors per lane in flight from shared memory
 
 }  // namespace
 
@@ -140,95 +141,106 @@ EP_DEVICE int active_groups(const GemvParams& p, int* active, int* warp_totals) 
 
 }  // namespace
 
-// The ring of stages: stage s holds rows [0, 16) of the current item, `kChunk` columns each
-// (row r at byte r * kChunk * 2), full[s] completes when its bulk copies land, empty[s] when
-// the consumer warps are done with it. Producer and consumers walk the same sequence of
-// (item, pass, chunk) stages, so both derive the stage and its phase from a running count.
+// The ring: `slots` slots of one stage each (2 weight rows x `chunk` columns, row r at byte
+// r * chunk * 2 of its slot); full[s] completes when the slot's two bulk copies land, empty[s]
+// when its consumer warp is done with it. Producer and consumers walk the same sequence of
+// units and stages, so both derive a stage's slot and phase from its running index.
 struct Ring {
-    uint32_t base;  // shared address of stage 0
+    uint32_t base;  // shared address of slot 0
     uint32_t full;  // shared address of full[0] (8 bytes each)
     uint32_t empty;
-    EP_DEVICE uint32_t stage(int s) const { return base + s * kStageBytes; }
-    EP_DEVICE uint32_t full_bar(int s) const { return full + s * 8; }
-    EP_DEVICE uint32_t empty_bar(int s) const { return empty + s * 8; }
+    int slots;
+    int slot_bytes;
+    EP_DEVICE int slot(uint32_t stage) const { return static_cast<int>(stage % slots); }
+    EP_DEVICE uint32_t phase(uint32_t stage) const { return (stage / slots) & 1u; }
+    EP_DEVICE uint32_t addr(uint32_t stage) const { return base + slot(stage) * slot_bytes; }
+    EP_DEVICE uint32_t full_bar(uint32_t stage) const { return full + slot(stage) * 8; }
+    EP_DEVICE uint32_t empty_bar(uint32_t stage) const { return empty + slot(stage) * 8; }
 };
 
-// What one work item covers: group g's weight rows [row0, row0 + rows).
-struct Item {
+// A pair of weight rows of an active group: SwiGLU the gate and the up row of output column
+// `col` (blocked layout), else rows 2 col and 2 col + 1.
+struct Pair {
     int g;
-    int row0;
-    int rows;   // weight rows copied (16, fewer in a plain GEMM's last block)
-    int count;  // valid input rows of the group
+    int col;
+    int64_t rows[2];  // weight rows, in elements of k from `w`
+    int count;        // valid input rows of the group
     const __nv_bfloat16* w;  // the group's weight, [n, k]
     const __nv_bfloat16* x;  // the group's input rows, [count, k]
 };
 
-EP_DEVICE Item item_at(const GemvParams& p, const int* active, int64_t item, int blocks_per_group) {
-    Item it;
-    it.g = active[item / blocks_per_group];
-    it.row0 = static_cast<int>(item % blocks_per_group) * kRowsPerItem;
-    it.rows = min(kRowsPerItem, p.n - it.row0);
-    it.count = p.counts[it.g];
-    const bool extra = it.g >= p.first_extra;
-    it.w = extra ? p.extra_b + static_cast<int64_t>(it.g - p.first_extra) * p.n * p.k
-                 : p.b + static_cast<int64_t>(it.g) * p.n * p.k;
-    it.x = (extra && p.extra_a != nullptr) ? p.extra_a
-                                           : p.a + static_cast<int64_t>(it.g) * p.m_max * p.k;
-    return it;
+template <bool kSwiglu>
+EP_DEVICE Pair pair_at(const GemvParams& p, const int* active, int64_t index, int pairs_per_group) {
+    Pair q;
+    q.g = active[index / pairs_per_group];
+    q.col = static_cast<int>(index % pairs_per_group);
+    q.rows[0] = kSwiglu ? (q.col / 8) * 16 + q.col % 8 : 2 * q.col;
+    q.rows[1] = q.rows[0] + (kSwiglu ? 8 : 1);
+    q.count = p.counts[q.g];
+    const bool extra = q.g >= p.first_extra;
+    q.w = extra ? p.extra_b + static_cast<int64_t>(q.g - p.first_extra) * p.n * p.k
+                : p.b + static_cast<int64_t>(q.g) * p.n * p.k;
+    q.x = (extra && p.extra_a != nullptr) ? p.extra_a
+                                          : p.a + static_cast<int64_t>(q.g) * p.m_max * p.k;
+    return q;
 }
 
-// kSwiglu: the warp's weight rows are (w, w + 8) of the item (gate and up of output column
-// row0 / 2 + w), output act [rows, n / 2]; else rows (2w, 2w + 1), output d [rows, n].
+// Work: the block's contiguous range of (active group, pair) items; each item takes one unit
+// per pass over its weights (kRowsPerPass valid input rows each), unit u goes to consumer warp
+// u mod 8, and a unit is `chunks` stages.
 template <bool kSwiglu>
 __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     extern __shared__ __align__(128) uint8_t ring_smem[];
-    __shared__ __align__(8) uint64_t bars[2 * kStages];
+    __shared__ __align__(8) uint64_t bars[2 * kMaxSlots];
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
     const int num_active = active_groups(p, active, warp_totals);
 
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
-    const Ring ring{ep::smem_addr(ring_smem), ep::smem_addr(&bars[0]), ep::smem_addr(&bars[kStages])};
+    const int chunk = min(p.k, kMaxChunk);
+    const int chunks = (p.k + chunk - 1) / chunk;
+    Ring ring;
+    ring.base = ep::smem_addr(ring_smem);
+    ring.full = ep::smem_addr(&bars[0]);
+    ring.empty = ep::smem_addr(&bars[kMaxSlots]);
+    ring.slot_bytes = 2 * chunk * 2;
+    ring.slots = min(kMaxSlots, kRingBytes / ring.slot_bytes);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
-            ep::mbarrier_init(ring.full_bar(s), 1);
-            ep::mbarrier_init(ring.empty_bar(s), kConsumerWarps);
+        for (int s = 0; s < ring.slots; ++s) {
+            ep::mbarrier_init(ring.full + s * 8, 1);
+            ep::mbarrier_init(ring.empty + s * 8, 1);
         }
         ep::fence_mbarrier_init();
     }
     __syncthreads();
 
-    // A contiguous range of items per block.
-    const int blocks_per_group = (p.n + kRowsPerItem - 1) / kRowsPerItem;
-    const int64_t items = static_cast<int64_t>(num_active) * blocks_per_group;
+    const int pairs_per_group = p.n / 2;  // n is a multiple of 8 (SwiGLU: of 16)
+    const int64_t items = static_cast<int64_t>(num_active) * pairs_per_group;
     const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
     const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block;
     const int64_t last = min(items, first + per_block);
-    const int chunks = (p.k + kChunk - 1) / kChunk;
 
     if (warp == kConsumerWarps) {
-        // Producer: lane r copies weight row r of each stage.
-        uint32_t n_stage = 0;
+        // Producer: lanes 0 and 1 copy the pair's two rows of each stage.
+        uint32_t stage = 0;
         for (int64_t item = first; item < last; ++item) {
-            const Item it = item_at(p, active, item, blocks_per_group);
-            const int passes = (it.count + kRowsPerPass - 1) / kRowsPerPass;
+            const Pair q = pair_at<kSwiglu>(p, active, item, pairs_per_group);
+            const int passes = (q.count + kRowsPerPass - 1) / kRowsPerPass;
             for (int pass = 0; pass < passes; ++pass) {
-                for (int c = 0; c < chunks; ++c, ++n_stage) {
-                    const int s = static_cast<int>(n_stage % kStages);
-                    const uint32_t phase = (n_stage / kStages) & 1u;
-                    const int k0 = c * kChunk;
-                    const int cols = min(kChunk, p.k - k0);
+                for (int c = 0; c < chunks; ++c, ++stage) {
+                    const int k0 = c * chunk;
+                    const int cols = min(chunk, p.k - k0);
                     if (lane == 0) {
-                        // The first lap finds every stage free (parity of the phase before).
-                        ep::mbarrier_wait_parity(ring.empty_bar(s), phase ^ 1u);
-                        ep::mbarrier_arrive_expect_tx(ring.full_bar(s), it.rows * cols * 2);
+                        // The first lap finds every slot free (parity of the phase before).
+                        ep::mbarrier_wait_parity(ring.empty_bar(stage), ring.phase(stage) ^ 1u);
+                        ep::mbarrier_arrive_expect_tx(ring.full_bar(stage), 2 * cols * 2);
                     }
                     __syncwarp();
-                    if (lane < it.rows) {
-                        ep::bulk_load(ring.stage(s) + lane * kChunk * 2,
-                                      it.w + static_cast<int64_t>(it.row0 + lane) * p.k + k0,
-                                      cols * 2, ring.full_bar(s));
+                    if (lane < 2) {
+                        ep::bulk_load(ring.addr(stage) + lane * chunk * 2,
+                                      q.w + (lane == 0 ? q.rows[0] : q.rows[1]) * p.k + k0, cols * 2,
+                                      ring.full_bar(stage));
                     }
                 }
             }
@@ -237,46 +249,57 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     }
 
     // Consumers.
-    const int rows_of_warp[2] = {kSwiglu ? warp : 2 * warp, kSwiglu ? warp + 8 : 2 * warp + 1};
     const int out_cols = kSwiglu ? p.n / 2 : p.n;
-    uint32_t n_stage = 0;
+    uint32_t stage = 0;
+    uint32_t unit = 0;
     for (int64_t item = first; item < last; ++item) {
-        const Item it = item_at(p, active, item, blocks_per_group);
-        for (int r0 = 0; r0 < it.count; r0 += kRowsPerPass) {
-            const int rows = min(kRowsPerPass, it.count - r0);
+        const Pair q = pair_at<kSwiglu>(p, active, item, pairs_per_group);
+        for (int r0 = 0; r0 < q.count; r0 += kRowsPerPass, ++unit, stage += chunks) {
+            if (unit % kConsumerWarps != static_cast<uint32_t>(warp)) {
+                continue;
+            }
+            const int rows = min(kRowsPerPass, q.count - r0);
             const int4* x[kRowsPerPass];
 #pragma unroll
             for (int r = 0; r < kRowsPerPass; ++r) {
                 // Rows past `rows` point at the first one (read, never stored).
-                x[r] = reinterpret_cast<const int4*>(it.x + static_cast<int64_t>(r0 + (r < rows ? r : 0)) * p.k);
+                x[r] = reinterpret_cast<const int4*>(q.x + static_cast<int64_t>(r0 + (r < rows ? r : 0)) * p.k);
             }
             float acc[2][kRowsPerPass] = {};
-            for (int c = 0; c < chunks; ++c, ++n_stage) {
-                const int s = static_cast<int>(n_stage % kStages);
-                const uint32_t phase = (n_stage / kStages) & 1u;
-                const int vec0 = c * (kChunk / kVec);
-                const int vecs = (min(kChunk, p.k - c * kChunk)) / kVec;
-                ep::mbarrier_wait_parity(ring.full_bar(s), phase);
-                const int4* st = reinterpret_cast<const int4*>(ring_smem + s * kStageBytes);
+            for (int c = 0; c < chunks; ++c) {
+                const uint32_t st = stage + c;
+                const int vec0 = c * chunk / kVec;
+                const int vecs = min(chunk, p.k - c * chunk) / kVec;
+                ep::mbarrier_wait_parity(ring.full_bar(st), ring.phase(st));
+                const int4* w0 = reinterpret_cast<const int4*>(ring_smem + ring.slot(st) * ring.slot_bytes);
+                const int4* w1 = w0 + chunk / kVec;
+                for (int v0 = lane; v0 < vecs; v0 += ep::kWarpSize * kUnroll) {
+                    int4 a[kUnroll];
+                    int4 b[kUnroll];
 #pragma unroll
-                for (int u = 0; u < kVecsPerLane; ++u) {
-                    const int v = lane + u * ep::kWarpSize;
-                    if (v < vecs) {
-                        const int4 w0 = st[rows_of_warp[0] * (kChunk / kVec) + v];
-                        const int4 w1 = st[rows_of_warp[1] * (kChunk / kVec) + v];
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int v = v0 + u * ep::kWarpSize;
+                        a[u] = v < vecs ? w0[v] : make_int4(0, 0, 0, 0);
+                        b[u] = v < vecs ? w1[v] : make_int4(0, 0, 0, 0);
+                    }
 #pragma unroll
-                        for (int r = 0; r < kRowsPerPass; ++r) {
-                            if (r < rows) {
-                                const int4 xv = __ldg(x[r] + vec0 + v);
-                                acc[0][r] += dot8(w0, xv);
-                                acc[1][r] += dot8(w1, xv);
+                    for (int r = 0; r < kRowsPerPass; ++r) {
+                        if (r < rows) {
+#pragma unroll
+                            for (int u = 0; u < kUnroll; ++u) {
+                                const int v = v0 + u * ep::kWarpSize;
+                                if (v < vecs) {
+                                    const int4 xv = __ldg(x[r] + vec0 + v);
+                                    acc[0][r] += dot8(a[u], xv);
+                                    acc[1][r] += dot8(b[u], xv);
+                                }
                             }
                         }
                     }
                 }
                 __syncwarp();
                 if (lane == 0) {
-                    ep::mbarrier_arrive(ring.empty_bar(s));
+                    ep::mbarrier_arrive(ring.empty_bar(st));
                 }
             }
 #pragma unroll
@@ -286,17 +309,12 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
                 if (lane != 0 || r >= rows) {
                     continue;
                 }
-                const int64_t row = static_cast<int64_t>(it.g) * p.m_max + r0 + r;
+                const int64_t row = static_cast<int64_t>(q.g) * p.m_max + r0 + r;
                 if (kSwiglu) {
-                    p.d[row * out_cols + it.row0 / 2 + warp] = ep::f32_to_bf16(silu(s0) * s1);
+                    p.d[row * out_cols + q.col] = ep::f32_to_bf16(silu(s0) * s1);
                 } else {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int col = it.row0 + rows_of_warp[c];
-                        if (col < p.n) {
-                            p.d[row * p.n + col] = ep::f32_to_bf16(c == 0 ? s0 : s1);
-                        }
-                    }
+                    p.d[row * out_cols + q.rows[0]] = ep::f32_to_bf16(s0);
+                    p.d[row * out_cols + q.rows[1]] = ep::f32_to_bf16(s1);
                 }
             }
         }
