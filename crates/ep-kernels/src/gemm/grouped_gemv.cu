@@ -145,6 +145,13 @@ EP_DEVICE int active_groups(const GemvParams& p, int* active, int* warp_totals) 
 // r * chunk * 2 of its slot); full[s] completes when the slot's two bulk copies land, empty[s]
 // when its consumer warp is done with it. Producer and consumers walk the same sequence of
 // units and stages, so both derive a stage's slot and phase from its running index.
+//
+// A consumer warp may run ahead of the ring by more than one lap (its next unit's stage can be
+// 8 units ahead of the slowest warp's, more than the 6 slots of 14 KB rows), and an mbarrier's
+// phase parity alone cannot tell its lap L - 2 from lap L. So the producer also writes the
+// stage's index into the slot's tag before arming the slot, and a consumer first waits for its
+// stage's tag: the producer arms lap L only after lap L - 1 was consumed, hence landed, so
+// once the tag is there the parity names lap L.
 struct Ring {
     uint32_t base;  // shared address of slot 0
     uint32_t full;  // shared address of full[0] (8 bytes each)
@@ -192,6 +199,7 @@ template <bool kSwiglu>
 __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     extern __shared__ __align__(128) uint8_t ring_smem[];
     __shared__ __align__(8) uint64_t bars[2 * kMaxSlots];
+    __shared__ uint32_t tags[kMaxSlots];
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
     const int num_active = active_groups(p, active, warp_totals);
@@ -210,6 +218,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         for (int s = 0; s < ring.slots; ++s) {
             ep::mbarrier_init(ring.full + s * 8, 1);
             ep::mbarrier_init(ring.empty + s * 8, 1);
+            tags[s] = 0xffffffffu;
         }
         ep::fence_mbarrier_init();
     }
@@ -234,6 +243,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
                     if (lane == 0) {
                         // The first lap finds every slot free (parity of the phase before).
                         ep::mbarrier_wait_parity(ring.empty_bar(stage), ring.phase(stage) ^ 1u);
+                        // Published by the arrive's release.
+                        reinterpret_cast<volatile uint32_t*>(tags)[ring.slot(stage)] = stage;
                         ep::mbarrier_arrive_expect_tx(ring.full_bar(stage), 2 * cols * 2);
                     }
                     __syncwarp();
@@ -270,6 +281,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
                 const uint32_t st = stage + c;
                 const int vec0 = c * chunk / kVec;
                 const int vecs = min(chunk, p.k - c * chunk) / kVec;
+                while (reinterpret_cast<volatile uint32_t*>(tags)[ring.slot(st)] != st) {
+                }
                 ep::mbarrier_wait_parity(ring.full_bar(st), ring.phase(st));
                 const int4* w0 = reinterpret_cast<const int4*>(ring_smem + ring.slot(st) * ring.slot_bytes);
                 const int4* w1 = w0 + chunk / kVec;
