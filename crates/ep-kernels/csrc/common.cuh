@@ -277,12 +277,6 @@ EP_DEVICE void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
                  : "memory");
 }
 
-// One arrival on the mbarrier (release: this thread's prior accesses happen before the phase
-// completes for the waiters).
-EP_DEVICE void mbarrier_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
 // Spins until the phase with parity `parity` of the mbarrier has completed.
 EP_DEVICE void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
     uint32_t done;

@@ -512,12 +512,12 @@ fn run_grouped(
 
 /// The cubin of `grouped_gemv.cu`.
 const GEMV_FILE: &str = "gemm/grouped_gemv";
-/// Threads per block (`kThreads` in `grouped_gemv.cu`: 8 consumer warps and the producer).
-const GEMV_THREADS: u32 = 288;
-/// Weight rows of one work item of a block (a pair: SwiGLU's gate and up row of one column).
-const GEMV_ROWS_PER_ITEM: usize = 2;
-/// Dynamic shared memory of a block: the ring of weight slots (`kRingBytes`).
-const GEMV_RING_BYTES: u32 = 192 * 1024;
+/// Threads per block (`kThreads` in `grouped_gemv.cu`).
+const GEMV_THREADS: u32 = 256;
+/// Output columns per work item of a block (`kColsPerItem`).
+const GEMV_COLS_PER_ITEM: usize = 16;
+/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride loops over the items).
+const GEMV_BLOCKS_PER_SM: u32 = 2;
 
 /// Mirror of `struct GemvParams` in `grouped_gemv.cu`.
 #[repr(C)]
@@ -548,8 +548,8 @@ const _: () = assert!(std::mem::offset_of!(GemvParams, first_extra) == 72);
 unsafe impl KernelParams for GemvParams {}
 
 /// Launches `grouped_gemv_bf16` (or, with `swiglu`, `grouped_gemv_swiglu_bf16`) with `params`
-/// filled and checked by [`run_grouped`]: one block per SM (its shared memory is the ring of
-/// weight stages), each taking a contiguous range of (active group, weight row pair) items.
+/// filled and checked by [`run_grouped`]: one grid of blocks sized to the device, which take
+/// (active group, column slab) items in turn.
 fn launch_gemv(
     stream: &Arc<CudaStream>,
     params: GemvParams,
@@ -564,13 +564,16 @@ fn launch_gemv(
         "grouped_gemv_bf16"
     };
     let kernel = kernels.kernel(GEMV_FILE, name)?;
-    // An item is a pair of weight rows (SwiGLU: one output column, else two); one block per SM
-    // takes a contiguous range of them.
-    let items = (groups * n.div_ceil(GEMV_ROWS_PER_ITEM)) as u64;
+    // A SwiGLU item covers 8 output columns (16 weight rows), a plain one 16 columns.
+    let items = (groups * n.div_ceil(GEMV_COLS_PER_ITEM)) as u64;
     let cfg = LaunchConfig {
-        grid_dim: (grid_for(items, 1, kernels.props(), 1), 1, 1),
+        grid_dim: (
+            grid_for(items, 1, kernels.props(), GEMV_BLOCKS_PER_SM),
+            1,
+            1,
+        ),
         block_dim: (GEMV_THREADS, 1, 1),
-        shared_mem_bytes: GEMV_RING_BYTES,
+        shared_mem_bytes: 0,
     };
     // SAFETY: `params` matches `GemvParams`; the caller checked every operand's length against
     // the shape (`a` its blocks, `b` and `extra_b` `[groups, n, k]` in two parts, `d`

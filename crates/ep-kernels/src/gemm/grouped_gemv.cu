@@ -5,28 +5,21 @@
 // src/gemm/cuda.rs with `GemmTiles::Gemv`.
 //
 // At one decode token per rank a block holds one row, and a 64-row WGMMA tile spends its
-// time waiting for the weights it streams through shared memory. Here there is no tile, only
-// the stream: one block per SM, whose producer warp copies weight rows global -> shared with
-// 1-D bulk copies (TMA) into a ring of slots (`kRingBytes` in flight per SM), each slot
-// completing on its own mbarrier (transaction bytes), while `kConsumerWarps` warps multiply
-// the slots with the group's valid input rows (read through L1: every warp reads the same
-// rows) and release them on a second mbarrier. A work item is a pair of weight rows of an
-// active group; a block takes a contiguous range of items, and the items' units (one per pass
-// of `kRowsPerPass` input rows over the pair's weights) go to the consumer warps in turn, each
-// unit `chunks` slots of 2 rows x up to `kMaxChunk` columns, so a warp multiplies a whole row
-// pair (14 KB rows at k = 7168) per slot and the ring's bookkeeping is a few instructions per
-// slot. Register loads instead (a warp's vectors in flight, then a pause while it multiplies
-// and reduces) streamed at 73 % of an H200's copy bandwidth; a ring of 1 KB row chunks shared
-// by all warps, at 62 %, spent its time on the per-chunk waits. Groups with no rows are
-// skipped without reading their weights (every block builds the ordered list of the active
-// groups from `counts` first). More than `kRowsPerPass` valid rows are taken in passes over
-// the same weights (the second mostly from L2); the launcher picks this kernel only when few
+// time waiting for the weights it streams through shared memory. Here there is no tile: a warp
+// owns `kColsPerWarp` output columns (weight rows), its lanes stream those weight rows from
+// global memory in 16-byte vectors (`kUnroll` vectors in flight per row), multiply them with
+// the group's valid input rows (read through L1: every warp of the block reads the same rows)
+// and reduce across the warp. Groups with no rows are skipped without reading their weights:
+// every block builds the ordered list of the active groups from `counts` first, then blocks
+// take (active group, column slab) items in a grid-stride loop, so the grid is sized to the
+// device, not to the groups. More than `kRowsPerPass` valid rows are taken in passes over the
+// same weights (the second pass mostly from L2); the launcher picks this kernel only when few
 // rows are expected.
 //
 // `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the gate_up
 // weight ([n = 2I, k] per group) in the blocked layout of the CUTLASS SwiGLU epilogue
 // (csrc/swiglu_epilogue_sm90.cuh: gate rows 8b..8b+7 at rows 16b..16b+7, the matching up rows
-// right after them), an item is the gate and the up row of one output column j, and the block
+// right after them), a warp takes the gate and the up row of one output column j, and the block
 // writes act[r, j] = bf16(silu(gate) * up) ([rows, I], gate and up in f32, one rounding, as
 // the CUTLASS epilogue) instead of [gate | up]: one launch and no [rows, 2I] round trip.
 //
@@ -37,16 +30,15 @@
 
 namespace {
 
-constexpr int kConsumerWarps = 8;
-constexpr int kThreads = (kConsumerWarps + 1) * ep::kWarpSize;  // + the producer warp
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / ep::kWarpSize;
-constexpr int kRingBytes = 192 * 1024;  // weights in flight per SM (Rust: GEMV_RING_BYTES)
-constexpr int kMaxChunk = 8192;         // columns (k) of a stage at most: 2 rows x 16 KB
-constexpr int kMaxSlots = 32;
+constexpr int kColsPerWarp = 2;
+constexpr int kColsPerItem = kWarps * kColsPerWarp;
 constexpr int kRowsPerPass = 2;
+constexpr int kUnroll = 8;  // 16-byte vectors in flight per weight row and lane
 constexpr int kMaxGroups = 1024;
-constexpr int kVec = 8;     // bf16 per 16-byte vector
-constexpr int kUnroll = 4;  // vectors per lane in flight from shared memory
+constexpr int kBlocksPerSm = 2;  // 128 registers a thread at most: 2 blocks of 256 per SM
+constexpr int kVec = 8;  // bf16 per 16-byte vector
 
 }  // namespace
 
@@ -141,204 +133,114 @@ EP_DEVICE int active_groups(const GemvParams& p, int* active, int* warp_totals) 
 
 }  // namespace
 
-// The ring: `slots` slots of one stage each (2 weight rows x `chunk` columns, row r at byte
-// r * chunk * 2 of its slot); full[s] completes when the slot's two bulk copies land, empty[s]
-// when its consumer warp is done with it. Producer and consumers walk the same sequence of
-// units and stages, so both derive a stage's slot and phase from its running index.
-//
-// A consumer warp may run ahead of the ring by more than one lap (its next unit's stage can be
-// 8 units ahead of the slowest warp's, more than the 6 slots of 14 KB rows), and an mbarrier's
-// phase parity alone cannot tell its lap L - 2 from lap L. So the producer also writes the
-// stage's index into the slot's tag before arming the slot, and a consumer first waits for its
-// stage's tag: the producer arms lap L only after lap L - 1 was consumed, hence landed, so
-// once the tag is there the parity names lap L.
-struct Ring {
-    uint32_t base;  // shared address of slot 0
-    uint32_t full;  // shared address of full[0] (8 bytes each)
-    uint32_t empty;
-    int slots;
-    int slot_bytes;
-    EP_DEVICE int slot(uint32_t stage) const { return static_cast<int>(stage % slots); }
-    EP_DEVICE uint32_t phase(uint32_t stage) const { return (stage / slots) & 1u; }
-    EP_DEVICE uint32_t addr(uint32_t stage) const { return base + slot(stage) * slot_bytes; }
-    EP_DEVICE uint32_t full_bar(uint32_t stage) const { return full + slot(stage) * 8; }
-    EP_DEVICE uint32_t empty_bar(uint32_t stage) const { return empty + slot(stage) * 8; }
-};
-
-// A pair of weight rows of an active group: SwiGLU the gate and the up row of output column
-// `col` (blocked layout), else rows 2 col and 2 col + 1.
-struct Pair {
-    int g;
-    int col;
-    int64_t rows[2];  // weight rows, in elements of k from `w`
-    int count;        // valid input rows of the group
-    const __nv_bfloat16* w;  // the group's weight, [n, k]
-    const __nv_bfloat16* x;  // the group's input rows, [count, k]
-};
-
-template <bool kSwiglu>
-EP_DEVICE Pair pair_at(const GemvParams& p, const int* active, int64_t index, int pairs_per_group) {
-    Pair q;
-    q.g = active[index / pairs_per_group];
-    q.col = static_cast<int>(index % pairs_per_group);
-    q.rows[0] = kSwiglu ? (q.col / 8) * 16 + q.col % 8 : 2 * q.col;
-    q.rows[1] = q.rows[0] + (kSwiglu ? 8 : 1);
-    q.count = p.counts[q.g];
-    const bool extra = q.g >= p.first_extra;
-    q.w = extra ? p.extra_b + static_cast<int64_t>(q.g - p.first_extra) * p.n * p.k
-                : p.b + static_cast<int64_t>(q.g) * p.n * p.k;
-    q.x = (extra && p.extra_a != nullptr) ? p.extra_a
-                                          : p.a + static_cast<int64_t>(q.g) * p.m_max * p.k;
-    return q;
-}
-
-// Work: the block's contiguous range of (active group, pair) items; each item takes one unit
-// per pass over its weights (kRowsPerPass valid input rows each), unit u goes to consumer warp
-// u mod 8, and a unit is `chunks` stages.
+// kSwiglu: weight rows (j, I + j) per warp, output act [rows, I]; else rows (2w, 2w + 1) of a
+// 16-column slab, output d [rows, n].
 template <bool kSwiglu>
 __device__ __forceinline__ void gemv_body(const GemvParams& p) {
-    extern __shared__ __align__(128) uint8_t ring_smem[];
-    __shared__ __align__(8) uint64_t bars[2 * kMaxSlots];
-    __shared__ uint32_t tags[kMaxSlots];
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
     const int num_active = active_groups(p, active, warp_totals);
 
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
-    const int chunk = min(p.k, kMaxChunk);
-    const int chunks = (p.k + chunk - 1) / chunk;
-    Ring ring;
-    ring.base = ep::smem_addr(ring_smem);
-    ring.full = ep::smem_addr(&bars[0]);
-    ring.empty = ep::smem_addr(&bars[kMaxSlots]);
-    ring.slot_bytes = 2 * chunk * 2;
-    ring.slots = min(kMaxSlots, kRingBytes / ring.slot_bytes);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ring.slots; ++s) {
-            ep::mbarrier_init(ring.full + s * 8, 1);
-            ep::mbarrier_init(ring.empty + s * 8, 1);
-            tags[s] = 0xffffffffu;
-        }
-        ep::fence_mbarrier_init();
-    }
-    __syncthreads();
-
-    const int pairs_per_group = p.n / 2;  // n is a multiple of 8 (SwiGLU: of 16)
-    const int64_t items = static_cast<int64_t>(num_active) * pairs_per_group;
-    const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block;
-    const int64_t last = min(items, first + per_block);
-
-    if (warp == kConsumerWarps) {
-        // Producer: lanes 0 and 1 copy the pair's two rows of each stage.
-        uint32_t stage = 0;
-        for (int64_t item = first; item < last; ++item) {
-            const Pair q = pair_at<kSwiglu>(p, active, item, pairs_per_group);
-            const int passes = (q.count + kRowsPerPass - 1) / kRowsPerPass;
-            for (int pass = 0; pass < passes; ++pass) {
-                for (int c = 0; c < chunks; ++c, ++stage) {
-                    const int k0 = c * chunk;
-                    const int cols = min(chunk, p.k - k0);
-                    if (lane == 0) {
-                        // The first lap finds every slot free (parity of the phase before).
-                        ep::mbarrier_wait_parity(ring.empty_bar(stage), ring.phase(stage) ^ 1u);
-                        // Published by the arrive's release.
-                        reinterpret_cast<volatile uint32_t*>(tags)[ring.slot(stage)] = stage;
-                        ep::mbarrier_arrive_expect_tx(ring.full_bar(stage), 2 * cols * 2);
-                    }
-                    __syncwarp();
-                    if (lane < 2) {
-                        ep::bulk_load(ring.addr(stage) + lane * chunk * 2,
-                                      q.w + (lane == 0 ? q.rows[0] : q.rows[1]) * p.k + k0, cols * 2,
-                                      ring.full_bar(stage));
-                    }
-                }
-            }
-        }
-        return;
-    }
-
-    // Consumers.
+    // Output columns and columns per item: SwiGLU pairs two weight rows into one column.
     const int out_cols = kSwiglu ? p.n / 2 : p.n;
-    uint32_t stage = 0;
-    uint32_t unit = 0;
-    for (int64_t item = first; item < last; ++item) {
-        const Pair q = pair_at<kSwiglu>(p, active, item, pairs_per_group);
-        for (int r0 = 0; r0 < q.count; r0 += kRowsPerPass, ++unit, stage += chunks) {
-            if (unit % kConsumerWarps != static_cast<uint32_t>(warp)) {
-                continue;
-            }
-            const int rows = min(kRowsPerPass, q.count - r0);
+    const int cols_per_item = kSwiglu ? kWarps : kColsPerItem;
+    const int64_t slabs = (out_cols + cols_per_item - 1) / cols_per_item;
+    const int64_t items = static_cast<int64_t>(num_active) * slabs;
+    const int vectors = p.k / kVec;
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+        const int g = active[item / slabs];
+        const int col0 = static_cast<int>(item % slabs) * cols_per_item +
+                         warp * (kSwiglu ? 1 : kColsPerWarp);
+        if (col0 >= out_cols) {
+            continue;
+        }
+        const int count = p.counts[g];
+        const bool extra = g >= p.first_extra;
+        const __nv_bfloat16* w_base =
+            extra ? p.extra_b + static_cast<int64_t>(g - p.first_extra) * p.n * p.k
+                  : p.b + static_cast<int64_t>(g) * p.n * p.k;
+        const __nv_bfloat16* x_base = (extra && p.extra_a != nullptr)
+                                          ? p.extra_a
+                                          : p.a + static_cast<int64_t>(g) * p.m_max * p.k;
+        const int4* w[kColsPerWarp];
+#pragma unroll
+        for (int c = 0; c < kColsPerWarp; ++c) {
+            // SwiGLU: the gate and the up row of column j (blocked layout). Else a column past n
+            // re-reads the last one and is not stored.
+            const int col = kSwiglu ? (col0 / 8) * 16 + col0 % 8 + c * 8 : min(col0 + c, p.n - 1);
+            w[c] = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(col) * p.k);
+        }
+        for (int r0 = 0; r0 < count; r0 += kRowsPerPass) {
+            const int rows = min(kRowsPerPass, count - r0);
             const int4* x[kRowsPerPass];
 #pragma unroll
             for (int r = 0; r < kRowsPerPass; ++r) {
                 // Rows past `rows` point at the first one (read, never stored).
-                x[r] = reinterpret_cast<const int4*>(q.x + static_cast<int64_t>(r0 + (r < rows ? r : 0)) * p.k);
+                x[r] = reinterpret_cast<const int4*>(x_base +
+                                                     static_cast<int64_t>(r0 + (r < rows ? r : 0)) * p.k);
             }
-            float acc[2][kRowsPerPass] = {};
-            for (int c = 0; c < chunks; ++c) {
-                const uint32_t st = stage + c;
-                const int vec0 = c * chunk / kVec;
-                const int vecs = min(chunk, p.k - c * chunk) / kVec;
-                while (reinterpret_cast<volatile uint32_t*>(tags)[ring.slot(st)] != st) {
-                }
-                ep::mbarrier_wait_parity(ring.full_bar(st), ring.phase(st));
-                const int4* w0 = reinterpret_cast<const int4*>(ring_smem + ring.slot(st) * ring.slot_bytes);
-                const int4* w1 = w0 + chunk / kVec;
-                for (int v0 = lane; v0 < vecs; v0 += ep::kWarpSize * kUnroll) {
-                    int4 a[kUnroll];
-                    int4 b[kUnroll];
+            float acc[kColsPerWarp][kRowsPerPass] = {};
+            for (int v0 = lane; v0 < vectors; v0 += ep::kWarpSize * kUnroll) {
+                int4 wv[kUnroll][kColsPerWarp];
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int v = v0 + u * ep::kWarpSize;
-                        a[u] = v < vecs ? w0[v] : make_int4(0, 0, 0, 0);
-                        b[u] = v < vecs ? w1[v] : make_int4(0, 0, 0, 0);
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int v = v0 + u * ep::kWarpSize;
+#pragma unroll
+                    for (int c = 0; c < kColsPerWarp; ++c) {
+                        wv[u][c] = v < vectors ? ep::ld_nc_no_alloc(w[c] + v) : make_int4(0, 0, 0, 0);
                     }
+                }
 #pragma unroll
-                    for (int r = 0; r < kRowsPerPass; ++r) {
-                        if (r < rows) {
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int v = v0 + u * ep::kWarpSize;
+                    if (v < vectors) {
 #pragma unroll
-                            for (int u = 0; u < kUnroll; ++u) {
-                                const int v = v0 + u * ep::kWarpSize;
-                                if (v < vecs) {
-                                    const int4 xv = __ldg(x[r] + vec0 + v);
-                                    acc[0][r] += dot8(a[u], xv);
-                                    acc[1][r] += dot8(b[u], xv);
+                        for (int r = 0; r < kRowsPerPass; ++r) {
+                            if (r < rows) {
+                                const int4 xv = __ldg(x[r] + v);
+#pragma unroll
+                                for (int c = 0; c < kColsPerWarp; ++c) {
+                                    acc[c][r] += dot8(wv[u][c], xv);
                                 }
                             }
                         }
                     }
                 }
-                __syncwarp();
-                if (lane == 0) {
-                    ep::mbarrier_arrive(ring.empty_bar(st));
-                }
             }
 #pragma unroll
             for (int r = 0; r < kRowsPerPass; ++r) {
-                const float s0 = warp_sum(acc[0][r]);
-                const float s1 = warp_sum(acc[1][r]);
+                float s[kColsPerWarp];
+#pragma unroll
+                for (int c = 0; c < kColsPerWarp; ++c) {
+                    s[c] = warp_sum(acc[c][r]);
+                }
                 if (lane != 0 || r >= rows) {
                     continue;
                 }
-                const int64_t row = static_cast<int64_t>(q.g) * p.m_max + r0 + r;
+                const int64_t row = static_cast<int64_t>(g) * p.m_max + r0 + r;
                 if (kSwiglu) {
-                    p.d[row * out_cols + q.col] = ep::f32_to_bf16(silu(s0) * s1);
+                    p.d[row * out_cols + col0] = ep::f32_to_bf16(silu(s[0]) * s[1]);
                 } else {
-                    p.d[row * out_cols + q.rows[0]] = ep::f32_to_bf16(s0);
-                    p.d[row * out_cols + q.rows[1]] = ep::f32_to_bf16(s1);
+#pragma unroll
+                    for (int c = 0; c < kColsPerWarp; ++c) {
+                        if (col0 + c < p.n) {
+                            p.d[row * p.n + col0 + c] = ep::f32_to_bf16(s[c]);
+                        }
+                    }
                 }
             }
         }
     }
 }
 
-EP_KERNEL void __launch_bounds__(kThreads, 1) grouped_gemv_bf16(const __grid_constant__ GemvParams p) {
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_bf16(const __grid_constant__ GemvParams p) {
     gemv_body<false>(p);
 }
 
-EP_KERNEL void __launch_bounds__(kThreads, 1)
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
     grouped_gemv_swiglu_bf16(const __grid_constant__ GemvParams p) {
     gemv_body<true>(p);
 }
