@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::{device, poisoned, CaseResult, Poison, Runner};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream};
 use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -232,36 +232,39 @@ fn host_twin_case(
         b: &xb,
         a: xa.as_deref(),
     });
-    let mut want = vec![bf16::poison(); rows * w];
-    if swiglu {
-        gemm::grouped_gemm_swiglu_bf16_cuda(
-            stream,
-            &a_dev,
-            &b_dev,
-            &c_dev,
-            &shape,
-            spec.as_ref(),
-            tiles,
-            &mut out_dev,
-            ws,
-        )?;
-        gemm::grouped_gemm_swiglu(&a, &b, &counts, &shape, host_extra.as_ref(), &mut want)?;
+    // The plain and the SwiGLU launcher take the same arguments.
+    type Launch = fn(
+        &Arc<CudaStream>,
+        &CudaSlice<bf16>,
+        &CudaSlice<bf16>,
+        &CudaSlice<i32>,
+        &GroupedGemmShape,
+        Option<&gemm::ExtraGroups<'_>>,
+        GemmTiles,
+        &mut CudaSlice<bf16>,
+        &mut GroupedGemmWorkspace,
+    ) -> ep_kernels::Result<()>;
+    let launch: Launch = if swiglu {
+        gemm::grouped_gemm_swiglu_bf16_cuda
     } else {
-        gemm::grouped_gemm_bf16_extra_cuda(
-            stream,
-            &a_dev,
-            &b_dev,
-            &c_dev,
-            &shape,
-            spec.as_ref(),
-            tiles,
-            &mut out_dev,
-            ws,
-        )?;
-        match &host_extra {
-            Some(x) => gemm::grouped_gemm_extra(&a, &b, &counts, &shape, x, &mut want)?,
-            None => gemm::grouped_gemm(&a, &b, &counts, &shape, &mut want)?,
-        }
+        gemm::grouped_gemm_bf16_extra_cuda
+    };
+    launch(
+        stream,
+        &a_dev,
+        &b_dev,
+        &c_dev,
+        &shape,
+        spec.as_ref(),
+        tiles,
+        &mut out_dev,
+        ws,
+    )?;
+    let mut want = vec![bf16::poison(); rows * w];
+    match (&host_extra, swiglu) {
+        (x, true) => gemm::grouped_gemm_swiglu(&a, &b, &counts, &shape, x.as_ref(), &mut want)?,
+        (Some(x), false) => gemm::grouped_gemm_extra(&a, &b, &counts, &shape, x, &mut want)?,
+        (None, false) => gemm::grouped_gemm(&a, &b, &counts, &shape, &mut want)?,
     }
     let out = stream.clone_dtoh(&out_dev)?;
     let st = starts(&counts, shape.layout, rows);
