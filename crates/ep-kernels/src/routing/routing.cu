@@ -213,21 +213,10 @@ EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ Ro
         __syncwarp();
         int32_t mine_ord = 0;
         int32_t mine_id = -1;
-        for (int j = lane; j < e; j += ep::kWarpSize) {
-            if (!used[j]) {
-                better_of(mine_ord, mine_id, total_order(key[j]), j);
-            }
-        }
+        bool rescan = true;  // every lane scans once, then the winner's lane after each round
         int64_t chosen = -1;  // lane i < K holds the i-th choice
         for (int i = 0; i < p.top_k; ++i) {
-            int32_t ord = mine_ord;
-            int32_t id = mine_id;
-            warp_best(ord, id);
-            if (lane == i) {
-                chosen = id;
-            }
-            if (id >= 0 && (id % ep::kWarpSize) == lane) {
-                used[id] = 1;
+            if (rescan) {
                 mine_ord = 0;
                 mine_id = -1;
                 for (int j = lane; j < e; j += ep::kWarpSize) {
@@ -235,6 +224,16 @@ EP_KERNEL void __launch_bounds__(kThreads) route_topk(const __grid_constant__ Ro
                         better_of(mine_ord, mine_id, total_order(key[j]), j);
                     }
                 }
+            }
+            int32_t ord = mine_ord;
+            int32_t id = mine_id;
+            warp_best(ord, id);
+            if (lane == i) {
+                chosen = id;
+            }
+            rescan = id >= 0 && (id % ep::kWarpSize) == lane;
+            if (rescan) {
+                used[id] = 1;
             }
         }
 
