@@ -30,6 +30,10 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] cudarc::driver::DriverError),
+    /// A cuBLAS call failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
     /// A kernel of the host library (CUTLASS) refused its arguments or failed to launch.
     #[cfg(feature = "cuda")]
     #[error("kernel `{kernel}` failed: {message}")]

@@ -13,6 +13,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{compare, compare_bits, device, poisoned, CaseResult, Runner};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaStream;
 use ep_kernels::expert_order::{self, rows_bound};
 use ep_kernels::routing::{self, GateInput, GateShape, GroupScore, Scoring, TopkInput, TopkSpec};
@@ -118,7 +119,16 @@ fn checked_rows(t: usize) -> Vec<usize> {
     }
 }
 
-/// The gate kernel on `t` random tokens of `x` (stored from element `offset` on, to test
+/// How a gate case computes the logits on the device.
+#[derive(Clone, Copy)]
+enum GateLaunch<'b> {
+    /// The gate kernel (`W` in f32).
+    Kernel,
+    /// cuBLAS on the tensor cores (`x` and `W` in bf16; `W`'s values are drawn as bf16 values).
+    Gemm(&'b CudaBlas),
+}
+
+/// The gate's logits on `t` random tokens of `x` (stored from element `offset` on, to test
 /// misaligned inputs) against the host twin.
 #[allow(clippy::too_many_arguments)]
 fn gate_case<T: GateInput + cudarc::driver::DeviceRepr>(
@@ -129,6 +139,7 @@ fn gate_case<T: GateInput + cudarc::driver::DeviceRepr>(
     h: usize,
     offset: usize,
     make: fn(f32) -> T,
+    launch: GateLaunch<'_>,
 ) -> CaseResult {
     let shape = GateShape {
         num_experts: e,
@@ -137,19 +148,39 @@ fn gate_case<T: GateInput + cudarc::driver::DeviceRepr>(
     let x: Vec<T> = (0..offset + t * h)
         .map(|_| make(rng.random_range(-2.0f32..2.0)))
         .collect();
-    let w: Vec<f32> = (0..e * h)
-        .map(|_| rng.random_range(-0.05f32..0.05))
+    let w_bf16: Vec<bf16> = (0..e * h)
+        .map(|_| bf16::from_f32(rng.random_range(-0.05f32..0.05)))
         .collect();
+    // The twin's weight: the bf16 values for the GEMM, f32 draws for the kernel.
+    let w: Vec<f32> = match launch {
+        GateLaunch::Gemm(_) => w_bf16.iter().map(|v| v.to_f32()).collect(),
+        GateLaunch::Kernel => (0..e * h)
+            .map(|_| rng.random_range(-0.05f32..0.05))
+            .collect(),
+    };
     let x_dev = stream.clone_htod(&x)?;
-    let w_dev = stream.clone_htod(&w)?;
     let mut out = poisoned::<f32>(stream, (t * e).max(1))?;
-    routing::gate_logits_cuda(
-        stream,
-        &x_dev.slice(offset..),
-        &w_dev,
-        shape,
-        &mut out.slice_mut(0..t * e),
-    )?;
+    let logits = &mut out.slice_mut(0..t * e);
+    match launch {
+        GateLaunch::Kernel => {
+            let w_dev = stream.clone_htod(&w)?;
+            routing::gate_logits_cuda(stream, &x_dev.slice(offset..), &w_dev, shape, logits)?;
+        }
+        GateLaunch::Gemm(blas) => {
+            // The GEMM takes bf16 `x` only: reinterpret the (bf16) draws.
+            let x_bf16: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32())).collect();
+            let x_dev = stream.clone_htod(&x_bf16)?;
+            let w_dev = stream.clone_htod(&w_bf16)?;
+            routing::gate_logits_gemm_cuda(
+                stream,
+                blas,
+                &x_dev.slice(offset..),
+                &w_dev,
+                shape,
+                logits,
+            )?;
+        }
+    }
     let got = stream.clone_dtoh(&out)?;
     let poison = u32::from_ne_bytes([0xAB; 4]);
     if t == 0 {
@@ -462,30 +493,118 @@ fn main() {
     }
     for t in [1, 3, 64, 129, 1000] {
         runner.case(&format!("gate/bf16/{t}x7168-to-256"), |rng| {
-            gate_case(&stream, rng, t, 256, 7168, 0, bf16::from_f32)
+            gate_case(
+                &stream,
+                rng,
+                t,
+                256,
+                7168,
+                0,
+                bf16::from_f32,
+                GateLaunch::Kernel,
+            )
         });
     }
     runner.case("gate/bf16/5x136-to-72", |rng| {
-        gate_case(&stream, rng, 5, 72, 136, 0, bf16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            5,
+            72,
+            136,
+            0,
+            bf16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
     runner.case("gate/bf16/40x136-to-72", |rng| {
-        gate_case(&stream, rng, 40, 72, 136, 0, bf16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            40,
+            72,
+            136,
+            0,
+            bf16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
     runner.case("gate/f16/9x136-to-72", |rng| {
-        gate_case(&stream, rng, 9, 72, 136, 0, f16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            9,
+            72,
+            136,
+            0,
+            f16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
     runner.case("gate/f32/3x7168-to-256", |rng| {
-        gate_case(&stream, rng, 3, 256, 7168, 0, |v| v)
+        gate_case(&stream, rng, 3, 256, 7168, 0, |v| v, GateLaunch::Kernel)
     });
     runner.case("gate/bf16/scalar/odd-hidden-17x131-to-72", |rng| {
-        gate_case(&stream, rng, 17, 72, 131, 0, bf16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            17,
+            72,
+            131,
+            0,
+            bf16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
     runner.case("gate/bf16/scalar/misaligned-x/1x7168-to-256", |rng| {
-        gate_case(&stream, rng, 1, 256, 7168, 1, bf16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            1,
+            256,
+            7168,
+            1,
+            bf16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
     runner.case("gate/bf16/no-tokens", |rng| {
-        gate_case(&stream, rng, 0, 256, 7168, 0, bf16::from_f32)
+        gate_case(
+            &stream,
+            rng,
+            0,
+            256,
+            7168,
+            0,
+            bf16::from_f32,
+            GateLaunch::Kernel,
+        )
     });
+    // The tensor-core GEMM the router uses past `GATE_KERNEL_MAX_TOKENS` bf16 tokens.
+    let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("cuBLAS handle: {e}"));
+    for (t, e, h) in [
+        (65, 256, 7168),
+        (2048, 256, 7168),
+        (77, 72, 136),
+        (0, 256, 7168),
+    ] {
+        runner.case(
+            &format!("gate-gemm/bf16/{t}x{h}-to-{e}"),
+            |rng| match &blas {
+                Ok(b) => gate_case(
+                    &stream,
+                    rng,
+                    t,
+                    e,
+                    h,
+                    0,
+                    bf16::from_f32,
+                    GateLaunch::Gemm(b),
+                ),
+                Err(msg) => Err(msg.clone().into()),
+            },
+        );
+    }
     for (name, t, h, spec, scoring) in [
         ("v3/sigmoid/one-token", 1, 7168, v3, Sigmoid),
         ("v3/sigmoid/64-tokens", 64, 7168, v3, Sigmoid),

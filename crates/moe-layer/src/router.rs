@@ -5,8 +5,9 @@
 //! scores them (sigmoid or softmax) and selects, with ties broken towards the lower expert
 //! (and group) id so that every rank and every backend agrees. On CUDA that is two kernels
 //! and nothing read back to the host: the gate kernel (`x` read in its own dtype) for up to
-//! `routing::GATE_KERNEL_MAX_TOKENS` tokens, else a cuBLAS f32 matmul, then the routing kernel
-//! in its logits mode. On the CPU: a candle matmul, then the routing host twin.
+//! `routing::GATE_KERNEL_MAX_TOKENS` tokens; past that a bf16 cuBLAS GEMM with f32 output on
+//! the tensor cores when `x` is bf16 and the gate weight is exactly bf16 (DeepSeek-V3's
+//! checkpoints), else a cuBLAS f32 matmul; then the routing kernel in its logits mode. On the CPU: a candle matmul, then the routing host twin.
 //! [`Router::scores`] returns the scores themselves, computed with candle ops.
 
 use candle_core::{DType, Device, Tensor};
@@ -31,6 +32,9 @@ pub struct Routing {
 pub struct Router {
     /// `[E, H]` f32.
     weight: Tensor,
+    /// `[E, H]` bf16 holding exactly the values of `weight`, when they all are bf16 values and
+    /// `weight` is on a CUDA device (the tensor-core GEMM of the gate for many bf16 tokens).
+    weight_bf16: Option<Tensor>,
     /// `[E]` f32 selection bias (`noaux_tc` only), on the host and on the weight's device.
     bias: Option<(Vec<f32>, Tensor)>,
     scoring: ScoringFunc,
@@ -89,8 +93,15 @@ impl Router {
             scaling: cfg.routed_scaling_factor as f32,
         };
         spec.check(false)?;
+        let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        let weight_bf16 = if weight.device().is_cuda() {
+            exact_bf16(&weight)?
+        } else {
+            None
+        };
         Ok(Self {
-            weight: weight.to_dtype(DType::F32)?.contiguous()?,
+            weight,
+            weight_bf16,
             bias,
             scoring: cfg.scoring_func,
             spec,
@@ -204,11 +215,16 @@ impl Router {
         let input = TopkInput::Logits(self.scoring_fn());
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = x.device() {
-            let logits = if t > 0 && routing::gate_uses_kernel(t) {
-                self.gate_cuda(cuda, x, t)?
-            } else {
-                self.matmul_logits(x, t)?
-            };
+            let logits =
+                if t > 0 && routing::gate_uses_kernel(t) {
+                    self.gate_cuda(cuda, x, t)?
+                } else if let Some(w) = self.weight_bf16.as_ref().filter(|w| {
+                    t > 0 && x.dtype() == DType::BF16 && w.device().same_device(x.device())
+                }) {
+                    self.gate_gemm_cuda(cuda, x, w, t)?
+                } else {
+                    self.matmul_logits(x, t)?
+                };
             return self.select_cuda(cuda, &logits, input, t);
         }
         let logits = self.matmul_logits(x, t)?;
@@ -297,6 +313,42 @@ impl Router {
         Ok(wrap(logits, (t, e), dev))
     }
 
+    /// Gate logits `[t, E]` f32 of a checked bf16 CUDA `x` (`t > 0`) with the bf16 weight
+    /// `w` (on `x`'s device) on the tensor cores: cuBLAS on candle's stream and handle.
+    #[cfg(feature = "cuda")]
+    fn gate_gemm_cuda(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        t: usize,
+    ) -> Result<Tensor> {
+        use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
+        use half::bf16;
+        let e = self.num_experts();
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let x = x.contiguous()?;
+        let shape = routing::GateShape {
+            num_experts: e,
+            hidden: self.hidden_size(),
+        };
+        let mut logits = alloc_uninit::<f32>(&stream, t * e)?;
+        {
+            let x_d = DeviceTensor::new("x", &x)?;
+            let w_d = DeviceTensor::new("weight", w)?;
+            routing::gate_logits_gemm_cuda(
+                &stream,
+                &blas,
+                &x_d.view::<bf16>()?,
+                &w_d.view::<bf16>()?,
+                shape,
+                &mut logits.slice_mut(0..t * e),
+            )?;
+        }
+        Ok(wrap(logits, (t, e), dev))
+    }
+
     /// The routing kernel on candle's stream, on `[t, E]` f32 `scores` (or logits, as `input`
     /// says).
     #[cfg(feature = "cuda")]
@@ -340,4 +392,17 @@ impl Router {
             topk_weights: wrap(weights, (t, k), dev),
         })
     }
+}
+
+/// `weight` (f32) as bf16 when every value of it is a bf16 value (converting loses nothing),
+/// else `None`. Reads one scalar back: for construction, not the hot path.
+fn exact_bf16(weight: &Tensor) -> Result<Option<Tensor>> {
+    let w16 = weight.to_dtype(DType::BF16)?;
+    let differs = w16
+        .to_dtype(DType::F32)?
+        .ne(weight)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok((differs == 0.0).then_some(w16))
 }

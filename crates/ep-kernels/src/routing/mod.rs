@@ -2,7 +2,8 @@
 //! DeepSeek's group-limited selection and correction bias. Kernel `routing.cu` (one warp per
 //! token), typed launcher [`route_topk_cuda`], host twin [`route_topk`]. The gate's logits
 //! `x W^T` for a few tokens come from [`gate`] (kernel `gate.cu`, launcher `gate_logits_cuda`,
-//! host twin [`gate_logits`]).
+//! host twin [`gate_logits`]), for many bf16 tokens from cuBLAS on the tensor cores
+//! (`gate_logits_gemm_cuda`, same host twin).
 //!
 //! The router takes either the scores `s[E]` of every token ([`TopkInput::Scores`]) or its
 //! gate logits ([`TopkInput::Logits`]), which it scores itself with [`scoring`] (sigmoid, or
@@ -28,6 +29,10 @@ pub mod scoring;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
+#[cfg(feature = "cuda")]
+mod gate_gemm;
+#[cfg(feature = "cuda")]
+pub use gate_gemm::gate_logits_gemm_cuda;
 
 pub use gate::{gate_logits, gate_uses_kernel, GateInput, GateShape, GATE_KERNEL_MAX_TOKENS};
 pub use host::route_topk;
