@@ -69,7 +69,15 @@ pub fn route_topk_cuda(
         return Ok(());
     }
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "route_topk")?;
+    // One instance per bound on the experts per lane of the token's warp (`ceil(E / 32)`).
+    let name = match e.div_ceil(32) {
+        0..=2 => "route_topk_r2",
+        3..=4 => "route_topk_r4",
+        5..=8 => "route_topk_r8",
+        9..=16 => "route_topk_r16",
+        _ => "route_topk_r32",
+    };
+    let kernel = kernels.kernel(FILE, name)?;
     let (s_ptr, _gs) = scores.device_ptr(stream);
     let bias_guard = bias.map(|b| b.device_ptr(stream));
     let (i_ptr, _gi) = topk_idx.device_ptr_mut(stream);
@@ -115,8 +123,9 @@ pub fn route_topk_cuda(
     };
     // SAFETY: `params` matches `RouteTopkParams`; `scores` holds `t * e` f32, `bias` (if any)
     // `e`, the outputs `t * k` (checked above); the kernel reads and writes only those rows;
-    // `e <= 1024` and `k, n_group <= 32` fit its shared arrays and lanes (checked by the
-    // spec). The guards keep stream order until the launch is queued.
+    // `e <= 1024` (so `ceil(e / 32)` is within the chosen instance's bound) and
+    // `k, n_group <= 32` fit its registers, shared arrays and lanes (checked by the spec). The
+    // guards keep stream order until the launch is queued.
     unsafe { kernel.launch(stream, cfg, params) }
 }
 
