@@ -26,12 +26,17 @@
 //!   with a receive phase leaves the mask in host-mapped memory as it ends
 //!   ([`LowLatencyBuffer::active_ranks_mirror`]), so the host learns of a timeout without a
 //!   copy on the stream.
+//! - **one rank** (`num_ranks == 1` with [`Phases::Both`]): the op never leaves the GPU, so
+//!   `local.cu` runs it with two small kernels (`cuda/local.rs`) that skip the protocol (no
+//!   signals, flags, fences, op counters or grid-wide waits) and produce bit for bit the same
+//!   outputs; split phases at one rank keep the protocol kernels.
 //!
 //! No launcher synchronises the stream. Launch on a stream of the buffer's context; with
 //! cudarc's event tracking on, slices used across streams add event waits, so disable it
 //! (`CudaContext::disable_event_tracking`) before capturing graphs.
 
 mod buffer;
+mod local;
 mod recv;
 
 /// Peer access lives with the rest of device memory in [`crate::memory`].
@@ -222,8 +227,6 @@ pub fn dispatch_cuda<'o>(
     out.check(layout)?;
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "ll_dispatch")?;
-    let cfg = comm_config(&kernels, dispatch_smem_bytes(layout, num_tokens, num_topk))?;
     let (x_ptr, _gx) = x.device_ptr(stream);
     let (t_ptr, _gt) = topk_idx.device_ptr(stream);
     let (rx, _g0) = out.recv_x.device_ptr_mut(stream);
@@ -256,6 +259,13 @@ pub fn dispatch_cuda<'o>(
         phases: phases as u32,
         reserved: 0,
     };
+    if layout.num_ranks == 1 && phases == Phases::Both {
+        // SAFETY: `params` is what `ll_dispatch` would be launched with below (see there); the
+        // guards are alive until `local::dispatch` has queued the launch.
+        return unsafe { local::dispatch(stream, &kernels, &params) };
+    }
+    let kernel = kernels.kernel(FILE, "ll_dispatch")?;
+    let cfg = comm_config(&kernels, dispatch_smem_bytes(layout, num_tokens, num_topk))?;
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16 and topk_idx T*K i64, the
     // outputs are sized for the buffer's layout and format (checked above; the scales may be
     // null only for bf16, where the kernel does not touch them), all 16-byte aligned where the
@@ -298,10 +308,6 @@ pub fn combine_cuda<'h>(
     Error::check_len("out", num_tokens * layout.hidden, out.len())?;
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "ll_combine")?;
-    let send_smem = 4 * (3 * layout.num_experts + 1 + layout.num_ranks);
-    let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
-    let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     let (x_ptr, _gx) = x.device_ptr(stream);
     let (si, _g0) = handle.recv_src_info.device_ptr(stream);
     let (sk, _g1) = handle.recv_src_topk.device_ptr(stream);
@@ -325,6 +331,15 @@ pub fn combine_cuda<'h>(
         phases: phases as u32,
         reserved: 0,
     };
+    if layout.num_ranks == 1 && phases == Phases::Both {
+        // SAFETY: `params` is what `ll_combine` would be launched with below (see there); the
+        // guards are alive until `local::combine` has queued the launch.
+        return unsafe { local::combine(stream, &kernels, &params) };
+    }
+    let kernel = kernels.kernel(FILE, "ll_combine")?;
+    let send_smem = 4 * (3 * layout.num_experts + 1 + layout.num_ranks);
+    let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
+    let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     // SAFETY: `params` matches `CombineParams`; every slice has the length the kernel uses
     // (checked above) and the vector-accessed ones are 16-byte aligned; the buffer outlives
     // the launch (it synchronises its context before freeing); the guards keep cudarc's

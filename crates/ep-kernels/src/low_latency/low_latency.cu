@@ -42,6 +42,7 @@
 // The last block of a launch with a receive phase copies `active_ranks` into the host-mapped
 // `active_mirror`, where the host reads it after the op (no copy on the stream).
 #include "common.cuh"
+#include "low_latency.cuh"
 
 namespace {
 
@@ -264,17 +265,6 @@ EP_DEVICE void wait_flag(const int* flag, uint32_t tag, int* active_src, uint64_
 }
 
 
-// bf16 pair (low half first) to two floats.
-EP_DEVICE void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-
-EP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
-    const __nv_bfloat162 v = __halves2bfloat162(ep::f32_to_bf16(lo), ep::f32_to_bf16(hi));
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // In place: s_pre[1..=n] holds n values; on return s_pre[i] is the sum of the first i of them
 // (s_pre[0] = 0). Every thread of the block calls it, after a barrier that made the values
 // visible; the caller's next barrier makes the result visible. One warp scan per 1024 values
@@ -417,42 +407,14 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             const int sub = lane & 7;
             for (int g0 = (warp - K) * 4; g0 < groups; g0 += cast_warps * 4) {
                 const int g = g0 + (lane >> 3);
-                float v[16];
-                float amax = 0.0f;
+                int4 a = make_int4(0, 0, 0, 0), c = a, q;
+                float scale;
                 if (g < groups) {
-                    const int4* src = reinterpret_cast<const int4*>(xrow + g * ep::kFp8Group + sub * 16);
-                    const int4 a = ep::ld_nc_no_alloc(src);
-                    const int4 c = ep::ld_nc_no_alloc(src + 1);
-                    const uint32_t w[8] = {static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.y),
-                                           static_cast<uint32_t>(a.z), static_cast<uint32_t>(a.w),
-                                           static_cast<uint32_t>(c.x), static_cast<uint32_t>(c.y),
-                                           static_cast<uint32_t>(c.z), static_cast<uint32_t>(c.w)};
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        unpack_bf16x2(w[i], v[2 * i], v[2 * i + 1]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) {
-                        amax = fmaxf(amax, fabsf(v[i]));
-                    }
+                    ep::ll::load_bf16x16(xrow, g, sub, a, c);
                 }
-                amax = fmaxf(amax, __shfl_xor_sync(ep::kFullMask, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(ep::kFullMask, amax, 2));
-                amax = fmaxf(amax, __shfl_xor_sync(ep::kFullMask, amax, 4));
+                ep::ll::cast_e4m3_x16(a, c, g < groups, p.scale_format, q, scale);
                 if (g < groups) {
-                    float scale = __fdiv_rn(fmaxf(amax, ep::kAmaxMin), ep::kE4m3Max);
-                    if (p.scale_format == 1) {
-                        scale = ep::round_scale_ue8m0(scale);
-                    }
-                    uint32_t q[4] = {0, 0, 0, 0};
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) {
-                        q[i / 4] |= static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v[i], scale)))
-                                    << (8 * (i % 4));
-                    }
-                    *reinterpret_cast<int4*>(stage + 16 + g * ep::kFp8Group + sub * 16) =
-                        make_int4(static_cast<int>(q[0]), static_cast<int>(q[1]),
-                                  static_cast<int>(q[2]), static_cast<int>(q[3]));
+                    *reinterpret_cast<int4*>(stage + 16 + g * ep::kFp8Group + sub * 16) = q;
                     if (sub == 0) {
                         *reinterpret_cast<float*>(stage + 16 + H + g * 4) = scale;
                     }
@@ -809,26 +771,13 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
                 for (int q = 0; q < 4; ++q) {
                     const int k = k0 + q;
                     if (k < K && s_valid[k] != 0) {
-                        const float w = s_w[k];
-                        const uint32_t words[4] = {
-                            static_cast<uint32_t>(v[q].x), static_cast<uint32_t>(v[q].y),
-                            static_cast<uint32_t>(v[q].z), static_cast<uint32_t>(v[q].w)};
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            float lo, hi;
-                            unpack_bf16x2(words[c], lo, hi);
-                            // Separate multiply and add (no FMA), as the host twin.
-                            acc[2 * c] = __fadd_rn(acc[2 * c], __fmul_rn(w, lo));
-                            acc[2 * c + 1] = __fadd_rn(acc[2 * c + 1], __fmul_rn(w, hi));
-                        }
+                        // Separate multiply and add (no FMA), as the host twin.
+                        ep::ll::accumulate_bf16x8(acc, v[q], s_w[k]);
                     }
                 }
             }
-            const int4 o = make_int4(static_cast<int>(pack_bf16x2(acc[0], acc[1])),
-                                     static_cast<int>(pack_bf16x2(acc[2], acc[3])),
-                                     static_cast<int>(pack_bf16x2(acc[4], acc[5])),
-                                     static_cast<int>(pack_bf16x2(acc[6], acc[7])));
-            *reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H + i * 8) = o;
+            *reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H + i * 8) =
+                ep::ll::pack_bf16x8(acc);
         }
         __syncthreads();
     }
