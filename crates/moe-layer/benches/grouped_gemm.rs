@@ -77,6 +77,23 @@ fn balanced(tokens: usize, experts: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Uniform routing: K distinct experts per token drawn uniformly (the layer benchmark's random
+/// gate gives about this: per-expert counts spread around T * K / E).
+fn uniform(rng: &mut StdRng, tokens: usize, experts: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(tokens * TOPK);
+    for _ in 0..tokens {
+        let mut chosen: Vec<u32> = Vec::with_capacity(TOPK);
+        while chosen.len() < TOPK.min(experts) {
+            let e = rng.random_range(0..experts as u32);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        out.extend(chosen);
+    }
+    out
+}
+
 /// Zipf-like routing: K distinct experts per token drawn with weight 1 / (rank + 1)^1.2 over a
 /// random order of the experts, a fifth of the experts never chosen.
 fn zipf(rng: &mut StdRng, tokens: usize, experts: usize) -> Vec<u32> {
@@ -249,6 +266,13 @@ fn main() -> Result<(), BoxError> {
         layout: contiguous,
         topk_ids: zipf(&mut rng, 4096, 256),
         tokens: 4096,
+    });
+    cases.push(Case {
+        name: "contiguous 256 uniform (2048 tokens, ~64 rows each)".into(),
+        experts: 256,
+        layout: contiguous,
+        topk_ids: uniform(&mut rng, 2048, 256),
+        tokens: 2048,
     });
     cases.push(Case {
         name: "masked 256, one token (8 x 1, m_max 128)".into(),
