@@ -19,7 +19,9 @@
 //! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
-//! (`MoeLayerOptions::shared_placement`; default `Auto`).
+//! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
+//! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
+//! layer's choice).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -28,6 +30,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
+use ep_kernels::gemm::GemmTiles;
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
@@ -130,8 +133,11 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
     // Logits of unit scale (a gate of std 1/sqrt(H) on unit-scale tokens): routing spread over
     // the experts as a trained DeepSeek-V3 router's is; larger logits saturate the sigmoid and
     // the bias alone would pick the same experts for every token.
-    let gate =
-        Tensor::randn(0f32, 1.0 / (H as f32).sqrt(), (E, H), &Device::Cpu)?.to_device(dev)?;
+    // bf16 values, as DeepSeek-V3's checkpoints store the gate (the router then computes the
+    // logits of many tokens on the tensor cores; an f32 gate takes the f32 GEMM).
+    let gate = Tensor::randn(0f32, 1.0 / (H as f32).sqrt(), (E, H), &Device::Cpu)?
+        .to_dtype(DType::BF16)?
+        .to_device(dev)?;
     let bias = Tensor::randn(0f32, 0.01, E, &Device::Cpu)?.to_device(dev)?;
     let router = Router::new(gate, Some(bias), &cfg)?;
     let std_in = 1.0 / (H as f32).sqrt();
@@ -155,6 +161,12 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             Ok("grouped") => moe_layer::SharedPlacement::Grouped,
             Ok("overlap") => moe_layer::SharedPlacement::Overlap,
             _ => moe_layer::SharedPlacement::Auto,
+        },
+        low_latency_tiles: match std::env::var("EP_BENCH_TILES").as_deref() {
+            Ok("gemv") => Some(GemmTiles::Gemv),
+            Ok("narrow") => Some(GemmTiles::Narrow),
+            Ok("wide") => Some(GemmTiles::Wide),
+            _ => None,
         },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)

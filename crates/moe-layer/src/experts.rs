@@ -552,6 +552,18 @@ impl Experts {
         counts: &Tensor,
         expected_rows: usize,
     ) -> Result<Tensor> {
+        let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(expected_rows);
+        self.forward_masked_tiled(x, counts, tiles)
+    }
+
+    /// [`Experts::forward_masked`] with the grouped GEMMs' configuration `tiles` (used on CUDA
+    /// with grouped GEMMs only).
+    pub(crate) fn forward_masked_tiled(
+        &self,
+        x: &Tensor,
+        counts: &Tensor,
+        tiles: ep_kernels::gemm::GemmTiles,
+    ) -> Result<Tensor> {
         let m = self.check_blocks(x, "x")?;
         let l = self.num_local();
         if counts.dims() != [l] || counts.dtype() != DType::I32 {
@@ -563,11 +575,10 @@ impl Experts {
         }
         #[cfg(feature = "cuda")]
         if self.uses_grouped_gemm() {
-            let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(expected_rows);
             return crate::grouped::forward_masked(self, x, counts, tiles);
         }
         #[cfg(not(feature = "cuda"))]
-        let _ = expected_rows;
+        let _ = tiles;
         let host: Vec<i32> = counts.to_vec1()?;
         let host = host
             .iter()

@@ -64,6 +64,11 @@ pub struct MoeLayerOptions {
     pub expert_alignment: usize,
     /// Where the shared experts run in low-latency mode.
     pub shared_placement: SharedPlacement,
+    /// The grouped GEMMs' configuration in low-latency mode (CUDA); `None`: chosen from the
+    /// rows a step expects per expert ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]).
+    /// For tuning to a GPU: the tile-less kernel and the 64 x 128 tiles trade places between
+    /// an H100 and an H200 at one token (`docs/benchmarks.md`).
+    pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
 }
 
 impl Default for MoeLayerOptions {
@@ -74,6 +79,7 @@ impl Default for MoeLayerOptions {
             fp8_dispatch: false,
             expert_alignment: 1,
             shared_placement: SharedPlacement::Auto,
+            low_latency_tiles: None,
         }
     }
 }
@@ -452,6 +458,13 @@ impl MoeLayer {
         }
     }
 
+    /// The low-latency grouped GEMMs' configuration for `expected` rows per expert.
+    fn low_latency_tiles(&self, expected: usize) -> ep_kernels::gemm::GemmTiles {
+        self.options
+            .low_latency_tiles
+            .unwrap_or_else(|| ep_kernels::gemm::GemmTiles::for_masked_rows(expected))
+    }
+
     /// Rows an expert's low-latency block can expect in a step of `tokens` tokens per rank:
     /// one from each rank (a token picks an expert at most once).
     fn expected_rows(&self, tokens: usize) -> usize {
@@ -480,13 +493,14 @@ impl MoeLayer {
                 recv_count,
                 x,
                 groups,
-                ep_kernels::gemm::GemmTiles::for_masked_rows(expected),
+                self.low_latency_tiles(expected),
             )?;
             return Ok((y, Some(s)));
         }
+        let tiles = self.low_latency_tiles(expected);
         Ok((
             self.experts
-                .forward_masked_expecting(recv_x, recv_count, expected)?,
+                .forward_masked_tiled(recv_x, recv_count, tiles)?,
             shared,
         ))
     }

@@ -125,6 +125,7 @@ fn pair(
         fp8_dispatch: fp8,
         expert_alignment: 1,
         shared_placement,
+        low_latency_tiles: None,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(
