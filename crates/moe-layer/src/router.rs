@@ -34,6 +34,7 @@ pub struct Router {
     weight: Tensor,
     /// `[E, H]` bf16 holding exactly the values of `weight`, when they all are bf16 values and
     /// `weight` is on a CUDA device (the tensor-core GEMM of the gate for many bf16 tokens).
+    #[cfg(feature = "cuda")]
     weight_bf16: Option<Tensor>,
     /// `[E]` f32 selection bias (`noaux_tc` only), on the host and on the weight's device.
     bias: Option<(Vec<f32>, Tensor)>,
@@ -94,6 +95,7 @@ impl Router {
         };
         spec.check(false)?;
         let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        #[cfg(feature = "cuda")]
         let weight_bf16 = if weight.device().is_cuda() {
             exact_bf16(&weight)?
         } else {
@@ -101,6 +103,7 @@ impl Router {
         };
         Ok(Self {
             weight,
+            #[cfg(feature = "cuda")]
             weight_bf16,
             bias,
             scoring: cfg.scoring_func,
@@ -396,6 +399,7 @@ impl Router {
 
 /// `weight` (f32) as bf16 when every value of it is a bf16 value (converting loses nothing),
 /// else `None`. Reads one scalar back: for construction, not the hot path.
+#[cfg(feature = "cuda")]
 fn exact_bf16(weight: &Tensor) -> Result<Option<Tensor>> {
     let w16 = weight.to_dtype(DType::BF16)?;
     let differs = w16
