@@ -497,7 +497,7 @@ impl Experts {
             let c: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
             let counts_dev = Tensor::from_vec(c, l, dev)?;
             let most = counts.iter().copied().max().unwrap_or(0);
-            let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(most);
+            let tiles = crate::grouped::masked_tiles(dev, most)?;
             let y = crate::grouped::forward_masked(self, x, &counts_dev, tiles)?;
             // Rows past the counts: zero, as documented.
             let rows = Tensor::arange(0u32, m as u32, dev)?.reshape((1, m, 1))?;
@@ -543,17 +543,23 @@ impl Experts {
 
     /// [`Experts::forward_masked`] told how many valid rows each block is expected to hold at
     /// most (a low-latency step: the tokens per rank times the ranks). The result is the same
-    /// for any counts; the hint picks the kernel: up to
-    /// [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows the grouped GEMMs stream each active
-    /// expert's weights once without tiles (`GemmTiles::Gemv`).
+    /// for any counts; the hint picks the kernel
+    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: on GPUs of moderate bandwidth per SM,
+    /// up to [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows, the grouped GEMMs stream each
+    /// active expert's weights once without tiles).
     pub fn forward_masked_expecting(
         &self,
         x: &Tensor,
         counts: &Tensor,
         expected_rows: usize,
     ) -> Result<Tensor> {
-        let tiles = ep_kernels::gemm::GemmTiles::for_masked_rows(expected_rows);
-        self.forward_masked_tiled(x, counts, tiles)
+        #[cfg(feature = "cuda")]
+        if self.uses_grouped_gemm() {
+            let tiles = crate::grouped::masked_tiles(x.device(), expected_rows)?;
+            return self.forward_masked_tiled(x, counts, tiles);
+        }
+        let _ = expected_rows;
+        self.forward_masked_tiled(x, counts, ep_kernels::gemm::GemmTiles::Auto)
     }
 
     /// [`Experts::forward_masked`] with the grouped GEMMs' configuration `tiles` (used on CUDA

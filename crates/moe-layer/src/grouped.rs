@@ -4,7 +4,7 @@
 //! - routed rows (normal mode): expert-major permute (`ep_kernels::expert_order`) ->
 //!   contiguous gate_up GEMM with SwiGLU in its epilogue -> down GEMM -> weighted un-permute;
 //! - blocks with device counts (low-latency mode): masked gate_up GEMM with SwiGLU -> down GEMM
-//!   (`GemmTiles::Gemv` for a few rows per block).
+//!   (`GemmTiles::Gemv` for a few rows per block on GPUs of moderate bandwidth per SM).
 //!
 //! The gate_up weights are in the blocked layout the SwiGLU epilogue pairs
 //! (`ep_kernels::gemm::GATE_UP_BLOCK`; see [`crate::Experts`]).
@@ -253,9 +253,19 @@ pub(crate) fn forward_routed(
     Ok(wrap(out, (n, h), dev))
 }
 
+/// The masked GEMMs' configuration for blocks expected to hold `expected_rows` rows on `dev`
+/// (its DRAM bandwidth per SM decides; [`GemmTiles::for_masked_rows`]).
+pub(crate) fn masked_tiles(dev: &Device, expected_rows: usize) -> Result<GemmTiles> {
+    let dev = cuda(dev)?;
+    Ok(GemmTiles::for_masked_rows_cuda(
+        &dev.cuda_stream(),
+        expected_rows,
+    )?)
+}
+
 /// Low-latency path of [`Experts::forward_masked`]: `x` `[L, M, H]`, `counts` `[L]` i32
 /// (device); returns `[L, M, H]` bf16 with the rows past the counts unwritten. `tiles`: the
-/// GEMMs' configuration (`Gemv` when the blocks are expected to hold a few rows).
+/// GEMMs' configuration ([`masked_tiles`]).
 pub(crate) fn forward_masked(
     experts: &Experts,
     x: &Tensor,

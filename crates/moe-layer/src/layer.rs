@@ -4,7 +4,7 @@ use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::experts::{Experts, Mlp};
 use crate::router::Router;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::{
@@ -31,10 +31,11 @@ pub enum Mode {
 /// layers always run them as their own MLP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SharedPlacement {
-    /// `Grouped` in the steps whose GEMMs run tile-less (at most
-    /// [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected per expert: a decode token or
-    /// two per rank), where an extra group costs only its weight bytes and, at one rank, there
-    /// is no dispatch to hide the shared MLP behind; `Overlap` in the others. The default.
+    /// `Grouped` in the steps of at most [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected
+    /// per expert (a decode token or two per rank), where an extra group costs only its weight
+    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles an H200
+    /// gets there: 0.259 against 0.260 ms at one token) and, at one rank, there is no dispatch
+    /// to hide the shared MLP behind; `Overlap` in the others. The default.
     #[default]
     Auto,
     /// As their own MLP on the compute stream while the dispatch travels. With the tiled
@@ -65,9 +66,9 @@ pub struct MoeLayerOptions {
     /// Where the shared experts run in low-latency mode.
     pub shared_placement: SharedPlacement,
     /// The grouped GEMMs' configuration in low-latency mode (CUDA); `None`: chosen from the
-    /// rows a step expects per expert ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]).
-    /// For tuning to a GPU: the tile-less kernel and the 64 x 128 tiles trade places between
-    /// an H100 and an H200 at one token (`docs/benchmarks.md`).
+    /// rows a step expects per expert and the GPU's bandwidth per SM
+    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
+    /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
     pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
 }
 
@@ -458,11 +459,21 @@ impl MoeLayer {
         }
     }
 
-    /// The low-latency grouped GEMMs' configuration for `expected` rows per expert.
-    fn low_latency_tiles(&self, expected: usize) -> ep_kernels::gemm::GemmTiles {
-        self.options
-            .low_latency_tiles
-            .unwrap_or_else(|| ep_kernels::gemm::GemmTiles::for_masked_rows(expected))
+    /// The low-latency grouped GEMMs' configuration for `expected` rows per expert on `dev`.
+    fn low_latency_tiles(
+        &self,
+        dev: &Device,
+        expected: usize,
+    ) -> Result<ep_kernels::gemm::GemmTiles> {
+        if let Some(tiles) = self.options.low_latency_tiles {
+            return Ok(tiles);
+        }
+        #[cfg(feature = "cuda")]
+        if dev.is_cuda() {
+            return crate::grouped::masked_tiles(dev, expected);
+        }
+        let _ = (dev, expected);
+        Ok(ep_kernels::gemm::GemmTiles::Auto)
     }
 
     /// Rows an expert's low-latency block can expect in a step of `tokens` tokens per rank:
@@ -493,11 +504,11 @@ impl MoeLayer {
                 recv_count,
                 x,
                 groups,
-                self.low_latency_tiles(expected),
+                self.low_latency_tiles(x.device(), expected)?,
             )?;
             return Ok((y, Some(s)));
         }
-        let tiles = self.low_latency_tiles(expected);
+        let tiles = self.low_latency_tiles(x.device(), expected)?;
         Ok((
             self.experts
                 .forward_masked_tiled(recv_x, recv_count, tiles)?,

@@ -39,6 +39,9 @@ pub struct DeviceProps {
     pub max_smem_per_block_optin: u32,
     /// L2 cache size in bytes.
     pub l2_cache_bytes: u32,
+    /// Peak DRAM bandwidth in GB/s (memory clock x bus width x 2; 0 when the driver does not
+    /// report the clock).
+    pub peak_memory_gbs: u32,
     /// Whether cooperative (grid-synchronising) launches are supported.
     pub cooperative_launch: bool,
 }
@@ -60,6 +63,16 @@ impl DeviceProps {
                 CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )?,
             l2_cache_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            peak_memory_gbs: {
+                // kHz x bits x 2 (double data rate) / 8 bits per byte, in GB/s.
+                let khz = u64::from(attr(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+                )?);
+                let bits = u64::from(attr(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+                )?);
+                u32::try_from(khz * bits / 4 / 1_000_000).unwrap_or(u32::MAX)
+            },
             cooperative_launch: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)?
                 != 0,
         })

@@ -82,6 +82,16 @@ enum Epilogue {
     Swiglu,
 }
 
+impl GemmTiles {
+    /// [`GemmTiles::for_masked_rows`] for the GPU of `stream` (its peak DRAM bandwidth per SM).
+    pub fn for_masked_rows_cuda(stream: &CudaStream, expected_rows: usize) -> Result<GemmTiles> {
+        let kernels = Kernels::for_stream(stream)?;
+        let props = kernels.props();
+        let per_sm = f64::from(props.peak_memory_gbs) / f64::from(props.sm_count.max(1));
+        Ok(GemmTiles::for_masked_rows(expected_rows, per_sm))
+    }
+}
+
 /// The entry points of a resolved tile configuration (a CUTLASS one: not `Gemv`).
 fn entry_points(tiles: GemmTiles, epilogue: Epilogue) -> (&'static str, WorkspaceFn, RunFn) {
     match (tiles, epilogue) {

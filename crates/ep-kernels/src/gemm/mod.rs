@@ -160,13 +160,24 @@ pub enum GemmTiles {
 /// take more passes).
 pub const GEMV_ROWS_PER_PASS: usize = 2;
 
+/// Most DRAM bandwidth per SM (GB/s, peak) at which [`GemmTiles::for_masked_rows`] picks the
+/// tile-less kernel for a few rows per block. Its register loads keep a fixed number of bytes
+/// in flight per SM, the 64 x 128 tiles' TMA pipeline more: the MoE layer at one decode token
+/// (DeepSeek-V3, shared expert as an extra group) ran 1.22 x its weight-read floor with it and
+/// 1.26-1.28 x with the tiles on an H100 (3.35 TB/s, 25 GB/s per SM), but 1.43-1.44 x against
+/// 1.37 x on an H200 (4.9 TB/s, 37 GB/s per SM) (`docs/benchmarks.md`, 2026-11-25).
+pub const GEMV_MAX_GBS_PER_SM: f64 = 30.0;
+
 impl GemmTiles {
     /// The configuration for a masked GEMM whose blocks are expected to hold at most
     /// `expected_rows` valid rows each (e.g. a low-latency step's tokens per rank times the
-    /// ranks): [`GemmTiles::Gemv`] up to [`GEMV_ROWS_PER_PASS`] rows, else `Auto`. Any counts
-    /// the layout allows give the right result either way; this only picks the faster kernel.
-    pub fn for_masked_rows(expected_rows: usize) -> GemmTiles {
-        if expected_rows <= GEMV_ROWS_PER_PASS {
+    /// ranks) on a GPU of `peak_gbs_per_sm` GB/s of DRAM bandwidth per SM:
+    /// [`GemmTiles::Gemv`] up to [`GEMV_ROWS_PER_PASS`] rows on GPUs of at most
+    /// [`GEMV_MAX_GBS_PER_SM`], else `Auto` (the 64 x 128 tiles). Any counts the layout allows
+    /// give the right result either way; this only picks the faster kernel
+    /// ([`GemmTiles::for_masked_rows_cuda`] reads the bandwidth from the device).
+    pub fn for_masked_rows(expected_rows: usize, peak_gbs_per_sm: f64) -> GemmTiles {
+        if expected_rows <= GEMV_ROWS_PER_PASS && peak_gbs_per_sm <= GEMV_MAX_GBS_PER_SM {
             GemmTiles::Gemv
         } else {
             GemmTiles::Auto
@@ -216,5 +227,30 @@ impl GroupedGemmShape {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masked_tiles_follow_rows_and_bandwidth() {
+        // An H100 SXM (3352 GB/s) and an H200 (4915 GB/s), 132 SMs each.
+        let (h100, h200) = (3352.0 / 132.0, 4915.0 / 132.0);
+        assert_eq!(GemmTiles::for_masked_rows(1, h100), GemmTiles::Gemv);
+        assert_eq!(
+            GemmTiles::for_masked_rows(GEMV_ROWS_PER_PASS, h100),
+            GemmTiles::Gemv
+        );
+        assert_eq!(GemmTiles::for_masked_rows(3, h100), GemmTiles::Auto);
+        assert_eq!(GemmTiles::for_masked_rows(1, h200), GemmTiles::Auto);
+        // A driver that reports no memory clock: the tile-less kernel, as before.
+        assert_eq!(GemmTiles::for_masked_rows(1, 0.0), GemmTiles::Gemv);
+        let masked = GroupLayout::Masked { m_max: 128 };
+        assert_eq!(
+            GemmTiles::for_masked_rows(1, h200).resolve(masked, 256 * 128, 256),
+            GemmTiles::Narrow
+        );
     }
 }
