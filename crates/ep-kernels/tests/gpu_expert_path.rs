@@ -148,29 +148,28 @@ fn gate_case<T: GateInput + cudarc::driver::DeviceRepr>(
     let x: Vec<T> = (0..offset + t * h)
         .map(|_| make(rng.random_range(-2.0f32..2.0)))
         .collect();
-    let w_bf16: Vec<bf16> = (0..e * h)
-        .map(|_| bf16::from_f32(rng.random_range(-0.05f32..0.05)))
+    // The GEMM's weight is bf16: draw bf16 values (the twin gets them as f32, exactly).
+    let w: Vec<f32> = (0..e * h)
+        .map(|_| {
+            let v = rng.random_range(-0.05f32..0.05);
+            match launch {
+                GateLaunch::Kernel => v,
+                GateLaunch::Gemm(_) => bf16::from_f32(v).to_f32(),
+            }
+        })
         .collect();
-    // The twin's weight: the bf16 values for the GEMM, f32 draws for the kernel.
-    let w: Vec<f32> = match launch {
-        GateLaunch::Gemm(_) => w_bf16.iter().map(|v| v.to_f32()).collect(),
-        GateLaunch::Kernel => (0..e * h)
-            .map(|_| rng.random_range(-0.05f32..0.05))
-            .collect(),
-    };
-    let x_dev = stream.clone_htod(&x)?;
     let mut out = poisoned::<f32>(stream, (t * e).max(1))?;
     let logits = &mut out.slice_mut(0..t * e);
     match launch {
         GateLaunch::Kernel => {
-            let w_dev = stream.clone_htod(&w)?;
+            let (x_dev, w_dev) = (stream.clone_htod(&x)?, stream.clone_htod(&w)?);
             routing::gate_logits_cuda(stream, &x_dev.slice(offset..), &w_dev, shape, logits)?;
         }
         GateLaunch::Gemm(blas) => {
-            // The GEMM takes bf16 `x` only: reinterpret the (bf16) draws.
-            let x_bf16: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32())).collect();
-            let x_dev = stream.clone_htod(&x_bf16)?;
-            let w_dev = stream.clone_htod(&w_bf16)?;
+            // The GEMM takes bf16 only (the cases draw `x` as bf16 values).
+            let x16: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32())).collect();
+            let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (x_dev, w_dev) = (stream.clone_htod(&x16)?, stream.clone_htod(&w16)?);
             routing::gate_logits_gemm_cuda(
                 stream,
                 blas,
@@ -491,94 +490,35 @@ fn main() {
             routing_case(&stream, rng, t, spec, input, bias, ties)
         });
     }
-    for t in [1, 3, 64, 129, 1000] {
-        runner.case(&format!("gate/bf16/{t}x7168-to-256"), |rng| {
-            gate_case(
-                &stream,
-                rng,
-                t,
-                256,
-                7168,
-                0,
-                bf16::from_f32,
-                GateLaunch::Kernel,
-            )
+    // The gate kernel on bf16 tokens: (name, tokens, experts, hidden, offset of x).
+    let mut bf16_gates: Vec<(String, usize, usize, usize, usize)> = [1, 3, 64, 129, 1000]
+        .iter()
+        .map(|&t| (format!("{t}x7168-to-256"), t, 256, 7168, 0))
+        .collect();
+    bf16_gates.extend([
+        ("5x136-to-72".to_string(), 5, 72, 136, 0),
+        ("40x136-to-72".to_string(), 40, 72, 136, 0),
+        ("scalar/odd-hidden-17x131-to-72".to_string(), 17, 72, 131, 0),
+        (
+            "scalar/misaligned-x/1x7168-to-256".to_string(),
+            1,
+            256,
+            7168,
+            1,
+        ),
+        ("no-tokens".to_string(), 0, 256, 7168, 0),
+    ]);
+    let kernel = GateLaunch::Kernel;
+    for (name, t, e, h, offset) in bf16_gates {
+        runner.case(&format!("gate/bf16/{name}"), |rng| {
+            gate_case(&stream, rng, t, e, h, offset, bf16::from_f32, kernel)
         });
     }
-    runner.case("gate/bf16/5x136-to-72", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            5,
-            72,
-            136,
-            0,
-            bf16::from_f32,
-            GateLaunch::Kernel,
-        )
-    });
-    runner.case("gate/bf16/40x136-to-72", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            40,
-            72,
-            136,
-            0,
-            bf16::from_f32,
-            GateLaunch::Kernel,
-        )
-    });
     runner.case("gate/f16/9x136-to-72", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            9,
-            72,
-            136,
-            0,
-            f16::from_f32,
-            GateLaunch::Kernel,
-        )
+        gate_case(&stream, rng, 9, 72, 136, 0, f16::from_f32, kernel)
     });
     runner.case("gate/f32/3x7168-to-256", |rng| {
-        gate_case(&stream, rng, 3, 256, 7168, 0, |v| v, GateLaunch::Kernel)
-    });
-    runner.case("gate/bf16/scalar/odd-hidden-17x131-to-72", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            17,
-            72,
-            131,
-            0,
-            bf16::from_f32,
-            GateLaunch::Kernel,
-        )
-    });
-    runner.case("gate/bf16/scalar/misaligned-x/1x7168-to-256", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            1,
-            256,
-            7168,
-            1,
-            bf16::from_f32,
-            GateLaunch::Kernel,
-        )
-    });
-    runner.case("gate/bf16/no-tokens", |rng| {
-        gate_case(
-            &stream,
-            rng,
-            0,
-            256,
-            7168,
-            0,
-            bf16::from_f32,
-            GateLaunch::Kernel,
-        )
+        gate_case(&stream, rng, 3, 256, 7168, 0, |v| v, kernel)
     });
     // The tensor-core GEMM the router uses past `GATE_KERNEL_MAX_TOKENS` bf16 tokens.
     let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("cuBLAS handle: {e}"));
@@ -588,22 +528,19 @@ fn main() {
         (77, 72, 136),
         (0, 256, 7168),
     ] {
-        runner.case(
-            &format!("gate-gemm/bf16/{t}x{h}-to-{e}"),
-            |rng| match &blas {
-                Ok(b) => gate_case(
-                    &stream,
-                    rng,
-                    t,
-                    e,
-                    h,
-                    0,
-                    bf16::from_f32,
-                    GateLaunch::Gemm(b),
-                ),
-                Err(msg) => Err(msg.clone().into()),
-            },
-        );
+        runner.case(&format!("gate-gemm/bf16/{t}x{h}-to-{e}"), |rng| {
+            let blas = blas.as_ref().map_err(String::clone)?;
+            gate_case(
+                &stream,
+                rng,
+                t,
+                e,
+                h,
+                0,
+                bf16::from_f32,
+                GateLaunch::Gemm(blas),
+            )
+        });
     }
     for (name, t, h, spec, scoring) in [
         ("v3/sigmoid/one-token", 1, 7168, v3, Sigmoid),
