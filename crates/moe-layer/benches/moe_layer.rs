@@ -21,7 +21,11 @@
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
-//! layer's choice).
+//! layer's choice), `EP_BENCH_SHARED_SMS=S` the SMs of the shared expert beside the routed
+//! GEMMs in normal mode at one rank (`MoeLayerOptions::prefill_shared_sms`; 0: after them).
+//!
+//! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
+//! the split then reports them as 0.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -168,6 +172,10 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             Ok("wide") => Some(GemmTiles::Wide),
             _ => None,
         },
+        prefill_shared_sms: match std::env::var("EP_BENCH_SHARED_SMS") {
+            Ok(v) => Some(v.parse()?),
+            Err(_) => None,
+        },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }
@@ -268,6 +276,13 @@ fn bench_tokens(
             .forward_masked(&out.recv_x, &out.recv_count)?;
         row.combine_ms = part(&mut || {
             buf.low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
+            Ok(())
+        })?;
+    } else if buf.topology().num_ranks == 1 {
+        // The layer runs the routed experts on its tokens as they are (`MoeLayer`'s one-rank
+        // normal mode): no layout, dispatch or combine.
+        row.gemm_ms = part(&mut || {
+            layer.experts().forward_grouped(&x, idx, w)?;
             Ok(())
         })?;
     } else {

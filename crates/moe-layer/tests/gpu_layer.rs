@@ -104,6 +104,18 @@ fn pair(
     fp8: bool,
     shared_placement: SharedPlacement,
 ) -> R<Pair> {
+    pair_with(c, hot, ll_tokens, fp8, shared_placement, None)
+}
+
+/// [`pair`] with `MoeLayerOptions::prefill_shared_sms`.
+fn pair_with(
+    c: &MoeConfig,
+    hot: bool,
+    ll_tokens: usize,
+    fp8: bool,
+    shared_placement: SharedPlacement,
+    prefill_shared_sms: Option<u32>,
+) -> R<Pair> {
     let dev = Device::new_cuda(0)?;
     let w = weights(c, hot)?;
     let to_dev: HashMap<String, Tensor> = w
@@ -126,6 +138,7 @@ fn pair(
         expert_alignment: 1,
         shared_placement,
         low_latency_tiles: None,
+        prefill_shared_sms,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(
@@ -385,6 +398,52 @@ fn main() {
             SharedPlacement::Grouped,
         ),
     ];
+    // One-rank normal mode runs the shared MLP beside the routed grouped GEMMs on a few SMs
+    // (estimated: 14 SMs at T = 300 here, none at 1200 = 150 rows per expert), or after them
+    // (0); forced to 1 or 40 SMs at both sizes.
+    for sms in [None, Some(0), Some(1), Some(40)] {
+        let name = format!("shared-beside-{sms:?}");
+        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
+        }
+        match pair_with(
+            &cfg(1024, 128, 32, 4, (4, 2)),
+            false,
+            64,
+            false,
+            grouped,
+            sms,
+        ) {
+            Ok(p) => {
+                for t in [300usize, 1200] {
+                    run(&format!("{name}/normal/T={t}"), &mut || {
+                        layer_case(&p, t, Mode::Normal)
+                    });
+                }
+            }
+            Err(e) => run(&format!("{name}/setup"), &mut || Err(e.to_string().into())),
+        }
+    }
+    if filter
+        .as_deref()
+        .is_none_or(|f| "shared-beside-too-many".contains(f))
+    {
+        run("shared-beside-too-many/clear-error", &mut || {
+            let p = pair_with(
+                &cfg(1024, 128, 32, 4, (4, 2)),
+                false,
+                64,
+                false,
+                grouped,
+                Some(100_000),
+            )?;
+            match layer_case(&p, 300, Mode::Normal) {
+                Err(e) if e.to_string().contains("prefill_shared_sms") => Ok(()),
+                Err(e) => Err(format!("error does not name prefill_shared_sms: {e}").into()),
+                Ok(()) => Err("100000 SMs for the shared MLP accepted".into()),
+            }
+        });
+    }
     for (name, c, hot, fp8, ll, placement) in setups {
         if filter
             .as_deref()
