@@ -17,7 +17,8 @@
 //! later than the round before, so that no method is always timed first) of the median of
 //! `EP_BENCH_ITERS` (default 10) event-timed runs after at least 200 ms of warm-up (sustained
 //! clocks: a method timed right after an idle spell runs up to 15% faster on H200).
-//! Prints a table; writes JSON lines to `$EP_BENCH_OUT` if set.
+//! Prints a table; writes JSON lines to `$EP_BENCH_OUT` if set. `EP_BENCH_CASES` keeps the
+//! cases whose names contain one of its comma-separated parts.
 //! `scripts/gpu/anchors/torch_grouped_mm.py` runs PyTorch's `torch._grouped_mm` on the same
 //! cases (run it in the same device command).
 
@@ -296,6 +297,9 @@ fn main() -> Result<(), BoxError> {
         tokens: 128,
     });
 
+    if let Ok(want) = std::env::var("EP_BENCH_CASES") {
+        cases.retain(|c| want.split(',').any(|w| c.name.contains(w)));
+    }
     let mut rows_out: Vec<Row> = Vec::new();
     for case in &cases {
         let e = case.experts;

@@ -21,8 +21,7 @@
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
-//! layer's choice), `EP_BENCH_SHARED_SMS=S` the SMs of the shared expert beside the routed
-//! GEMMs in normal mode at one rank (`MoeLayerOptions::prefill_shared_sms`; 0: after them).
+//! layer's choice).
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
@@ -171,10 +170,6 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             Ok("narrow") => Some(GemmTiles::Narrow),
             Ok("wide") => Some(GemmTiles::Wide),
             _ => None,
-        },
-        prefill_shared_sms: match std::env::var("EP_BENCH_SHARED_SMS") {
-            Ok(v) => Some(v.parse()?),
-            Err(_) => None,
         },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)

@@ -3,8 +3,6 @@
 //!
 //! - routed rows (normal mode): expert-major permute (`ep_kernels::expert_order`) ->
 //!   contiguous gate_up GEMM with SwiGLU in its epilogue -> down GEMM -> weighted un-permute;
-//!   optionally with the shared MLP's own grouped GEMMs on a side stream and a few SMs the
-//!   routed GEMMs' persistent grids leave free (both run at once);
 //! - blocks with device counts (low-latency mode): masked gate_up GEMM with SwiGLU -> down GEMM
 //!   (`GemmTiles::Gemv` for a few rows per block on GPUs of moderate bandwidth per SM).
 //!
@@ -30,33 +28,12 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::experts::Experts;
-use crate::mlp::Mlp;
 use crate::shared_groups::SharedGroups;
 
-/// Per-[`Experts`] (or shared MLP) state of the device path.
+/// Per-[`Experts`] state of the device path.
 #[derive(Debug, Default)]
 pub(crate) struct GroupedState {
-    /// Workspaces by the SMs their GEMMs occupy: every SM, or a share beside GEMMs on
-    /// another stream ([`forward_routed_beside_shared`]).
-    workspaces: Mutex<Vec<GroupedGemmWorkspace>>,
-    /// The stream of GEMMs that run beside the compute stream's, created on first use.
-    side: Mutex<Option<Arc<CudaStream>>>,
-}
-
-impl GroupedState {
-    /// The side stream of `compute`'s context.
-    fn side_stream(&self, compute: &Arc<CudaStream>) -> Result<Arc<CudaStream>> {
-        let mut side = self.side.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = side.as_ref() {
-            return Ok(s.clone());
-        }
-        let s = compute
-            .context()
-            .new_stream()
-            .map_err(ep_kernels::Error::from)?;
-        *side = Some(s.clone());
-        Ok(s)
-    }
+    workspace: Mutex<Option<GroupedGemmWorkspace>>,
 }
 
 /// Whether `experts` run as device grouped GEMMs.
@@ -90,72 +67,20 @@ fn cuda(dev: &Device) -> Result<&CudaDevice> {
     }
 }
 
-/// A workspace of a [`GroupedState`], held (its setup tables must not be rewritten by another
-/// forward before its GEMMs have run).
-struct HeldWorkspace<'a> {
-    all: MutexGuard<'a, Vec<GroupedGemmWorkspace>>,
-    index: usize,
-}
-
-impl HeldWorkspace<'_> {
-    fn get(&mut self) -> &mut GroupedGemmWorkspace {
-        &mut self.all[self.index]
-    }
-}
-
-/// The workspace for GEMMs of `groups` groups on `sms` SMs (`None`: all), created on first use.
+/// The workspace, created on first use for the experts' number of groups.
 fn workspace<'a>(
     state: &'a GroupedState,
     stream: &Arc<CudaStream>,
     groups: usize,
-    sms: Option<u32>,
-) -> Result<HeldWorkspace<'a>> {
-    let mut all = state
-        .workspaces
+) -> Result<MutexGuard<'a, Option<GroupedGemmWorkspace>>> {
+    let mut g = state
+        .workspace
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
-    let sms = match sms {
-        Some(s) => s,
-        None => {
-            ep_kernels::cuda::Kernels::for_stream(stream)?
-                .props()
-                .sm_count
-        }
-    };
-    let index = match all.iter().position(|w| w.sm_count() == sms) {
-        Some(i) if all[i].max_groups() >= groups => i,
-        Some(i) => {
-            all[i] = GroupedGemmWorkspace::with_sm_count(stream, groups, sms)?;
-            i
-        }
-        None => {
-            all.push(GroupedGemmWorkspace::with_sm_count(stream, groups, sms)?);
-            all.len() - 1
-        }
-    };
-    Ok(HeldWorkspace { all, index })
-}
-
-/// The weights of one grouped MLP: `gate_up` `[groups, 2I, H]` (blocked layout) and `down`
-/// `[groups, H, I]`.
-struct MlpWeights<'a> {
-    gate_up: &'a Tensor,
-    down: &'a Tensor,
-    groups: usize,
-    h: usize,
-    i: usize,
-}
-
-impl<'a> MlpWeights<'a> {
-    fn routed(experts: &'a Experts) -> Self {
-        Self {
-            gate_up: experts.gate_up(),
-            down: experts.down(),
-            groups: experts.num_local(),
-            h: experts.hidden_size(),
-            i: experts.intermediate_size(),
-        }
+    if g.as_ref().is_none_or(|w| w.max_groups() < groups) {
+        *g = Some(GroupedGemmWorkspace::new(stream, groups)?);
     }
+    Ok(g)
 }
 
 /// The shared experts' blocks joining a masked [`mlp_rows`] as its last groups, over `tokens`
@@ -166,24 +91,29 @@ struct SharedRows<'a> {
 }
 
 /// gate_up GEMM with SwiGLU -> down GEMM over the rows of `a` (`[rows, H]` bf16) that `layout`
-/// and `counts` (`[groups]` i32, device) make valid, on `stream` with `ws`; returns `y`
-/// `[rows, H]` bf16 (other rows unwritten). With `shared`, the last groups are its blocks
-/// (masked layout; `a` then holds only the routed experts' blocks).
+/// and `counts` (`[groups]` i32, device) make valid; returns `y` `[rows, H]` bf16 (other rows
+/// unwritten). With `shared`, the last groups are its blocks (masked layout; `a` then holds
+/// only the routed experts' blocks).
 #[allow(clippy::too_many_arguments)]
 fn mlp_rows(
-    weights: &MlpWeights<'_>,
+    experts: &Experts,
     dev: &CudaDevice,
-    stream: &Arc<CudaStream>,
     a: &Tensor,
     counts: &Tensor,
     layout: GroupLayout,
     rows: usize,
     shared: Option<SharedRows<'_>>,
     tiles: GemmTiles,
-    ws: &mut GroupedGemmWorkspace,
 ) -> Result<Tensor> {
-    let (l, h, i) = (weights.groups, weights.h, weights.i);
+    let stream = dev.cuda_stream();
+    let (l, h, i) = (
+        experts.num_local(),
+        experts.hidden_size(),
+        experts.intermediate_size(),
+    );
     let groups = l + shared.as_ref().map_or(0, |s| s.groups.blocks());
+    let mut ws = workspace(experts.grouped_state(), &stream, groups)?;
+    let ws = ws.as_mut().expect("created by workspace()");
     let up = GroupedGemmShape {
         groups,
         rows,
@@ -198,13 +128,13 @@ fn mlp_rows(
         k: i,
         layout,
     };
-    let mut act = alloc_uninit::<bf16>(stream, rows * i)?;
-    let mut y = alloc_uninit::<bf16>(stream, rows * h)?;
+    let mut act = alloc_uninit::<bf16>(&stream, rows * i)?;
+    let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
     {
         let a_d = DeviceTensor::new("a", a)?;
         let c_d = DeviceTensor::new("counts", counts)?;
-        let w1 = DeviceTensor::new("gate_up", weights.gate_up)?;
-        let w2 = DeviceTensor::new("down", weights.down)?;
+        let w1 = DeviceTensor::new("gate_up", experts.gate_up())?;
+        let w2 = DeviceTensor::new("down", experts.down())?;
         let shared_d = match &shared {
             Some(s) => Some((
                 DeviceTensor::new("tokens", s.tokens)?,
@@ -232,7 +162,7 @@ fn mlp_rows(
         let mut y_v = y.slice_mut(0..rows * h);
         // SwiGLU runs in the gate_up GEMM's epilogue: no [rows, 2I] intermediate.
         gemm::grouped_gemm_swiglu_bf16_cuda(
-            stream,
+            &stream,
             &a_d.view::<bf16>()?,
             &w1.view::<bf16>()?,
             &c_v,
@@ -243,7 +173,7 @@ fn mlp_rows(
             ws,
         )?;
         gemm::grouped_gemm_bf16_extra_cuda(
-            stream,
+            &stream,
             &act_v,
             &w2.view::<bf16>()?,
             &c_v,
@@ -264,42 +194,6 @@ pub(crate) fn forward_routed(
     topk_idx: &Tensor,
     topk_weights: &Tensor,
 ) -> Result<Tensor> {
-    Ok(routed_rows(experts, x, topk_idx, topk_weights, None)?.0)
-}
-
-/// A shared MLP whose GEMMs run beside the routed experts' on their own SMs: `mlp` with its
-/// `gate_up` in the blocked layout, its state (workspace, side stream), and the SMs it takes.
-pub(crate) struct SharedBeside<'a> {
-    pub(crate) mlp: &'a Mlp,
-    pub(crate) state: &'a GroupedState,
-    pub(crate) sms: u32,
-}
-
-/// [`forward_routed`] with the shared MLP over the same tokens `x` on a side stream while the
-/// routed experts' GEMMs run: the routed grouped GEMMs take all SMs but `shared.sms` (their
-/// persistent grids leave those to the shared MLP's, so both run at once). Returns the
-/// routed output `[N, H]` and the shared output `[N, H]`, both bf16; the compute stream waits
-/// for the side stream before returning.
-pub(crate) fn forward_routed_beside_shared(
-    experts: &Experts,
-    x: &Tensor,
-    topk_idx: &Tensor,
-    topk_weights: &Tensor,
-    shared: SharedBeside<'_>,
-) -> Result<(Tensor, Tensor)> {
-    let (y, s) = routed_rows(experts, x, topk_idx, topk_weights, Some(shared))?;
-    Ok((y, s.expect("the shared MLP ran")))
-}
-
-/// Permute -> the routed MLP's grouped GEMMs (and, with `beside`, the shared MLP's on a side
-/// stream) -> weighted un-permute.
-fn routed_rows(
-    experts: &Experts,
-    x: &Tensor,
-    topk_idx: &Tensor,
-    topk_weights: &Tensor,
-    beside: Option<SharedBeside<'_>>,
-) -> Result<(Tensor, Option<Tensor>)> {
     let dev = cuda(x.device())?;
     let stream = dev.cuda_stream();
     let (n, h) = x.dims2()?;
@@ -332,43 +226,16 @@ fn routed_rows(
     }
     let a = wrap(a, (rows, h), dev);
     let counts = wrap(counts, l, dev);
-    // The shared MLP first on the side stream (it waits for `x`), then the routed GEMMs on
-    // the SMs it leaves.
-    let (side, shared_out, routed_sms) = match beside {
-        None => (None, None, None),
-        Some(b) => {
-            let total = ep_kernels::cuda::Kernels::for_stream(&stream)?
-                .props()
-                .sm_count;
-            if b.sms == 0 || b.sms >= total {
-                return Err(Error::invalid(
-                    "shared SMs",
-                    b.sms,
-                    format!("must leave SMs to the routed experts: 1..{total}"),
-                ));
-            }
-            let side = b.state.side_stream(&stream)?;
-            let ready = stream.record_event(None).map_err(ep_kernels::Error::from)?;
-            side.wait(&ready).map_err(ep_kernels::Error::from)?;
-            let s = shared_mlp_rows(&b, dev, &side, &x)?;
-            (Some(side), Some(s), Some(total - b.sms))
-        }
-    };
-    let y = {
-        let mut ws = workspace(experts.grouped_state(), &stream, l, routed_sms)?;
-        mlp_rows(
-            &MlpWeights::routed(experts),
-            dev,
-            &stream,
-            &a,
-            &counts,
-            GroupLayout::Contiguous { alignment: 1 },
-            rows,
-            None,
-            GemmTiles::Auto,
-            ws.get(),
-        )?
-    };
+    let y = mlp_rows(
+        experts,
+        dev,
+        &a,
+        &counts,
+        GroupLayout::Contiguous { alignment: 1 },
+        rows,
+        None,
+        GemmTiles::Auto,
+    )?;
     let mut out = alloc_uninit::<bf16>(&stream, n * h)?;
     {
         let y_d = DeviceTensor::new("y", &y)?;
@@ -383,65 +250,7 @@ fn routed_rows(
             &mut out.slice_mut(0..n * h),
         )?;
     }
-    if let Some(side) = side {
-        stream.join(&side).map_err(ep_kernels::Error::from)?;
-    }
-    Ok((wrap(out, (n, h), dev), shared_out))
-}
-
-/// The shared MLP of `b` over `x` (`[T, H]` bf16, contiguous, `T > 0`) as one-group grouped
-/// GEMMs on `side` with `b.sms` SMs; returns `[T, H]` bf16.
-fn shared_mlp_rows(
-    b: &SharedBeside<'_>,
-    dev: &CudaDevice,
-    side: &Arc<CudaStream>,
-    x: &Tensor,
-) -> Result<Tensor> {
-    let (t, h) = x.dims2()?;
-    let i = b.mlp.intermediate_size();
-    if b.mlp.gate_up_layout() != crate::GateUpLayout::Blocked || i % gemm::GATE_UP_BLOCK != 0 {
-        return Err(Error::invalid(
-            "shared",
-            format!("{:?} gate_up, inner width {i}", b.mlp.gate_up_layout()),
-            format!(
-                "the shared MLP beside the routed GEMMs needs the blocked gate_up layout and an \
-                 inner width that is a multiple of {}",
-                gemm::GATE_UP_BLOCK
-            ),
-        ));
-    }
-    let gate_up = b.mlp.gate_up().unsqueeze(0)?;
-    let down = b.mlp.down_proj().unsqueeze(0)?;
-    let mut counts = alloc_uninit::<i32>(side, 1)?;
-    ep_kernels::cuda::fill_i32_cuda(side, &mut counts.slice_mut(0..1), t as i32)?;
-    let counts = wrap(counts, 1, dev);
-    let mut ws = workspace(b.state, side, 1, Some(b.sms))?;
-    mlp_rows(
-        &MlpWeights {
-            gate_up: &gate_up,
-            down: &down,
-            groups: 1,
-            h,
-            i,
-        },
-        dev,
-        side,
-        x,
-        &counts,
-        GroupLayout::Contiguous { alignment: 1 },
-        t,
-        None,
-        GemmTiles::Auto,
-        ws.get(),
-    )
-}
-
-/// The SMs of `dev`.
-pub(crate) fn sm_count(dev: &Device) -> Result<u32> {
-    let dev = cuda(dev)?;
-    Ok(ep_kernels::cuda::Kernels::for_stream(&dev.cuda_stream())?
-        .props()
-        .sm_count)
+    Ok(wrap(out, (n, h), dev))
 }
 
 /// The masked GEMMs' configuration for blocks expected to hold `expected_rows` rows on `dev`
@@ -468,19 +277,15 @@ pub(crate) fn forward_masked(
     let x = x.to_dtype(DType::BF16)?.contiguous()?;
     let counts = counts.contiguous()?;
     let a = x.reshape((l * m, h))?;
-    let stream = dev.cuda_stream();
-    let mut ws = workspace(experts.grouped_state(), &stream, l, None)?;
     let y = mlp_rows(
-        &MlpWeights::routed(experts),
+        experts,
         dev,
-        &stream,
         &a,
         &counts,
         GroupLayout::Masked { m_max: m },
         l * m,
         None,
         tiles,
-        ws.get(),
     )?;
     Ok(y.reshape((l, m, h))?)
 }
@@ -522,11 +327,9 @@ pub(crate) fn forward_masked_with_shared(
         ep_kernels::cuda::fill_i32_cuda(&stream, &mut all_counts.slice_mut(l..groups), t as i32)?;
     }
     let all_counts = wrap(all_counts, groups, dev);
-    let mut ws = workspace(experts.grouped_state(), &stream, groups, None)?;
     let y = mlp_rows(
-        &MlpWeights::routed(experts),
+        experts,
         dev,
-        &stream,
         &x.reshape((l * m, h))?,
         &all_counts,
         GroupLayout::Masked { m_max: m },
@@ -536,7 +339,6 @@ pub(crate) fn forward_masked_with_shared(
             tokens: &tokens,
         }),
         tiles,
-        ws.get(),
     )?;
     let routed = y.narrow(0, 0, l * m)?.reshape((l, m, h))?;
     let mut out = y.narrow(0, l * m, t)?;

@@ -70,13 +70,6 @@ pub struct MoeLayerOptions {
     /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
     /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
     pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
-    /// SMs the shared experts' GEMMs take beside the routed experts' grouped GEMMs in normal
-    /// mode at one rank (CUDA, a shared MLP that can join the grouped GEMMs, see
-    /// [`SharedPlacement::Grouped`]): the two run at once while the routed experts' weights
-    /// stream. `None`: estimated from the step's rows per expert (beside while the routed
-    /// GEMMs are bound by their weight reads, about 96 rows per expert or fewer; after them
-    /// above); `Some(0)`: always after them. Must be below the GPU's SM count.
-    pub prefill_shared_sms: Option<u32>,
 }
 
 impl Default for MoeLayerOptions {
@@ -88,7 +81,6 @@ impl Default for MoeLayerOptions {
             expert_alignment: 1,
             shared_placement: SharedPlacement::Auto,
             low_latency_tiles: None,
-            prefill_shared_sms: None,
         }
     }
 }
@@ -435,69 +427,21 @@ impl MoeLayer {
     }
 
     /// Normal mode at one rank: every expert is local and there is nothing to send, so the
-    /// routed experts run on this rank's tokens as they are (no layout, dispatch or combine,
-    /// and no host synchronisation; the fp8 wire format keeps the buffer's path). On CUDA the
-    /// shared MLP runs on a few SMs beside the routed grouped GEMMs
-    /// ([`MoeLayerOptions::prefill_shared_sms`]), else before them.
+    /// routed experts run on this rank's tokens as they are: no layout, dispatch or combine,
+    /// and no host synchronisation (the fp8 wire format keeps the buffer's path, so that its
+    /// rounding is the same at any rank count). The shared MLP runs first, on the same stream.
     fn routed_local(
         &self,
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let t = x.dims()[0];
-        #[cfg(feature = "cuda")]
-        if let Some(beside) = self.shared_beside(x)? {
-            let (y, s) =
-                crate::grouped::forward_routed_beside_shared(&self.experts, x, idx, w, beside)?;
-            return Ok((y.to_dtype(x.dtype())?, Some(s)));
-        }
-        let shared = if t == 0 {
+        let shared = if x.dims()[0] == 0 {
             None
         } else {
             self.shared_forward(x)?
         };
         Ok((self.experts.forward_grouped(x, idx, w)?, shared))
-    }
-
-    /// The shared MLP beside the routed grouped GEMMs of a one-rank normal step over `x`, when
-    /// it runs there.
-    #[cfg(feature = "cuda")]
-    fn shared_beside(&self, x: &Tensor) -> Result<Option<crate::grouped::SharedBeside<'_>>> {
-        let t = x.dims()[0];
-        let (Some(groups), Some(mlp)) = (&self.shared_groups, &self.shared) else {
-            return Ok(None);
-        };
-        if t == 0 || !x.device().is_cuda() || self.options.prefill_shared_sms == Some(0) {
-            return Ok(None);
-        }
-        let total = crate::grouped::sm_count(x.device())?;
-        let sms = match self.options.prefill_shared_sms {
-            Some(s) if s >= total => {
-                return Err(Error::invalid(
-                    "prefill_shared_sms",
-                    s,
-                    format!("must leave SMs to the routed experts: below the GPU's {total}"),
-                ))
-            }
-            Some(s) => s,
-            None => match crate::sm_share::shared_sms_beside(
-                total,
-                t,
-                self.router.top_k(),
-                self.experts.num_local(),
-                self.experts.intermediate_size(),
-                mlp.intermediate_size(),
-            ) {
-                Some(s) => s,
-                None => return Ok(None),
-            },
-        };
-        Ok(Some(crate::grouped::SharedBeside {
-            mlp,
-            state: groups.beside_state(),
-            sms,
-        }))
     }
 
     /// The expert stage of a low-latency step alone, as [`MoeLayer::forward`] runs it: the

@@ -43,9 +43,6 @@ pub mod mlp;
 pub mod router;
 #[cfg(feature = "cuda")]
 mod shared_groups;
-// The policy is used by CUDA builds only; its tests run everywhere.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod sm_share;
 
 pub use config::MoeConfig;
 pub use ep_runtime;

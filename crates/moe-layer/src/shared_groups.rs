@@ -6,16 +6,12 @@
 //! column alone and `down_proj` sums over them, so the blocks' outputs add up to the MLP's) and
 //! the blocks run as groups `L..L + X` of the routed experts' masked grouped GEMMs, over the
 //! layer's own tokens (`ExtraGroups`): one launch reads every weight in one wave of tiles.
-//!
-//! In prefill at one rank the whole shared MLP (blocked layout) instead runs as its own
-//! one-group grouped GEMMs on a few SMs beside the routed experts' (`beside_state`).
 
 use candle_core::{DType, Tensor};
 use ep_kernels::gemm::MAX_GROUPS;
 
 use crate::error::{Error, Result};
 use crate::experts::Experts;
-use crate::grouped::GroupedState;
 use crate::mlp::{GateUpLayout, Mlp};
 
 /// A shared MLP as blocks of the routed experts' width.
@@ -27,8 +23,6 @@ pub(crate) struct SharedGroups {
     gate_up: Tensor,
     /// `[X, H, I]`: block `j`'s columns `jI..(j+1)I` of `down_proj`.
     down: Tensor,
-    /// The state of the whole shared MLP's own grouped GEMMs (beside the routed experts').
-    beside: GroupedState,
 }
 
 impl SharedGroups {
@@ -67,11 +61,7 @@ impl SharedGroups {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::stack(&blocks, 0)?.contiguous()?
         };
-        Ok(Self {
-            gate_up,
-            down,
-            beside: GroupedState::default(),
-        })
+        Ok(Self { gate_up, down })
     }
 
     /// Number of blocks `X`.
@@ -87,11 +77,5 @@ impl SharedGroups {
     /// `[X, H, I]`.
     pub(crate) fn down(&self) -> &Tensor {
         &self.down
-    }
-
-    /// The workspaces and side stream of the shared MLP's GEMMs beside the routed experts'
-    /// ([`crate::grouped::forward_routed_beside_shared`]).
-    pub(crate) fn beside_state(&self) -> &GroupedState {
-        &self.beside
     }
 }
