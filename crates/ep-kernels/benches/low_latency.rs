@@ -6,13 +6,18 @@
 //! once; latency is the median over replays of each rank's event-timed replay, then the median
 //! across ranks. A single-op replay includes the graph launch (several us); the "x16 graph"
 //! rows capture 16 ops back to back and report time / 16, closer to a kernel's duration. Reported: dispatch, combine, dispatch + combine, and the send and receive
-//! phases apart (send graph, a 100 us device delay standing for other work, receive graph).
+//! phases apart (send graph, a 100 us device delay standing for other work, receive graph),
+//! each with DeepEP's per-expert combine and again "per rank" ([`Reduction::PerRank`]: the
+//! dispatch carries the top-k weights, the combine sends one row per (token, rank)).
 //! Bandwidth counts bytes as DeepEP's low-latency test does: per (token, expert) selection of
 //! the rank, dispatch fp8 `H + H/128*4 + 16` bytes and combine bf16 `2H` bytes. With the
 //! `nccl` feature, an NCCL grouped send/recv all-to-all of the same bytes per peer is timed
 //! too. Prints a table; writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_ITERS` sets the
 //! number of timed replays (default 200), `EP_BENCH_TOKENS` the tokens per rank (default 128,
-//! the decode batch), `EP_BENCH_EXPERTS` the expert counts (default `256,288`).
+//! the decode batch), `EP_BENCH_EXPERTS` the expert counts (default `256,288`),
+//! `EP_BENCH_REDUCTIONS` the combines (`expert,rank`, the default, or either). Per-rank rows
+//! count bytes as the per-expert ones (DeepEP's counting, not the bytes sent), so that the
+//! GB/s of both compare as 1 / time.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -22,7 +27,7 @@ use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptu
 use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream};
 use ep_kernels::low_latency::{
     combine_cuda, delay_cuda, dispatch_cuda, enable_peer_access, LowLatencyBuffer,
-    LowLatencyFormat, LowLatencyLayout, LowLatencyRecv, Phases,
+    LowLatencyFormat, LowLatencyLayout, LowLatencyRecv, Phases, Reduction,
 };
 use ep_kernels::FP8_GROUP;
 use half::bf16;
@@ -54,15 +59,19 @@ struct Rank {
     out: CudaSlice<bf16>,
     /// Selections (token, expert) this rank sends to each rank.
     send_counts: Vec<usize>,
+    /// How combines reduce (per rank: dispatches carry the weights).
+    red: Reduction,
 }
 
 impl Rank {
     fn dispatch(&mut self, phases: Phases) -> Result<(), BoxError> {
+        let w = self.w.as_view();
         dispatch_cuda(
             &self.stream,
             &self.buf,
             &self.x,
             &self.topk,
+            (self.red == Reduction::PerRank).then_some(&w),
             self.tokens,
             TOPK,
             FORMAT,
@@ -83,6 +92,7 @@ impl Rank {
             self.tokens,
             TOPK,
             phases,
+            self.red,
             &mut self.out,
         )?;
         Ok(())
@@ -157,6 +167,7 @@ fn setup(
             stream,
             buf,
             send_counts,
+            red: Reduction::PerExpert,
         });
     }
     let bases: Vec<u64> = ranks.iter().map(|r| r.buf.base_ptr()).collect();
@@ -424,6 +435,15 @@ fn main() -> Result<(), BoxError> {
         .ok()
         .map(|v| v.split(',').filter_map(|e| e.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![256, 288]);
+    let reductions: Vec<(Reduction, &str)> = std::env::var("EP_BENCH_REDUCTIONS")
+        .unwrap_or_else(|_| "expert,rank".into())
+        .split(',')
+        .filter_map(|v| match v.trim() {
+            "expert" => Some((Reduction::PerExpert, "")),
+            "rank" => Some((Reduction::PerRank, " per rank")),
+            _ => None,
+        })
+        .collect();
     let warmup = 20;
     println!(
         "low-latency EP{num_ranks}: {tokens} tokens/rank, hidden {HIDDEN}, top-{TOPK}, fp8 dispatch, \
@@ -441,45 +461,55 @@ fn main() -> Result<(), BoxError> {
             continue;
         }
         let mut ranks = setup(num_ranks, experts, tokens, 0x5eed ^ experts as u64)?;
-        let per_rank = each(&mut ranks, |_, rank| time_rank(rank, warmup, iters))?;
+        let mut row_json = Vec::new();
+        for &(red, suffix) in &reductions {
+            for r in ranks.iter_mut() {
+                r.red = red;
+            }
+            let per_rank = each(&mut ranks, |_, rank| time_rank(rank, warmup, iters))?;
+            let sels: Vec<f64> = ranks
+                .iter()
+                .map(|r| r.send_counts.iter().sum::<usize>() as f64)
+                .collect();
+            let names = [
+                "dispatch",
+                "combine",
+                "dispatch+combine",
+                "dispatch send",
+                "dispatch recv",
+                "combine send",
+                "combine recv",
+                "dispatch (x16 graph)",
+                "combine (x16 graph)",
+                "disp+comb (x16 graph)",
+            ];
+            for (i, name) in names.iter().enumerate() {
+                let name = format!("{name}{suffix}");
+                let mut us: Vec<f64> = per_rank.iter().map(|t| t[i]).collect();
+                let bytes_per_sel = match i {
+                    0 | 3 | 4 | 7 => dispatch_bytes_per_sel(),
+                    1 | 5 | 6 | 8 => combine_bytes_per_sel(),
+                    _ => dispatch_bytes_per_sel() + combine_bytes_per_sel(),
+                };
+                // GB/s per rank: that rank's bytes over its time; mean over ranks.
+                let gbps: f64 = per_rank
+                    .iter()
+                    .zip(&sels)
+                    .map(|(t, &s)| s * bytes_per_sel / (t[i] * 1e-6) / 1e9)
+                    .sum::<f64>()
+                    / num_ranks as f64;
+                let med = median(&mut us);
+                let _ = writeln!(table, "{experts:>8} {name:<22} {med:>10.1} {gbps:>10.1}");
+                row_json.push(format!(
+                "{{\"op\": \"{name}\", \"us\": {med:.2}, \"gbps_per_rank\": {gbps:.2}, \"us_per_rank\": {:?}}}",
+                per_rank.iter().map(|t| (t[i] * 100.0).round() / 100.0).collect::<Vec<_>>()
+            ));
+            }
+        }
         let sels: Vec<f64> = ranks
             .iter()
             .map(|r| r.send_counts.iter().sum::<usize>() as f64)
             .collect();
-        let names = [
-            "dispatch",
-            "combine",
-            "dispatch+combine",
-            "dispatch send",
-            "dispatch recv",
-            "combine send",
-            "combine recv",
-            "dispatch (x16 graph)",
-            "combine (x16 graph)",
-            "disp+comb (x16 graph)",
-        ];
-        let mut row_json = Vec::new();
-        for (i, name) in names.iter().enumerate() {
-            let mut us: Vec<f64> = per_rank.iter().map(|t| t[i]).collect();
-            let bytes_per_sel = match i {
-                0 | 3 | 4 | 7 => dispatch_bytes_per_sel(),
-                1 | 5 | 6 | 8 => combine_bytes_per_sel(),
-                _ => dispatch_bytes_per_sel() + combine_bytes_per_sel(),
-            };
-            // GB/s per rank: that rank's bytes over its time; mean over ranks.
-            let gbps: f64 = per_rank
-                .iter()
-                .zip(&sels)
-                .map(|(t, &s)| s * bytes_per_sel / (t[i] * 1e-6) / 1e9)
-                .sum::<f64>()
-                / num_ranks as f64;
-            let med = median(&mut us);
-            let _ = writeln!(table, "{experts:>8} {name:<22} {med:>10.1} {gbps:>10.1}");
-            row_json.push(format!(
-                "{{\"op\": \"{name}\", \"us\": {med:.2}, \"gbps_per_rank\": {gbps:.2}, \"us_per_rank\": {:?}}}",
-                per_rank.iter().map(|t| (t[i] * 100.0).round() / 100.0).collect::<Vec<_>>()
-            ));
-        }
         for (name, bps) in [
             (
                 "nccl a2a (dispatch bytes)",

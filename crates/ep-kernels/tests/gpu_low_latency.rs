@@ -2,7 +2,9 @@
 //!
 //! One process drives every visible GPU (one rank each, peer access enabled), one host thread
 //! per rank launching that rank's kernels concurrently. Expected outputs are computed with the
-//! host twins (`send_slots`, `RecvLayout`, `fp8::quantize`, `combine`) from all ranks' inputs;
+//! host twins (`send_slots`, `RecvLayout`, `fp8::quantize`, `combine`, `combine_per_rank`)
+//! from all ranks' inputs; cases named `per_rank` dispatch with the top-k weights and combine
+//! per rank ([`Reduction::PerRank`]);
 //! every device output is poisoned before the op and compared bit for bit. Runs with all
 //! visible GPUs, and also with 2 of them when there are more.
 //!
@@ -19,9 +21,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use ep_kernels::fp8::quantize;
 use ep_kernels::layout::ExpertPlacement;
 use ep_kernels::low_latency::{
-    clean_buffer_cuda, combine, combine_cuda, delay_cuda, dispatch_cuda, enable_peer_access,
-    send_slots, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout, LowLatencyRecv, Phases,
-    RecvLayout,
+    clean_buffer_cuda, combine, combine_cuda, combine_per_rank, delay_cuda, dispatch_cuda,
+    enable_peer_access, send_slots, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout,
+    LowLatencyRecv, Phases, RecvLayout, Reduction,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -229,6 +231,8 @@ struct Dev {
     /// Expert outputs for the combine, `[L, R*M, H]`.
     comb_x: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
+    /// How the combine reduces (per rank: the dispatch carries the weights).
+    red: Reduction,
 }
 
 fn upload<T: cudarc::driver::DeviceRepr + Copy>(
@@ -261,6 +265,7 @@ impl Dev {
         format: LowLatencyFormat,
         inp: &Inputs,
         comb_x: Option<&[bf16]>,
+        red: Reduction,
     ) -> TResult<Self> {
         let (m, h) = (layout.max_tokens_per_rank, layout.hidden);
         let rows = layout.num_local_experts() * layout.recv_rows_per_expert();
@@ -271,6 +276,7 @@ impl Dev {
             recv: LowLatencyRecv::alloc(stream, layout, format)?,
             comb_x: stream.alloc_zeros(rows * h)?,
             out: stream.alloc_zeros(m * h)?,
+            red,
         };
         dev.set_inputs(stream, inp)?;
         if let Some(c) = comb_x {
@@ -293,6 +299,10 @@ impl Dev {
         poison_bytes(stream, &mut self.recv.recv_src_info)?;
         poison_bytes(stream, &mut self.recv.recv_src_topk)?;
         poison_bytes(stream, &mut self.recv.recv_layout_range)?;
+        poison_bytes(stream, &mut self.recv.ranks.rank_rows)?;
+        poison_bytes(stream, &mut self.recv.ranks.rank_weights)?;
+        poison_bytes(stream, &mut self.recv.ranks.rank_slot)?;
+        poison_bytes(stream, &mut self.recv.ranks.rank_count)?;
         poison_bytes(stream, &mut self.out)
     }
 
@@ -304,11 +314,13 @@ impl Dev {
         phases: Phases,
     ) -> TResult<()> {
         let (h, s) = (rank.buf.layout().hidden, &rank.stream);
+        let w = self.w.slice(0..t * TOPK);
         dispatch_cuda(
             s,
             &rank.buf,
             &self.x.slice(0..t * h),
             &self.topk.slice(0..t * TOPK),
+            (self.red == Reduction::PerRank).then_some(&w),
             t,
             TOPK,
             format,
@@ -334,6 +346,7 @@ impl Dev {
                 t,
                 TOPK,
                 phases,
+                self.red,
                 &mut out,
             )?;
         } else {
@@ -347,6 +360,7 @@ impl Dev {
                 t,
                 TOPK,
                 phases,
+                self.red,
                 &mut out,
             )?;
         }
@@ -518,25 +532,45 @@ fn check_dispatch(
     Ok(())
 }
 
+/// The combine's host twin for `red`.
+#[allow(clippy::too_many_arguments)]
+fn twin_combine<'a>(
+    red: Reduction,
+    topk: &[i64],
+    w: &[f32],
+    t: usize,
+    h: usize,
+    placement: &ExpertPlacement,
+    active: &[bool],
+    row: impl FnMut(usize, usize) -> &'a [bf16],
+) -> TResult<Vec<bf16>> {
+    Ok(match red {
+        Reduction::PerExpert => combine(topk, w, t, TOPK, h, placement, active, row)?,
+        Reduction::PerRank => combine_per_rank(topk, w, t, TOPK, h, placement, active, row)?,
+    })
+}
+
 /// Checks the combine output of home rank `hr`; `row(q, l, p)` is expert rank `q`'s output
 /// row `p` of local expert `l`.
+#[allow(clippy::too_many_arguments)]
 fn check_combine<'a>(
     world: &World,
     hr: usize,
     inputs: &[Inputs],
     exp: &Expected,
     active: &[bool],
+    red: Reduction,
     got: &Got,
     row: impl Fn(usize, usize, usize) -> &'a [bf16],
 ) -> CaseResult {
     let l_n = world.layout.num_local_experts();
     let h = world.layout.hidden;
     let inp = &inputs[hr];
-    let want = combine(
+    let want = twin_combine(
+        red,
         &inp.topk,
         &inp.w,
         inp.t,
-        TOPK,
         h,
         &world.placement,
         active,
@@ -547,7 +581,8 @@ fn check_combine<'a>(
             let p = exp.layouts[q].packed_row(l, hr, exp.slots[hr][t * TOPK + k] as usize);
             row(q, l, p)
         },
-    )?;
+    )
+    .map_err(|e| e.to_string())?;
     compare_bits(
         &format!("rank {hr} combine out"),
         &got.out,
@@ -588,6 +623,7 @@ fn round_trip(
     tokens: &dyn Fn(&mut StdRng) -> usize,
     routing: Routing,
     format: LowLatencyFormat,
+    red: Reduction,
 ) -> TResult<()> {
     let world = World::new(r_n, m, h, e)?;
     let rows = world.layout.num_local_experts() * world.layout.recv_rows_per_expert();
@@ -600,7 +636,14 @@ fn round_trip(
     let comb_x: Vec<Vec<bf16>> = (0..r_n).map(|_| random_x(rng, rows, h)).collect();
     let gots = world.each(|r, rank| {
         let inp = &inputs[r];
-        let mut dev = Dev::new(&rank.stream, &world.layout, format, inp, Some(&comb_x[r]))?;
+        let mut dev = Dev::new(
+            &rank.stream,
+            &world.layout,
+            format,
+            inp,
+            Some(&comb_x[r]),
+            red,
+        )?;
         dev.dispatch(rank, inp.t, format, Phases::Both)?;
         dev.combine(rank, inp.t, Phases::Both, false)?;
         rank.stream.synchronize()?;
@@ -619,6 +662,7 @@ fn round_trip(
             &inputs,
             &exp,
             &active[q],
+            red,
             &gots[q],
             |qq, l, p| {
                 let at = (l * world.layout.recv_rows_per_expert() + p) * h;
@@ -631,8 +675,9 @@ fn round_trip(
 }
 
 /// `iters` dispatch (bf16) + combine (of the received rows themselves) ops back to back on
-/// every rank, no host synchronisation between them; every op checked afterwards.
-fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize) -> TResult<()> {
+/// every rank, no host synchronisation between them, op `i` reducing as `reds[i % len]`;
+/// every op checked afterwards.
+fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize, reds: &[Reduction]) -> TResult<()> {
     let (m, h) = (32, 256);
     let e = random_e(rng, r_n);
     let world = World::new(r_n, m, h, e)?;
@@ -649,8 +694,16 @@ fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize) -> TResult<()> {
         .collect();
     let gots: Vec<Vec<Got>> = world.each(|r, rank| {
         let mut devs = Vec::with_capacity(iters);
-        for it in &inputs {
-            devs.push(Dev::new(&rank.stream, &world.layout, fmt, &it[r], None)?);
+        for (i, it) in inputs.iter().enumerate() {
+            let red = reds[i % reds.len()];
+            devs.push(Dev::new(
+                &rank.stream,
+                &world.layout,
+                fmt,
+                &it[r],
+                None,
+                red,
+            )?);
         }
         rank.stream.synchronize()?;
         for (dev, it) in devs.iter_mut().zip(&inputs) {
@@ -673,11 +726,11 @@ fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize) -> TResult<()> {
                 .map_err(|e| format!("op {i}: {e}"))?;
             // The expert output of (t, k) is the token's own row, returned by the round trip.
             let inp = &it[q];
-            let want = combine(
+            let want = twin_combine(
+                reds[i % reds.len()],
                 &inp.topk,
                 &inp.w,
                 inp.t,
-                TOPK,
                 h,
                 &world.placement,
                 &active,
@@ -696,7 +749,7 @@ fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize) -> TResult<()> {
 }
 
 /// Dispatch + combine captured in a CUDA graph per rank, replayed with new inputs.
-fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize) -> TResult<()> {
+fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize, red: Reduction) -> TResult<()> {
     let (m, h) = (64, 512);
     let e = random_e(rng, r_n);
     let world = World::new(r_n, m, h, e)?;
@@ -712,7 +765,7 @@ fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize) -> TResult<()> {
         .collect();
     let gots: Vec<Vec<Got>> = world.each(|r, rank| {
         let s = &rank.stream;
-        let mut dev = Dev::new(s, &world.layout, fmt, &rounds[0][r], None)?;
+        let mut dev = Dev::new(s, &world.layout, fmt, &rounds[0][r], None, red)?;
         // Warm-up op (loads the module, sets attributes) outside the capture.
         dev.dispatch(rank, ts[r], fmt, Phases::Both)?;
         dev.combine(rank, ts[r], Phases::Both, true)?;
@@ -742,11 +795,11 @@ fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize) -> TResult<()> {
             check_dispatch(&world, q, round, &exp, &active, fmt, got)
                 .map_err(|e| format!("replay {i}: {e}"))?;
             let inp = &round[q];
-            let want = combine(
+            let want = twin_combine(
+                red,
                 &inp.topk,
                 &inp.w,
                 inp.t,
-                TOPK,
                 h,
                 &world.placement,
                 &active,
@@ -767,7 +820,12 @@ fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize) -> TResult<()> {
 /// Two micro-batches with send / receive hooks interleaved and other work in between:
 /// D-send(a), D-send(b), work, D-recv(a), D-recv(b), C-send(a), C-send(b), work, C-recv(a),
 /// C-recv(b).
-fn split_phases(rng: &mut StdRng, r_n: usize, format: LowLatencyFormat) -> TResult<()> {
+fn split_phases(
+    rng: &mut StdRng,
+    r_n: usize,
+    format: LowLatencyFormat,
+    red: Reduction,
+) -> TResult<()> {
     let (m, h) = (48, 384);
     let e = random_e(rng, r_n);
     let world = World::new(r_n, m, h, e)?;
@@ -787,8 +845,9 @@ fn split_phases(rng: &mut StdRng, r_n: usize, format: LowLatencyFormat) -> TResu
         .collect();
     let gots: Vec<Vec<Got>> = world.each(|r, rank| {
         let s = &rank.stream;
-        let mut a = Dev::new(s, &world.layout, format, &batches[0][r], Some(&comb[0][r]))?;
-        let mut b = Dev::new(s, &world.layout, format, &batches[1][r], Some(&comb[1][r]))?;
+        let (l, c) = (&world.layout, &comb);
+        let mut a = Dev::new(s, l, format, &batches[0][r], Some(&c[0][r]), red)?;
+        let mut b = Dev::new(s, l, format, &batches[1][r], Some(&c[1][r]), red)?;
         let (ta, tb) = (batches[0][r].t, batches[1][r].t);
         let work = Duration::from_micros(50);
         a.dispatch(rank, ta, format, Phases::Send)?;
@@ -812,7 +871,7 @@ fn split_phases(rng: &mut StdRng, r_n: usize, format: LowLatencyFormat) -> TResu
             let got = &rank_gots[i];
             check_dispatch(&world, q, batch, &exp, &active, format, got)
                 .map_err(|e| format!("batch {i}: {e}"))?;
-            check_combine(&world, q, batch, &exp, &active, got, |qq, l, p| {
+            check_combine(&world, q, batch, &exp, &active, red, got, |qq, l, p| {
                 let at = (l * world.layout.recv_rows_per_expert() + p) * h;
                 &comb[i][qq][at..at + h]
             })
@@ -824,7 +883,7 @@ fn split_phases(rng: &mut StdRng, r_n: usize, format: LowLatencyFormat) -> TResu
 
 /// Rank `absent` never launches (or is masked on purpose, with `masked`); the others complete,
 /// treat it as inactive, and match the twins with that mask. Then a clean and a full op.
-fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
+fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool, red: Reduction) -> TResult<()> {
     let (m, h) = (32, 256);
     let e = random_e(rng, r_n);
     let mut world = World::new(r_n, m, h, e)?;
@@ -854,7 +913,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
             return Ok(None);
         }
         let s = &rank.stream;
-        let mut dev = Dev::new(s, &world.layout, fmt, &inputs[r], Some(&comb_x[r]))?;
+        let mut dev = Dev::new(s, &world.layout, fmt, &inputs[r], Some(&comb_x[r]), red)?;
         s.synchronize()?;
         let t0 = Instant::now();
         dev.dispatch(rank, inputs[r].t, fmt, Phases::Both)?;
@@ -886,7 +945,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
             .into());
         }
         check_dispatch(&world, q, &inputs, &exp, &mask, fmt, got).map_err(|e| e.to_string())?;
-        check_combine(&world, q, &inputs, &exp, &mask, got, |qq, l, p| {
+        check_combine(&world, q, &inputs, &exp, &mask, red, got, |qq, l, p| {
             let at = (l * world.layout.recv_rows_per_expert() + p) * h;
             &comb_x[qq][at..at + h]
         })
@@ -899,7 +958,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
     world.clean()?;
     let gots = world.each(|r, rank| {
         let s = &rank.stream;
-        let mut dev = Dev::new(s, &world.layout, fmt, &inputs[r], Some(&comb_x[r]))?;
+        let mut dev = Dev::new(s, &world.layout, fmt, &inputs[r], Some(&comb_x[r]), red)?;
         dev.dispatch(rank, inputs[r].t, fmt, Phases::Both)?;
         dev.combine(rank, inputs[r].t, Phases::Both, false)?;
         s.synchronize()?;
@@ -911,13 +970,29 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool) -> TResult<()> {
     for (q, got) in gots.iter().enumerate() {
         check_dispatch(&world, q, &inputs, &exp, &all, fmt, got)
             .map_err(|e| format!("after clean: {e}"))?;
-        check_combine(&world, q, &inputs, &exp, &all, got, |qq, l, p| {
+        check_combine(&world, q, &inputs, &exp, &all, red, got, |qq, l, p| {
             let at = (l * world.layout.recv_rows_per_expert() + p) * h;
             &comb_x[qq][at..at + h]
         })
         .map_err(|e| format!("after clean: {e}"))?;
     }
     Ok(())
+}
+
+/// Both reductions, with the suffix of their case names.
+const BOTH: [(&str, Reduction); 2] = [
+    ("", Reduction::PerExpert),
+    ("/per_rank", Reduction::PerRank),
+];
+
+/// The reductions a format's round trips run with: both for bf16 and fp8, per expert for
+/// UE8M0 scales (the dispatch is the same as fp8's; the combine does not see the format).
+fn reductions(fmt: LowLatencyFormat) -> &'static [(&'static str, Reduction)] {
+    if fmt == LowLatencyFormat::Fp8Ue8m0 {
+        &BOTH[..1]
+    } else {
+        &BOTH
+    }
 }
 
 fn main() {
@@ -950,87 +1025,131 @@ fn main() {
                 ("hot_expert", Routing::Hot),
                 ("repeats", Routing::Repeats),
             ] {
-                runner.case(&format!("r{r_n}/round_trip/{fname}/{rname}"), |rng| {
+                for &(pname, red) in reductions(fmt) {
+                    runner.case(
+                        &format!("r{r_n}/round_trip/{fname}/{rname}{pname}"),
+                        |rng| {
+                            let e = random_e(rng, r_n);
+                            to_case(round_trip(
+                                rng,
+                                r_n,
+                                64,
+                                256,
+                                e,
+                                &|g| g.random_range(0..=64),
+                                routing,
+                                fmt,
+                                red,
+                            ))
+                        },
+                    );
+                }
+            }
+            for &(pname, red) in reductions(fmt) {
+                runner.case(
+                    &format!("r{r_n}/round_trip/{fname}/no_tokens{pname}"),
+                    |rng| {
+                        let e = random_e(rng, r_n);
+                        to_case(round_trip(
+                            rng,
+                            r_n,
+                            16,
+                            128,
+                            e,
+                            &|_| 0,
+                            Routing::Random,
+                            fmt,
+                            red,
+                        ))
+                    },
+                );
+                runner.case(
+                    &format!("r{r_n}/round_trip/{fname}/full_hot{pname}"),
+                    |rng| {
+                        let e = random_e(rng, r_n);
+                        to_case(round_trip(
+                            rng,
+                            r_n,
+                            40,
+                            640,
+                            e,
+                            &|_| 40,
+                            Routing::Hot,
+                            fmt,
+                            red,
+                        ))
+                    },
+                );
+            }
+        }
+        for (pname, red) in BOTH {
+            // Rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB).
+            runner.case(
+                &format!("r{r_n}/round_trip/bf16/two_chunk_rows{pname}"),
+                |rng| {
                     let e = random_e(rng, r_n);
                     to_case(round_trip(
                         rng,
                         r_n,
-                        64,
-                        256,
+                        24,
+                        4096,
                         e,
-                        &|g| g.random_range(0..=64),
-                        routing,
-                        fmt,
+                        &|g| g.random_range(0..=24),
+                        Routing::Random,
+                        LowLatencyFormat::Bf16,
+                        red,
                     ))
+                },
+            );
+            runner.case(
+                &format!("r{r_n}/round_trip/fp8/deepseek_size{pname}"),
+                |rng| {
+                    let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
+                    to_case(round_trip(
+                        rng,
+                        r_n,
+                        128,
+                        7168,
+                        e,
+                        &|_| 128,
+                        Routing::Random,
+                        LowLatencyFormat::Fp8,
+                        red,
+                    ))
+                },
+            );
+            runner.case(&format!("r{r_n}/cuda_graph_replay{pname}"), |rng| {
+                to_case(graph_replay(rng, r_n, 5, red))
+            });
+            for (fname, fmt) in [
+                ("bf16", LowLatencyFormat::Bf16),
+                ("fp8", LowLatencyFormat::Fp8),
+            ] {
+                runner.case(&format!("r{r_n}/split_phases/{fname}{pname}"), |rng| {
+                    to_case(split_phases(rng, r_n, fmt, red))
                 });
             }
-            runner.case(&format!("r{r_n}/round_trip/{fname}/no_tokens"), |rng| {
-                let e = random_e(rng, r_n);
-                to_case(round_trip(
-                    rng,
-                    r_n,
-                    16,
-                    128,
-                    e,
-                    &|_| 0,
-                    Routing::Random,
-                    fmt,
-                ))
-            });
-            runner.case(&format!("r{r_n}/round_trip/{fname}/full_hot"), |rng| {
-                let e = random_e(rng, r_n);
-                to_case(round_trip(rng, r_n, 40, 640, e, &|_| 40, Routing::Hot, fmt))
-            });
+            if r_n >= 2 {
+                runner.case(&format!("r{r_n}/rank_never_launches{pname}"), |rng| {
+                    to_case(absent_rank(rng, r_n, false, red))
+                });
+                runner.case(&format!("r{r_n}/rank_masked_on_purpose{pname}"), |rng| {
+                    to_case(absent_rank(rng, r_n, true, red))
+                });
+            }
         }
-        // Rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB).
-        runner.case(&format!("r{r_n}/round_trip/bf16/two_chunk_rows"), |rng| {
-            let e = random_e(rng, r_n);
-            to_case(round_trip(
-                rng,
-                r_n,
-                24,
-                4096,
-                e,
-                &|g| g.random_range(0..=24),
-                Routing::Random,
-                LowLatencyFormat::Bf16,
-            ))
-        });
-        runner.case(&format!("r{r_n}/round_trip/fp8/deepseek_size"), |rng| {
-            let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
-            to_case(round_trip(
-                rng,
-                r_n,
-                128,
-                7168,
-                e,
-                &|_| 128,
-                Routing::Random,
-                LowLatencyFormat::Fp8,
-            ))
-        });
         runner.case(&format!("r{r_n}/many_ops_50"), |rng| {
-            to_case(many_ops(rng, r_n, 50))
+            to_case(many_ops(rng, r_n, 50, &[Reduction::PerExpert]))
         });
-        runner.case(&format!("r{r_n}/cuda_graph_replay"), |rng| {
-            to_case(graph_replay(rng, r_n, 5))
+        // Per-rank and per-expert ops alternating on one buffer.
+        runner.case(&format!("r{r_n}/many_ops_50/alternating_per_rank"), |rng| {
+            to_case(many_ops(
+                rng,
+                r_n,
+                50,
+                &[Reduction::PerRank, Reduction::PerExpert],
+            ))
         });
-        for (fname, fmt) in [
-            ("bf16", LowLatencyFormat::Bf16),
-            ("fp8", LowLatencyFormat::Fp8),
-        ] {
-            runner.case(&format!("r{r_n}/split_phases/{fname}"), |rng| {
-                to_case(split_phases(rng, r_n, fmt))
-            });
-        }
-        if r_n >= 2 {
-            runner.case(&format!("r{r_n}/rank_never_launches"), |rng| {
-                to_case(absent_rank(rng, r_n, false))
-            });
-            runner.case(&format!("r{r_n}/rank_masked_on_purpose"), |rng| {
-                to_case(absent_rank(rng, r_n, true))
-            });
-        }
     }
     runner.finish();
 }

@@ -66,6 +66,7 @@ pub use config::{BufferConfig, Config, LowLatencySizing, NvlTransfer};
 pub use cuda::graph;
 #[cfg(feature = "cuda")]
 pub use cuda::tensor as device_tensor;
+pub use ep_kernels::low_latency::Reduction;
 pub use error::{Error, Result};
 pub use event::EventOverlap;
 pub use layout::DispatchLayout;

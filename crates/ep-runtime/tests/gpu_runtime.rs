@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-    NvlTransfer, Store, StoreConfig, Topology,
+    NvlTransfer, Reduction, Store, StoreConfig, Topology,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -545,12 +545,21 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
     };
     let (x, idx, w) = inputs(c, t, round, 3)?;
     let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
-    for fp8 in [false, true] {
+    // bf16 and fp8 per expert, and bf16 per rank (the weights dispatched).
+    for (fp8, red) in [
+        (false, Reduction::PerExpert),
+        (true, Reduction::PerExpert),
+        (false, Reduction::PerRank),
+    ] {
         let mut ah = LowLatencyDispatchArgs::new(&x, &idx, LL_MAX_TOKENS, e);
         let mut ad = LowLatencyDispatchArgs::new(&xd, &idxd, LL_MAX_TOKENS, e);
         if fp8 {
             ah = ah.fp8(round == 2);
             ad = ad.fp8(round == 2);
+        }
+        if red == Reduction::PerRank {
+            ah = ah.weights(&w);
+            ad = ad.weights(&wd);
         }
         let oh = c.cpu.low_latency_dispatch(&ah).map_err(err)?;
         // The CUDA side through the send hook.
@@ -586,18 +595,22 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
             // Identity experts: combine the received rows back.
             let ch = c
                 .cpu
-                .low_latency_combine(&LowLatencyCombineArgs::new(
-                    &oh.recv_x, &idx, &w, &oh.handle,
-                ))
+                .low_latency_combine(
+                    &LowLatencyCombineArgs::new(&oh.recv_x, &idx, &w, &oh.handle).reduction(red),
+                )
                 .map_err(err)?;
             let hook = c
                 .cuda
-                .low_latency_combine_send(&LowLatencyCombineArgs::new(
-                    &od.recv_x, &idxd, &wd, &od.handle,
-                ))
+                .low_latency_combine_send(
+                    &LowLatencyCombineArgs::new(&od.recv_x, &idxd, &wd, &od.handle).reduction(red),
+                )
                 .map_err(err)?;
             let cd = hook.recv().map_err(err)?;
-            close("low-latency combined_x", &cd.combined_x, &ch.combined_x)?;
+            close(
+                &format!("low-latency combined_x ({red:?})"),
+                &cd.combined_x,
+                &ch.combined_x,
+            )?;
         }
     }
     if c.cuda.active_ranks().iter().any(|a| !a) {

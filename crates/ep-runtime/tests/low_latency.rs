@@ -5,7 +5,8 @@ mod common;
 
 use candle_core::DType;
 use common::{routing, run_ranks, tensor, test_seed, Style};
-use ep_runtime::{BufferConfig, Error, LowLatencyCombineArgs, LowLatencyDispatchArgs};
+use ep_kernels::layout::ExpertPlacement;
+use ep_runtime::{BufferConfig, Error, LowLatencyCombineArgs, LowLatencyDispatchArgs, Reduction};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
@@ -39,7 +40,8 @@ fn inputs(seed: u64, tokens: &[usize], k: usize, e: usize, h: usize, style: Styl
 }
 
 /// Dispatch, check against the naive packing, run "experts" y = 2x + rank, combine, check the
-/// weighted sum.
+/// weighted sum (per expert: against a naive sum; per rank, with the weights dispatched:
+/// against the host twin `combine_per_rank`).
 fn check_round_trip(
     tokens: Vec<usize>,
     m: usize,
@@ -49,11 +51,25 @@ fn check_round_trip(
     style: Style,
     hook: bool,
 ) {
+    check_round_trip_as(tokens, m, k, e, fp8, style, hook, Reduction::PerExpert);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_round_trip_as(
+    tokens: Vec<usize>,
+    m: usize,
+    k: usize,
+    e: usize,
+    fp8: bool,
+    style: Style,
+    hook: bool,
+    reduction: Reduction,
+) {
     let r = tokens.len();
     let h = 128;
     let k = k.min(e);
     let seed = test_seed(&format!(
-        "check_round_trip(tokens {tokens:?}, m {m}, k {k}, e {e}, fp8 {fp8}, {style:?}, hook {hook})"
+        "check_round_trip(tokens {tokens:?}, m {m}, k {k}, e {e}, fp8 {fp8}, {style:?}, hook {hook}, {reduction:?})"
     ));
     let inp = Arc::new(inputs(seed, &tokens, k, e, h, style));
     let cfg = BufferConfig::default().with_low_latency(m, h, e);
@@ -68,6 +84,9 @@ fn check_round_trip(
         let mut args = LowLatencyDispatchArgs::new(&x, &idx, m, e);
         if fp8 {
             args = args.fp8(false);
+        }
+        if reduction == Reduction::PerRank {
+            args = args.weights(&w);
         }
         let out = if hook {
             let pending = buf.low_latency_dispatch_send(&args).unwrap();
@@ -150,7 +169,8 @@ fn check_round_trip(
             .unwrap()
             .to_dtype(DType::BF16)
             .unwrap();
-        let combine_args = LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle);
+        let combine_args =
+            LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle).reduction(reduction);
         let comb = if hook {
             buf.low_latency_combine_send(&combine_args)
                 .unwrap()
@@ -162,6 +182,41 @@ fn check_round_trip(
         let got: Vec<bf16> = comb.combined_x.flatten_all().unwrap().to_vec1().unwrap();
         // Reference: the host twin, reading y(t, k) from this rank's view of all experts is
         // not possible (they live elsewhere), so recompute each expert row: y = 2 * deq(x) + rank.
+        if reduction == Reduction::PerRank {
+            let y_row = |ti: usize, kk: usize| -> Vec<bf16> {
+                let d = inp.idx[me][ti * k + kk].max(0) as usize / l;
+                let row = &inp.x[me][ti * h..(ti + 1) * h];
+                let deq: Vec<f32> = if fp8 {
+                    let (q, s) =
+                        ep_kernels::fp8::quantize(row, 1, h, ep_kernels::fp8::ScaleFormat::Float)
+                            .unwrap();
+                    (0..h).map(|c| q[c].to_f32() * s[c / 128]).collect()
+                } else {
+                    row.iter().map(|v| v.to_f32()).collect()
+                };
+                deq.iter()
+                    .map(|&v| bf16::from_f32(v * 2.0 + d as f32))
+                    .collect()
+            };
+            let rows: Vec<Vec<bf16>> = (0..t * k).map(|j| y_row(j / k, j % k)).collect();
+            let placement = ExpertPlacement::new(e, r, r).unwrap();
+            let want = ep_kernels::low_latency::combine_per_rank(
+                &inp.idx[me],
+                &inp.w[me],
+                t,
+                k,
+                h,
+                &placement,
+                &vec![true; r],
+                |ti, kk| &rows[ti * k + kk],
+            )
+            .unwrap();
+            assert_eq!(
+                got, want,
+                "rank {me}: per-rank combine differs from the twin"
+            );
+            return;
+        }
         for ti in 0..t {
             for c in 0..h {
                 let mut acc = 0f32;
@@ -210,6 +265,162 @@ fn fp8_round_trip_and_hooks() {
     check_round_trip(vec![16, 16], 16, 2, 4, false, Style::HotExpert, true);
     check_round_trip(vec![0, 0, 0], 4, 2, 6, false, Style::Random, false);
     check_round_trip(vec![9, 4], 9, 2, 4, true, Style::EmptyRanks, false);
+}
+
+#[test]
+fn per_rank_combine_over_rank_counts() {
+    for r in [1usize, 2, 4, 8] {
+        let tokens: Vec<usize> = (0..r).map(|i| 5 + 3 * i).collect();
+        check_round_trip_as(
+            tokens,
+            32,
+            4,
+            2 * r,
+            false,
+            Style::Random,
+            false,
+            Reduction::PerRank,
+        );
+    }
+    check_round_trip_as(
+        vec![7, 0, 16, 3],
+        16,
+        3,
+        8,
+        true,
+        Style::Random,
+        true,
+        Reduction::PerRank,
+    );
+    check_round_trip_as(
+        vec![16, 16],
+        16,
+        2,
+        4,
+        false,
+        Style::HotExpert,
+        true,
+        Reduction::PerRank,
+    );
+    check_round_trip_as(
+        vec![9, 4],
+        9,
+        2,
+        4,
+        true,
+        Style::EmptyRanks,
+        false,
+        Reduction::PerRank,
+    );
+}
+
+/// Per rank and per expert agree within bf16 rounding (per rank rounds each rank's partial
+/// once more): against the f32 sum, the per-rank result is off by at most one bf16 ulp of
+/// each partial plus the final rounding.
+#[test]
+fn per_rank_combine_is_within_a_rounding_of_per_expert() {
+    let (r, m, h, e, k) = (4usize, 16usize, 128usize, 16usize, 8usize);
+    run_ranks(
+        r,
+        r,
+        BufferConfig::default().with_low_latency(m, h, e),
+        move |buf| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7 + buf.topology().rank as u64);
+            let t = m;
+            let x = tensor(
+                (0..t * h)
+                    .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+                    .collect(),
+                &[t, h],
+            );
+            let idx = tensor(routing(&mut rng, t, k, e, r, Style::Random), &[t, k]);
+            let w = tensor(
+                (0..t * k).map(|_| rng.random_range(0.0f32..1.0)).collect(),
+                &[t, k],
+            );
+            let out = buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, m, e).weights(&w))
+                .unwrap();
+            let y = out.recv_x.clone();
+            let mut results = Vec::new();
+            for red in [Reduction::PerExpert, Reduction::PerRank] {
+                let c = buf
+                    .low_latency_combine(
+                        &LowLatencyCombineArgs::new(&y, &idx, &w, &out.handle).reduction(red),
+                    )
+                    .unwrap();
+                results.push(
+                    c.combined_x
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<bf16>()
+                        .unwrap(),
+                );
+            }
+            // The exact sum of w * x over each token's experts, and its magnitude bound.
+            let xs: Vec<bf16> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let ids: Vec<i64> = idx.flatten_all().unwrap().to_vec1().unwrap();
+            let ws: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            for ti in 0..t {
+                for c in 0..h {
+                    let (mut exact, mut mag) = (0f64, 0f64);
+                    for kk in 0..k {
+                        if ids[ti * k + kk] >= 0 {
+                            let v = f64::from(ws[ti * k + kk]) * f64::from(xs[ti * h + c].to_f32());
+                            exact += v;
+                            mag += v.abs();
+                        }
+                    }
+                    // bf16: 2^-8 relative per rounding; r partials and the final sum.
+                    let tol = mag * (r as f64 + 1.0) * 2f64.powi(-8) + 1e-6;
+                    for (red, got) in ["per expert", "per rank"].iter().zip(&results) {
+                        let g = f64::from(got[ti * h + c].to_f32());
+                        assert!(
+                            (g - exact).abs() <= tol,
+                            "{red}: token {ti} ch {c}: {g} vs exact {exact} (tolerance {tol})"
+                        );
+                    }
+                }
+            }
+        },
+    );
+}
+
+#[test]
+fn per_rank_combine_needs_dispatched_weights() {
+    run_ranks(
+        2,
+        2,
+        BufferConfig::default().with_low_latency(4, 128, 4),
+        |buf| {
+            let x = tensor(vec![bf16::from_f32(1.0); 2 * 128], &[2, 128]);
+            let idx = tensor(vec![0i64, 3, 1, -1], &[2, 2]);
+            let w = tensor(vec![0.5f32, 0.25, 1.0, 1.0], &[2, 2]);
+            let out = buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 4))
+                .unwrap();
+            let err = buf
+                .low_latency_combine(
+                    &LowLatencyCombineArgs::new(&out.recv_x, &idx, &w, &out.handle)
+                        .reduction(Reduction::PerRank),
+                )
+                .unwrap_err();
+            assert!(err.to_string().contains("topk_weights"), "{err}");
+            // The per-expert combine still answers the dispatch (every rank must combine).
+            buf.low_latency_combine(&LowLatencyCombineArgs::new(
+                &out.recv_x,
+                &idx,
+                &w,
+                &out.handle,
+            ))
+            .unwrap();
+            let bad_w = tensor(vec![0.5f32; 3], &[3, 1]);
+            let err = buf
+                .low_latency_dispatch(&LowLatencyDispatchArgs::new(&x, &idx, 4, 4).weights(&bad_w))
+                .unwrap_err();
+            assert!(err.to_string().contains("topk_weights"), "{err}");
+        },
+    );
 }
 
 #[test]

@@ -21,7 +21,8 @@
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
-//! layer's choice).
+//! layer's choice), `EP_BENCH_REDUCTION=expert` the low-latency combine per expert
+//! (`MoeLayerOptions::low_latency_reduction`; default per rank).
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
@@ -38,7 +39,7 @@ use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
-    LowLatencyDispatchArgs, Topology,
+    LowLatencyDispatchArgs, Reduction, Topology,
 };
 use moe_layer::{Experts, Mlp, Mode, MoeLayer, MoeLayerOptions, Router};
 
@@ -171,6 +172,10 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             Ok("wide") => Some(GemmTiles::Wide),
             _ => None,
         },
+        low_latency_reduction: match std::env::var("EP_BENCH_REDUCTION").as_deref() {
+            Ok("expert") => Reduction::PerExpert,
+            _ => Reduction::PerRank,
+        },
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }
@@ -256,7 +261,12 @@ fn bench_tokens(
         })?
     };
     if mode == Mode::LowLatency {
-        let args = LowLatencyDispatchArgs::new(&x, idx, LL_MAX, E);
+        // As the layer dispatches and combines (per rank: the weights travel with the tokens).
+        let red = layer.options().low_latency_reduction;
+        let mut args = LowLatencyDispatchArgs::new(&x, idx, LL_MAX, E);
+        if red == Reduction::PerRank {
+            args = args.weights(w);
+        }
         row.dispatch_ms = part(&mut || {
             buf.low_latency_dispatch(&args)?;
             Ok(())
@@ -270,7 +280,9 @@ fn bench_tokens(
             .experts()
             .forward_masked(&out.recv_x, &out.recv_count)?;
         row.combine_ms = part(&mut || {
-            buf.low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
+            buf.low_latency_combine(
+                &LowLatencyCombineArgs::new(&y, idx, w, &out.handle).reduction(red),
+            )?;
             Ok(())
         })?;
     } else if buf.topology().num_ranks == 1 {

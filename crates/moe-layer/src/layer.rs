@@ -9,6 +9,7 @@ use candle_nn::VarBuilder;
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::{
     Buffer, CombineArgs, DispatchArgs, EventOverlap, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+    Reduction,
 };
 use std::sync::Arc;
 
@@ -70,6 +71,11 @@ pub struct MoeLayerOptions {
     /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
     /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
     pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
+    /// How the low-latency combine reduces a token's expert outputs: per rank (the default:
+    /// each expert rank sends one partial sum per token, so fewer bytes travel back; the
+    /// dispatch carries the gate weights for it) or per expert (DeepEP's numbers: one row per
+    /// (token, expert), summed once at home). The same bits at one rank.
+    pub low_latency_reduction: Reduction,
 }
 
 impl Default for MoeLayerOptions {
@@ -81,6 +87,7 @@ impl Default for MoeLayerOptions {
             expert_alignment: 1,
             shared_placement: SharedPlacement::Auto,
             low_latency_tiles: None,
+            low_latency_reduction: Reduction::PerRank,
         }
     }
 }
@@ -552,6 +559,10 @@ impl MoeLayer {
         if self.options.fp8_dispatch {
             args = args.fp8(false);
         }
+        let reduction = self.options.low_latency_reduction;
+        if reduction == Reduction::PerRank {
+            args = args.weights(w);
+        }
         let hook = self.buffer.low_latency_dispatch_send(&args)?;
         let shared = if t == 0 || self.shared_in_grouped_gemm(t) {
             None
@@ -565,9 +576,9 @@ impl MoeLayer {
         };
         let (y, shared) = self.expert_blocks(&recv_x, &out.recv_count, x, shared)?;
         let y = y.to_dtype(recv_x.dtype())?;
-        let combined = self
-            .buffer
-            .low_latency_combine(&LowLatencyCombineArgs::new(&y, idx, w, &out.handle))?;
+        let combined = self.buffer.low_latency_combine(
+            &LowLatencyCombineArgs::new(&y, idx, w, &out.handle).reduction(reduction),
+        )?;
         Ok((combined.combined_x, shared))
     }
 }

@@ -126,6 +126,7 @@ fn pair(
         expert_alignment: 1,
         shared_placement,
         low_latency_tiles: None,
+        low_latency_reduction: moe_layer::ep_runtime::Reduction::PerRank,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(

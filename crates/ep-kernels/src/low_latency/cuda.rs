@@ -13,6 +13,12 @@
 //! - **combine**: each expert output row goes back into row `(t, k)` of its source token on
 //!   the home rank, then a flag per (expert, home); the home waits for every expert's flag and
 //!   reduces `sum_k w[t, k] * y(t, k)` in f32, in k order, like [`super::combine`].
+//!   [`Reduction::PerRank`](super::Reduction): the expert rank sums the weighted rows of its
+//!   experts per token first and sends one row per (token, rank) into row `j` (the rank's place
+//!   among the token's ranks), then a flag per (rank, home); the home adds its rows like
+//!   [`super::combine_per_rank`]. The weights come with the dispatch (`topk_weights` of
+//!   [`dispatch_cuda`]: a record per (token, rank) beside the message, unpacked by the receive
+//!   phase into [`RankTables`]).
 //! - Both take a [`Phases`]: `Both` in one launch, or `Send` now and `Recv` later (a receive
 //!   hook; at most two sends of one kind may be pending).
 //! - Nothing needs the host between ops: the buffer set (op parity) and the signal tags come
@@ -43,7 +49,8 @@ mod recv;
 pub use crate::memory::enable_peer_access;
 pub use buffer::{LowLatencyBuffer, DEFAULT_TIMEOUT};
 pub use recv::{
-    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RecvXMut,
+    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RankTables,
+    RankTablesMut, RankTablesRef, RecvXMut,
 };
 
 // `buffer` reaches the layout as `super::layout`.
@@ -53,7 +60,7 @@ use std::time::Duration;
 
 use buffer::LlBuffer;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
 use crate::cuda::{assert_params_layout, check_align, KernelParams, Kernels};
@@ -77,6 +84,11 @@ struct DispatchParams {
     recv_src_info: CUdeviceptr,
     recv_src_topk: CUdeviceptr,
     recv_layout_range: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    recv_rank_rows: CUdeviceptr,
+    recv_rank_weights: CUdeviceptr,
+    recv_rank_slot: CUdeviceptr,
+    recv_rank_count: CUdeviceptr,
     num_tokens: i32,
     num_topk: i32,
     fp8: u32,
@@ -86,10 +98,11 @@ struct DispatchParams {
 }
 assert_params_layout!(
     DispatchParams,
-    224;
-    buf = 0, x = 136, topk_idx = 144, recv_x = 152, recv_scales = 160, recv_count = 168,
-    recv_src_info = 176, recv_src_topk = 184, recv_layout_range = 192, num_tokens = 200,
-    num_topk = 204, fp8 = 208, scale_format = 212, phases = 216, reserved = 220,
+    272;
+    buf = 0, x = 144, topk_idx = 152, recv_x = 160, recv_scales = 168, recv_count = 176,
+    recv_src_info = 184, recv_src_topk = 192, recv_layout_range = 200, topk_weights = 208,
+    recv_rank_rows = 216, recv_rank_weights = 224, recv_rank_slot = 232, recv_rank_count = 240,
+    num_tokens = 248, num_topk = 252, fp8 = 256, scale_format = 260, phases = 264, reserved = 268,
 );
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
@@ -106,16 +119,21 @@ struct CombineParams {
     topk_idx: CUdeviceptr,
     topk_weights: CUdeviceptr,
     out: CUdeviceptr,
+    rank_rows: CUdeviceptr,
+    rank_weights: CUdeviceptr,
+    rank_slot: CUdeviceptr,
+    rank_count: CUdeviceptr,
     num_tokens: i32,
     num_topk: i32,
     phases: u32,
-    reserved: u32,
+    reduce: u32,
 }
 assert_params_layout!(
     CombineParams,
-    208;
-    buf = 0, x = 136, src_info = 144, src_topk = 152, layout_range = 160, topk_idx = 168,
-    topk_weights = 176, out = 184, num_tokens = 192, num_topk = 196, phases = 200, reserved = 204,
+    248;
+    buf = 0, x = 144, src_info = 152, src_topk = 160, layout_range = 168, topk_idx = 176,
+    topk_weights = 184, out = 192, rank_rows = 200, rank_weights = 208, rank_slot = 216,
+    rank_count = 224, num_tokens = 232, num_topk = 236, phases = 240, reduce = 244,
 );
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
@@ -130,8 +148,8 @@ struct CleanParams {
 }
 assert_params_layout!(
     CleanParams,
-    144;
-    buf = 0, reset_active = 136, reserved = 140,
+    152;
+    buf = 0, reset_active = 144, reserved = 148,
 );
 // SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
 unsafe impl KernelParams for CleanParams {}
@@ -197,15 +215,19 @@ fn check_tokens(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -
 
 /// Low-latency dispatch of this rank's `x: [num_tokens, H]` bf16 routed by
 /// `topk_idx: [num_tokens, num_topk]` (i64, `-1` = none) into every expert's rank; receives
-/// into `out` (a `&mut` [`LowLatencyRecv`], or a [`LowLatencyRecvMut`] of views). `x` and
-/// `topk_idx` are read by the send phase only; `out` is written by the receive phase only.
-/// Every rank must launch the same phases in the same order.
+/// into `out` (a `&mut` [`LowLatencyRecv`], or a [`LowLatencyRecvMut`] of views). `x`,
+/// `topk_idx` and `topk_weights` are read by the send phase only; `out` is written by the
+/// receive phase only. With `topk_weights` (`[num_tokens, num_topk]` f32) the dispatch also
+/// carries what a [`Reduction::PerRank`](super::Reduction) combine needs, and the receive phase
+/// writes `out.ranks` (then required). Every rank must launch the same phases in the same
+/// order, all with or all without `topk_weights`.
 #[allow(clippy::too_many_arguments)]
 pub fn dispatch_cuda<'o>(
     stream: &CudaStream,
     buffer: &LowLatencyBuffer,
     x: &impl DevicePtr<bf16>,
     topk_idx: &impl DevicePtr<i64>,
+    topk_weights: Option<&CudaView<'_, f32>>,
     num_tokens: usize,
     num_topk: usize,
     format: LowLatencyFormat,
@@ -217,6 +239,16 @@ pub fn dispatch_cuda<'o>(
     check_tokens(layout, num_tokens, num_topk)?;
     Error::check_len("x", num_tokens * layout.hidden, x.len())?;
     Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
+    if let Some(w) = topk_weights {
+        Error::check_len("topk_weights", num_tokens * num_topk, w.len())?;
+        if out.ranks.is_none() {
+            return Err(Error::invalid(
+                "out.ranks",
+                "None",
+                "a dispatch that carries topk_weights writes the per-rank combine's tables",
+            ));
+        }
+    }
     if out.format != format {
         return Err(Error::invalid(
             "out",
@@ -239,6 +271,22 @@ pub fn dispatch_cuda<'o>(
     let (ri, _g3) = out.recv_src_info.device_ptr_mut(stream);
     let (rk, _g4) = out.recv_src_topk.device_ptr_mut(stream);
     let (rl, _g5) = out.recv_layout_range.device_ptr_mut(stream);
+    let (w_ptr, _g6) = match topk_weights {
+        Some(w) => w.device_ptr(stream),
+        None => (0, SyncOnDrop::Sync(None)),
+    };
+    // The tables are written only when the records are sent (the sources' weights).
+    let null = || (0, SyncOnDrop::Sync(None));
+    let ((rr, _g7), (rw, _g8), (rsl, _g9), (rcn, _g10)) =
+        match out.ranks.as_mut().filter(|_| topk_weights.is_some()) {
+            Some(t) => (
+                t.rank_rows.device_ptr_mut(stream),
+                t.rank_weights.device_ptr_mut(stream),
+                t.rank_slot.device_ptr_mut(stream),
+                t.rank_count.device_ptr_mut(stream),
+            ),
+            None => (null(), null(), null(), null()),
+        };
     check_align("x", x_ptr, 16)?;
     check_align("topk_idx", t_ptr, 8)?;
     check_align("recv_x", rx, 16)?;
@@ -252,6 +300,11 @@ pub fn dispatch_cuda<'o>(
         recv_src_info: ri,
         recv_src_topk: rk,
         recv_layout_range: rl,
+        topk_weights: w_ptr,
+        recv_rank_rows: rr,
+        recv_rank_weights: rw,
+        recv_rank_slot: rsl,
+        recv_rank_count: rcn,
         num_tokens: num_tokens as i32,
         num_topk: num_topk as i32,
         fp8: u32::from(format.is_fp8()),
@@ -266,9 +319,11 @@ pub fn dispatch_cuda<'o>(
     }
     let kernel = kernels.kernel(FILE, "ll_dispatch")?;
     let cfg = comm_config(&kernels, dispatch_smem_bytes(layout, num_tokens, num_topk))?;
-    // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16 and topk_idx T*K i64, the
-    // outputs are sized for the buffer's layout and format (checked above; the scales may be
-    // null only for bf16, where the kernel does not touch them), all 16-byte aligned where the
+    // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
+    // weights (if any) T*K f32, the outputs are sized for the buffer's layout and format
+    // (checked above; the scales may be null only for bf16, where the kernel does not touch
+    // them; the rank tables are null exactly when the weights are, and the kernel writes
+    // them only then), all 16-byte aligned where the
     // kernel uses vectors; every pointer comes from a borrowed slice or view, so its memory
     // lives until the launch is queued, and its owner frees it stream-ordered (after the
     // kernel); the buffer and its peer table outlive the launch because the buffer
@@ -282,8 +337,12 @@ pub fn dispatch_cuda<'o>(
 /// [`LowLatencyRecvRef`] of views) back to their home ranks, and
 /// on this (home) rank reduces the rows of its `num_tokens` tokens into
 /// `out: [num_tokens, H]` bf16 with `topk_idx`, `topk_weights: [num_tokens, num_topk]`
-/// exactly as [`super::combine`] (inactive ranks contribute nothing). The send phase reads
-/// `x` and `handle`; the receive phase reads `topk_idx` and `topk_weights` and writes `out`.
+/// exactly as [`super::combine`] (inactive ranks contribute nothing), or, with
+/// [`Reduction::PerRank`](super::Reduction), as [`super::combine_per_rank`] with the weights
+/// the dispatch carried (its `handle.ranks`, then required; `topk_weights` is not read). The
+/// send phase reads `x` and `handle`; the receive phase reads `topk_idx` (and, per expert,
+/// `topk_weights`) and writes `out`. At one rank both reductions give the same bits and run
+/// per expert. Every rank must use the same reduction.
 #[allow(clippy::too_many_arguments)]
 pub fn combine_cuda<'h>(
     stream: &CudaStream,
@@ -295,6 +354,7 @@ pub fn combine_cuda<'h>(
     num_tokens: usize,
     num_topk: usize,
     phases: Phases,
+    reduction: super::Reduction,
     out: &mut impl DevicePtrMut<bf16>,
 ) -> Result<()> {
     let handle = handle.into();
@@ -303,6 +363,18 @@ pub fn combine_cuda<'h>(
     let rows = layout.num_local_experts() * layout.recv_rows_per_expert();
     Error::check_len("x", rows * layout.hidden, x.len())?;
     handle.check(layout)?;
+    let per_rank = reduction == super::Reduction::PerRank && layout.num_ranks > 1;
+    let ranks = match (&handle.ranks, per_rank) {
+        (Some(t), true) => Some(t),
+        (None, true) => {
+            return Err(Error::invalid(
+                "handle.ranks",
+                "None",
+                "a per-rank combine reads the tables of a dispatch that carried topk_weights",
+            ))
+        }
+        (_, false) => None,
+    };
     Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
     Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
     Error::check_len("out", num_tokens * layout.hidden, out.len())?;
@@ -315,6 +387,16 @@ pub fn combine_cuda<'h>(
     let (t_ptr, _g3) = topk_idx.device_ptr(stream);
     let (w_ptr, _g4) = topk_weights.device_ptr(stream);
     let (o_ptr, _g5) = out.device_ptr_mut(stream);
+    let null = || (0, SyncOnDrop::Sync(None));
+    let ((rr, _g6), (rw, _g7), (rsl, _g8), (rcn, _g9)) = match ranks {
+        Some(t) => (
+            t.rank_rows.device_ptr(stream),
+            t.rank_weights.device_ptr(stream),
+            t.rank_slot.device_ptr(stream),
+            t.rank_count.device_ptr(stream),
+        ),
+        None => (null(), null(), null(), null()),
+    };
     check_align("x", x_ptr, 16)?;
     check_align("out", o_ptr, 16)?;
     let params = CombineParams {
@@ -326,10 +408,14 @@ pub fn combine_cuda<'h>(
         topk_idx: t_ptr,
         topk_weights: w_ptr,
         out: o_ptr,
+        rank_rows: rr,
+        rank_weights: rw,
+        rank_slot: rsl,
+        rank_count: rcn,
         num_tokens: num_tokens as i32,
         num_topk: num_topk as i32,
         phases: phases as u32,
-        reserved: 0,
+        reduce: u32::from(per_rank),
     };
     if layout.num_ranks == 1 && phases == Phases::Both {
         // SAFETY: `params` is what `ll_combine` would be launched with below (see there); the
@@ -337,11 +423,16 @@ pub fn combine_cuda<'h>(
         return unsafe { local::combine(stream, &kernels, &params) };
     }
     let kernel = kernels.kernel(FILE, "ll_combine")?;
-    let send_smem = 4 * (3 * layout.num_experts + 1 + layout.num_ranks);
+    let send_smem = if per_rank {
+        8 * layout.num_ranks
+    } else {
+        4 * (3 * layout.num_experts + 1 + layout.num_ranks)
+    };
     let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
     let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     // SAFETY: `params` matches `CombineParams`; every slice has the length the kernel uses
-    // (checked above) and the vector-accessed ones are 16-byte aligned; the buffer outlives
+    // (checked above; the rank tables are null exactly when `reduce` is 0, and only read
+    // then) and the vector-accessed ones are 16-byte aligned; the buffer outlives
     // the launch (it synchronises its context before freeing); the guards keep cudarc's
     // stream ordering until the launch is queued.
     unsafe { kernel.launch(stream, cfg, params) }

@@ -111,6 +111,100 @@ pub fn combine<'a>(
     Ok(out)
 }
 
+/// How a low-latency combine reduces the expert outputs of a token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// DeepEP's: every (token, expert) output row goes back to the token's home rank, which
+    /// sums `w * y` over the token's experts in k order in f32 and rounds once ([`combine`]).
+    #[default]
+    PerExpert,
+    /// Each expert rank sums `w * y` over its experts that the token chose (k order, f32),
+    /// rounds the partial sum to the output dtype and sends one row per (token, rank); the
+    /// home adds the partial rows in the order of the token's ranks ([`combine_per_rank`]).
+    /// Fewer bytes back (one row per rank instead of one per expert); one more rounding per
+    /// rank (bf16: at most `2^-9` of each partial's magnitude). Needs the top-k weights at
+    /// the dispatch. At one rank the same bits as `PerExpert`.
+    PerRank,
+}
+
+/// The ranks of one token's experts in the order of their first appearance in `topk_row`
+/// (`-1` entries skipped): partial row `j` of a per-rank combine comes from rank `ranks[j]`.
+pub fn rank_order(topk_row: &[i64], placement: &ExpertPlacement) -> Vec<usize> {
+    let mut ranks = Vec::with_capacity(topk_row.len());
+    for &e in topk_row {
+        if e >= 0 {
+            let r = placement.rank_of(e as usize);
+            if !ranks.contains(&r) {
+                ranks.push(r);
+            }
+        }
+    }
+    ranks
+}
+
+/// One rank's partial sum of token `t` for a per-rank combine: `sum over k in order with
+/// rank(topk_idx[t, k]) == rank of w[t, k] * f32(y(t, k))` in f32 (separate multiply and add),
+/// rounded to bf16.
+pub fn partial_row<'a>(
+    topk_row: &[i64],
+    weights_row: &[f32],
+    hidden: usize,
+    placement: &ExpertPlacement,
+    rank: usize,
+    mut row: impl FnMut(usize) -> &'a [bf16],
+) -> Vec<bf16> {
+    let mut acc = vec![0f32; hidden];
+    for (k, (&e, &w)) in topk_row.iter().zip(weights_row).enumerate() {
+        if e < 0 || placement.rank_of(e as usize) != rank {
+            continue;
+        }
+        for (a, v) in acc.iter_mut().zip(row(k)) {
+            *a += w * v.to_f32();
+        }
+    }
+    acc.into_iter().map(bf16::from_f32).collect()
+}
+
+/// Per-rank low-latency combine on the home rank ([`Reduction::PerRank`]): for each token, the
+/// partial row of each of its ranks ([`rank_order`]; [`partial_row`] on that rank) is added in
+/// that order in f32 and the sum rounded to bf16; inactive ranks contribute nothing.
+/// `row(t, k)` is the expert output row of `(t, k)`.
+#[allow(clippy::too_many_arguments)] // mirrors `combine`
+pub fn combine_per_rank<'a>(
+    topk_idx: &[i64],
+    topk_weights: &[f32],
+    num_tokens: usize,
+    num_topk: usize,
+    hidden: usize,
+    placement: &ExpertPlacement,
+    active_ranks: &[bool],
+    mut row: impl FnMut(usize, usize) -> &'a [bf16],
+) -> Result<Vec<bf16>> {
+    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
+    Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
+    Error::check_len("active_ranks", placement.num_ranks, active_ranks.len())?;
+    let mut out = vec![bf16::ZERO; num_tokens * hidden];
+    let mut acc = vec![0f32; hidden];
+    for t in 0..num_tokens {
+        let ids = &topk_idx[t * num_topk..(t + 1) * num_topk];
+        let ws = &topk_weights[t * num_topk..(t + 1) * num_topk];
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for r in rank_order(ids, placement) {
+            if !active_ranks[r] {
+                continue;
+            }
+            let partial = partial_row(ids, ws, hidden, placement, r, |k| row(t, k));
+            for (a, v) in acc.iter_mut().zip(&partial) {
+                *a += v.to_f32();
+            }
+        }
+        for (o, a) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(&acc) {
+            *o = bf16::from_f32(*a);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +216,40 @@ mod tests {
         let (slots, counts) = send_slots(&topk, 3, 2, &p).unwrap();
         assert_eq!(slots, vec![0, 0, -1, 1, 1, 0]);
         assert_eq!(counts, vec![2, 1, 0, 2]);
+    }
+
+    #[test]
+    fn rank_order_is_first_appearance() {
+        let p = ExpertPlacement::new(8, 4, 2).unwrap();
+        assert_eq!(rank_order(&[5, 0, -1, 4, 1, 7, 2], &p), vec![2, 0, 3, 1]);
+        assert!(rank_order(&[-1, -1], &p).is_empty());
+    }
+
+    /// Per rank: the partials round once per rank; at one rank the bits equal `combine`'s.
+    #[test]
+    fn per_rank_combine_sums_partials() {
+        let rows: Vec<Vec<bf16>> = [1.0f32, 2.0, 3.0, 1.0 / 3.0]
+            .iter()
+            .map(|&v| vec![bf16::from_f32(v), bf16::from_f32(-v)])
+            .collect();
+        let topk = [0i64, 3, 1, 2];
+        let w = [0.5f32, 0.25, 1.0, 0.1];
+        let two = ExpertPlacement::new(4, 2, 2).unwrap();
+        let got =
+            combine_per_rank(&topk, &w, 1, 4, 2, &two, &[true, true], |_, k| &rows[k]).unwrap();
+        // Rank 0 (k = 0, 2): 0.5 * 1 + 1.0 * 3 = 3.5, exact; rank 1 (k = 1, 3):
+        // bf16(0.25 * 2 + 0.1 * bf16(1/3)).
+        let third = bf16::from_f32(1.0 / 3.0).to_f32();
+        let p1 = bf16::from_f32(0.25 * 2.0 + 0.1 * third).to_f32();
+        assert_eq!(got[0], bf16::from_f32(3.5 + p1));
+        assert_eq!(got[1], bf16::from_f32(-3.5 - p1));
+        let masked =
+            combine_per_rank(&topk, &w, 1, 4, 2, &two, &[true, false], |_, k| &rows[k]).unwrap();
+        assert_eq!(masked[0], bf16::from_f32(3.5));
+        let one = ExpertPlacement::new(4, 1, 1).unwrap();
+        let a = combine_per_rank(&topk, &w, 1, 4, 2, &one, &[true], |_, k| &rows[k]).unwrap();
+        let b = combine(&topk, &w, 1, 4, 2, &one, &[true], |_, k| &rows[k]).unwrap();
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -11,7 +11,14 @@
 //!                                         rank: {i32 src_token, 0, 0, 0 | payload: fp8 H
 //!                                         bytes or bf16 2H bytes | f32 scales [H/128] (fp8)}
 //!           idx     i32 [L][R][M]         slot -> src_token | topk_pos << 24
-//!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows, one per (token, k) of the home rank
+//!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows: one per (token, k) of the home
+//!                                         rank, or (per-rank combine) one per (token, j-th
+//!                                         distinct rank among the token's experts)
+//!           meta    [R][M] x LL_META_STRIDE   per (source, token), written with the message
+//!                                         when the dispatch carries the top-k weights:
+//!                                         {u32 tag, i32 j, 0, 0 | i32 sel[LL_MAX_TOPK]:
+//!                                         l << 24 | slot, or -1 where expert k is elsewhere |
+//!                                         f32 w[LL_MAX_TOPK]}
 //! ```
 //!
 //! Every region starts at a multiple of 256 bytes. `L = E / R` local experts,
@@ -24,6 +31,10 @@ use crate::FP8_GROUP;
 /// Largest top-k the low-latency kernels support (`kMaxTopk` in `low_latency.cu`): the combine
 /// region holds this many rows per token.
 pub const LL_MAX_TOPK: usize = 16;
+
+/// Bytes of one per-(source, token) record of the per-rank combine's metadata (a 16-byte
+/// header, then [`LL_MAX_TOPK`] i32 selections and [`LL_MAX_TOPK`] f32 weights).
+pub const LL_META_STRIDE: usize = 16 + 8 * LL_MAX_TOPK;
 
 /// Bytes of the control words at the start of the buffer (13 used, padded).
 const CONTROL_WORDS_BYTES: usize = 256;
@@ -65,6 +76,9 @@ pub struct LowLatencyLayout {
     pub off_idx: usize,
     /// Offset of the combine rows within a set.
     pub off_rows: usize,
+    /// Offset of the per-(source, token) records `[R][M]` of [`LL_META_STRIDE`] bytes within
+    /// a set (dispatches that carry the top-k weights, for the per-rank combine).
+    pub off_meta: usize,
     /// Total bytes of the buffer.
     pub total_bytes: usize,
 }
@@ -122,7 +136,8 @@ impl LowLatencyLayout {
         let off_idx = off_msgs + align(msgs_bytes, REGION_ALIGN);
         let off_rows = off_idx + align(4 * l * r * m, REGION_ALIGN);
         let rows_bytes = m * LL_MAX_TOPK * 2 * h;
-        let set_bytes = off_rows + align(rows_bytes, REGION_ALIGN);
+        let off_meta = off_rows + align(rows_bytes, REGION_ALIGN);
+        let set_bytes = off_meta + align(r * m * LL_META_STRIDE, REGION_ALIGN);
         let total_bytes = sets_offset + 2 * set_bytes;
         Ok(Self {
             max_tokens_per_rank: m,
@@ -139,6 +154,7 @@ impl LowLatencyLayout {
             off_msgs,
             off_idx,
             off_rows,
+            off_meta,
             total_bytes,
         })
     }
@@ -181,6 +197,7 @@ mod tests {
             l.off_msgs,
             l.off_idx,
             l.off_rows,
+            l.off_meta,
         ] {
             assert_eq!(off % 256, 0);
         }
@@ -189,6 +206,8 @@ mod tests {
         assert!(l.off_msgs >= l.off_flags + 4 * 288);
         assert_eq!(l.off_idx - l.off_msgs, 4 * 128 * (16 + 2 * 7168));
         assert_eq!(l.off_rows - l.off_idx, 4 * 72 * 4 * 128);
+        assert_eq!(l.off_meta - l.off_rows, 128 * LL_MAX_TOPK * 2 * 7168);
+        assert_eq!(l.set_bytes - l.off_meta, 4 * 128 * LL_META_STRIDE);
         assert_eq!(l.total_bytes, l.sets_offset + 2 * l.set_bytes);
         assert_eq!(buffer_size_hint(128, 7168, 4, 288).unwrap(), l.total_bytes);
     }

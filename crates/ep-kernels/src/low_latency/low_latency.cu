@@ -2,7 +2,13 @@
 //
 // Dispatch sends each token once per destination rank (however many of its experts live
 // there) plus a 4-byte index entry per (token, k) in the expert's slot; the receiver follows
-// the entries when it packs. Combine sends one bf16 row per (token, k) back to the home rank.
+// the entries when it packs. Combine sends one bf16 row per (token, k) back to the home rank,
+// or, per rank (`CombineParams::reduce`), one row per (token, rank): the expert rank sums the
+// weighted outputs of its experts that the token chose, in f32, and the home adds the ranks'
+// rows. For that the dispatch carries the top-k weights (`DispatchParams::topk_weights`): with
+// each token's message goes a record saying which of its selections the rank holds, in which
+// slot, and with which weight; the receive phase turns the records into the handle's
+// per-(source, token) tables (`recv_rank_*`), which the per-rank combine reads.
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
@@ -21,6 +27,12 @@
 //                      f32 scales [H/128] (fp8 only)}
 //             idx      i32 [L][R][M]: slot -> src_token | topk_pos << 24
 //             rows     bf16 [M][max_topk][H] combine rows, one per (token, k) of the home rank
+//                      (per rank: one per (token, j), j = the expert rank's place among the
+//                      token's distinct ranks in k order)
+//             meta     [R][M] x kMetaStride, per (source, token) with the message when the
+//                      dispatch carries weights: {u32 tag, i32 j, 0, 0 | i32 sel[kMaxTopk]:
+//                      l << 24 | slot where expert k is on this rank, else -1 |
+//                      f32 w[kMaxTopk]}
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
 // rank's device-side op counter `seq` (the same on every rank as long as every rank runs the
@@ -52,6 +64,15 @@ constexpr uint32_t kPhaseSend = 1u;
 constexpr uint32_t kPhaseRecv = 2u;
 // Largest top-k (Rust: `LL_MAX_TOPK`): rows per token in the combine region.
 constexpr int kMaxTopk = 16;
+// Bytes of one per-(source, token) record of the per-rank combine (Rust: `LL_META_STRIDE`).
+constexpr int kMetaStride = 16 + 8 * kMaxTopk;
+constexpr int kMetaVecs = kMetaStride / 16;
+// 16-byte vectors per lane of one per-rank combine item (a chunk of 32 x n vectors of each of
+// the token's rows on this rank), and rows loaded per batch: 2 x 8 f32 accumulators and
+// 2 x 2 vectors in flight fit the 64 registers of a 1024-thread block (4 rows at a time, or
+// 1 vector of 4 or 8 rows, spilled 76-124 bytes).
+constexpr int kRankVecs = 2;
+constexpr int kRankBatch = 2;
 // 16-byte vectors per lane of one copy work item (a chunk of 32 x n vectors), measured at EP2
 // and EP4 (`docs/benchmarks.md`): the combine send keeps 8 (4 or 2: +2 to +6 us, fewer bytes
 // in flight per warp); the dispatch receive copies 4 (8 left half the warps without work:
@@ -84,6 +105,7 @@ struct LlBuffer {
     uint64_t off_rows;       // in a set: combine rows bf16 [M][max_topk][H]
     uint64_t off_active;     // in control: active_ranks i32 [R]
     uint64_t off_send_done;  // in control: send_done i32 [E]
+    uint64_t off_meta;       // in a set: per-rank combine records [R][M] x kMetaStride
     uint64_t timeout_ns;     // 0 = wait forever
     int32_t num_ranks;
     int32_t rank;
@@ -95,7 +117,7 @@ struct LlBuffer {
     int32_t reserved;
     int32_t* active_mirror;  // [num_ranks] host-mapped: the mask as a receive phase left it
 };
-EP_CHECK_PARAMS_SIZE(LlBuffer, 136);
+EP_CHECK_PARAMS_SIZE(LlBuffer, 144);
 
 struct DispatchParams {
     LlBuffer buf;
@@ -107,6 +129,11 @@ struct DispatchParams {
     int32_t* recv_src_info;     // [L, R*M] source token index, -1 past recv_count
     int32_t* recv_src_topk;     // [L, R*M] top-k position at the source
     int32_t* recv_layout_range; // [L, R, 2] (offset, count)
+    const float* topk_weights;  // [T, K], or null: no per-rank records are sent
+    int32_t* recv_rank_rows;    // [R, M, kMaxTopk] packed row of (s, t, k) here, or -1; or null
+    float* recv_rank_weights;   // [R, M, kMaxTopk] w[t, k] at source s
+    int32_t* recv_rank_slot;    // [R, M] j of (s, t) (its row at the home), -1: not here
+    int32_t* recv_rank_count;   // [R] tokens of source s with a selection here
     int32_t num_tokens;
     int32_t num_topk;
     uint32_t fp8;               // 0: bf16 payload, 1: fp8 e4m3 + f32 scales
@@ -114,7 +141,7 @@ struct DispatchParams {
     uint32_t phases;            // kPhaseSend | kPhaseRecv
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(DispatchParams, 224);
+EP_CHECK_PARAMS_SIZE(DispatchParams, 272);
 
 struct CombineParams {
     LlBuffer buf;
@@ -125,19 +152,23 @@ struct CombineParams {
     const int64_t* topk_idx;         // [T, K] of this (home) rank
     const float* topk_weights;       // [T, K]
     __nv_bfloat16* out;              // [T, H]
+    const int32_t* rank_rows;        // per rank: the dispatch's recv_rank_rows
+    const float* rank_weights;       // per rank: recv_rank_weights
+    const int32_t* rank_slot;        // per rank: recv_rank_slot
+    const int32_t* rank_count;       // per rank: recv_rank_count
     int32_t num_tokens;
     int32_t num_topk;
     uint32_t phases;
-    uint32_t reserved;
+    uint32_t reduce;                 // 0: per expert (DeepEP), 1: per rank
 };
-EP_CHECK_PARAMS_SIZE(CombineParams, 208);
+EP_CHECK_PARAMS_SIZE(CombineParams, 248);
 
 struct CleanParams {
     LlBuffer buf;
     uint32_t reset_active;
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(CleanParams, 144);
+EP_CHECK_PARAMS_SIZE(CleanParams, 152);
 
 struct SpinParams {
     uint64_t ns;
@@ -315,7 +346,8 @@ __device__ void block_prefix_sum(int* s_pre, int n) {
 // that holds one of its experts, with an index entry per (t, k). `s_count[e]` (this rank's
 // selections of expert e) tells the warp that publishes an expert's last selection that it is
 // the last: it sends the count signal `-n - 1` then. Experts nobody selected are signalled
-// at once.
+// at once. With `topk_weights`, each message to a rank goes with the token's record for that
+// rank (see the file comment), built from the per-k slots the K warps leave in shared memory.
 __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int* s_topk,
                               const int* s_count, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
@@ -326,6 +358,14 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     int* send_done = reinterpret_cast<int*>(b.local + b.off_send_done);
     uint8_t* stage = smem;
     uint8_t** s_dst = reinterpret_cast<uint8_t**>(smem + b.msg_stride);
+    // Per k of the current token (records only): its rank, its `l << 24 | slot` (-1: no entry),
+    // its weight, and for the first k of each rank the record's destination and j.
+    __shared__ int s_rank[kMaxTopk];
+    __shared__ int s_sel[kMaxTopk];
+    __shared__ float s_wt[kMaxTopk];
+    __shared__ int s_j[kMaxTopk];
+    __shared__ uint8_t* s_rec[kMaxTopk];
+    const bool records = p.topk_weights != nullptr;
 
     const int groups = H / ep::kFp8Group;
     const int payload = p.fp8 ? H : 2 * H;
@@ -366,6 +406,25 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 }
                 slot = ep::warp_reduce_sum(slot);
             }
+            // j of this k's rank: the distinct ranks among the earlier valid k (lane k2 < k
+            // counts when it is its rank's first appearance; K <= kMaxTopk < 32 lanes).
+            bool first_of_rank = false;
+            if (lane < k) {
+                const int e2 = s_topk[t * K + lane];
+                first_of_rank = e2 >= 0;
+                for (int k3 = 0; k3 < lane && first_of_rank; ++k3) {
+                    const int e3 = s_topk[t * K + k3];
+                    first_of_rank = !(e3 >= 0 && e3 / L == e2 / L);
+                }
+            }
+            const int j_rank = __popc(__ballot_sync(ep::kFullMask, first_of_rank));
+            if (lane == 0 && records) {
+                s_rank[k] = e >= 0 ? e / L : -1;
+                s_sel[k] = e >= 0 && slot < M ? ((e - (e / L) * L) << 24) | slot : -1;
+                s_wt[k] = p.topk_weights[static_cast<int64_t>(idx)];
+                s_j[k] = j_rank;
+                s_rec[k] = nullptr;
+            }
             if (lane == 0) {
                 // The token goes once to each rank: the first k routed there sends it; every
                 // k writes its slot's index entry.
@@ -389,6 +448,10 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                             dst = peer_set + b.off_msgs +
                                   (static_cast<uint64_t>(b.rank) * M + t) *
                                       static_cast<uint64_t>(b.msg_stride);
+                            if (records) {
+                                s_rec[k] = peer_set + b.off_meta +
+                                           (static_cast<uint64_t>(b.rank) * M + t) * kMetaStride;
+                            }
                         }
                     }
                 }
@@ -440,6 +503,38 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 put_v4(dst + i * 16, v);
             }
         }
+        // The records of the ranks the token went to: vector 0 the header, 1..4 the
+        // selections (the k of other ranks as -1), 5..8 the weights.
+        if (records) {
+            for (int j = tid; j < K * kMetaVecs; j += kThreads) {
+                const int k = j / kMetaVecs;
+                const int i = j - k * kMetaVecs;
+                uint8_t* dst = s_rec[k];
+                if (dst == nullptr) {
+                    continue;
+                }
+                int w4[4];
+                if (i == 0) {
+                    w4[0] = static_cast<int>(tag);
+                    w4[1] = s_j[k];
+                    w4[2] = 0;
+                    w4[3] = 0;
+                } else {
+                    const bool sel = i <= kMaxTopk / 4;
+                    const int k0 = (sel ? i - 1 : i - 1 - kMaxTopk / 4) * 4;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int k2 = k0 + q;
+                        if (sel) {
+                            w4[q] = k2 < K && s_rank[k2] == s_rank[k] ? s_sel[k2] : -1;
+                        } else {
+                            w4[q] = __float_as_int(k2 < K ? s_wt[k2] : 0.0f);
+                        }
+                    }
+                }
+                put_v4(dst + i * 16, make_int4(w4[0], w4[1], w4[2], w4[3]));
+            }
+        }
         __syncthreads();
         // Publish: every (t, k) counts once for its expert (also when the rank is inactive,
         // so the counters always balance); the last one signals the expert's rank.
@@ -453,6 +548,55 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 ep::fence_acq_rel_sys();
                 signal(e, s_count[e]);
             }
+        }
+    }
+}
+
+// The per-rank combine's tables from the records (a block per source; after the signals have
+// been awaited and `s_cnt`, `s_off` hold the packed layout): per (s, t) the token's j at its
+// home (-1 when it sent nothing here, or its rank is inactive), the packed row and weight of
+// each of its k held here (row -1 for the others), and per s the tokens it sent here.
+__device__ void dispatch_recv_ranks(const DispatchParams& p, const int* s_cnt, const int* s_off,
+                                    const uint8_t* my_set, uint32_t tag) {
+    const LlBuffer& b = p.buf;
+    const int R = b.num_ranks, L = b.num_experts / R, M = b.max_tokens, K = p.num_topk;
+    const int tid = threadIdx.x;
+    const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
+    const int64_t rows_per_expert = static_cast<int64_t>(R) * M;
+    for (int s = blockIdx.x; s < R; s += gridDim.x) {
+        const bool src_active = ld_vol(active + s) != 0;
+        int present = 0;
+        for (int base = 0; base < M; base += kThreads) {
+            const int t = base + tid;
+            bool ok = false;
+            if (t < M) {
+                const int64_t st = static_cast<int64_t>(s) * M + t;
+                const uint8_t* rec = my_set + b.off_meta + st * kMetaStride;
+                const int4 hdr = ep::ld_cg_v4(rec);
+                ok = src_active && static_cast<uint32_t>(hdr.x) == tag && hdr.y >= 0 &&
+                     hdr.y < b.max_topk;
+                if (ok) {
+                    for (int k = 0; k < K; ++k) {
+                        const int sel = ep::ld_cg_i32(rec + 16 + 4 * k);
+                        const float w = ep::ld_cg_f32(rec + 16 + 4 * kMaxTopk + 4 * k);
+                        int64_t row = -1;
+                        if (sel >= 0) {
+                            const int l = sel >> 24;
+                            const int slot = sel & 0xffffff;
+                            if (l < L && slot < s_cnt[l * R + s]) {
+                                row = l * rows_per_expert + s_off[l * R + s] + slot;
+                            }
+                        }
+                        p.recv_rank_rows[st * kMaxTopk + k] = static_cast<int>(row);
+                        p.recv_rank_weights[st * kMaxTopk + k] = w;
+                    }
+                }
+                p.recv_rank_slot[st] = ok ? hdr.y : -1;
+            }
+            present += __syncthreads_count(ok);
+        }
+        if (tid == 0) {
+            p.recv_rank_count[s] = present;
         }
     }
 }
@@ -488,6 +632,9 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     __syncthreads();
     block_prefix_sum(s_pre, L);
     __syncthreads();
+    if (p.recv_rank_slot != nullptr) {
+        dispatch_recv_ranks(p, s_cnt, s_off, my_set, tag);
+    }
     // Per local expert (a block each): the count, the ranges, and -1 in the source-token
     // entries past the count (the rows below it are written by the copy below), so the outputs
     // need no fill before the launch.
@@ -706,6 +853,116 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
     }
 }
 
+// Per-rank combine, send phase. Items are (home s, token t, chunk of 32 lanes x kRankVecs
+// vectors) over all R x M (s, t): an item whose token sent nothing here (`rank_slot` -1) is
+// skipped; the others sum, in k order and in f32, the weighted rows of the token's experts on
+// this rank (loaded kRankBatch rows at a time) and write the bf16 partial into row
+// (t, rank_slot) of the home's combine region. Each home's items count in `rank_done[s]`
+// (local, the first R counters of `unit_done`); the warp that finishes the last one flags the
+// home (`flags[rank]`), and homes without items are flagged at once. Shared memory: items
+// per home [R], mask snapshot [R].
+__device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32_t set,
+                                   uint32_t tag) {
+    const LlBuffer& b = p.buf;
+    const int H = b.hidden, R = b.num_ranks, E = b.num_experts, M = b.max_tokens;
+    const int K = p.num_topk;
+    const int tid = threadIdx.x, lane = ep::lane_id(), warp = ep::warp_id();
+    int* rank_done = reinterpret_cast<int*>(b.local + b.off_send_done) + E;
+    const int vpr = H / 8;
+    const int64_t row_bytes = 2 * static_cast<int64_t>(H);
+    constexpr int kChunkVecs = ep::kWarpSize * kRankVecs;
+    const int chunks = ep::ceil_div(vpr, kChunkVecs);
+    int* s_items = reinterpret_cast<int*>(smem);
+    int* s_active = s_items + R;
+
+    for (int s = blockIdx.x + tid * static_cast<int>(gridDim.x); s < R;
+         s += kThreads * static_cast<int>(gridDim.x)) {
+        if (s_items[s] == 0 && s_active[s] != 0) {
+            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags + static_cast<int64_t>(b.rank) * 4,
+                     static_cast<int>(tag));
+        }
+    }
+
+    const int64_t items = static_cast<int64_t>(R) * M * chunks;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * kWarps + warp; j < items; j += warps) {
+        const int64_t st = j / chunks;
+        const int chunk = static_cast<int>(j - st * chunks);
+        const int s = static_cast<int>(st / M);
+        const int t = static_cast<int>(st - static_cast<int64_t>(s) * M);
+        // The slot and the token's rows here load together.
+        const int home_row = p.rank_slot[st];
+        const int row = lane < K ? p.rank_rows[st * kMaxTopk + lane] : -1;
+        const float w = lane < K ? p.rank_weights[st * kMaxTopk + lane] : 0.0f;
+        if (home_row < 0) {
+            continue;  // warp-uniform
+        }
+        if (s_active[s] != 0) {
+            float acc[kRankVecs][8];
+#pragma unroll
+            for (int q = 0; q < kRankVecs; ++q) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    acc[q][c] = 0.0f;
+                }
+            }
+            // In k order (the host twin `partial_row`), kRankBatch rows in flight at a time.
+            uint32_t have = __ballot_sync(ep::kFullMask, row >= 0);
+            while (have != 0) {
+                int4 v[kRankBatch][kRankVecs];
+                float wq[kRankBatch];
+                bool used[kRankBatch];
+#pragma unroll
+                for (int u = 0; u < kRankBatch; ++u) {
+                    used[u] = have != 0;
+                    const int k = used[u] ? __ffs(have) - 1 : 0;
+                    have &= have - 1;
+                    const int r_u = __shfl_sync(ep::kFullMask, row, k);
+                    wq[u] = __shfl_sync(ep::kFullMask, w, k);
+                    const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(r_u) * H);
+#pragma unroll
+                    for (int q = 0; q < kRankVecs; ++q) {
+                        const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                        if (used[u] && i < vpr) {
+                            v[u][q] = ep::ld_nc_no_alloc(src + i);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kRankBatch; ++u) {
+#pragma unroll
+                    for (int q = 0; q < kRankVecs; ++q) {
+                        const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                        if (used[u] && i < vpr) {
+                            ep::ll::accumulate_bf16x8(acc[q], v[u][q], wq[u]);
+                        }
+                    }
+                }
+            }
+            uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
+                           (static_cast<int64_t>(t) * b.max_topk + home_row) * row_bytes;
+#pragma unroll
+            for (int q = 0; q < kRankVecs; ++q) {
+                const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
+                if (i < vpr) {
+                    put_v4(dst + static_cast<int64_t>(i) * 16, ep::ll::pack_bf16x8(acc[q]));
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0 && ep::atomic_add_release_gpu(rank_done + s, 1) == s_items[s] - 1) {
+            // As `combine_send`'s last chunk of a unit: reset, fence, flag the home.
+            atomicExch(rank_done + s, 0);
+            if (s_active[s] != 0) {
+                ep::fence_acq_rel_sys();
+                put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
+                             static_cast<int64_t>(b.rank) * 4,
+                         static_cast<int>(tag));
+            }
+        }
+    }
+}
+
 __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int T = p.num_tokens, K = p.num_topk, H = b.hidden, R = b.num_ranks;
@@ -717,6 +974,9 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
     float* s_w = reinterpret_cast<float*>(smem);
     int* s_valid = reinterpret_cast<int*>(smem + kMaxTopk * 4);
     int* s_active = reinterpret_cast<int*>(smem + kMaxTopk * 8);
+    // Per rank: the token's expert ranks (-1: no expert) in k order.
+    __shared__ int s_erank[kMaxTopk];
+    const bool per_rank = p.reduce != 0;
 
     // The first token's routing (a local input) is read while the flags are awaited.
     const int t_first = blockIdx.x;
@@ -726,10 +986,17 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
         pre_e = p.topk_idx[static_cast<int64_t>(t_first) * K + tid];
         pre_w = p.topk_weights[static_cast<int64_t>(t_first) * K + tid];
     }
-    // Every expert of every active rank flags every home, also with zero rows: waiting for
-    // all of them is what makes reusing the buffer set two ops later safe.
-    for (int e = tid; e < E; e += kThreads) {
-        wait_flag(flags + e, tag, active + e / L, b.timeout_ns);
+    // Every expert (per rank: every rank) of every active rank flags every home, also with
+    // zero rows: waiting for all of them is what makes reusing the buffer set two ops later
+    // safe.
+    if (per_rank) {
+        for (int r = tid; r < R; r += kThreads) {
+            wait_flag(flags + r, tag, active + r, b.timeout_ns);
+        }
+    } else {
+        for (int e = tid; e < E; e += kThreads) {
+            wait_flag(flags + e, tag, active + e / L, b.timeout_ns);
+        }
     }
     __syncthreads();
     // One snapshot of the mask for the whole block.
@@ -748,8 +1015,30 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
             s_valid[tid] = valid ? 1 : 0;
             const float w = first ? pre_w : p.topk_weights[static_cast<int64_t>(t) * K + tid];
             s_w[tid] = valid ? w : 0.0f;
+            s_erank[tid] = e >= 0 && e < E ? static_cast<int>(e) / L : -1;
         }
         __syncthreads();
+        if (per_rank) {
+            // Row j of the token is the partial sum of its j-th distinct rank (k order, as
+            // the host twin `rank_order`), added with weight 1 (exact: 1 * v == v).
+            if (tid < K) {
+                int n = 0, rank_j = -1;
+                for (int k = 0; k < K && rank_j < 0; ++k) {
+                    const int r = s_erank[k];
+                    bool seen = r < 0;
+                    for (int k2 = 0; k2 < k && !seen; ++k2) {
+                        seen = s_erank[k2] == r;
+                    }
+                    if (!seen) {
+                        rank_j = n == tid ? r : -1;
+                        ++n;
+                    }
+                }
+                s_valid[tid] = rank_j >= 0 && s_active[rank_j] != 0 ? 1 : 0;
+                s_w[tid] = 1.0f;
+            }
+            __syncthreads();
+        }
         const uint8_t* rows = my_set + b.off_rows + static_cast<int64_t>(t) * b.max_topk * row_bytes;
         for (int i = tid; i < vpr; i += kThreads) {
             float acc[8];
@@ -841,7 +1130,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
 }
 
 // Grid: at most one block per SM. Dynamic shared memory:
-// max(send: 4 * (3 * E + 1 + R), receive: kMaxTopk * 8 + 4 * R) bytes.
+// max(send: 4 * (3 * E + 1 + R) (per rank: 8 * R), receive: kMaxTopk * 8 + 4 * R) bytes.
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__ CombineParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
@@ -849,7 +1138,17 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
     // The op sequence and the send phase's layout loads are in flight together.
     const uint32_t seq0 =
         threadIdx.x == 0 ? op_begin(reinterpret_cast<const uint32_t*>(b.local), kKindCombine, p.phases) : 0u;
-    if (p.phases & kPhaseSend) {
+    const bool per_rank = p.reduce != 0;
+    if ((p.phases & kPhaseSend) && per_rank) {
+        // Items per home and the mask, for `combine_send_ranks`.
+        const int chunks = ep::ceil_div(b.hidden / 8, ep::kWarpSize * kRankVecs);
+        int* s_items = reinterpret_cast<int*>(smem);
+        const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
+        for (int r = threadIdx.x; r < b.num_ranks; r += kThreads) {
+            s_items[r] = p.rank_count[r] * chunks;
+            s_items[b.num_ranks + r] = ld_vol(active + r);
+        }
+    } else if (p.phases & kPhaseSend) {
         combine_stage(p, smem);
     }
     if (threadIdx.x == 0) {
@@ -859,7 +1158,9 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
     const uint32_t seq = s_seq;
     const uint32_t set = seq & 1u;
     const uint32_t tag = tag_of(seq);
-    if (p.phases & kPhaseSend) {
+    if ((p.phases & kPhaseSend) && per_rank) {
+        combine_send_ranks(p, smem, set, tag);
+    } else if (p.phases & kPhaseSend) {
         combine_send(p, smem, set, tag);
     }
     if (p.phases & kPhaseRecv) {

@@ -12,7 +12,7 @@ use crate::group::Group;
 use candle_core::{DType, Tensor};
 use cudarc::driver::CudaSlice;
 use ep_kernels::layout::ExpertPlacement;
-use ep_kernels::low_latency::{self as kll, LowLatencyBuffer, LowLatencyFormat, Phases};
+use ep_kernels::low_latency::{self as kll, LowLatencyBuffer, LowLatencyFormat, Phases, Reduction};
 use half::bf16;
 use std::sync::Arc;
 
@@ -39,6 +39,8 @@ pub(crate) struct LlDispatchPending {
     recv: RecvSlices,
     x: Tensor,
     topk: Tensor,
+    /// `[T, K]` f32 when the dispatch carries the weights (per-rank combines).
+    weights: Option<Tensor>,
     num_tokens: usize,
     num_topk: usize,
     async_finish: bool,
@@ -80,6 +82,7 @@ pub(crate) struct LlCombinePending {
     x: Tensor,
     topk_idx: Tensor,
     topk_weights: Tensor,
+    reduction: Reduction,
     out: CudaSlice<bf16>,
     user_out: Option<Tensor>,
     async_finish: bool,
@@ -148,7 +151,7 @@ impl LowLatencyCuda {
     }
 
     /// Launches `phases` of the low-latency dispatch of `x` (`[t, H]` bf16) routed by
-    /// `topk_idx` (`[t, k]` i64) into `recv`.
+    /// `topk_idx` (`[t, k]` i64) into `recv`, carrying `weights` (`[t, k]` f32) when given.
     #[allow(clippy::too_many_arguments)]
     fn launch_dispatch(
         &self,
@@ -156,14 +159,19 @@ impl LowLatencyCuda {
         recv: &mut RecvSlices,
         x: &Tensor,
         topk_idx: &Tensor,
+        weights: Option<&Tensor>,
         t: usize,
         k: usize,
         phases: Phases,
     ) -> Result<()> {
         let x_d = DeviceTensor::new("x", x)?;
         let i_d = DeviceTensor::new("topk_idx", topk_idx)?;
+        let w_d = weights
+            .map(|w| DeviceTensor::new("topk_weights", w))
+            .transpose()?;
+        let w_v = w_d.as_ref().map(|w| w.view::<f32>()).transpose()?;
         let (x_v, i_v) = (x_d.view::<bf16>()?, i_d.view::<i64>()?);
-        recv.dispatch(&self.comm, buffer, &x_v, &i_v, t, k, phases)
+        recv.dispatch(&self.comm, buffer, &x_v, &i_v, w_v.as_ref(), t, k, phases)
             .map_err(|e| kernel_err(e, self.timeout))
     }
 
@@ -180,6 +188,7 @@ impl LowLatencyCuda {
         topk_weights: &Tensor,
         dims: LlCombineDims,
         phases: Phases,
+        reduction: Reduction,
         out: &mut CudaSlice<bf16>,
     ) -> Result<()> {
         let (t, k, hid) = (dims.num_tokens, dims.num_topk, dims.hidden);
@@ -198,6 +207,7 @@ impl LowLatencyCuda {
                 t,
                 k,
                 phases,
+                reduction,
                 &mut out.slice_mut(0..t * hid),
             )
         })?
@@ -211,6 +221,7 @@ impl LowLatencyCuda {
         group: &dyn Group,
         x: &Tensor,
         topk_idx: &Tensor,
+        topk_weights: Option<&Tensor>,
         num_topk: usize,
         use_fp8: bool,
         use_ue8m0: bool,
@@ -233,14 +244,25 @@ impl LowLatencyCuda {
         // Allocated on the compute stream (candle's), before the communication stream joins
         // it: the frees then land on the compute stream too, which keeps a captured step's
         // streams joined and orders frees after the kernels without event tracking.
-        let mut recv = RecvSlices::alloc(&self.compute, format, l, r, m, h)?;
+        let weights = topk_weights.map(Tensor::contiguous).transpose()?;
+        let mut recv = RecvSlices::alloc(&self.compute, format, l, r, m, h, weights.is_some())?;
         let (phases, recv_phase) = self.send_phases(group, st, "low_latency_dispatch");
         self.begin()?;
-        self.launch_dispatch(&st.buffer, &mut recv, x, topk_idx, t, num_topk, phases)?;
+        self.launch_dispatch(
+            &st.buffer,
+            &mut recv,
+            x,
+            topk_idx,
+            weights.as_ref(),
+            t,
+            num_topk,
+            phases,
+        )?;
         Ok(LlDispatchPending {
             recv,
             x: x.clone(),
             topk: topk_idx.clone(),
+            weights,
             num_tokens: t,
             num_topk,
             async_finish,
@@ -258,6 +280,7 @@ impl LowLatencyCuda {
             mut recv,
             x,
             topk,
+            weights,
             num_tokens,
             num_topk,
             async_finish,
@@ -271,6 +294,7 @@ impl LowLatencyCuda {
                 &mut recv,
                 &x,
                 &topk,
+                weights.as_ref(),
                 num_tokens,
                 num_topk,
                 Phases::Recv,
@@ -304,6 +328,7 @@ impl LowLatencyCuda {
         topk_weights: &Tensor,
         data: Option<&Arc<CudaLlDispatchData>>,
         dims: LlCombineDims,
+        reduction: Reduction,
         out: Option<&Tensor>,
         async_finish: bool,
     ) -> Result<LlCombinePending> {
@@ -311,6 +336,13 @@ impl LowLatencyCuda {
         let data = data.ok_or_else(|| {
             Error::HandleMismatch("the low-latency handle was made by a CPU buffer".into())
         })?;
+        if reduction == Reduction::PerRank && !data.has_rank_tables() {
+            return Err(Error::HandleMismatch(
+                "a per-rank combine needs a dispatch that carried topk_weights \
+                 (LowLatencyDispatchArgs::weights)"
+                    .into(),
+            ));
+        }
         let (t, hid) = (dims.num_tokens, dims.hidden);
         let _op = lock(&self.op);
         let mut g = self.state_for(group, dims.max_tokens, hid, dims.num_experts)?;
@@ -328,6 +360,7 @@ impl LowLatencyCuda {
             topk_weights,
             dims,
             phases,
+            reduction,
             &mut o,
         )?;
         Ok(LlCombinePending {
@@ -336,6 +369,7 @@ impl LowLatencyCuda {
             x: x.clone(),
             topk_idx: topk_idx.clone(),
             topk_weights: topk_weights.clone(),
+            reduction,
             out: o,
             user_out: out.cloned(),
             async_finish,
@@ -355,6 +389,7 @@ impl LowLatencyCuda {
             x,
             topk_idx,
             topk_weights,
+            reduction,
             mut out,
             user_out,
             async_finish,
@@ -372,6 +407,7 @@ impl LowLatencyCuda {
                 &topk_weights,
                 dims,
                 Phases::Recv,
+                reduction,
                 &mut out,
             )
         })?;

@@ -8,10 +8,11 @@ use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use crate::error::Result;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::Tensor;
+use cudarc::driver::CudaView;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use ep_kernels::low_latency::{
     self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyRecvMut, LowLatencyRecvRef, Phases,
-    RecvXMut,
+    RankTablesMut, RankTablesRef, RecvXMut, LL_MAX_TOPK,
 };
 use ep_kernels::FP8_GROUP;
 use float8::F8E4M3;
@@ -63,6 +64,49 @@ impl I32Block {
     }
 }
 
+/// The per-rank combine's tables of one dispatch that carries the top-k weights (see
+/// [`kll::RankTables`]): one `i32` allocation (rows `[R, M, LL_MAX_TOPK]`, slots `[R, M]`,
+/// counts `[R]`) and the weights `[R, M, LL_MAX_TOPK]` f32, unzeroed (the receive phase
+/// writes every slot and count, and the rows and weights the combine reads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RankAt {
+    /// Elements of the rows (and of the weights), then where the slots and counts start.
+    rows: usize,
+    slot: usize,
+    count: usize,
+    len: usize,
+    r: usize,
+}
+
+impl RankAt {
+    fn new(r: usize, m: usize) -> Self {
+        let rows = r * m * LL_MAX_TOPK;
+        Self {
+            rows,
+            slot: rows,
+            count: rows + r * m,
+            len: rows + r * m + r,
+            r,
+        }
+    }
+}
+
+/// [`RankAt`]'s allocations while the dispatch owns them.
+#[derive(Debug)]
+struct RankSlices {
+    ints: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    at: RankAt,
+}
+
+/// The rank tables of a handle: the tensors owning [`RankSlices`]' memory.
+#[derive(Debug)]
+struct RankTensors {
+    ints: Tensor,
+    weights: Tensor,
+    at: RankAt,
+}
+
 /// `recv_x` of a pending dispatch, in the dtype of the tensor it becomes.
 #[derive(Debug)]
 enum RecvRows {
@@ -83,13 +127,17 @@ pub(crate) struct RecvSlices {
     /// The `i32` outputs, laid out as `at` says.
     block: CudaSlice<i32>,
     at: I32Block,
+    /// The per-rank combine's tables (dispatches that carry the top-k weights).
+    ranks: Option<RankSlices>,
 }
 
 impl RecvSlices {
     /// Allocates the outputs of a dispatch into `L` local experts of `R * M` rows of `h`
     /// channels on `stream`, with no memset or fill: rows past the counts are never read
     /// (documented as unspecified), and the receive phase writes `recv_count`, the ranges and
-    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16).
+    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16), and two
+    /// for the per-rank combine's tables with `ranks`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn alloc(
         stream: &Arc<CudaStream>,
         format: LowLatencyFormat,
@@ -97,6 +145,7 @@ impl RecvSlices {
         r: usize,
         m: usize,
         h: usize,
+        ranks: bool,
     ) -> Result<Self> {
         let at = I32Block::new(l, r, m);
         let rows = at.rows();
@@ -115,11 +164,22 @@ impl RecvSlices {
             scales,
             block: alloc_uninit(stream, at.len)?,
             at,
+            ranks: if ranks {
+                let at = RankAt::new(r, m);
+                Some(RankSlices {
+                    ints: alloc_uninit(stream, at.len)?,
+                    weights: alloc_uninit(stream, at.rows)?,
+                    at,
+                })
+            } else {
+                None
+            },
         })
     }
 
     /// Launches `phases` of the dispatch kernel of `x: [t, H]` bf16 routed by
-    /// `topk_idx: [t, k]` i64 into these buffers.
+    /// `topk_idx: [t, k]` i64 into these buffers, carrying `topk_weights` (`[t, k]` f32; exactly
+    /// when these were allocated with the rank tables).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch(
         &mut self,
@@ -127,6 +187,7 @@ impl RecvSlices {
         buffer: &LowLatencyBuffer,
         x: &impl DevicePtr<bf16>,
         topk_idx: &impl DevicePtr<i64>,
+        topk_weights: Option<&CudaView<'_, f32>>,
         t: usize,
         k: usize,
         phases: Phases,
@@ -148,8 +209,40 @@ impl RecvSlices {
             recv_src_info: info.slice_mut(0..rows),
             recv_src_topk: topk.slice_mut(0..rows),
             recv_layout_range: range.slice_mut(0..2 * at.l * at.r),
+            ranks: None,
         };
-        kll::dispatch_cuda(stream, buffer, x, topk_idx, t, k, self.format, phases, out)
+        // The rank tables' parts, split here like the block's (the views borrow these locals).
+        let mut rank_parts = self.ranks.as_mut().map(|r| {
+            let at = r.at;
+            let (rows, rest) = r.ints.split_at_mut(at.slot);
+            (rows, rest, r.weights.as_view_mut(), at)
+        });
+        let mut rank_split = rank_parts
+            .as_mut()
+            .map(|(rows, rest, w, at)| (rows, rest.split_at_mut(at.count - at.slot), w));
+        let out = LowLatencyRecvMut {
+            ranks: rank_split
+                .as_mut()
+                .map(|(rows, (slot, count), w)| RankTablesMut {
+                    rank_rows: rows.slice_mut(..),
+                    rank_weights: w.slice_mut(..),
+                    rank_slot: slot.slice_mut(..),
+                    rank_count: count.slice_mut(..),
+                }),
+            ..out
+        };
+        kll::dispatch_cuda(
+            stream,
+            buffer,
+            x,
+            topk_idx,
+            topk_weights,
+            t,
+            k,
+            self.format,
+            phases,
+            out,
+        )
     }
 
     /// Hands the buffers to tensors of `dev` (once the receive phase is on the stream).
@@ -162,12 +255,17 @@ impl RecvSlices {
         };
         let recv_x_scales = self.scales.map(|s| wrap(s, (l, rpe, h / FP8_GROUP), dev));
         let block = wrap(self.block, at.len, dev);
+        let ranks = self.ranks.map(|r| RankTensors {
+            ints: wrap(r.ints, r.at.len, dev),
+            weights: wrap(r.weights, r.at.rows, dev),
+            at: r.at,
+        });
         Ok(DispatchOutputs {
             recv_x,
             recv_x_scales,
             recv_count: block.narrow(0, at.count, l)?,
             src_info: block.narrow(0, at.src_info, at.rows())?.reshape((l, rpe))?,
-            data: CudaLlDispatchData { block, at },
+            data: CudaLlDispatchData { block, at, ranks },
         })
     }
 }
@@ -187,11 +285,13 @@ pub(super) struct DispatchOutputs {
 }
 
 /// What a low-latency handle made by a CUDA buffer keeps for its combine: the tensor owning
-/// the dispatch's `i32` block (source rows, top-k positions, ranges).
+/// the dispatch's `i32` block (source rows, top-k positions, ranges), and the per-rank
+/// combine's tables when the dispatch carried the top-k weights.
 #[derive(Debug)]
 pub(crate) struct CudaLlDispatchData {
     block: Tensor,
     at: I32Block,
+    ranks: Option<RankTensors>,
 }
 
 impl CudaLlDispatchData {
@@ -202,11 +302,37 @@ impl CudaLlDispatchData {
         let rows = at.rows();
         let block = DeviceTensor::new("handle", &self.block)?;
         let all = block.view::<i32>()?;
+        let rank_d = match &self.ranks {
+            Some(t) => Some((
+                DeviceTensor::new("handle rank tables", &t.ints)?,
+                DeviceTensor::new("handle rank weights", &t.weights)?,
+                t.at,
+            )),
+            None => None,
+        };
+        let ranks = match &rank_d {
+            Some((ints, weights, ra)) => {
+                let ints = ints.view::<i32>()?;
+                Some(RankTablesRef {
+                    rank_rows: ints.slice(0..ra.rows),
+                    rank_weights: weights.view::<f32>()?,
+                    rank_slot: ints.slice(ra.slot..ra.count),
+                    rank_count: ints.slice(ra.count..ra.len),
+                })
+            }
+            None => None,
+        };
         Ok(f(LowLatencyRecvRef {
             recv_src_info: all.slice(at.src_info..at.src_info + rows),
             recv_src_topk: all.slice(at.src_topk..at.src_topk + rows),
             recv_layout_range: all.slice(at.range..at.range + 2 * at.l * at.r),
+            ranks,
         }))
+    }
+
+    /// Whether the dispatch carried the top-k weights (a per-rank combine can answer it).
+    pub(crate) fn has_rank_tables(&self) -> bool {
+        self.ranks.is_some()
     }
 
     /// `[L, R]` i64 `offset << 32 | count` ranges from the kernel's `(offset, count)` pairs

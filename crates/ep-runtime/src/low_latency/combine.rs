@@ -1,12 +1,14 @@
 //! Low-latency combine.
 
+use super::dispatch::RankToken;
 use super::{LowLatencyHandle, RecvHook};
 use crate::backend::Backend;
 use crate::buffer::{check_dtype, check_shape, Buffer, Posted};
-use crate::codec::{pack, tensor_bytes, tensor_from_bytes, unpack};
+use crate::codec::{i32_bytes, pack, tensor_bytes, tensor_from_bytes, unpack};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
 use candle_core::{DType, Tensor};
+use ep_kernels::low_latency::{rank_order, Reduction};
 
 /// The inputs of [`Buffer::low_latency_combine`].
 #[derive(Debug, Clone)]
@@ -16,10 +18,15 @@ pub struct LowLatencyCombineArgs<'a> {
     pub x: &'a Tensor,
     /// `[T, K]` i64: the routing given to the dispatch.
     pub topk_idx: &'a Tensor,
-    /// `[T, K]` f32 gate weights.
+    /// `[T, K]` f32 gate weights (read per expert; per rank the dispatch's count).
     pub topk_weights: &'a Tensor,
     /// The dispatch's handle.
     pub handle: &'a LowLatencyHandle,
+    /// How the expert outputs are reduced: DeepEP's per-expert rows (the default), or one
+    /// partial sum per (token, rank), which needs a dispatch that carried the weights
+    /// ([`LowLatencyDispatchArgs::weights`](crate::LowLatencyDispatchArgs::weights)). Every rank
+    /// must use the same.
+    pub reduction: Reduction,
     /// Write the result into this `[T, H]` tensor (same dtype as `x`) instead of a new one.
     pub out: Option<&'a Tensor>,
     /// Return before the work is done (GPU buffers).
@@ -39,9 +46,16 @@ impl<'a> LowLatencyCombineArgs<'a> {
             topk_idx,
             topk_weights,
             handle,
+            reduction: Reduction::PerExpert,
             out: None,
             async_finish: false,
         }
+    }
+
+    /// Reduces as `reduction` says.
+    pub fn reduction(mut self, reduction: Reduction) -> Self {
+        self.reduction = reduction;
+        self
     }
 
     /// Writes into `out`.
@@ -64,6 +78,7 @@ pub(crate) struct LlCombinePlan {
     handle: LowLatencyHandle,
     weights: Vec<f32>,
     dtype: DType,
+    reduction: Reduction,
     out: Option<Tensor>,
 }
 
@@ -111,6 +126,13 @@ impl Buffer {
             check_shape("out", o, &[Some(t), Some(hid)])?;
             check_dtype("out", o, &[args.x.dtype()], "the dtype of x")?;
         }
+        if args.reduction == Reduction::PerRank && !h.carries_weights {
+            return Err(Error::HandleMismatch(
+                "a per-rank combine needs a dispatch that carried topk_weights \
+                 (LowLatencyDispatchArgs::weights)"
+                    .into(),
+            ));
+        }
         match &self.backend {
             Backend::Host => self.ll_combine_send_host(args),
             #[cfg(feature = "cuda")]
@@ -130,6 +152,7 @@ impl Buffer {
                     args.topk_weights,
                     h.cuda.as_ref(),
                     dims,
+                    args.reduction,
                     args.out,
                     args.async_finish,
                 )?;
@@ -152,23 +175,47 @@ impl Buffer {
         args: &LowLatencyCombineArgs<'_>,
     ) -> Result<RecvHook<'b, LowLatencyCombineOutput>> {
         let h = &args.handle.inner;
-        let r = self.topology.num_ranks;
-        let l = h.placement.experts_per_rank();
-        let (m, hid) = (h.max_tokens, h.hidden);
         // Host backend: the routing must be the dispatch's (CUDA buffers never read it back).
         if args.topk_idx.flatten_all()?.to_vec1::<i64>()? != h.topk_idx {
             return Err(Error::HandleMismatch(
                 "topk_idx differs from the routing of the dispatch that made the handle".into(),
             ));
         }
-        let layout = h.layout.as_ref().ok_or_else(|| {
-            Error::HandleMismatch("the low-latency handle was made by a CUDA buffer".into())
-        })?;
+        if h.layout.is_none() {
+            return Err(Error::HandleMismatch(
+                "the low-latency handle was made by a CUDA buffer".into(),
+            ));
+        }
         let weights = args.topk_weights.flatten_all()?.to_vec1::<f32>()?;
+        let msgs = match args.reduction {
+            Reduction::PerExpert => self.ll_per_expert_rows(args)?,
+            Reduction::PerRank => self.ll_per_rank_rows(args.x, &h.rank_entries)?,
+        };
+        let mut fails = Vec::new();
+        let posted = self.post("low_latency_combine", msgs, Some(&mut fails))?;
+        let plan = LlCombinePlan {
+            handle: args.handle.clone(),
+            weights,
+            dtype: args.x.dtype(),
+            reduction: args.reduction,
+            out: args.out.cloned(),
+        };
+        Ok(RecvHook {
+            finish: Box::new(move || self.ll_combine_finish(plan, posted, fails)),
+        })
+    }
+
+    /// Per expert: to each source, for each local expert, its rows of that source in slot
+    /// order.
+    fn ll_per_expert_rows(&self, args: &LowLatencyCombineArgs<'_>) -> Result<Vec<Option<Vec<u8>>>> {
+        let h = &args.handle.inner;
+        let r = self.topology.num_ranks;
+        let l = h.placement.experts_per_rank();
+        let (m, hid) = (h.max_tokens, h.hidden);
+        let layout = h.layout.as_ref().expect("checked by ll_combine_send_host");
         let xb = tensor_bytes(args.x)?;
         let row = hid * args.x.dtype().size_in_bytes();
-        // To each source: for each local expert, its rows of that source, in slot order.
-        let msgs = (0..r)
+        Ok((0..r)
             .map(|s| {
                 let mut rows = Vec::new();
                 for le in 0..l {
@@ -179,18 +226,39 @@ impl Buffer {
                 }
                 Some(pack(&[&rows]))
             })
-            .collect();
-        let mut fails = Vec::new();
-        let posted = self.post("low_latency_combine", msgs, Some(&mut fails))?;
-        let plan = LlCombinePlan {
-            handle: args.handle.clone(),
-            weights,
-            dtype: args.x.dtype(),
-            out: args.out.cloned(),
-        };
-        Ok(RecvHook {
-            finish: Box::new(move || self.ll_combine_finish(plan, posted, fails)),
-        })
+            .collect())
+    }
+
+    /// Per rank: to each source, the tokens it sent here (token order) and for each the
+    /// partial sum of its selections here (`w * y` in k order, in f32, rounded to `x`'s dtype),
+    /// as the host twin `partial_row`.
+    fn ll_per_rank_rows(
+        &self,
+        x: &Tensor,
+        entries: &[Vec<RankToken>],
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let hid = x.dims3()?.2;
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        entries
+            .iter()
+            .map(|tokens| {
+                let mut ids = Vec::with_capacity(tokens.len());
+                let mut acc = vec![0f32; tokens.len() * hid];
+                for (tok, a) in tokens.iter().zip(acc.chunks_exact_mut(hid.max(1))) {
+                    ids.push(tok.token as i32);
+                    for &(_, row, w) in &tok.entries {
+                        for (o, v) in a.iter_mut().zip(&xf[row * hid..(row + 1) * hid]) {
+                            *o += w * v;
+                        }
+                    }
+                }
+                // Rounded once to x's dtype (to nearest even), as the twin.
+                let partials = Tensor::from_vec(acc, (tokens.len(), hid), &self.device)?;
+                let rows = tensor_bytes(&partials.to_dtype(dtype)?)?;
+                Ok(Some(pack(&[&i32_bytes(&ids), &rows])))
+            })
+            .collect()
     }
 
     fn ll_combine_finish(
@@ -200,6 +268,13 @@ impl Buffer {
         mut fails: Vec<Error>,
     ) -> Result<LowLatencyCombineOutput> {
         let got = self.complete(posted, Some(&mut fails))?;
+        if plan.reduction == Reduction::PerRank {
+            let out = self.ll_per_rank_finish(&plan, &got)?;
+            return match fails.into_iter().next() {
+                Some(e) => Err(e),
+                None => Ok(out),
+            };
+        }
         let h = &plan.handle.inner;
         let r = self.topology.num_ranks;
         let l = h.placement.experts_per_rank();
@@ -272,5 +347,77 @@ impl Buffer {
             Some(e) => Err(e),
             None => Ok(out),
         }
+    }
+
+    /// The home's side of a per-rank combine: for each token, the partial rows of its ranks
+    /// (in the order of [`rank_order`]) added in f32 and rounded once, as the host twin
+    /// `combine_per_rank`; ranks that sent nothing (masked) contribute nothing.
+    fn ll_per_rank_finish(
+        &self,
+        plan: &LlCombinePlan,
+        got: &[Option<Vec<u8>>],
+    ) -> Result<LowLatencyCombineOutput> {
+        let h = &plan.handle.inner;
+        let (t, k, hid) = (h.num_tokens, h.num_topk, h.hidden);
+        let row = hid * plan.dtype.size_in_bytes();
+        // partials[d][token]: rank d's partial row of that token, as f32.
+        let mut partials: Vec<Option<std::collections::HashMap<usize, Vec<f32>>>> =
+            Vec::with_capacity(got.len());
+        for (d, msg) in got.iter().enumerate() {
+            let Some(msg) = msg else {
+                partials.push(None);
+                continue;
+            };
+            let parts = unpack(msg, 2, d)?;
+            let ids = crate::codec::i32s(parts[0]);
+            if parts[1].len() != ids.len() * row || ids.iter().any(|&v| v < 0 || v as usize >= t) {
+                return Err(Error::Protocol {
+                    rank: d,
+                    what: format!(
+                        "per-rank combine sent {} bytes for {} tokens of {row} bytes (tokens < {t})",
+                        parts[1].len(),
+                        ids.len()
+                    ),
+                });
+            }
+            let v = tensor_from_bytes(parts[1], plan.dtype, &[ids.len(), hid])?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            partials.push(Some(
+                ids.iter()
+                    .enumerate()
+                    .map(|(i, &tok)| (tok as usize, v[i * hid..(i + 1) * hid].to_vec()))
+                    .collect(),
+            ));
+        }
+        let mut out = vec![0f32; t * hid];
+        for ti in 0..t {
+            let acc = &mut out[ti * hid..(ti + 1) * hid];
+            for d in rank_order(&h.topk_idx[ti * k..(ti + 1) * k], &h.placement) {
+                let Some(from_d) = &partials[d] else { continue };
+                let p = from_d.get(&ti).ok_or_else(|| Error::Protocol {
+                    rank: d,
+                    what: format!(
+                        "per-rank combine sent no row for token {ti}, which has experts there"
+                    ),
+                })?;
+                for (a, v) in acc.iter_mut().zip(p) {
+                    *a += v;
+                }
+            }
+        }
+        let combined = Tensor::from_vec(out, (t, hid), &self.device)?.to_dtype(plan.dtype)?;
+        let combined_x = match &plan.out {
+            Some(o) => {
+                o.slice_set(&combined, 0, 0)?;
+                o.clone()
+            }
+            None => combined,
+        };
+        Ok(LowLatencyCombineOutput {
+            combined_x,
+            event: EventOverlap::complete(),
+        })
     }
 }

@@ -21,6 +21,10 @@ pub struct LowLatencyDispatchArgs<'a> {
     pub x: &'a Tensor,
     /// `[T, K]` i64 expert ids, `-1` = none.
     pub topk_idx: &'a Tensor,
+    /// `[T, K]` f32 gate weights, sent along for a per-rank combine
+    /// ([`Reduction::PerRank`](crate::Reduction)); `None`: DeepEP's dispatch. Every rank must
+    /// pass them or none.
+    pub topk_weights: Option<&'a Tensor>,
     /// Slots per (expert, source); at most what the buffer was sized for, and >= `T`.
     pub num_max_dispatch_tokens_per_rank: usize,
     /// Number of routed experts (a multiple of the number of ranks).
@@ -44,6 +48,7 @@ impl<'a> LowLatencyDispatchArgs<'a> {
         Self {
             x,
             topk_idx,
+            topk_weights: None,
             num_max_dispatch_tokens_per_rank,
             num_experts,
             use_fp8: false,
@@ -56,6 +61,13 @@ impl<'a> LowLatencyDispatchArgs<'a> {
     pub fn fp8(mut self, ue8m0: bool) -> Self {
         self.use_fp8 = true;
         self.use_ue8m0 = ue8m0;
+        self
+    }
+
+    /// Sends the gate weights `[T, K]` f32 along, so that the combine can reduce per rank
+    /// ([`Reduction::PerRank`](crate::Reduction)).
+    pub fn weights(mut self, topk_weights: &'a Tensor) -> Self {
+        self.topk_weights = Some(topk_weights);
         self
     }
 }
@@ -108,6 +120,11 @@ pub(crate) struct LlHandleInner {
     pub send_counts: Vec<i32>,
     /// Where each source's tokens sit in `recv_x` (host backend only).
     pub layout: Option<RecvLayout>,
+    /// Whether the dispatch carried the top-k weights (a per-rank combine can answer it).
+    pub carries_weights: bool,
+    /// Host backend, dispatches that carried the weights: per source, its tokens with a
+    /// selection here in token order, each with its selections here in k order.
+    pub rank_entries: Vec<Vec<RankToken>>,
     pub src_info: Tensor,
     /// `[L, R]` packed ranges (host backend; CUDA handles compute it on request).
     pub layout_range: Option<Tensor>,
@@ -146,6 +163,15 @@ impl LowLatencyHandle {
     }
 }
 
+/// One source token's selections of this rank's experts (host backend, per-rank combine).
+#[derive(Debug, Clone)]
+pub(crate) struct RankToken {
+    /// The token's index at its source.
+    pub token: usize,
+    /// `(k, row of recv_x as [L * R * M], weight)`, in k order.
+    pub entries: Vec<(usize, usize, f32)>,
+}
+
 pub(crate) struct LlDispatchPlan {
     placement: ExpertPlacement,
     num_tokens: usize,
@@ -157,6 +183,7 @@ pub(crate) struct LlDispatchPlan {
     topk_idx: Vec<i64>,
     slots: Vec<i32>,
     send_counts: Vec<i32>,
+    carries_weights: bool,
 }
 
 impl Buffer {
@@ -233,6 +260,7 @@ impl Buffer {
                     self,
                     args.x,
                     args.topk_idx,
+                    args.topk_weights,
                     plan.num_topk,
                     args.use_fp8,
                     args.use_ue8m0,
@@ -273,6 +301,8 @@ impl Buffer {
             src_info: d.src_info,
             layout_range: None,
             layout: None,
+            carries_weights: plan.carries_weights,
+            rank_entries: Vec::new(),
             cuda: Some(d.data),
         };
         Ok(LowLatencyDispatchOutput {
@@ -329,6 +359,13 @@ impl Buffer {
         }
         self.check_device("topk_idx", args.topk_idx)?;
         check_shape("topk_idx", args.topk_idx, &[Some(t), None])?;
+        let k = args.topk_idx.dims2()?.1;
+        if let Some(w) = args.topk_weights {
+            self.check_device("topk_weights", w)?;
+            check_shape("topk_weights", w, &[Some(t), Some(k)])?;
+            check_dtype("topk_weights", w, &[DType::F32], "f32")?;
+        }
+        let carries_weights = args.topk_weights.is_some();
         let placement = self.placement(args.num_experts)?;
         // CUDA buffers send from the device and never read the routing back: no host plan.
         if !self.backend.is_host() {
@@ -336,7 +373,7 @@ impl Buffer {
             let plan = LlDispatchPlan {
                 placement,
                 num_tokens: t,
-                num_topk: args.topk_idx.dims2()?.1,
+                num_topk: k,
                 hidden: h,
                 max_tokens: m,
                 fp8: args.use_fp8,
@@ -344,11 +381,16 @@ impl Buffer {
                 topk_idx: Vec::new(),
                 slots: Vec::new(),
                 send_counts: Vec::new(),
+                carries_weights,
             };
             return Ok((plan, Vec::new()));
         }
         let (topk_idx, _, k) = read_topk_idx(args.topk_idx, &placement)?;
         let (slots, send_counts) = kll::send_slots(&topk_idx, t, k, &placement)?;
+        let weights = match args.topk_weights {
+            Some(w) => w.flatten_all()?.to_vec1::<f32>()?,
+            None => Vec::new(),
+        };
 
         // Payload rows: fp8 bytes + scales, or the tokens in their own dtype.
         let (payload, scales, row, out_dtype) = if args.use_fp8 {
@@ -379,6 +421,9 @@ impl Buffer {
                 let mut src = Vec::new();
                 let mut rows = Vec::new();
                 let mut sc: Vec<f32> = Vec::new();
+                // With the weights: each selection's k and weight.
+                let mut ks = Vec::new();
+                let mut ws: Vec<f32> = Vec::new();
                 for (le, count) in counts.iter_mut().enumerate() {
                     let e = (d * l + le) as i64;
                     // One message per (token, k) pair, in (token, k) order: the slot order.
@@ -388,6 +433,10 @@ impl Buffer {
                         src.push(ti as i32);
                         rows.extend_from_slice(&payload[ti * row..(ti + 1) * row]);
                         sc.extend_from_slice(&scales[ti * groups..(ti + 1) * groups]);
+                        if carries_weights {
+                            ks.push((j % k) as i32);
+                            ws.push(weights[j]);
+                        }
                     }
                 }
                 Some(pack(&[
@@ -395,6 +444,8 @@ impl Buffer {
                     &i32_bytes(&src),
                     &rows,
                     bytemuck::cast_slice(&sc),
+                    &i32_bytes(&ks),
+                    bytemuck::cast_slice(&ws),
                 ]))
             })
             .collect();
@@ -410,6 +461,7 @@ impl Buffer {
                 topk_idx,
                 slots,
                 send_counts,
+                carries_weights,
             },
             msgs,
         ))
@@ -434,19 +486,23 @@ impl Buffer {
                 parsed.push(None);
                 continue;
             };
-            let parts = unpack(msg, 4, s)?;
+            let parts = unpack(msg, 6, s)?;
             let c = i32s(parts[0]);
             let total: usize = c.iter().map(|&v| v.max(0) as usize).sum();
+            let weighed = if plan.carries_weights { total } else { 0 };
             if c.len() != l
                 || c.iter().any(|&v| v < 0 || v as usize > m)
                 || parts[1].len() != total * 4
                 || parts[2].len() != total * row
                 || parts[3].len() != total * groups * 4
+                || parts[4].len() != weighed * 4
+                || parts[5].len() != weighed * 4
             {
                 return Err(Error::Protocol {
                     rank: s,
                     what: format!(
-                        "low-latency dispatch message does not match {l} experts x {m} slots of {row} bytes (same hidden, dtype and sizing on every rank?)"
+                        "low-latency dispatch message does not match {l} experts x {m} slots of {row} bytes{} (same hidden, dtype, sizing and weights on every rank?)",
+                        if plan.carries_weights { " with weights" } else { "" }
                     ),
                 });
             }
@@ -459,9 +515,18 @@ impl Buffer {
         let mut recv = vec![0u8; l * r * m * row];
         let mut recv_scales = vec![0f32; l * r * m * groups];
         let mut src_info = vec![-1i32; l * r * m];
+        let mut rank_entries: Vec<Vec<RankToken>> = vec![Vec::new(); r];
         for (s, parts) in parsed.iter().enumerate() {
             let Some(parts) = parts else { continue };
             let src = i32s(parts[1]);
+            let ks = i32s(parts[4]);
+            let ws: &[f32] = bytemuck::try_cast_slice(parts[5]).map_err(|_| Error::Protocol {
+                rank: s,
+                what: "misaligned weights".into(),
+            })?;
+            // Per token of s: its selections here (k, row, weight).
+            let mut by_token: std::collections::BTreeMap<usize, Vec<(usize, usize, f32)>> =
+                Default::default();
             let sc: &[f32] = bytemuck::try_cast_slice(parts[3]).map_err(|_| Error::Protocol {
                 rank: s,
                 what: "misaligned scales".into(),
@@ -475,9 +540,23 @@ impl Buffer {
                     recv_scales[dst * groups..(dst + 1) * groups]
                         .copy_from_slice(&sc[j * groups..(j + 1) * groups]);
                     src_info[dst] = src[j];
+                    if plan.carries_weights {
+                        by_token.entry(src[j] as usize).or_default().push((
+                            ks[j] as usize,
+                            dst,
+                            ws[j],
+                        ));
+                    }
                     j += 1;
                 }
             }
+            rank_entries[s] = by_token
+                .into_iter()
+                .map(|(token, mut entries)| {
+                    entries.sort_by_key(|e| e.0);
+                    RankToken { token, entries }
+                })
+                .collect();
         }
         let dev = &self.device;
         let ranges: Vec<i64> = layout
@@ -508,6 +587,8 @@ impl Buffer {
                     src_info: Tensor::from_vec(src_info, (l, r * m), dev)?,
                     layout_range: Some(Tensor::from_vec(ranges, (l, r), dev)?),
                     layout: Some(layout),
+                    carries_weights: plan.carries_weights,
+                    rank_entries,
                     #[cfg(feature = "cuda")]
                     cuda: None,
                 }),
