@@ -341,8 +341,9 @@ pub fn dispatch_cuda<'o>(
 /// [`Reduction::PerRank`](super::Reduction), as [`super::combine_per_rank`] with the weights
 /// the dispatch carried (its `handle.ranks`, then required; `topk_weights` is not read). The
 /// send phase reads `x` and `handle`; the receive phase reads `topk_idx` (and, per expert,
-/// `topk_weights`) and writes `out`. At one rank both reductions give the same bits and run
-/// per expert. Every rank must use the same reduction.
+/// `topk_weights`) and writes `out`. At one rank both reductions give the same bits; there a
+/// `Both` launch runs the one-rank kernel (per expert) and split phases the per-rank protocol.
+/// Every rank must use the same reduction.
 #[allow(clippy::too_many_arguments)]
 pub fn combine_cuda<'h>(
     stream: &CudaStream,
@@ -363,7 +364,8 @@ pub fn combine_cuda<'h>(
     let rows = layout.num_local_experts() * layout.recv_rows_per_expert();
     Error::check_len("x", rows * layout.hidden, x.len())?;
     handle.check(layout)?;
-    let per_rank = reduction == super::Reduction::PerRank && layout.num_ranks > 1;
+    let local = layout.num_ranks == 1 && phases == Phases::Both;
+    let per_rank = reduction == super::Reduction::PerRank && !local;
     let ranks = match (&handle.ranks, per_rank) {
         (Some(t), true) => Some(t),
         (None, true) => {
@@ -417,7 +419,7 @@ pub fn combine_cuda<'h>(
         phases: phases as u32,
         reduce: u32::from(per_rank),
     };
-    if layout.num_ranks == 1 && phases == Phases::Both {
+    if local {
         // SAFETY: `params` is what `ll_combine` would be launched with below (see there); the
         // guards are alive until `local::combine` has queued the launch.
         return unsafe { local::combine(stream, &kernels, &params) };

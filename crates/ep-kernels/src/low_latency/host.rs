@@ -122,7 +122,7 @@ pub enum Reduction {
     /// rounds the partial sum to the output dtype and sends one row per (token, rank); the
     /// home adds the partial rows in the order of the token's ranks ([`combine_per_rank`]).
     /// Fewer bytes back (one row per rank instead of one per expert); one more rounding per
-    /// rank (bf16: at most `2^-9` of each partial's magnitude). Needs the top-k weights at
+    /// rank (bf16: at most `2^-8` of each partial's magnitude). Needs the top-k weights at
     /// the dispatch. At one rank the same bits as `PerExpert`.
     PerRank,
 }

@@ -372,7 +372,8 @@ pub struct LowLatencyRecvRef<'a> {
     pub recv_src_topk: CudaView<'a, i32>,
     /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
     pub recv_layout_range: CudaView<'a, i32>,
-    /// The per-rank combine's tables; required by a per-rank combine at more than one rank.
+    /// The per-rank combine's tables; required by a per-rank combine (but for a one-rank
+    /// `Both` launch, which runs per expert).
     pub ranks: Option<RankTablesRef<'a>>,
 }
 

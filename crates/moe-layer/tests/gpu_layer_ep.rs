@@ -1,0 +1,339 @@
+//! GPU tests of `MoeLayer` across GPUs: `N` ranks as threads of one process over the `N`
+//! visible GPUs (at least 2; CUDA buffers over NVLink peer memory, experts split evenly), each
+//! rank's output against the CPU reference, in both modes.
+//!
+//! The reference is the CPU `Experts` over all experts (f32, on the bf16-rounded weights) with
+//! the routing the rank's GPU router chose, plus the shared experts, as in `gpu_layer`; same
+//! tolerances (`1e-2` relative over the batch, `3e-2` per token). Cases: normal mode (a rank
+//! without tokens, a hot expert, fp8 dispatch), low-latency mode with the combine per rank (the
+//! default) and per expert, `Mode::Auto` with different token counts per rank, and a decode
+//! step captured as a CUDA graph on every rank and replayed on fresh inputs (equal to eager
+//! runs within 1e-3).
+//!
+//! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing
+//! and says so. A first argument filters cases by name.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use moe_layer::config::MoeConfig;
+use moe_layer::ep_runtime::{Buffer, BufferConfig, LocalTransport, Reduction, Topology};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
+
+mod gpu_common;
+use gpu_common::{cfg, rel, weights, R};
+
+/// Low-latency slots per rank.
+const LL_MAX: usize = 64;
+
+/// One rank's GPU layer (its shard of the experts) and a CPU reference layer (all experts).
+struct Rank {
+    dev: Device,
+    gpu: MoeLayer,
+    cpu: MoeLayer,
+}
+
+/// A setup: the layer's configuration and options.
+struct Setup {
+    name: &'static str,
+    cfg: MoeConfig,
+    hot: bool,
+    fp8: bool,
+    reduction: Reduction,
+}
+
+fn build(
+    rank: usize,
+    world: usize,
+    transport: LocalTransport,
+    s: &Setup,
+    w: &HashMap<String, Tensor>,
+) -> R<Rank> {
+    let dev = Device::new_cuda(rank)?;
+    let c = &s.cfg;
+    let on_dev: HashMap<String, Tensor> = w
+        .iter()
+        .map(|(k, v)| {
+            let v = if k.ends_with("e_score_correction_bias") {
+                v.to_device(&dev)
+            } else {
+                v.to_dtype(DType::BF16).and_then(|t| t.to_device(&dev))
+            };
+            v.map(|t| (k.clone(), t))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let bcfg = BufferConfig::default()
+        .with_low_latency(LL_MAX, c.hidden_size, c.n_routed_experts)
+        .with_timeout(Duration::from_secs(20));
+    let buffer = Buffer::new(
+        Arc::new(transport),
+        Topology::new(rank, world, world)?,
+        bcfg.clone(),
+        &dev,
+    )?;
+    let opts = MoeLayerOptions {
+        mode: Mode::Auto,
+        low_latency_max_tokens: LL_MAX,
+        fp8_dispatch: s.fp8,
+        expert_alignment: 1,
+        shared_placement: SharedPlacement::Auto,
+        low_latency_tiles: None,
+        low_latency_reduction: s.reduction,
+    };
+    let gpu = MoeLayer::load(
+        VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
+        c,
+        Arc::new(buffer),
+        opts,
+    )?;
+    let cpu = MoeLayer::load(
+        VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu),
+        c,
+        Arc::new(Buffer::single(&Device::Cpu, bcfg)?),
+        MoeLayerOptions {
+            fp8_dispatch: false,
+            ..opts
+        },
+    )?;
+    Ok(Rank { dev, gpu, cpu })
+}
+
+/// The reference for this rank's GPU input `x` (see the file comment; with fp8 dispatch, on
+/// the tokens as the fp8 round trip leaves them).
+fn reference(r: &Rank, x: &Tensor) -> R<Tensor> {
+    use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+    let routing = r.gpu.router().forward(x)?;
+    let xc = x.to_device(&Device::Cpu)?;
+    let sent = if r.gpu.options().fp8_dispatch {
+        let (q, s) = per_token_cast_to_fp8(&xc, false)?;
+        per_token_cast_back(&q, &s, DType::F32)?
+    } else {
+        xc.to_dtype(DType::F32)?
+    };
+    let idx = routing.topk_idx.to_device(&Device::Cpu)?;
+    let w = routing.topk_weights.to_device(&Device::Cpu)?;
+    let y = r.cpu.experts().forward_grouped_f32(&sent, &idx, &w)?;
+    let shared = r.cpu.shared().ok_or("no shared expert")?;
+    Ok((y + shared.forward(&xc.to_dtype(DType::F32)?)?)?)
+}
+
+fn tokens(r: &Rank, t: usize, scale: f32) -> R<Tensor> {
+    let h = r.gpu.router().hidden_size();
+    Ok(if t == 0 {
+        // CUDA refuses zero-byte allocations: an empty view of a real tensor.
+        Tensor::zeros((1, h), DType::BF16, &r.dev)?.narrow(0, 0, 0)?
+    } else {
+        Tensor::randn(0f32, scale, (t, h), &r.dev)?.to_dtype(DType::BF16)?
+    })
+}
+
+/// One forward in `mode` of `t` tokens on this rank, checked against the reference.
+fn forward_case(r: &Rank, t: usize, mode: Mode) -> R<String> {
+    let h = r.gpu.router().hidden_size();
+    let x = tokens(r, t, 1.0)?;
+    let y = r.gpu.forward_with_mode(&x, mode)?;
+    if y.dims() != [t, h] {
+        return Err(format!("output shape {:?}, want [{t}, {h}]", y.dims()).into());
+    }
+    if t == 0 {
+        return Ok("T=0".into());
+    }
+    let (all, worst) = rel(&y, &reference(r, &x)?)?;
+    if all > 1e-2 || worst > 3e-2 {
+        return Err(format!("T={t}: relative error {all:.2e} (worst token {worst:.2e})").into());
+    }
+    Ok(format!("T={t}: rel {all:.1e}, worst token {worst:.1e}"))
+}
+
+/// A decode step captured on every rank at once, replayed on fresh inputs.
+fn graph_case(r: &Rank, t: usize, steps: usize) -> R<String> {
+    let g = r.gpu.capture_decode(t, DType::BF16)?;
+    let mut last = 0.0;
+    for step in 0..steps {
+        let x = tokens(r, t, 1.0 + step as f32 * 0.1)?;
+        let replayed = g.replay(&x)?;
+        let eager = r.gpu.forward_with_mode(&x, Mode::LowLatency)?;
+        let (all, worst) = rel(&replayed, &eager)?;
+        if all > 1e-3 || worst > 1e-3 {
+            return Err(format!(
+                "step {step}: replay differs from eager by {all:.2e} (worst {worst:.2e})"
+            )
+            .into());
+        }
+        let (refd, _) = rel(&replayed, &reference(r, &x)?)?;
+        if refd > 1e-2 {
+            return Err(format!("step {step}: replay vs reference {refd:.2e}").into());
+        }
+        last = refd;
+    }
+    r.gpu.buffer().low_latency_check()?;
+    Ok(format!("{steps} replays, last vs reference {last:.1e}"))
+}
+
+/// The cases every rank runs, in the same order (the layer's ops are collectives): names and
+/// per-rank bodies.
+type Case = (String, Box<dyn Fn(&Rank, usize) -> R<String> + Sync>);
+
+fn cases(world: usize) -> Vec<Case> {
+    let mut v: Vec<Case> = Vec::new();
+    let mut add = |name: String, f: Box<dyn Fn(&Rank, usize) -> R<String> + Sync>| {
+        v.push((name, f));
+    };
+    for t in [300usize, 1200] {
+        add(
+            format!("normal/T={t}"),
+            Box::new(move |r, _| forward_case(r, t, Mode::Normal)),
+        );
+    }
+    add(
+        "normal/rank0-empty".into(),
+        Box::new(|r, rank| forward_case(r, if rank == 0 { 0 } else { 200 }, Mode::Normal)),
+    );
+    for t in [1usize, 7, LL_MAX] {
+        add(
+            format!("low-latency/T={t}"),
+            Box::new(move |r, _| forward_case(r, t, Mode::LowLatency)),
+        );
+    }
+    add(
+        "low-latency/last-rank-empty".into(),
+        Box::new(move |r, rank| {
+            forward_case(r, if rank == world - 1 { 0 } else { 5 }, Mode::LowLatency)
+        }),
+    );
+    // Auto: the ranks agree on the mode by the largest count (low latency here, then normal).
+    add(
+        "auto/uneven".into(),
+        Box::new(|r, rank| forward_case(r, 3 + 20 * rank, Mode::Auto)),
+    );
+    add(
+        "auto/one-rank-over-the-limit".into(),
+        Box::new(|r, rank| forward_case(r, if rank == 0 { LL_MAX + 40 } else { 9 }, Mode::Auto)),
+    );
+    add(
+        "decode-graph/T=8".into(),
+        Box::new(|r, _| graph_case(r, 8, 4)),
+    );
+    v
+}
+
+fn main() {
+    let filter = std::env::args().nth(1);
+    let gpus = candle_core::utils::cuda_is_available()
+        .then(|| {
+            (0..16)
+                .take_while(|&i| Device::new_cuda(i).is_ok())
+                .count()
+        })
+        .unwrap_or(0);
+    if gpus < 2 {
+        println!("{gpus} GPU(s) visible: the multi-rank layer cases need 2 or more; none run");
+        println!("0 passed, 0 failed");
+        return;
+    }
+    let world = gpus.min(8);
+    let setups = [
+        Setup {
+            name: "bf16",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+        },
+        Setup {
+            name: "bf16-per-expert",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerExpert,
+        },
+        Setup {
+            name: "fp8",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: true,
+            reduction: Reduction::PerRank,
+        },
+        Setup {
+            name: "hot-expert",
+            cfg: cfg(512, 64, 16 * world, 4, (1, 1)),
+            hot: true,
+            fp8: false,
+            reduction: Reduction::PerRank,
+        },
+    ];
+    let (mut passed, mut failed) = (0usize, 0usize);
+    for s in &setups {
+        let all_cases = cases(world);
+        let wanted: Vec<&Case> = all_cases
+            .iter()
+            .filter(|(n, _)| {
+                filter
+                    .as_deref()
+                    .is_none_or(|f| format!("ep{world}/{}/{n}", s.name).contains(f))
+            })
+            .collect();
+        if wanted.is_empty() {
+            continue;
+        }
+        let w = match weights(&s.cfg, s.hot) {
+            Ok(w) => w,
+            Err(e) => {
+                failed += 1;
+                println!("FAILED ep{world}/{}/weights: {e}", s.name);
+                continue;
+            }
+        };
+        let transports = LocalTransport::group(world);
+        // Per rank: per case, the outcome (or the rank's setup error).
+        let per_rank: Vec<Result<Vec<Result<String, String>>, String>> =
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = transports
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, tr)| {
+                        let (w, wanted) = (&w, &wanted);
+                        sc.spawn(move || -> Result<Vec<Result<String, String>>, String> {
+                            let r = build(rank, world, tr, s, w).map_err(|e| e.to_string())?;
+                            Ok(wanted
+                                .iter()
+                                .map(|(_, f)| f(&r, rank).map_err(|e| e.to_string()))
+                                .collect())
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
+                    .collect()
+            });
+        for (i, (name, _)) in wanted.iter().enumerate() {
+            let full = format!("ep{world}/{}/{name}", s.name);
+            let mut errs = Vec::new();
+            let mut notes = Vec::new();
+            for (rank, r) in per_rank.iter().enumerate() {
+                match r {
+                    Ok(v) => match &v[i] {
+                        Ok(n) => notes.push(format!("rank {rank}: {n}")),
+                        Err(e) => errs.push(format!("rank {rank}: {e}")),
+                    },
+                    Err(e) => errs.push(format!("rank {rank} setup: {e}")),
+                }
+            }
+            if errs.is_empty() {
+                passed += 1;
+                println!("ok     {full}: {}", notes.join("; "));
+            } else {
+                failed += 1;
+                println!("FAILED {full}: {}", errs.join("; "));
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One batch on a machine of 2 or more GPUs (nvidia-h200-x2 / -x4): the GPU tests that span GPUs
+# and those of the layer, compute-sanitizer on small low-latency cases, and the benchmarks of
+# the low-latency ops (both combines) and of the layer on one GPU and across all GPUs.
+# Everything lands in $OUT (logs, JSON); the last lines of each step are printed.
+#
+# Usage (GPU machine, repo root, binaries carried in $EP_GPU_BIN, optionally .xz-compressed):
+#   bash scripts/gpu/two-gpu-run.sh [tests|sanitize|ll|layer]...   (default: all four)
+# Env: EP_TEST_BINS (space-separated test binaries, default: the multi-GPU and layer ones).
+set -uo pipefail
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT="${OUT:-$PWD/gpu-out}"
+B="${EP_GPU_BIN:-.gpu/bin}"
+mkdir -p "$OUT"
+for f in "$B"/*.xz; do [[ -e "$f" ]] && xz -d -f "$f"; done
+chmod +x "$B"/* 2>/dev/null
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize ll layer)
+want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+ngpu=$(nvidia-smi -L | wc -l)
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=index,name,driver_version,memory.total,power.limit --format=csv; nvidia-smi topo -m; } >"$OUT/machine.txt" 2>&1
+head -n 4 "$OUT/machine.txt"
+
+if want tests; then
+    for t in ${EP_TEST_BINS:-gpu_low_latency gpu_runtime gpu_layer_ep gpu_layer gpu_decode_graph}; do
+        [[ -x "$B/$t" ]] || { echo "$t: missing"; continue; }
+        s=$(date +%s)
+        timeout "${EP_GPU_TIMEOUT:-240}" "$B/$t" >"$OUT/test-$t.txt" 2>&1
+        rc=$?
+        echo "$t rc=$rc ($(( $(date +%s) - s )) s): $(grep -E '^[0-9]+ passed, [0-9]+ failed' "$OUT/test-$t.txt" | tail -n 1)"
+        grep -E '^(FAILED|FAIL )' "$OUT/test-$t.txt" | head -n 5
+    done
+fi
+if want sanitize; then
+    # One GPU: the sanitizers serialise kernels, so ranks spinning on each other across GPUs
+    # of one process would only time out. r1 split phases run the multi-rank protocol kernels
+    # (the per-rank combine included) at one rank.
+    for tool in memcheck racecheck; do
+        for spec in "gpu_low_latency r1/split_phases/bf16/per_rank" "gpu_low_latency r1/round_trip/fp8/random/per_rank"; do
+            set -- $spec
+            CUDA_VISIBLE_DEVICES=0 timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+                "$B/$1" "$2" >"$OUT/sanitize-$tool-$(echo "$2" | tr / _).txt" 2>&1
+            echo "sanitize $tool $2: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed, ' "$OUT/sanitize-$tool-$(echo "$2" | tr / _).txt" | tr '\n' ' ')"
+        done
+    done
+fi
+if want ll; then
+    for ranks in $ngpu 2; do
+        [[ $ngpu -lt $ranks ]] && continue
+        vis=$(seq -s, 0 $((ranks - 1)))
+        CUDA_VISIBLE_DEVICES=$vis EP_BENCH_RANKS=$ranks EP_BENCH_OUT="$OUT/low-latency-ep$ranks.json" \
+            timeout 240 "$B/bench_low_latency" >"$OUT/bench-low-latency-ep$ranks.txt" 2>&1
+        echo "bench_low_latency EP$ranks rc=$?"
+        grep -E '^ +[0-9]+ ' "$OUT/bench-low-latency-ep$ranks.txt" | grep -E 'combine|dispatch \(x16|nccl'
+        [[ $ngpu -eq 2 ]] && break
+    done
+fi
+if want layer; then
+    for ranks in 1 $ngpu; do
+        vis=$(seq -s, 0 $((ranks - 1)))
+        CUDA_VISIBLE_DEVICES=$vis EP_BENCH_RANKS=$ranks EP_BENCH_OUT="$OUT/moe-layer-ep$ranks.json" \
+            timeout "${EP_LAYER_TIMEOUT:-280}" "$B/bench_moe_layer" >"$OUT/bench-moe-layer-ep$ranks.txt" 2>&1
+        echo "bench_moe_layer EP$ranks rc=$?"
+        tail -n 12 "$OUT/bench-moe-layer-ep$ranks.txt"
+    done
+fi
