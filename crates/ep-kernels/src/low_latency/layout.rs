@@ -17,7 +17,7 @@
 //!           meta    [R][M] x LL_META_STRIDE   per (source, token), written with the message
 //!                                         when the dispatch carries the top-k weights:
 //!                                         {u32 tag, i32 j, 0, 0 | i32 sel[LL_MAX_TOPK]:
-//!                                         l << 24 | slot, or -1 where expert k is elsewhere |
+//!                                         l * M + slot, or -1 where expert k is elsewhere |
 //!                                         f32 w[LL_MAX_TOPK]}
 //! ```
 //!
@@ -120,6 +120,14 @@ impl LowLatencyLayout {
                 format!("must be a positive multiple of num_ranks = {r}"),
             ));
         }
+        // The per-rank combine's records name a slot as `l * M + slot` in an i32.
+        if e.checked_mul(m).is_none_or(|v| v > i32::MAX as usize) {
+            return Err(Error::invalid(
+                "num_experts",
+                e,
+                format!("times max_tokens_per_rank ({m}) must fit in i32"),
+            ));
+        }
         let l = e / r;
         let msg_stride = 16 + 2 * h;
         let off_active = CONTROL_WORDS_BYTES;
@@ -218,5 +226,7 @@ mod tests {
         assert!(LowLatencyLayout::new(8, 100, 2, 4).is_err());
         assert!(LowLatencyLayout::new(8, 128, 3, 4).is_err());
         assert!(LowLatencyLayout::new(8, 128, 0, 4).is_err());
+        // E * M past i32 (the per-rank records' slot numbers).
+        assert!(LowLatencyLayout::new(1 << 24, 128, 2, 256).is_err());
     }
 }

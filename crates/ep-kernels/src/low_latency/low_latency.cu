@@ -31,7 +31,7 @@
 //                      token's distinct ranks in k order)
 //             meta     [R][M] x kMetaStride, per (source, token) with the message when the
 //                      dispatch carries weights: {u32 tag, i32 j, 0, 0 | i32 sel[kMaxTopk]:
-//                      l << 24 | slot where expert k is on this rank, else -1 |
+//                      l * M + slot where expert k is on this rank, else -1 |
 //                      f32 w[kMaxTopk]}
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
@@ -358,7 +358,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     int* send_done = reinterpret_cast<int*>(b.local + b.off_send_done);
     uint8_t* stage = smem;
     uint8_t** s_dst = reinterpret_cast<uint8_t**>(smem + b.msg_stride);
-    // Per k of the current token (records only): its rank, its `l << 24 | slot` (-1: no entry),
+    // Per k of the current token (records only): its rank, its `l * M + slot` (-1: no entry),
     // its weight, and for the first k of each rank the record's destination and j.
     __shared__ int s_rank[kMaxTopk];
     __shared__ int s_sel[kMaxTopk];
@@ -420,7 +420,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             const int j_rank = __popc(__ballot_sync(ep::kFullMask, first_of_rank));
             if (lane == 0 && records) {
                 s_rank[k] = e >= 0 ? e / L : -1;
-                s_sel[k] = e >= 0 && slot < M ? ((e - (e / L) * L) << 24) | slot : -1;
+                s_sel[k] = e >= 0 && slot < M ? (e - (e / L) * L) * M + slot : -1;
                 s_wt[k] = p.topk_weights[static_cast<int64_t>(idx)];
                 s_j[k] = j_rank;
                 s_rec[k] = nullptr;
@@ -581,8 +581,8 @@ __device__ void dispatch_recv_ranks(const DispatchParams& p, const int* s_cnt, c
                         const float w = ep::ld_cg_f32(rec + 16 + 4 * kMaxTopk + 4 * k);
                         int64_t row = -1;
                         if (sel >= 0) {
-                            const int l = sel >> 24;
-                            const int slot = sel & 0xffffff;
+                            const int l = sel / M;
+                            const int slot = sel - l * M;
                             if (l < L && slot < s_cnt[l * R + s]) {
                                 row = l * rows_per_expert + s_off[l * R + s] + slot;
                             }
