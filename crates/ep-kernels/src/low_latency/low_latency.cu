@@ -399,6 +399,8 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         for (int k = warp; k < K; k += kWarps) {
             const int idx = t * K + k;
             const int e = s_topk[idx];
+            // The weight's load is in flight during the slot scan.
+            const float wt = records && lane == 0 ? p.topk_weights[idx] : 0.0f;
             int slot = 0;
             if (e >= 0) {
                 for (int j = lane; j < idx; j += ep::kWarpSize) {
@@ -421,7 +423,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             if (lane == 0 && records) {
                 s_rank[k] = e >= 0 ? e / L : -1;
                 s_sel[k] = e >= 0 && slot < M ? (e - (e / L) * L) * M + slot : -1;
-                s_wt[k] = p.topk_weights[static_cast<int64_t>(idx)];
+                s_wt[k] = wt;
                 s_j[k] = j_rank;
                 s_rec[k] = nullptr;
             }
@@ -572,13 +574,25 @@ __device__ void dispatch_recv_ranks(const DispatchParams& p, const int* s_cnt, c
             if (t < M) {
                 const int64_t st = static_cast<int64_t>(s) * M + t;
                 const uint8_t* rec = my_set + b.off_meta + st * kMetaStride;
-                const int4 hdr = ep::ld_cg_v4(rec);
+                // The whole record in flight at once (9 vectors), then its fields.
+                int4 v[kMetaVecs];
+#pragma unroll
+                for (int i = 0; i < kMetaVecs; ++i) {
+                    v[i] = ep::ld_cg_v4(rec + 16 * i);
+                }
+                const int4 hdr = v[0];
+                const int* sels = reinterpret_cast<const int*>(v + 1);
+                const float* ws = reinterpret_cast<const float*>(v + 1 + kMaxTopk / 4);
                 ok = src_active && static_cast<uint32_t>(hdr.x) == tag && hdr.y >= 0 &&
                      hdr.y < b.max_topk;
                 if (ok) {
-                    for (int k = 0; k < K; ++k) {
-                        const int sel = ep::ld_cg_i32(rec + 16 + 4 * k);
-                        const float w = ep::ld_cg_f32(rec + 16 + 4 * kMaxTopk + 4 * k);
+#pragma unroll
+                    for (int k = 0; k < kMaxTopk; ++k) {
+                        if (k >= K) {
+                            break;
+                        }
+                        const int sel = sels[k];
+                        const float w = ws[k];
                         int64_t row = -1;
                         if (sel >= 0) {
                             const int l = sel / M;
