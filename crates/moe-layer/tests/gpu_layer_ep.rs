@@ -126,7 +126,11 @@ fn tokens(r: &Rank, t: usize, scale: f32) -> R<Tensor> {
         // CUDA refuses zero-byte allocations: an empty view of a real tensor.
         Tensor::zeros((1, h), DType::BF16, &r.dev)?.narrow(0, 0, 0)?
     } else {
-        Tensor::randn(0f32, scale, (t, h), &r.dev)?.to_dtype(DType::BF16)?
+        // Drawn on the CPU (a fresh generator per call): the ranks' GPU generators share a
+        // seed and would give every rank the same tokens.
+        Tensor::randn(0f32, scale, (t, h), &Device::Cpu)?
+            .to_dtype(DType::BF16)?
+            .to_device(&r.dev)?
     })
 }
 

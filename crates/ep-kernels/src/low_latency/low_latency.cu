@@ -669,8 +669,14 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     constexpr int kChunkVecs = ep::kWarpSize * kRecvUnroll;
     const int chunks = ep::ceil_div(payload_vecs, kChunkVecs);
     const int64_t items = static_cast<int64_t>(s_pre[L]) * chunks;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items;
+    // The blocks that built the rank tables above (one per source) copy no rows, so the copy
+    // does not wait for them (with them in, the EP2 dispatch ended 2-3 us later).
+    const int first = p.recv_rank_slot != nullptr ? min(R, static_cast<int>(gridDim.x) - 1) : 0;
+    if (static_cast<int>(blockIdx.x) < first) {
+        return;
+    }
+    const int64_t warps = static_cast<int64_t>(gridDim.x - first) * kWarps;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x - first) * kWarps + warp; item < items;
          item += warps) {
         const int j = static_cast<int>(item / chunks);
         const int chunk = static_cast<int>(item - static_cast<int64_t>(j) * chunks);
