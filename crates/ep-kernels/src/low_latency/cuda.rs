@@ -173,10 +173,19 @@ fn align16(v: usize) -> usize {
 }
 
 /// Dynamic shared memory of `ll_dispatch` (see the kernel's comment): the send phase's
-/// staging, destinations and top-k, or the receive phase's layout, whichever is larger.
-fn dispatch_smem_bytes(layout: &LowLatencyLayout, num_tokens: usize, num_topk: usize) -> usize {
-    let send =
-        layout.msg_stride + LL_MAX_TOPK * 8 + 4 * (num_tokens * num_topk + layout.num_experts);
+/// staging, destinations, top-k (and weights), or the receive phase's layout, whichever is
+/// larger.
+fn dispatch_smem_bytes(
+    layout: &LowLatencyLayout,
+    num_tokens: usize,
+    num_topk: usize,
+    weights: bool,
+) -> usize {
+    let tk = num_tokens * num_topk;
+    let send = layout.msg_stride
+        + LL_MAX_TOPK * 8
+        + 4 * (tk + layout.num_experts)
+        + if weights { 4 * tk } else { 0 };
     let recv = 4 * (2 * layout.num_experts + layout.num_local_experts() + 1);
     align16(send.max(recv))
 }
@@ -318,7 +327,8 @@ pub fn dispatch_cuda<'o>(
         return unsafe { local::dispatch(stream, &kernels, &params) };
     }
     let kernel = kernels.kernel(FILE, "ll_dispatch")?;
-    let cfg = comm_config(&kernels, dispatch_smem_bytes(layout, num_tokens, num_topk))?;
+    let smem = dispatch_smem_bytes(layout, num_tokens, num_topk, topk_weights.is_some());
+    let cfg = comm_config(&kernels, smem)?;
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
     // weights (if any) T*K f32, the outputs are sized for the buffer's layout and format
     // (checked above; the scales may be null only for bf16, where the kernel does not touch

@@ -366,6 +366,8 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     __shared__ int s_j[kMaxTopk];
     __shared__ uint8_t* s_rec[kMaxTopk];
     const bool records = p.topk_weights != nullptr;
+    // The weights [T * K], staged by the kernel's start after the per-expert counts.
+    const float* s_wtab = reinterpret_cast<const float*>(s_count + E);
 
     const int groups = H / ep::kFp8Group;
     const int payload = p.fp8 ? H : 2 * H;
@@ -399,8 +401,6 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         for (int k = warp; k < K; k += kWarps) {
             const int idx = t * K + k;
             const int e = s_topk[idx];
-            // The weight's load is in flight during the slot scan.
-            const float wt = records && lane == 0 ? p.topk_weights[idx] : 0.0f;
             int slot = 0;
             if (e >= 0) {
                 for (int j = lane; j < idx; j += ep::kWarpSize) {
@@ -423,7 +423,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             if (lane == 0 && records) {
                 s_rank[k] = e >= 0 ? e / L : -1;
                 s_sel[k] = e >= 0 && slot < M ? (e - (e / L) * L) * M + slot : -1;
-                s_wt[k] = wt;
+                s_wt[k] = s_wtab[idx];
                 s_j[k] = j_rank;
                 s_rec[k] = nullptr;
             }
@@ -505,16 +505,21 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 put_v4(dst + i * 16, v);
             }
         }
-        // The records of the ranks the token went to: vector 0 the header, 1..4 the
-        // selections (the k of other ranks as -1), 5..8 the weights.
+        // The records of the ranks the token went to: vector 0 the header, then the
+        // selections (the k of other ranks as -1) and the weights of k < K, 4 per vector (at
+        // 1 .. and 1 + kMaxTopk / 4 ..; the receiver reads no k >= K).
         if (records) {
-            for (int j = tid; j < K * kMetaVecs; j += kThreads) {
-                const int k = j / kMetaVecs;
-                const int i = j - k * kMetaVecs;
+            const int quads = ep::ceil_div(K, 4);
+            const int vecs = 1 + 2 * quads;
+            for (int j = tid; j < K * vecs; j += kThreads) {
+                const int k = j / vecs;
+                const int v = j - k * vecs;
                 uint8_t* dst = s_rec[k];
                 if (dst == nullptr) {
                     continue;
                 }
+                const bool sel = v <= quads;
+                const int i = v == 0 ? 0 : (sel ? v : v - quads + kMaxTopk / 4);
                 int w4[4];
                 if (i == 0) {
                     w4[0] = static_cast<int>(tag);
@@ -522,7 +527,6 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                     w4[2] = 0;
                     w4[3] = 0;
                 } else {
-                    const bool sel = i <= kMaxTopk / 4;
                     const int k0 = (sel ? i - 1 : i - 1 - kMaxTopk / 4) * 4;
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
@@ -1099,20 +1103,26 @@ __device__ void combine_recv(const CombineParams& p, uint8_t* smem, uint32_t set
 // ------------------------------------------------------------------------------------------
 
 // Grid: at most one block per SM (blocks wait for each other's sends). Dynamic shared memory:
-// max(send: msg_stride + kMaxTopk * 8 + 4 * (T * K + E), receive: 4 * (2 * E + L + 1)) bytes
-// (the receive phase reuses the send phase's space).
+// max(send: msg_stride + kMaxTopk * 8 + 4 * (T * K + E) (+ 4 * T * K with weights),
+// receive: 4 * (2 * E + L + 1)) bytes (the receive phase reuses the send phase's space).
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant__ DispatchParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
     uint32_t* ctl = reinterpret_cast<uint32_t*>(b.local);
     __shared__ uint32_t s_seq;
     int* s_topk = reinterpret_cast<int*>(smem + b.msg_stride + kMaxTopk * 8);
-    // Selections per expert of this rank [E], after the top-k table.
+    // Selections per expert of this rank [E], after the top-k table; then (records only) the
+    // weights [T * K].
     int* s_count = s_topk + p.num_tokens * p.num_topk;
+    float* s_wtab = reinterpret_cast<float*>(s_count + b.num_experts);
     const bool sends = (p.phases & kPhaseSend) != 0;
     const int total = sends ? p.num_tokens * p.num_topk : 0;
-    // Start-up loads in flight together: each thread's first top-k entry and the op sequence.
+    const bool weights = p.topk_weights != nullptr;
+    // Start-up loads in flight together: each thread's first top-k entry (and weight) and the
+    // op sequence.
     const int64_t first_e = static_cast<int>(threadIdx.x) < total ? p.topk_idx[threadIdx.x] : -1;
+    const float first_w =
+        weights && static_cast<int>(threadIdx.x) < total ? p.topk_weights[threadIdx.x] : 0.0f;
     const uint32_t seq0 = threadIdx.x == 0 ? op_begin(ctl, kKindDispatch, p.phases) : 0u;
     if (sends) {
         for (int e = threadIdx.x; e < b.num_experts; e += kThreads) {
@@ -1127,6 +1137,9 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
         s_topk[i] = valid ? static_cast<int>(e) : -1;
         if (valid) {
             atomicAdd(s_count + e, 1);
+        }
+        if (weights) {
+            s_wtab[i] = i == static_cast<int>(threadIdx.x) ? first_w : p.topk_weights[i];
         }
     }
     if (threadIdx.x == 0) {
