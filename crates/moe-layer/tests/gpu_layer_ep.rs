@@ -227,11 +227,7 @@ fn cases(world: usize) -> Vec<Case> {
 fn main() {
     let filter = std::env::args().nth(1);
     let gpus = candle_core::utils::cuda_is_available()
-        .then(|| {
-            (0..16)
-                .take_while(|&i| Device::new_cuda(i).is_ok())
-                .count()
-        })
+        .then(|| (0..16).take_while(|&i| Device::new_cuda(i).is_ok()).count())
         .unwrap_or(0);
     if gpus < 2 {
         println!("{gpus} GPU(s) visible: the multi-rank layer cases need 2 or more; none run");
@@ -293,27 +289,26 @@ fn main() {
         };
         let transports = LocalTransport::group(world);
         // Per rank: per case, the outcome (or the rank's setup error).
-        let per_rank: Vec<Result<Vec<Result<String, String>>, String>> =
-            std::thread::scope(|sc| {
-                let handles: Vec<_> = transports
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, tr)| {
-                        let (w, wanted) = (&w, &wanted);
-                        sc.spawn(move || -> Result<Vec<Result<String, String>>, String> {
-                            let r = build(rank, world, tr, s, w).map_err(|e| e.to_string())?;
-                            Ok(wanted
-                                .iter()
-                                .map(|(_, f)| f(&r, rank).map_err(|e| e.to_string()))
-                                .collect())
-                        })
+        let per_rank: Vec<Result<Vec<Result<String, String>>, String>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = transports
+                .into_iter()
+                .enumerate()
+                .map(|(rank, tr)| {
+                    let (w, wanted) = (&w, &wanted);
+                    sc.spawn(move || -> Result<Vec<Result<String, String>>, String> {
+                        let r = build(rank, world, tr, s, w).map_err(|e| e.to_string())?;
+                        Ok(wanted
+                            .iter()
+                            .map(|(_, f)| f(&r, rank).map_err(|e| e.to_string()))
+                            .collect())
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
+                .collect()
+        });
         for (i, (name, _)) in wanted.iter().enumerate() {
             let full = format!("ep{world}/{}/{name}", s.name);
             let mut errs = Vec::new();

@@ -97,4 +97,3 @@ pub fn rel(got: &Tensor, want: &Tensor) -> R<(f64, f64)> {
     }
     Ok(((e2 / r2.max(1e-30)).sqrt(), worst))
 }
-
