@@ -1,14 +1,33 @@
 //! Expert parallelism over 1, 2, 4 and 8 ranks (threads), in both modes, equals the dense
-//! single-process MoE layer.
+//! single-process MoE layer; also with the two-batch overlap and the per-expert combine.
 
 use candle_core::{DType, Device, Tensor};
 use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
-use moe_layer::ep_runtime::{Buffer, BufferConfig};
+use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 use std::sync::Arc;
 
 fn run(num_ranks: usize, gpus_per_node: usize, dtype: DType, fp8: bool, tol: f64) {
+    run_with(
+        num_ranks,
+        gpus_per_node,
+        dtype,
+        fp8,
+        tol,
+        MoeLayerOptions::default(),
+    );
+}
+
+/// [`run`] with the layer's other options from `base` (mode, sizes and fp8 set here).
+fn run_with(
+    num_ranks: usize,
+    gpus_per_node: usize,
+    dtype: DType,
+    fp8: bool,
+    tol: f64,
+    base: MoeLayerOptions,
+) {
     let cfg = config();
     let path = write_checkpoint(&cfg, "dense");
     let max_tokens = 24;
@@ -27,7 +46,7 @@ fn run(num_ranks: usize, gpus_per_node: usize, dtype: DType, fp8: bool, tol: f64
                     low_latency_max_tokens: max_tokens,
                     fp8_dispatch: fp8,
                     expert_alignment: 4,
-                    ..Default::default()
+                    ..base
                 };
                 let layer =
                     MoeLayer::load(var_builder(&path, dtype), &cfg, Arc::new(buf), opts).unwrap();
@@ -83,6 +102,24 @@ fn f32_over_1_2_4_8_ranks() {
 fn bf16_over_2_and_4_ranks() {
     run(2, 2, DType::BF16, false, 2e-2);
     run(4, 2, DType::BF16, false, 2e-2);
+}
+
+#[test]
+fn two_batch_overlap_and_per_expert_combine() {
+    let tbo = MoeLayerOptions {
+        two_batch_overlap: true,
+        ..Default::default()
+    };
+    let per_expert = MoeLayerOptions {
+        low_latency_reduction: Reduction::PerExpert,
+        ..Default::default()
+    };
+    for r in [1, 2, 4] {
+        run_with(r, r, DType::F32, false, 1e-5, tbo);
+    }
+    run_with(4, 2, DType::BF16, false, 2e-2, tbo);
+    run_with(2, 2, DType::F32, true, 8e-2, tbo);
+    run_with(4, 4, DType::F32, false, 1e-5, per_expert);
 }
 
 #[test]

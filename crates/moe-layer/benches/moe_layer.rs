@@ -16,7 +16,12 @@
 //! of `EP_BENCH_ITERS` (default 10) event-timed runs after warm-up.
 //!
 //! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
-//! buffers, experts split evenly), and rank 0 reports. `EP_BENCH_TOKENS` overrides the token
+//! buffers, experts split evenly), and rank 0 reports: its floor counts the bytes of its own
+//! experts that any rank's tokens chose (the ranks share their routing), its dense anchor the
+//! routed FLOPs of its own tokens (on average what each rank computes), and "exposed" is the
+//! layer's time beyond its compute parts measured alone (router, grouped GEMMs, shared
+//! experts): the communication left on the critical path. `EP_BENCH_TBO=1` turns on the
+//! two-batch overlap (`MoeLayerOptions::two_batch_overlap`). `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
@@ -29,7 +34,7 @@
 
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
@@ -176,6 +181,7 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             Ok("expert") => Reduction::PerExpert,
             _ => Reduction::PerRank,
         },
+        two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }
@@ -197,6 +203,51 @@ struct Row {
     dense_ms: f64,
 }
 
+impl Row {
+    /// The better of the eager and the captured layer.
+    fn best_ms(&self) -> f64 {
+        self.graph_ms
+            .map_or(self.layer_ms, |g| g.min(self.layer_ms))
+    }
+
+    /// The layer's time beyond its compute parts measured alone.
+    fn exposed_ms(&self) -> f64 {
+        self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
+    }
+}
+
+/// What the rank threads share: each rank's experts chosen by its tokens, for the floors.
+struct Exchange {
+    barrier: Barrier,
+    used: Mutex<Vec<Vec<bool>>>,
+}
+
+impl Exchange {
+    fn new(world: usize) -> Self {
+        Self {
+            barrier: Barrier::new(world),
+            used: Mutex::new(vec![Vec::new(); world]),
+        }
+    }
+
+    /// Publishes `mine` (experts chosen by this rank's tokens) and returns the union over
+    /// all ranks (a collective of the rank threads).
+    fn union(&self, rank: usize, mine: Vec<bool>) -> Vec<bool> {
+        self.used.lock().expect("exchange")[rank] = mine;
+        self.barrier.wait();
+        let all = self
+            .used
+            .lock()
+            .expect("exchange")
+            .iter()
+            .fold(vec![false; E], |acc, u| {
+                acc.iter().zip(u).map(|(a, b)| *a || *b).collect()
+            });
+        self.barrier.wait();
+        all
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn bench_tokens(
     layer: &MoeLayer,
@@ -205,6 +256,7 @@ fn bench_tokens(
     iters: usize,
     copy_gbs: f64,
     dense: &(Tensor, Tensor),
+    exchange: &Exchange,
 ) -> Result<Row, BoxError> {
     let stream = stream_of(dev);
     let x = randn_bf16(dev, &[t, H], 1.0)?;
@@ -320,7 +372,14 @@ fn bench_tokens(
     for &e in &chosen {
         used[e as usize] = true;
     }
-    let experts_read = used.iter().filter(|&&u| u).count() as f64;
+    // This rank's experts that any rank's tokens chose.
+    let topo = buf.topology();
+    let l = E / topo.num_ranks;
+    let used = exchange.union(topo.rank, used);
+    let experts_read = used[topo.rank * l..(topo.rank + 1) * l]
+        .iter()
+        .filter(|&&u| u)
+        .count() as f64;
     let per_expert = (3 * H * I * 2) as f64;
     let bytes = (experts_read + 1.0) * per_expert + (E * H * 4) as f64;
     row.floor_gb = bytes / 1e9;
@@ -346,6 +405,7 @@ fn run_rank(
     transport: LocalTransport,
     tokens: &[usize],
     iters: usize,
+    exchange: &Exchange,
 ) -> Result<Vec<Row>, BoxError> {
     let dev = Device::new_cuda(rank)?;
     let stream = stream_of(&dev);
@@ -373,7 +433,7 @@ fn run_rank(
     );
     let mut rows = Vec::new();
     for &t in tokens {
-        let row = bench_tokens(&layer, &dev, t, iters, copy_gbs, &dense)?;
+        let row = bench_tokens(&layer, &dev, t, iters, copy_gbs, &dense, exchange)?;
         if rank == 0 {
             println!(
                 "T={t}: layer {:.3} ms{} (floor {:.3} ms, dense {:.3} ms)",
@@ -406,13 +466,16 @@ fn main() -> Result<(), BoxError> {
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 8, 32, 128, 512, 1024, 2048, 4096, 8192]);
     let transports = LocalTransport::group(world);
+    let exchange = Exchange::new(world);
     let results: Vec<Result<Vec<Row>, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = transports
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
-                let tokens = &tokens;
-                s.spawn(move || run_rank(rank, world, t, tokens, iters).map_err(|e| e.to_string()))
+                let (tokens, exchange) = (&tokens, &exchange);
+                s.spawn(move || {
+                    run_rank(rank, world, t, tokens, iters, exchange).map_err(|e| e.to_string())
+                })
             })
             .collect();
         handles
@@ -432,11 +495,16 @@ fn main() -> Result<(), BoxError> {
     let mut table = String::new();
     writeln!(
         table,
-        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s); times in ms"
+        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s){}; times in ms",
+        if std::env::var("EP_BENCH_TBO").as_deref() == Ok("1") {
+            ", two-batch overlap"
+        } else {
+            ""
+        }
     )?;
     writeln!(
         table,
-        "{:>6} {:<11} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9}",
+        "{:>6} {:<11} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8}",
         "tokens",
         "mode",
         "layer",
@@ -449,13 +517,14 @@ fn main() -> Result<(), BoxError> {
         "floor",
         "dense",
         "x floor",
-        "x dense"
+        "x dense",
+        "exposed"
     )?;
     for r in &rows {
-        let best = r.graph_ms.map_or(r.layer_ms, |g| g.min(r.layer_ms));
+        let best = r.best_ms();
         writeln!(
             table,
-            "{:>6} {:<11} {:>8.3} {:>8} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>8.3} {:>8.2} {:>9.2}",
+            "{:>6} {:<11} {:>8.3} {:>8} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>8.3} {:>8.2} {:>9.2} {:>7.1}%",
             r.tokens,
             r.mode,
             r.layer_ms,
@@ -468,7 +537,8 @@ fn main() -> Result<(), BoxError> {
             r.floor_ms,
             r.dense_ms,
             best / r.floor_ms,
-            best / r.dense_ms
+            best / r.dense_ms,
+            100.0 * r.exposed_ms() / best
         )?;
     }
     print!("{table}");
@@ -477,9 +547,10 @@ fn main() -> Result<(), BoxError> {
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"ranks\": {world}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.floor_ms, r.floor_gb, r.dense_ms
+                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.floor_ms, r.floor_gb, r.dense_ms,
+                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1")
             )?;
         }
     }

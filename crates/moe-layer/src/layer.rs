@@ -76,6 +76,14 @@ pub struct MoeLayerOptions {
     /// dispatch carries the gate weights for it) or per expert (DeepEP's numbers: one row per
     /// (token, expert), summed once at home). The same bits at one rank.
     pub low_latency_reduction: Reduction,
+    /// Two-batch overlap at more than one rank (SGLang's TBO): each rank splits its tokens into
+    /// two micro-batches, and the second's dispatch travels while the first's experts compute,
+    /// the first's combine while the second's compute (both modes; the shared experts run
+    /// once, over all tokens, while the first dispatch travels). It hides transfers behind
+    /// GEMMs, but each micro-batch's GEMMs read the local experts' weights again: it pays when
+    /// the GEMMs are bound by their math (many rows per local expert), not by their weight
+    /// reads. Every rank must use the same setting. Off by default (`docs/benchmarks.md`).
+    pub two_batch_overlap: bool,
 }
 
 impl Default for MoeLayerOptions {
@@ -88,6 +96,7 @@ impl Default for MoeLayerOptions {
             shared_placement: SharedPlacement::Auto,
             low_latency_tiles: None,
             low_latency_reduction: Reduction::PerRank,
+            two_batch_overlap: false,
         }
     }
 }
@@ -391,7 +400,35 @@ impl MoeLayer {
         if self.buffer.topology().num_ranks == 1 && !self.options.fp8_dispatch {
             return self.routed_local(x, idx, w);
         }
+        if self.options.two_batch_overlap {
+            return self.routed_normal_two_batches(x, idx, w);
+        }
         let dev = x.device();
+        let routed = EventOverlap::record(dev)?;
+        let out = self.dispatch_normal(x, idx, w, &routed)?;
+        let shared = if x.dims()[0] == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        let y = self.experts_normal(&out, dev, x.dtype())?;
+        let computed = EventOverlap::record(dev)?;
+        let combined = self
+            .buffer
+            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
+        Ok((combined.combined_x, shared))
+    }
+
+    /// The normal-mode dispatch of `x` routed by `idx`, `w` (layout, fp8 cast, then the
+    /// dispatch on the communication stream after `routed`; returns once it is issued: the host
+    /// has read the received count, the rows are not yet in).
+    fn dispatch_normal(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+        routed: &EventOverlap,
+    ) -> Result<ep_runtime::DispatchOutput> {
         let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
         let (send_x, scales) = if self.options.fp8_dispatch {
             let (q, s) = per_token_cast_to_fp8(x, false)?;
@@ -399,25 +436,29 @@ impl MoeLayer {
         } else {
             (x.clone(), None)
         };
-        let routed = EventOverlap::record(dev)?;
-        let shared = if x.dims()[0] == 0 {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
         let mut args = DispatchArgs::new(&send_x)
             .topk(idx, w)
             .layout(&layout)
             .expert_alignment(self.options.expert_alignment)
-            .previous_event(&routed)
+            .previous_event(routed)
             .async_finish(true);
         if let Some(s) = &scales {
             args = args.x_scales(s);
         }
-        let out = self.buffer.dispatch(&args)?;
+        Ok(self.buffer.dispatch(&args)?)
+    }
+
+    /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
+    /// compute stream once it is in.
+    fn experts_normal(
+        &self,
+        out: &ep_runtime::DispatchOutput,
+        dev: &Device,
+        dtype: DType,
+    ) -> Result<Tensor> {
         out.event.compute_wait(dev)?;
         let recv_x = match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
+            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
             None => out.recv_x.clone(),
         };
         let recv_idx = out.recv_topk_idx.as_ref().expect("routing was dispatched");
@@ -425,12 +466,51 @@ impl MoeLayer {
             .recv_topk_weights
             .as_ref()
             .expect("routing was dispatched");
-        let y = self.experts.forward_grouped(&recv_x, recv_idx, recv_w)?;
-        let computed = EventOverlap::record(dev)?;
-        let combined = self
+        self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
+    }
+
+    /// Normal mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): dispatch A;
+    /// the shared experts while A travels; A's experts while B's dispatch travels (its count
+    /// exchange and copy are on the communication stream behind A's); A's combine while B's
+    /// experts compute; B's combine. Two host reads of a received count (one per dispatch).
+    fn routed_normal_two_batches(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dev = x.device();
+        let t = x.dims()[0];
+        let ta = t.div_ceil(2);
+        let part = |v: &Tensor, start: usize, len: usize| v.narrow(0, start, len);
+        let (xa, ia, wa) = (part(x, 0, ta)?, part(idx, 0, ta)?, part(w, 0, ta)?);
+        let (xb, ib, wb) = (
+            part(x, ta, t - ta)?,
+            part(idx, ta, t - ta)?,
+            part(w, ta, t - ta)?,
+        );
+        let routed = EventOverlap::record(dev)?;
+        let out_a = self.dispatch_normal(&xa, &ia, &wa, &routed)?;
+        let shared = if t == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        let ya = self.experts_normal(&out_a, dev, x.dtype())?;
+        let computed_a = EventOverlap::record(dev)?;
+        let out_b = self.dispatch_normal(&xb, &ib, &wb, &routed)?;
+        let comb_a = self.buffer.combine(
+            &CombineArgs::new(&ya, &out_a.handle)
+                .previous_event(&computed_a)
+                .async_finish(true),
+        )?;
+        let yb = self.experts_normal(&out_b, dev, x.dtype())?;
+        let computed_b = EventOverlap::record(dev)?;
+        let comb_b = self
             .buffer
-            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
-        Ok((combined.combined_x, shared))
+            .combine(&CombineArgs::new(&yb, &out_b.handle).previous_event(&computed_b))?;
+        comb_a.event.compute_wait(dev)?;
+        Ok((join_parts(comb_a.combined_x, comb_b.combined_x)?, shared))
     }
 
     /// Normal mode at one rank: every expert is local and there is nothing to send, so the
@@ -553,34 +633,128 @@ impl MoeLayer {
         idx: &Tensor,
         w: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let m = self.options.low_latency_max_tokens;
+        if self.options.two_batch_overlap && self.buffer.topology().num_ranks > 1 {
+            return self.routed_low_latency_two_batches(x, idx, w);
+        }
         let t = x.dims()[0];
-        let mut args = LowLatencyDispatchArgs::new(x, idx, m, self.num_experts);
-        if self.options.fp8_dispatch {
-            args = args.fp8(false);
-        }
-        let reduction = self.options.low_latency_reduction;
-        if reduction == Reduction::PerRank {
-            args = args.weights(w);
-        }
-        let hook = self.buffer.low_latency_dispatch_send(&args)?;
+        let hook = self
+            .buffer
+            .low_latency_dispatch_send(&self.low_latency_dispatch_args(x, idx, w))?;
         let shared = if t == 0 || self.shared_in_grouped_gemm(t) {
             None
         } else {
             self.shared_forward(x)?
         };
         let out = hook.recv()?;
-        let recv_x = match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, x.dtype())?,
-            None => out.recv_x.clone(),
-        };
+        let recv_x = self.low_latency_rows(&out, x.dtype())?;
         let (y, shared) = self.expert_blocks(&recv_x, &out.recv_count, x, shared)?;
         let y = y.to_dtype(recv_x.dtype())?;
         let combined = self.buffer.low_latency_combine(
-            &LowLatencyCombineArgs::new(&y, idx, w, &out.handle).reduction(reduction),
+            &LowLatencyCombineArgs::new(&y, idx, w, &out.handle)
+                .reduction(self.options.low_latency_reduction),
         )?;
         Ok((combined.combined_x, shared))
     }
+
+    /// The low-latency dispatch of `x` routed by `idx`, `w` (the weights travel for a per-rank
+    /// combine).
+    fn low_latency_dispatch_args<'a>(
+        &self,
+        x: &'a Tensor,
+        idx: &'a Tensor,
+        w: &'a Tensor,
+    ) -> LowLatencyDispatchArgs<'a> {
+        let mut args = LowLatencyDispatchArgs::new(
+            x,
+            idx,
+            self.options.low_latency_max_tokens,
+            self.num_experts,
+        );
+        if self.options.fp8_dispatch {
+            args = args.fp8(false);
+        }
+        if self.options.low_latency_reduction == Reduction::PerRank {
+            args = args.weights(w);
+        }
+        args
+    }
+
+    /// The received rows of a low-latency dispatch in `dtype` (fp8 cast back).
+    fn low_latency_rows(
+        &self,
+        out: &ep_runtime::LowLatencyDispatchOutput,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        Ok(match &out.recv_x_scales {
+            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
+            None => out.recv_x.clone(),
+        })
+    }
+
+    /// Low-latency mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): both
+    /// dispatches are sent, the shared experts run while they travel, then A is received, its
+    /// experts run and its combine is sent, while B's tokens are already in; then B; then both
+    /// combines are received. The shared experts run as their own MLP.
+    fn routed_low_latency_two_batches(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let t = x.dims()[0];
+        let ta = t.div_ceil(2);
+        let part = |v: &Tensor, start: usize, len: usize| v.narrow(0, start, len);
+        let (xa, ia, wa) = (part(x, 0, ta)?, part(idx, 0, ta)?, part(w, 0, ta)?);
+        let (xb, ib, wb) = (
+            part(x, ta, t - ta)?,
+            part(idx, ta, t - ta)?,
+            part(w, ta, t - ta)?,
+        );
+        let red = self.options.low_latency_reduction;
+        let hook_a = self
+            .buffer
+            .low_latency_dispatch_send(&self.low_latency_dispatch_args(&xa, &ia, &wa))?;
+        let hook_b = self
+            .buffer
+            .low_latency_dispatch_send(&self.low_latency_dispatch_args(&xb, &ib, &wb))?;
+        let shared = if t == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        let tiles = self.low_latency_tiles(x.device(), self.expected_rows(ta))?;
+        let out_a = hook_a.recv()?;
+        let rows_a = self.low_latency_rows(&out_a, x.dtype())?;
+        let ya = self
+            .experts
+            .forward_masked_tiled(&rows_a, &out_a.recv_count, tiles)?
+            .to_dtype(rows_a.dtype())?;
+        let comb_a = self.buffer.low_latency_combine_send(
+            &LowLatencyCombineArgs::new(&ya, &ia, &wa, &out_a.handle).reduction(red),
+        )?;
+        let out_b = hook_b.recv()?;
+        let rows_b = self.low_latency_rows(&out_b, x.dtype())?;
+        let yb = self
+            .experts
+            .forward_masked_tiled(&rows_b, &out_b.recv_count, tiles)?
+            .to_dtype(rows_b.dtype())?;
+        let comb_b = self.buffer.low_latency_combine_send(
+            &LowLatencyCombineArgs::new(&yb, &ib, &wb, &out_b.handle).reduction(red),
+        )?;
+        let (ca, cb) = (comb_a.recv()?, comb_b.recv()?);
+        Ok((join_parts(ca.combined_x, cb.combined_x)?, shared))
+    }
+}
+
+/// The outputs of two micro-batches in token order (an empty second part adds nothing).
+fn join_parts(a: Tensor, b: Tensor) -> Result<Tensor> {
+    Ok(if b.dims()[0] == 0 {
+        a
+    } else if a.dims()[0] == 0 {
+        b
+    } else {
+        Tensor::cat(&[&a, &b], 0)?
+    })
 }
 
 impl candle_nn::Module for MoeLayer {

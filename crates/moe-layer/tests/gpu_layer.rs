@@ -64,6 +64,7 @@ fn pair(
         shared_placement,
         low_latency_tiles: None,
         low_latency_reduction: moe_layer::ep_runtime::Reduction::PerRank,
+        two_batch_overlap: false,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(

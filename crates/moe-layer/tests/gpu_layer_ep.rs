@@ -8,7 +8,7 @@
 //! without tokens, a hot expert, fp8 dispatch), low-latency mode with the combine per rank (the
 //! default) and per expert, `Mode::Auto` with different token counts per rank, and a decode
 //! step captured as a CUDA graph on every rank and replayed on fresh inputs (equal to eager
-//! runs within 1e-3).
+//! runs within 1e-3); all again with the two-batch overlap.
 //!
 //! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing
 //! and says so. A first argument filters cases by name.
@@ -43,6 +43,7 @@ struct Setup {
     hot: bool,
     fp8: bool,
     reduction: Reduction,
+    tbo: bool,
 }
 
 fn build(
@@ -82,6 +83,7 @@ fn build(
         shared_placement: SharedPlacement::Auto,
         low_latency_tiles: None,
         low_latency_reduction: s.reduction,
+        two_batch_overlap: s.tbo,
     };
     let gpu = MoeLayer::load(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
@@ -242,6 +244,7 @@ fn main() {
             hot: false,
             fp8: false,
             reduction: Reduction::PerRank,
+            tbo: false,
         },
         Setup {
             name: "bf16-per-expert",
@@ -249,6 +252,7 @@ fn main() {
             hot: false,
             fp8: false,
             reduction: Reduction::PerExpert,
+            tbo: false,
         },
         Setup {
             name: "fp8",
@@ -256,6 +260,23 @@ fn main() {
             hot: false,
             fp8: true,
             reduction: Reduction::PerRank,
+            tbo: false,
+        },
+        Setup {
+            name: "two-batch-overlap",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: true,
+        },
+        Setup {
+            name: "two-batch-overlap-fp8",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: true,
+            reduction: Reduction::PerRank,
+            tbo: true,
         },
         Setup {
             name: "hot-expert",
@@ -263,6 +284,7 @@ fn main() {
             hot: true,
             fp8: false,
             reduction: Reduction::PerRank,
+            tbo: false,
         },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
