@@ -6,6 +6,8 @@
 #
 # Usage (GPU machine, repo root; the cuda build of deepseek-v3 in $EP_GPU_BIN, maybe .xz):
 #   bash scripts/gpu/serve-run.sh [serve|hf]...   (default: both)
+# Env: EP_SERVE_GPUS=N serves with N processes, one per GPU (`deepseek-v3 launch`; default 1),
+#      EP_SERVE_MAX_BATCH (per rank, default 64), EP_SERVE_CONCURRENCY (default 1,8,32,64).
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -19,8 +21,13 @@ want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 CONFIG=examples/deepseek-v3/configs/deepseek-v2-lite.json
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } | tee "$OUT/machine.txt"
 if want serve; then
-    RUST_LOG=info "$B/deepseek-v3" serve --init random --config "$CONFIG" --dtype bf16 \
-        --max-batch 64 --max-prompt-tokens 512 --max-tokens-limit 128 --port 8000 >"$OUT/serve.log" 2>&1 &
+    gpus=${EP_SERVE_GPUS:-1}
+    launch=()
+    [[ $gpus -gt 1 ]] && launch=(launch --nproc-per-node "$gpus" --master-port 29650 --)
+    # Its own process group, so that stopping it stops every rank.
+    RUST_LOG=info setsid "$B/deepseek-v3" "${launch[@]}" serve --init random --config "$CONFIG" --dtype bf16 \
+        --max-batch "${EP_SERVE_MAX_BATCH:-64}" --max-prompt-tokens 512 --max-tokens-limit 128 \
+        --port 8000 >"$OUT/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do
         curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break
@@ -34,7 +41,7 @@ if want serve; then
     echo "bench-serve rc=$?"; tail -n 20 "$OUT/bench-serve.txt"
     curl -s http://127.0.0.1:8000/metrics >"$OUT/metrics.txt"
     grep -E "^(ds_|deepseek|ep_)?[a-z_]*(step|seconds)_(sum|count)" "$OUT/metrics.txt" | head -n 12
-    kill $server; wait $server 2>/dev/null
+    kill -TERM -- -$server; wait $server 2>/dev/null
     tail -n 5 "$OUT/serve.log"
 fi
 if want hf; then
