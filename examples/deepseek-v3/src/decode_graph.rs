@@ -1,4 +1,4 @@
-//! Whole decode steps captured in CUDA graphs (one GPU).
+//! Whole decode steps captured in CUDA graphs.
 //!
 //! Eager, a decode step launches every kernel of every layer from the host (about thirty per
 //! layer: projections, rotary, cache writes, attention, norms), so at small batches the host's
@@ -15,8 +15,11 @@
 //! context. The graph is reused for every step with the same `(B, L)`; positions, the mask
 //! and the cache writes are computed inside it from the inputs.
 //!
-//! Only single-rank models use it: with several ranks every rank would have to capture and
-//! replay the same shapes in lockstep.
+//! With several ranks each rank captures the shapes of its own batches, whenever they first
+//! occur: what must stay in step across ranks is the number of MoE collectives each rank runs
+//! per engine step, and a step that captures a new shape runs exactly one real step too (the
+//! step eagerly, whose result it returns, then the capture, which executes nothing), the same
+//! as a step that replays a graph or a rank without sequences running its layers eagerly.
 
 use std::collections::HashMap;
 
@@ -61,20 +64,16 @@ impl std::fmt::Debug for DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// Whether `model` can decode through captured steps: a CUDA model whose MoE layers (if
-    /// any) run on one rank.
+    /// Whether `model` can decode through captured steps: a CUDA model (one rank or several:
+    /// see the module docs).
     pub fn supported(model: &DeepSeekV3) -> bool {
         model.device().is_cuda()
-            && model.layers().iter().all(|l| match &l.ffn {
-                Ffn::Moe(m) => m.buffer().topology().num_ranks == 1,
-                _ => true,
-            })
     }
 
     /// A decode step of every live sequence of `cache` (slot order), `tokens[i]` the new token
-    /// of slot `i`: returns the logits `[n, vocab]` in f32 and advances the cache. Captures the
-    /// step's shape on first use (running it eagerly twice first, which writes the same cache
-    /// entries the replay writes again).
+    /// of slot `i`: returns the logits `[n, vocab]` in f32 and advances the cache. On the first
+    /// step of a shape the step runs eagerly (that is this step) and is then captured for the
+    /// next ones.
     pub fn step(
         &mut self,
         model: &DeepSeekV3,
@@ -107,7 +106,7 @@ impl DecodeGraphs {
         let ids = Tensor::new(ids.as_slice(), &dev)?;
         let positions = Tensor::new(positions.as_slice(), &dev)?;
         let buffers = moe_buffers(model);
-        let step = match self.steps.entry((b, len)) {
+        let logits = match self.steps.entry((b, len)) {
             std::collections::hash_map::Entry::Occupied(e) => {
                 let step = e.into_mut();
                 step.ids.slice_set(&ids, 0, 0)?;
@@ -120,13 +119,15 @@ impl DecodeGraphs {
                     buf.low_latency_note_replay()
                         .map_err(candle_core::Error::wrap)?;
                 }
-                step
+                step.logits.clone()
             }
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(CapturedStep::capture(
-                model, cache, &dev, ids, positions, len,
-            )?),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let (step, eager) = CapturedStep::capture(model, cache, &dev, ids, positions, len)?;
+                e.insert(step);
+                eager
+            }
         };
-        let logits = step.logits.narrow(0, 0, n)?.to_dtype(DType::F32)?;
+        let logits = logits.narrow(0, 0, n)?.to_dtype(DType::F32)?;
         cache.advance_all(n);
         Ok(logits)
     }
@@ -143,9 +144,10 @@ impl DecodeGraphs {
 }
 
 impl CapturedStep {
-    /// Runs the step eagerly twice on `ids` and `positions` (modules, workspaces, buffers and
+    /// Runs the step eagerly on `ids` and `positions` (modules, workspaces, buffers and
     /// candle's layout uploads exist before the capture: see `ep_runtime::graph::warm_up`),
-    /// then captures it; the capture's own launch leaves the logits.
+    /// then captures it without running it; returns the captured step and the eager step's
+    /// logits (this step's).
     fn capture(
         model: &DeepSeekV3,
         cache: &KvCache,
@@ -153,7 +155,7 @@ impl CapturedStep {
         ids: Tensor,
         positions: Tensor,
         len: usize,
-    ) -> Result<Self> {
+    ) -> Result<(Self, Tensor)> {
         let b = ids.dim(0)?;
         let keys = Tensor::arange(0u32, len as u32, dev)?.reshape((1, 1, 1, len))?;
         let rows = Tensor::arange(0u32, b as u32, dev)?;
@@ -169,30 +171,20 @@ impl CapturedStep {
             let x = model.hidden_states(&ids, cache, &plan, None)?;
             model.logits(&x)
         };
-        warm_up(dev, || {
-            for _ in 0..2 {
-                body().map_err(moe_layer::ep_runtime::Error::Candle)?;
-            }
-            Ok(())
-        })
-        .map_err(candle_core::Error::wrap)?;
+        let eager = warm_up(dev, || body().map_err(moe_layer::ep_runtime::Error::Candle))
+            .map_err(candle_core::Error::wrap)?;
         let (graph, logits) = capture(dev, || body().map_err(moe_layer::ep_runtime::Error::Candle))
             .map_err(candle_core::Error::wrap)?;
-        for buf in moe_buffers(model) {
-            buf.low_latency_poll().map_err(candle_core::Error::wrap)?;
-        }
-        graph.launch().map_err(candle_core::Error::wrap)?;
-        for buf in moe_buffers(model) {
-            buf.low_latency_note_replay()
-                .map_err(candle_core::Error::wrap)?;
-        }
-        Ok(Self {
-            ids,
-            positions,
-            logits,
-            _constants: [keys, rows],
-            graph,
-        })
+        Ok((
+            Self {
+                ids,
+                positions,
+                logits,
+                _constants: [keys, rows],
+                graph,
+            },
+            eager,
+        ))
     }
 }
 

@@ -65,7 +65,7 @@ pub struct Engine {
     cache: KvCache,
     rank: usize,
     seqs: HashMap<SeqId, SeqState>,
-    /// Captured whole decode steps (one-GPU CUDA models), if used.
+    /// Captured whole decode steps (CUDA models), if used.
     #[cfg(feature = "cuda")]
     decode_graphs: Option<crate::decode_graph::DecodeGraphs>,
 }
@@ -88,7 +88,7 @@ impl Engine {
     }
 
     /// Decodes through whole steps captured in CUDA graphs when `enabled` and the model
-    /// supports it (one GPU: see `decode_graph`); otherwise eagerly.
+    /// supports it (CUDA: see `decode_graph`); otherwise eagerly.
     #[cfg(feature = "cuda")]
     pub fn with_decode_graphs(mut self, enabled: bool) -> Self {
         self.decode_graphs = (enabled && crate::decode_graph::DecodeGraphs::supported(&self.model))

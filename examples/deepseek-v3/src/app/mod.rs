@@ -103,7 +103,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
     /// Launch decode steps kernel by kernel instead of replaying whole steps captured in CUDA
-    /// graphs (which one-GPU CUDA runs do by default).
+    /// graphs (which CUDA runs do by default, on one GPU or several).
     #[arg(long)]
     pub eager_decode: bool,
 }
