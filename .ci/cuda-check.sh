@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 eval "$(scripts/cuda-toolchain.sh)"
 nvcc --version | tail -n 2
-features="ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,deepseek-v3/cuda,ep-moe-tests/cuda"
+features="ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,deepseek-v3/cuda,ep-moe-tests/cuda,nvshmem-sys/cuda"
 cargo check --workspace --all-targets --features "$features"
-cargo clippy -p ep-kernels -p ep-runtime -p moe-layer --all-targets --features "ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda" -- -D warnings
+cargo clippy -p ep-kernels -p ep-runtime -p moe-layer -p nvshmem-sys --all-targets --features "ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,nvshmem-sys/cuda" -- -D warnings
 bash scripts/gpu/probe/build.sh
