@@ -723,21 +723,21 @@ impl MoeLayer {
             self.shared_forward(x)?
         };
         let tiles = self.low_latency_tiles(x.device(), self.expected_rows(ta))?;
+        // A micro-batch's rows in, its experts, its combine sent.
+        let experts = |out: &ep_runtime::LowLatencyDispatchOutput| -> Result<Tensor> {
+            let rows = self.low_latency_rows(out, x.dtype())?;
+            Ok(self
+                .experts
+                .forward_masked_tiled(&rows, &out.recv_count, tiles)?
+                .to_dtype(rows.dtype())?)
+        };
         let out_a = hook_a.recv()?;
-        let rows_a = self.low_latency_rows(&out_a, x.dtype())?;
-        let ya = self
-            .experts
-            .forward_masked_tiled(&rows_a, &out_a.recv_count, tiles)?
-            .to_dtype(rows_a.dtype())?;
+        let ya = experts(&out_a)?;
         let comb_a = self.buffer.low_latency_combine_send(
             &LowLatencyCombineArgs::new(&ya, &ia, &wa, &out_a.handle).reduction(red),
         )?;
         let out_b = hook_b.recv()?;
-        let rows_b = self.low_latency_rows(&out_b, x.dtype())?;
-        let yb = self
-            .experts
-            .forward_masked_tiled(&rows_b, &out_b.recv_count, tiles)?
-            .to_dtype(rows_b.dtype())?;
+        let yb = experts(&out_b)?;
         let comb_b = self.buffer.low_latency_combine_send(
             &LowLatencyCombineArgs::new(&yb, &ib, &wb, &out_b.handle).reduction(red),
         )?;

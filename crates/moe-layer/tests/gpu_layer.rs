@@ -12,19 +12,17 @@
 //! Run on one GPU: prints one line per case, then `N passed, N failed`. A first argument
 //! filters cases by name.
 
-use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use moe_layer::config::MoeConfig;
-use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::{graph, Buffer, BufferConfig};
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
 
 mod gpu_common;
-use gpu_common::{cfg, rel, weights, R};
+use gpu_common::{cfg, on_device, rel, weights, R};
 
 /// The GPU layer (bf16, one-rank CUDA buffer) and the CPU reference layer (f32) over the same
 /// weights.
@@ -43,17 +41,7 @@ fn pair(
 ) -> R<Pair> {
     let dev = Device::new_cuda(0)?;
     let w = weights(c, hot)?;
-    let to_dev: HashMap<String, Tensor> = w
-        .iter()
-        .map(|(k, v)| {
-            let v = if k.ends_with("e_score_correction_bias") {
-                v.to_device(&dev)
-            } else {
-                v.to_dtype(DType::BF16).and_then(|t| t.to_device(&dev))
-            };
-            v.map(|t| (k.clone(), t))
-        })
-        .collect::<candle_core::Result<_>>()?;
+    let to_dev = on_device(&w, &dev)?;
     let bcfg =
         BufferConfig::default().with_low_latency(ll_tokens, c.hidden_size, c.n_routed_experts);
     let opts = MoeLayerOptions {
@@ -107,24 +95,9 @@ fn pair(
     Ok(Pair { gpu, cpu, dev })
 }
 
-/// The reference output for GPU input `x` (CPU experts with the GPU router's choice; with fp8
-/// dispatch, on the tokens as the fp8 round trip leaves them).
+/// The reference output for GPU input `x` (`gpu_common::reference`).
 fn reference(p: &Pair, x: &Tensor) -> R<Tensor> {
-    let routing = p.gpu.router().forward(x)?;
-    let xc = x.to_device(&Device::Cpu)?;
-    let sent = if p.gpu.options().fp8_dispatch {
-        let (q, s) = per_token_cast_to_fp8(&xc, false)?;
-        per_token_cast_back(&q, &s, DType::F32)?
-    } else {
-        xc.to_dtype(DType::F32)?
-    };
-    let xc = xc.to_dtype(DType::F32)?;
-    let idx = routing.topk_idx.to_device(&Device::Cpu)?;
-    let w = routing.topk_weights.to_device(&Device::Cpu)?;
-    let mut y = p.cpu.experts().forward_grouped_f32(&sent, &idx, &w)?;
-    let shared = p.cpu.shared().ok_or("no shared expert")?;
-    y = (y + shared.forward(&xc)?)?;
-    Ok(y)
+    gpu_common::reference(&p.gpu, &p.cpu, x)
 }
 
 fn layer_case(p: &Pair, t: usize, mode: Mode) -> R<()> {

@@ -24,7 +24,7 @@ use moe_layer::ep_runtime::{Buffer, BufferConfig, LocalTransport, Reduction, Top
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
 
 mod gpu_common;
-use gpu_common::{cfg, rel, weights, R};
+use gpu_common::{cfg, on_device, rel, weights, R};
 
 /// Low-latency slots per rank.
 const LL_MAX: usize = 64;
@@ -55,17 +55,7 @@ fn build(
 ) -> R<Rank> {
     let dev = Device::new_cuda(rank)?;
     let c = &s.cfg;
-    let on_dev: HashMap<String, Tensor> = w
-        .iter()
-        .map(|(k, v)| {
-            let v = if k.ends_with("e_score_correction_bias") {
-                v.to_device(&dev)
-            } else {
-                v.to_dtype(DType::BF16).and_then(|t| t.to_device(&dev))
-            };
-            v.map(|t| (k.clone(), t))
-        })
-        .collect::<candle_core::Result<_>>()?;
+    let on_dev = on_device(w, &dev)?;
     let bcfg = BufferConfig::default()
         .with_low_latency(LL_MAX, c.hidden_size, c.n_routed_experts)
         .with_timeout(Duration::from_secs(20));
@@ -103,23 +93,9 @@ fn build(
     Ok(Rank { dev, gpu, cpu })
 }
 
-/// The reference for this rank's GPU input `x` (see the file comment; with fp8 dispatch, on
-/// the tokens as the fp8 round trip leaves them).
+/// The reference for this rank's GPU input `x` (see the file comment).
 fn reference(r: &Rank, x: &Tensor) -> R<Tensor> {
-    use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
-    let routing = r.gpu.router().forward(x)?;
-    let xc = x.to_device(&Device::Cpu)?;
-    let sent = if r.gpu.options().fp8_dispatch {
-        let (q, s) = per_token_cast_to_fp8(&xc, false)?;
-        per_token_cast_back(&q, &s, DType::F32)?
-    } else {
-        xc.to_dtype(DType::F32)?
-    };
-    let idx = routing.topk_idx.to_device(&Device::Cpu)?;
-    let w = routing.topk_weights.to_device(&Device::Cpu)?;
-    let y = r.cpu.experts().forward_grouped_f32(&sent, &idx, &w)?;
-    let shared = r.cpu.shared().ok_or("no shared expert")?;
-    Ok((y + shared.forward(&xc.to_dtype(DType::F32)?)?)?)
+    gpu_common::reference(&r.gpu, &r.cpu, x)
 }
 
 fn tokens(r: &Rank, t: usize, scale: f32) -> R<Tensor> {

@@ -87,9 +87,14 @@ pub fn combine<'a>(
     active_ranks: &[bool],
     mut row: impl FnMut(usize, usize) -> &'a [bf16],
 ) -> Result<Vec<bf16>> {
-    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
-    Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
-    Error::check_len("active_ranks", placement.num_ranks, active_ranks.len())?;
+    check_combine(
+        topk_idx,
+        topk_weights,
+        num_tokens,
+        num_topk,
+        placement,
+        active_ranks,
+    )?;
     let mut out = vec![bf16::ZERO; num_tokens * hidden];
     let mut acc = vec![0f32; hidden];
     for t in 0..num_tokens {
@@ -109,6 +114,20 @@ pub fn combine<'a>(
         }
     }
     Ok(out)
+}
+
+/// The lengths the combine twins read.
+fn check_combine(
+    topk_idx: &[i64],
+    topk_weights: &[f32],
+    num_tokens: usize,
+    num_topk: usize,
+    placement: &ExpertPlacement,
+    active_ranks: &[bool],
+) -> Result<()> {
+    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
+    Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
+    Error::check_len("active_ranks", placement.num_ranks, active_ranks.len())
 }
 
 /// How a low-latency combine reduces the expert outputs of a token.
@@ -180,9 +199,14 @@ pub fn combine_per_rank<'a>(
     active_ranks: &[bool],
     mut row: impl FnMut(usize, usize) -> &'a [bf16],
 ) -> Result<Vec<bf16>> {
-    Error::check_len("topk_idx", num_tokens * num_topk, topk_idx.len())?;
-    Error::check_len("topk_weights", num_tokens * num_topk, topk_weights.len())?;
-    Error::check_len("active_ranks", placement.num_ranks, active_ranks.len())?;
+    check_combine(
+        topk_idx,
+        topk_weights,
+        num_tokens,
+        num_topk,
+        placement,
+        active_ranks,
+    )?;
     let mut out = vec![bf16::ZERO; num_tokens * hidden];
     let mut acc = vec![0f32; hidden];
     for t in 0..num_tokens {

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use moe_layer::MoeLayer;
 
 pub type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -96,4 +98,37 @@ pub fn rel(got: &Tensor, want: &Tensor) -> R<(f64, f64)> {
         worst = worst.max((te / tr.max(1e-30)).sqrt());
     }
     Ok(((e2 / r2.max(1e-30)).sqrt(), worst))
+}
+
+/// `w` on `dev` as a checkpoint holds it: bf16, but the router's correction bias in f32.
+pub fn on_device(w: &HashMap<String, Tensor>, dev: &Device) -> R<HashMap<String, Tensor>> {
+    Ok(w.iter()
+        .map(|(k, v)| {
+            let v = if k.ends_with("e_score_correction_bias") {
+                v.to_device(dev)
+            } else {
+                v.to_dtype(DType::BF16).and_then(|t| t.to_device(dev))
+            };
+            v.map(|t| (k.clone(), t))
+        })
+        .collect::<candle_core::Result<_>>()?)
+}
+
+/// The reference output for `gpu`'s input `x`: `cpu`'s experts (f32, all of them) with the
+/// routing `gpu`'s router chose, plus its shared experts; with fp8 dispatch, on the tokens as
+/// the fp8 round trip leaves them.
+pub fn reference(gpu: &MoeLayer, cpu: &MoeLayer, x: &Tensor) -> R<Tensor> {
+    let routing = gpu.router().forward(x)?;
+    let xc = x.to_device(&Device::Cpu)?;
+    let sent = if gpu.options().fp8_dispatch {
+        let (q, s) = per_token_cast_to_fp8(&xc, false)?;
+        per_token_cast_back(&q, &s, DType::F32)?
+    } else {
+        xc.to_dtype(DType::F32)?
+    };
+    let idx = routing.topk_idx.to_device(&Device::Cpu)?;
+    let w = routing.topk_weights.to_device(&Device::Cpu)?;
+    let y = cpu.experts().forward_grouped_f32(&sent, &idx, &w)?;
+    let shared = cpu.shared().ok_or("no shared expert")?;
+    Ok((y + shared.forward(&xc.to_dtype(DType::F32)?)?)?)
 }
