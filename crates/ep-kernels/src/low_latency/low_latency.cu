@@ -493,27 +493,18 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         }
         __syncthreads();
 
-        // Send: K copies of the message, 16 bytes per thread per step; vector 0 is the header.
-        const int jobs = K * msg_vecs;
+        // Send, 16 bytes per thread per step, in one pass: first (records only) the records of
+        // the ranks the token goes to (vector 0 the header, then the selections (the k of other
+        // ranks as -1) and the weights of k < K, 4 per vector, at 1 .. and 1 + kMaxTopk / 4 ..;
+        // the receiver reads no k >= K), then K copies of the message (vector 0 its header).
+        const int quads = ep::ceil_div(K, 4);
+        const int rec_vecs = 1 + 2 * quads;
+        const int rec_jobs = records ? K * rec_vecs : 0;
+        const int jobs = rec_jobs + K * msg_vecs;
         for (int j = tid; j < jobs; j += kThreads) {
-            const int k = j / msg_vecs;
-            const int i = j - k * msg_vecs;
-            uint8_t* dst = s_dst[k];
-            if (dst != nullptr) {
-                const int4 v = i == 0 ? make_int4(t, 0, 0, 0)
-                                      : *reinterpret_cast<const int4*>(stage + i * 16);
-                put_v4(dst + i * 16, v);
-            }
-        }
-        // The records of the ranks the token went to: vector 0 the header, then the
-        // selections (the k of other ranks as -1) and the weights of k < K, 4 per vector (at
-        // 1 .. and 1 + kMaxTopk / 4 ..; the receiver reads no k >= K).
-        if (records) {
-            const int quads = ep::ceil_div(K, 4);
-            const int vecs = 1 + 2 * quads;
-            for (int j = tid; j < K * vecs; j += kThreads) {
-                const int k = j / vecs;
-                const int v = j - k * vecs;
+            if (j < rec_jobs) {
+                const int k = j / rec_vecs;
+                const int v = j - k * rec_vecs;
                 uint8_t* dst = s_rec[k];
                 if (dst == nullptr) {
                     continue;
@@ -539,6 +530,16 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                     }
                 }
                 put_v4(dst + i * 16, make_int4(w4[0], w4[1], w4[2], w4[3]));
+                continue;
+            }
+            const int m = j - rec_jobs;
+            const int k = m / msg_vecs;
+            const int i = m - k * msg_vecs;
+            uint8_t* dst = s_dst[k];
+            if (dst != nullptr) {
+                const int4 v = i == 0 ? make_int4(t, 0, 0, 0)
+                                      : *reinterpret_cast<const int4*>(stage + i * 16);
+                put_v4(dst + i * 16, v);
             }
         }
         __syncthreads();
