@@ -481,14 +481,7 @@ impl MoeLayer {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dev = x.device();
         let t = x.dims()[0];
-        let ta = t.div_ceil(2);
-        let part = |v: &Tensor, start: usize, len: usize| v.narrow(0, start, len);
-        let (xa, ia, wa) = (part(x, 0, ta)?, part(idx, 0, ta)?, part(w, 0, ta)?);
-        let (xb, ib, wb) = (
-            part(x, ta, t - ta)?,
-            part(idx, ta, t - ta)?,
-            part(w, ta, t - ta)?,
-        );
+        let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
         let routed = EventOverlap::record(dev)?;
         let out_a = self.dispatch_normal(&xa, &ia, &wa, &routed)?;
         let shared = if t == 0 {
@@ -702,14 +695,7 @@ impl MoeLayer {
         w: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let t = x.dims()[0];
-        let ta = t.div_ceil(2);
-        let part = |v: &Tensor, start: usize, len: usize| v.narrow(0, start, len);
-        let (xa, ia, wa) = (part(x, 0, ta)?, part(idx, 0, ta)?, part(w, 0, ta)?);
-        let (xb, ib, wb) = (
-            part(x, ta, t - ta)?,
-            part(idx, ta, t - ta)?,
-            part(w, ta, t - ta)?,
-        );
+        let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
         let red = self.options.low_latency_reduction;
         let hook_a = self
             .buffer
@@ -722,7 +708,7 @@ impl MoeLayer {
         } else {
             self.shared_forward(x)?
         };
-        let tiles = self.low_latency_tiles(x.device(), self.expected_rows(ta))?;
+        let tiles = self.low_latency_tiles(x.device(), self.expected_rows(xa.dims()[0]))?;
         // A micro-batch's rows in, its experts, its combine sent.
         let experts = |out: &ep_runtime::LowLatencyDispatchOutput| -> Result<Tensor> {
             let rows = self.low_latency_rows(out, x.dtype())?;
@@ -744,6 +730,25 @@ impl MoeLayer {
         let (ca, cb) = (comb_a.recv()?, comb_b.recv()?);
         Ok((join_parts(ca.combined_x, cb.combined_x)?, shared))
     }
+}
+
+/// The two micro-batches of a two-batch-overlap step: the tokens (and their routing) split at
+/// `ceil(T / 2)`, as views (either may be empty).
+fn two_micro_batches(
+    x: &Tensor,
+    idx: &Tensor,
+    w: &Tensor,
+) -> Result<[(Tensor, Tensor, Tensor); 2]> {
+    let t = x.dims()[0];
+    let ta = t.div_ceil(2);
+    let part = |start: usize, len: usize| -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            x.narrow(0, start, len)?,
+            idx.narrow(0, start, len)?,
+            w.narrow(0, start, len)?,
+        ))
+    };
+    Ok([part(0, ta)?, part(ta, t - ta)?])
 }
 
 /// The outputs of two micro-batches in token order (an empty second part adds nothing).
