@@ -8,6 +8,8 @@
 #   bash scripts/gpu/two-gpu-run.sh [tests|onegpu|ll|layer]...   (default: all four)
 # tests: the multi-GPU test binaries ($EP_TEST_BINS); onegpu: compute-sanitizer on GPU 0 while
 # the one-GPU layer tests ($EP_ONE_GPU_BINS) run on the last GPU.
+# Env: EP_LL_RANKS / EP_LAYER_RANKS: the rank counts of the ll / layer steps (default: all GPUs
+# and 2 / 1 and all GPUs).
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -60,18 +62,18 @@ if want onegpu; then
     wait
 fi
 if want ll; then
-    for ranks in $ngpu 2; do
+    for ranks in ${EP_LL_RANKS:-$ngpu 2}; do
         [[ $ngpu -lt $ranks ]] && continue
         vis=$(seq -s, 0 $((ranks - 1)))
         CUDA_VISIBLE_DEVICES=$vis EP_BENCH_RANKS=$ranks EP_BENCH_OUT="$OUT/low-latency-ep$ranks.json" \
             timeout 240 "$B/bench_low_latency" >"$OUT/bench-low-latency-ep$ranks.txt" 2>&1
         echo "bench_low_latency EP$ranks rc=$?"
         grep -E '^ +[0-9]+ ' "$OUT/bench-low-latency-ep$ranks.txt" | grep -E 'combine|dispatch \(x16|nccl'
-        [[ $ngpu -eq 2 ]] && break
+        [[ -z "${EP_LL_RANKS:-}" && $ngpu -eq 2 ]] && break
     done
 fi
 if want layer; then
-    for ranks in 1 $ngpu; do
+    for ranks in ${EP_LAYER_RANKS:-1 $ngpu}; do
         vis=$(seq -s, 0 $((ranks - 1)))
         CUDA_VISIBLE_DEVICES=$vis EP_BENCH_RANKS=$ranks EP_BENCH_OUT="$OUT/moe-layer-ep$ranks.json" \
             timeout "${EP_LAYER_TIMEOUT:-280}" "$B/bench_moe_layer" >"$OUT/bench-moe-layer-ep$ranks.txt" 2>&1

@@ -109,8 +109,9 @@ pub struct GenRequest {
 pub struct SchedulerConfig {
     /// Most live sequences per rank (also the low-latency token limit per rank).
     pub max_batch_per_rank: usize,
-    /// Most prompt tokens in one prefill step over all ranks (a longer prompt still goes
-    /// alone): bounds the activations, attention scores and MoE dispatch of a step.
+    /// Most prompt tokens of one prefill step on each rank (a longer prompt still goes alone):
+    /// bounds a rank's activations, attention scores and MoE dispatch in a step, so a job of N
+    /// ranks prefills up to N times as many tokens per step as one GPU.
     pub max_prefill_tokens: usize,
     /// How often an idle multi-rank job runs an empty step, so waiting ranks do not time out.
     pub heartbeat: Duration,
@@ -215,10 +216,20 @@ impl Active {
     }
 }
 
-/// Whether a prompt of `next` tokens joins a prefill step that has `taken` tokens already
-/// (the first prompt always does).
+/// Whether a prompt of `next` tokens joins a rank's share of a prefill step that has `taken`
+/// tokens already (the first prompt always does).
 fn fits_prefill(taken: usize, next: usize, budget: usize) -> bool {
     taken == 0 || taken + next <= budget
+}
+
+/// The rank a new prompt of `len` tokens goes to in this step: of the ranks with a free
+/// sequence slot and room in their prefill budget, the one with the fewest sequences (the
+/// lowest index on ties); `None` when no rank can take it now.
+fn place(load: &[usize], taken: &[usize], len: usize, cfg: &SchedulerConfig) -> Option<usize> {
+    (0..load.len())
+        .filter(|&r| load[r] < cfg.max_batch_per_rank)
+        .filter(|&r| fits_prefill(taken[r], len, cfg.max_prefill_tokens))
+        .min_by_key(|&r| (load[r], r))
 }
 
 /// Runs the loop on rank 0 until `requests` is closed and every sequence has ended, then shuts
@@ -272,27 +283,19 @@ pub fn run(
             load[a.rank] += 1;
         }
         let mut new = Vec::new();
-        let mut prefill_tokens = 0;
+        let mut prefill_tokens = vec![0usize; world];
         let now = Instant::now();
         while let Some(req) = waiting.front() {
             if req.events.is_closed() {
                 waiting.pop_front();
                 continue;
             }
-            if !fits_prefill(prefill_tokens, req.prompt.len(), cfg.max_prefill_tokens) {
+            let Some(rank) = place(&load, &prefill_tokens, req.prompt.len(), &cfg) else {
                 break;
-            }
-            let (rank, &n) = load
-                .iter()
-                .enumerate()
-                .min_by_key(|(r, n)| (**n, *r))
-                .expect("at least one rank");
-            if n >= cfg.max_batch_per_rank {
-                break;
-            }
+            };
             let req = waiting.pop_front().expect("front exists");
             load[rank] += 1;
-            prefill_tokens += req.prompt.len();
+            prefill_tokens[rank] += req.prompt.len();
             let id = next_id;
             next_id += 1;
             new.push(NewSeq {
@@ -372,6 +375,23 @@ mod tests {
         );
         assert!(fits_prefill(4000, 96, 4096));
         assert!(!fits_prefill(4000, 97, 4096));
+    }
+
+    #[test]
+    fn prompts_go_to_the_least_loaded_rank_with_room() {
+        let cfg = SchedulerConfig {
+            max_batch_per_rank: 2,
+            max_prefill_tokens: 1000,
+            heartbeat: Duration::from_secs(1),
+        };
+        assert_eq!(place(&[1, 0, 0], &[0, 0, 0], 600, &cfg), Some(1));
+        // Rank 0's share of this step is taken: the next rank of the same load gets it.
+        assert_eq!(place(&[1, 1, 1], &[600, 0, 0], 600, &cfg), Some(1));
+        assert_eq!(place(&[1, 1, 1], &[600, 600, 0], 600, &cfg), Some(2));
+        assert_eq!(place(&[1, 1, 1], &[600, 600, 600], 600, &cfg), None);
+        // Full ranks take nothing; a budget that fits keeps a rank eligible.
+        assert_eq!(place(&[2, 2, 1], &[0, 0, 900], 100, &cfg), Some(2));
+        assert_eq!(place(&[2, 2, 2], &[0, 0, 0], 10, &cfg), None);
     }
 
     #[test]

@@ -92,7 +92,7 @@ pub struct ModelArgs {
     /// number of KV cache slots, allocated at start).
     #[arg(long, default_value_t = 8)]
     pub max_batch: usize,
-    /// Most prompt tokens in one prefill step over all ranks (new sequences wait for the next
+    /// Most prompt tokens of one prefill step on each rank (new sequences wait for the next
     /// step beyond it; a longer prompt goes alone).
     #[arg(long, default_value_t = 8192)]
     pub max_prefill_tokens: usize,
