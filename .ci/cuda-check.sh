@@ -10,4 +10,7 @@ nvcc --version | tail -n 2
 features="ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,deepseek-v3/cuda,ep-moe-tests/cuda,nvshmem-sys/cuda"
 cargo check --workspace --all-targets --features "$features"
 cargo clippy -p ep-kernels -p ep-runtime -p moe-layer -p nvshmem-sys --all-targets --features "ep-kernels/nccl,ep-runtime/cuda,moe-layer/cuda,nvshmem-sys/cuda" -- -D warnings
+# NVSHMEM through the bootstrap store (ep-runtime's `nvshmem` feature, a superset of `cuda`),
+# apart so that the lines above still check `cuda` without it.
+cargo clippy -p ep-runtime --all-targets --features nvshmem -- -D warnings
 bash scripts/gpu/probe/build.sh

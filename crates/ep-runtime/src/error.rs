@@ -62,6 +62,17 @@ pub enum Error {
         /// What we were doing when we noticed.
         what: String,
     },
+    /// Another rank failed a collective setup step and told the others through the bootstrap
+    /// store, so this rank stopped too instead of waiting for it (its own error is in its log).
+    #[error("rank {rank} could not {what}: {reason}")]
+    PeerFailed {
+        /// The rank that failed (the lowest, if several did).
+        rank: usize,
+        /// The step, in words.
+        what: String,
+        /// What that rank reported.
+        reason: String,
+    },
     /// Some ranks were masked out of a low-latency op (timed out now or earlier); the op
     /// completed with their contributions treated as zero.
     #[error("ranks {ranks:?} are inactive (masked); their contributions were treated as zero")]
@@ -99,6 +110,10 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] cudarc::driver::DriverError),
+    /// An NVSHMEM call failed (feature `nvshmem`).
+    #[cfg(feature = "nvshmem")]
+    #[error(transparent)]
+    Nvshmem(#[from] nvshmem_sys::Error),
     /// The requested operation is not available on this backend.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -131,6 +146,7 @@ impl Error {
         match self {
             Self::Timeout { rank, .. }
             | Self::PeerLost { rank, .. }
+            | Self::PeerFailed { rank, .. }
             | Self::Protocol { rank, .. } => Some(*rank),
             Self::RanksMasked { ranks } => ranks.first().copied(),
             _ => None,

@@ -14,6 +14,11 @@
 //! the [`Store`] ([`Buffer::from_store`]). The semantics of every op are those of the host
 //! twins in [`ep_kernels`].
 //!
+//! Feature `nvshmem` (implies `cuda`): `init_nvshmem(&store, name, device)` starts NVSHMEM on
+//! every rank of the store, bootstrapped by a unique id that rank 0 makes and the store
+//! carries; every wait is bounded by the store's timeout and a missing rank is named (module
+//! `transport::nvshmem`; the bindings are re-exported as `nvshmem_sys`).
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! use ep_runtime::{Buffer, BufferConfig, CombineArgs, DispatchArgs};
@@ -76,4 +81,11 @@ pub use low_latency::{
 };
 pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 pub use topology::Topology;
+#[cfg(feature = "nvshmem")]
+pub use transport::init_nvshmem;
 pub use transport::{LocalTransport, TcpTransport, Transport};
+
+/// The project's NVSHMEM bindings (feature `nvshmem`), for the [`init_nvshmem`] handle
+/// (`Nvshmem`) and its symmetric buffers.
+#[cfg(feature = "nvshmem")]
+pub use nvshmem_sys;

@@ -5,11 +5,19 @@
 //! (a TCP mesh whose addresses are swapped through the bootstrap store). Messages carry a
 //! tag (the op's sequence number) so that a late message of a timed-out op is never mistaken
 //! for the next op's.
+//!
+//! With the `nvshmem` feature, `init_nvshmem` starts NVSHMEM (the GPU transport for peers on
+//! other nodes) on every rank of the store, bootstrapped by a unique id that the store carries
+//! (see the module `nvshmem`).
 
 mod local;
+#[cfg(any(feature = "nvshmem", test))]
+pub mod nvshmem;
 mod tcp;
 
 pub use local::LocalTransport;
+#[cfg(feature = "nvshmem")]
+pub use nvshmem::init_nvshmem;
 pub use tcp::TcpTransport;
 
 use crate::error::Result;
