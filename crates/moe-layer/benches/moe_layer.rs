@@ -23,6 +23,7 @@
 //! experts): the communication left on the critical path. `EP_BENCH_TBO=1` turns on the
 //! two-batch overlap (`MoeLayerOptions::two_batch_overlap`). `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
+//! `EP_BENCH_FP8=1` sends normal mode's rows in fp8 (`MoeLayerOptions::fp8_dispatch`);
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
@@ -41,6 +42,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
 use ep_kernels::gemm::GemmTiles;
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
@@ -164,7 +166,7 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
     let opts = MoeLayerOptions {
         mode: Mode::Auto,
         low_latency_max_tokens: LL_MAX,
-        fp8_dispatch: false,
+        fp8_dispatch: fp8_dispatch(),
         expert_alignment: 1,
         shared_placement: match std::env::var("EP_BENCH_SHARED").as_deref() {
             Ok("grouped") => moe_layer::SharedPlacement::Grouped,
@@ -345,22 +347,46 @@ fn bench_tokens(
             Ok(())
         })?;
     } else {
-        row.dispatch_ms = part(&mut || {
+        // As the layer sends: bf16 rows, or fp8 rows and scales cast on the compute stream
+        // (counted in the dispatch) and cast back before the GEMMs (counted in them).
+        let send = |x: &Tensor| -> Result<(Tensor, Option<Tensor>), BoxError> {
+            Ok(if fp8_dispatch() {
+                let (q, s) = per_token_cast_to_fp8(x, false)?;
+                (q, Some(s))
+            } else {
+                (x.clone(), None)
+            })
+        };
+        let dispatch = |x: &Tensor| -> Result<_, BoxError> {
             let layout = buf.get_dispatch_layout(idx, E)?;
-            buf.dispatch(&DispatchArgs::new(&x).topk(idx, w).layout(&layout))?;
+            let (q, s) = send(x)?;
+            let mut args = DispatchArgs::new(&q).topk(idx, w).layout(&layout);
+            if let Some(s) = &s {
+                args = args.x_scales(s);
+            }
+            Ok(buf.dispatch(&args)?)
+        };
+        row.dispatch_ms = part(&mut || {
+            dispatch(&x)?;
             Ok(())
         })?;
-        let layout = buf.get_dispatch_layout(idx, E)?;
-        let out = buf.dispatch(&DispatchArgs::new(&x).topk(idx, w).layout(&layout))?;
+        let out = dispatch(&x)?;
         let (ri, rw) = (
             out.recv_topk_idx.as_ref().ok_or("no routing")?,
             out.recv_topk_weights.as_ref().ok_or("no weights")?,
         );
+        let experts = || -> Result<Tensor, BoxError> {
+            let rx = match &out.recv_x_scales {
+                Some(s) => per_token_cast_back(&out.recv_x, s, DType::BF16)?,
+                None => out.recv_x.clone(),
+            };
+            Ok(layer.experts().forward_grouped(&rx, ri, rw)?)
+        };
         row.gemm_ms = part(&mut || {
-            layer.experts().forward_grouped(&out.recv_x, ri, rw)?;
+            experts()?;
             Ok(())
         })?;
-        let y = layer.experts().forward_grouped(&out.recv_x, ri, rw)?;
+        let y = experts()?;
         row.combine_ms = part(&mut || {
             buf.combine(&CombineArgs::new(&y, &out.handle))?;
             Ok(())
@@ -495,12 +521,13 @@ fn main() -> Result<(), BoxError> {
     let mut table = String::new();
     writeln!(
         table,
-        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s){}; times in ms",
+        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s){}{}; times in ms",
         if std::env::var("EP_BENCH_TBO").as_deref() == Ok("1") {
             ", two-batch overlap"
         } else {
             ""
-        }
+        },
+        if fp8_dispatch() { ", fp8 dispatch" } else { "" }
     )?;
     writeln!(
         table,
@@ -547,12 +574,17 @@ fn main() -> Result<(), BoxError> {
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
                 r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.floor_ms, r.floor_gb, r.dense_ms,
-                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1")
+                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch()
             )?;
         }
     }
     Ok(())
+}
+
+/// `EP_BENCH_FP8=1`: normal mode sends fp8 rows (`MoeLayerOptions::fp8_dispatch`).
+fn fp8_dispatch() -> bool {
+    std::env::var("EP_BENCH_FP8").as_deref() == Ok("1")
 }

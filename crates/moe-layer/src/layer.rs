@@ -388,7 +388,7 @@ impl MoeLayer {
     ///
     /// Stream timeline on CUDA (see `docs/design.md`): routing, layout and the fp8 cast on the
     /// compute stream, then the shared experts on the compute stream while the dispatch runs
-    /// on the communication stream (it waits only for the routing's event); the host waits once,
+    /// on the communication stream (it waits only for the layout's event); the host waits once,
     /// for the received-token count; the expert GEMMs wait for the dispatch's event; the combine
     /// waits for the GEMMs' event, and the compute stream for the combine.
     fn routed_normal(
@@ -404,8 +404,11 @@ impl MoeLayer {
             return self.routed_normal_two_batches(x, idx, w);
         }
         let dev = x.device();
-        let routed = EventOverlap::record(dev)?;
-        let out = self.dispatch_normal(x, idx, w, &routed)?;
+        // The dispatch is issued (its kernel grabs its SMs) before the shared experts are
+        // queued: queued first, they measured no faster (docs/benchmarks.md).
+        let send = self.prepare_dispatch(x, idx)?;
+        let ready = EventOverlap::record(dev)?;
+        let out = self.dispatch_normal(&send, idx, w, &ready)?;
         let shared = if x.dims()[0] == 0 {
             None
         } else {
@@ -419,30 +422,36 @@ impl MoeLayer {
         Ok((combined.combined_x, shared))
     }
 
-    /// The normal-mode dispatch of `x` routed by `idx`, `w` (layout, fp8 cast, then the
-    /// dispatch on the communication stream after `routed`; returns once it is issued: the host
-    /// has read the received count, the rows are not yet in).
-    fn dispatch_normal(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-        routed: &EventOverlap,
-    ) -> Result<ep_runtime::DispatchOutput> {
+    /// What a normal-mode dispatch of `x` routed by `idx` sends, computed on the compute
+    /// stream: the layout and, with [`MoeLayerOptions::fp8_dispatch`], the fp8 rows and scales.
+    fn prepare_dispatch(&self, x: &Tensor, idx: &Tensor) -> Result<SendRows> {
         let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
-        let (send_x, scales) = if self.options.fp8_dispatch {
+        let (x, scales) = if self.options.fp8_dispatch {
             let (q, s) = per_token_cast_to_fp8(x, false)?;
             (q, Some(s))
         } else {
             (x.clone(), None)
         };
-        let mut args = DispatchArgs::new(&send_x)
+        Ok(SendRows { layout, x, scales })
+    }
+
+    /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
+    /// after `ready`; returns once it is issued: the host has read the received count, the
+    /// rows are not yet in.
+    fn dispatch_normal(
+        &self,
+        send: &SendRows,
+        idx: &Tensor,
+        w: &Tensor,
+        ready: &EventOverlap,
+    ) -> Result<ep_runtime::DispatchOutput> {
+        let mut args = DispatchArgs::new(&send.x)
             .topk(idx, w)
-            .layout(&layout)
+            .layout(&send.layout)
             .expert_alignment(self.options.expert_alignment)
-            .previous_event(routed)
+            .previous_event(ready)
             .async_finish(true);
-        if let Some(s) = &scales {
+        if let Some(s) = &send.scales {
             args = args.x_scales(s);
         }
         Ok(self.buffer.dispatch(&args)?)
@@ -482,16 +491,18 @@ impl MoeLayer {
         let dev = x.device();
         let t = x.dims()[0];
         let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
-        let routed = EventOverlap::record(dev)?;
-        let out_a = self.dispatch_normal(&xa, &ia, &wa, &routed)?;
+        let send_a = self.prepare_dispatch(&xa, &ia)?;
+        let send_b = self.prepare_dispatch(&xb, &ib)?;
+        let ready = EventOverlap::record(dev)?;
         let shared = if t == 0 {
             None
         } else {
             self.shared_forward(x)?
         };
+        let out_a = self.dispatch_normal(&send_a, &ia, &wa, &ready)?;
         let ya = self.experts_normal(&out_a, dev, x.dtype())?;
         let computed_a = EventOverlap::record(dev)?;
-        let out_b = self.dispatch_normal(&xb, &ib, &wb, &routed)?;
+        let out_b = self.dispatch_normal(&send_b, &ib, &wb, &ready)?;
         let comb_a = self.buffer.combine(
             &CombineArgs::new(&ya, &out_a.handle)
                 .previous_event(&computed_a)
@@ -734,6 +745,14 @@ impl MoeLayer {
 
 /// The two micro-batches of a two-batch-overlap step: the tokens (and their routing) split at
 /// `ceil(T / 2)`, as views (either may be empty).
+/// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
+/// with their scales).
+struct SendRows {
+    layout: ep_runtime::DispatchLayout,
+    x: Tensor,
+    scales: Option<Tensor>,
+}
+
 fn two_micro_batches(
     x: &Tensor,
     idx: &Tensor,

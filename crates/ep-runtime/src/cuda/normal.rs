@@ -2,7 +2,7 @@
 
 use super::common::{kernel_err, lock};
 use super::normal_launch::{x_tensors, DispatchPath, DispatchRows, RecvRows};
-use super::tensor::{alloc, wrap, DeviceTensor};
+use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
@@ -511,7 +511,8 @@ impl CudaBuffer {
         let comm = &self.comm;
         ki::cached_notify_cuda(comm, &self.peer_buffers)
             .map_err(|e| kernel_err(e, self.timeout))?;
-        let mut combined = alloc::<half::bf16>(comm, t * h)?;
+        // Every row is written by the combine kernels: no memset.
+        let mut combined = alloc_uninit::<half::bf16>(comm, t * h)?;
         let mut combined_w = alloc::<f32>(comm, t * k)?;
         {
             let x_d = DeviceTensor::new("x", args.x)?;

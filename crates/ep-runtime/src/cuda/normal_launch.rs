@@ -3,7 +3,7 @@
 //! and the combine, the copy-engine configs of a copy-engine handle.
 
 use super::common::kernel_err;
-use super::tensor::{alloc, wrap, DeviceTensor};
+use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::normal::DispatchArgs;
@@ -36,7 +36,8 @@ pub(super) struct RecvRows {
 
 impl RecvRows {
     /// Allocates `[n, h]` rows on `comm`, fp8 with `[n, h / FP8_GROUP]` scales or bf16, and
-    /// returns them as the kernels' receive payload.
+    /// returns them as the kernels' receive payload. No memset: the dispatch kernels write
+    /// every received row and scale (a stale row would fail the GPU tests' comparisons).
     pub(super) fn alloc(
         &mut self,
         comm: &Arc<CudaStream>,
@@ -46,14 +47,16 @@ impl RecvRows {
     ) -> Result<ki::RecvPayload<'_>> {
         let groups = h / FP8_GROUP;
         Ok(if fp8 {
-            let rx = self.fp8.insert(alloc::<float8::F8E4M3>(comm, n * h)?);
-            let rs = self.scales.insert(alloc::<f32>(comm, n * groups)?);
+            let rx = self
+                .fp8
+                .insert(alloc_uninit::<float8::F8E4M3>(comm, n * h)?);
+            let rs = self.scales.insert(alloc_uninit::<f32>(comm, n * groups)?);
             ki::RecvPayload::Fp8 {
                 x: rx.slice_mut(0..n * h),
                 scales: rs.slice_mut(0..n * groups),
             }
         } else {
-            let rx = self.bf16.insert(alloc::<half::bf16>(comm, n * h)?);
+            let rx = self.bf16.insert(alloc_uninit::<half::bf16>(comm, n * h)?);
             ki::RecvPayload::Bf16(rx.slice_mut(0..n * h))
         })
     }
