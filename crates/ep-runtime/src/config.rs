@@ -6,15 +6,20 @@ use std::time::Duration;
 /// Kernel tuning of the normal (high-throughput) mode, like DeepEP's `Config`.
 ///
 /// `num_sms` SMs are used by dispatch/combine: half of them send, half receive, one
-/// channel per pair. Tokens are sent in chunks of `num_max_send_tokens` through per
-/// (channel, source) ring buffers of `num_max_recv_tokens` tokens.
+/// channel per pair. Tokens are sent in chunks (`num_max_send_tokens` in dispatch,
+/// `num_max_combine_send_tokens` in combine) through per (channel, source) ring buffers of
+/// `num_max_recv_tokens` tokens. A chunk left `None` is the one that measured fastest for the
+/// buffer's rank count ([`ep_kernels::intranode::tuned_send_tokens`]; like DeepEP's
+/// `get_dispatch_config` / `get_combine_config`), within the ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
     /// SMs used by the communication kernels (even, >= 2).
     pub num_sms: usize,
-    /// Tokens per send chunk.
-    pub num_max_send_tokens: usize,
-    /// Capacity of each ring buffer, in tokens (>= `num_max_send_tokens`).
+    /// Tokens per dispatch send chunk (`None`: tuned for the rank count).
+    pub num_max_send_tokens: Option<usize>,
+    /// Tokens per combine send chunk (`None`: tuned for the rank count).
+    pub num_max_combine_send_tokens: Option<usize>,
+    /// Capacity of each ring buffer, in tokens (>= every chunk).
     pub num_max_recv_tokens: usize,
 }
 
@@ -22,7 +27,8 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             num_sms: 24,
-            num_max_send_tokens: 6,
+            num_max_send_tokens: None,
+            num_max_combine_send_tokens: None,
             num_max_recv_tokens: 256,
         }
     }
@@ -38,18 +44,27 @@ impl Config {
                 "must be even and >= 2",
             ));
         }
-        if self.num_max_send_tokens == 0 {
-            return Err(Error::invalid("num_max_send_tokens", 0, "must be >= 1"));
+        for (name, chunk) in [
+            ("num_max_send_tokens", self.num_max_send_tokens),
+            (
+                "num_max_combine_send_tokens",
+                self.num_max_combine_send_tokens,
+            ),
+        ] {
+            match chunk {
+                Some(0) => return Err(Error::invalid(name, 0, "must be >= 1")),
+                Some(n) if n > self.num_max_recv_tokens => {
+                    return Err(Error::invalid(
+                        "num_max_recv_tokens",
+                        self.num_max_recv_tokens,
+                        format!("must be >= {name} = {n}"),
+                    ))
+                }
+                _ => {}
+            }
         }
-        if self.num_max_recv_tokens < self.num_max_send_tokens {
-            return Err(Error::invalid(
-                "num_max_recv_tokens",
-                self.num_max_recv_tokens,
-                format!(
-                    "must be >= num_max_send_tokens = {}",
-                    self.num_max_send_tokens
-                ),
-            ));
+        if self.num_max_recv_tokens == 0 {
+            return Err(Error::invalid("num_max_recv_tokens", 0, "must be >= 1"));
         }
         Ok(())
     }
@@ -57,6 +72,19 @@ impl Config {
     /// Number of channels (contiguous token ranges), `num_sms / 2`.
     pub fn num_channels(&self) -> usize {
         self.num_sms / 2
+    }
+
+    /// The dispatch and combine chunks for `num_ranks` ranks: the set ones, else the tuned
+    /// ones, at most the ring (the combine's at most the ring less `combine_reserve` tokens,
+    /// the room its CUDA kernel keeps for a round of tokens).
+    pub fn send_tokens(&self, num_ranks: usize, combine_reserve: usize) -> (usize, usize) {
+        let (d, c) = ep_kernels::intranode::tuned_send_tokens(num_ranks);
+        let ring = self.num_max_recv_tokens;
+        (
+            self.num_max_send_tokens.unwrap_or(d.min(ring)),
+            self.num_max_combine_send_tokens
+                .unwrap_or(c.min(ring.saturating_sub(combine_reserve)).max(1)),
+        )
     }
 }
 
@@ -190,5 +218,52 @@ impl BufferConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    #[test]
+    fn unset_chunks_are_the_tuned_ones_within_the_ring() {
+        let c = Config::default();
+        assert_eq!(c.send_tokens(2, 24), (24, 12));
+        assert_eq!(c.send_tokens(4, 24), (32, 12));
+        assert_eq!(c.send_tokens(8, 24), (16, 6));
+        let small = Config {
+            num_max_recv_tokens: 30,
+            ..Config::default()
+        };
+        assert_eq!(small.send_tokens(4, 24), (30, 6), "clamped to the ring");
+        let set = Config {
+            num_max_send_tokens: Some(6),
+            num_max_combine_send_tokens: Some(9),
+            ..Config::default()
+        };
+        assert_eq!(set.send_tokens(4, 24), (6, 9), "set chunks are kept");
+        set.validate().expect("valid");
+    }
+
+    #[test]
+    fn bad_chunks_are_named() {
+        let zero = Config {
+            num_max_combine_send_tokens: Some(0),
+            ..Config::default()
+        };
+        let e = zero.validate().expect_err("zero chunk").to_string();
+        assert!(e.contains("num_max_combine_send_tokens"), "{e}");
+        let big = Config {
+            num_max_send_tokens: Some(300),
+            ..Config::default()
+        };
+        let e = big
+            .validate()
+            .expect_err("chunk above the ring")
+            .to_string();
+        assert!(
+            e.contains("num_max_recv_tokens") && e.contains("300"),
+            "{e}"
+        );
     }
 }

@@ -20,3 +20,14 @@ pub use cuda::*;
 
 pub use ce_layout::*;
 pub use host::*;
+
+/// Tokens per send chunk of the SM-ring dispatch and combine that measured fastest for
+/// `num_ranks` ranks at 24 SMs and 256-token rings (the ring sweep of `docs/benchmarks.md`):
+/// `(dispatch, combine)` = (24, 12) for 2 ranks, (32, 12) for 3-4, (16, 6) beyond.
+pub fn tuned_send_tokens(num_ranks: usize) -> (usize, usize) {
+    match num_ranks {
+        0..=2 => (24, 12),
+        3..=4 => (32, 12),
+        _ => (16, 6),
+    }
+}

@@ -61,7 +61,10 @@ pub(crate) struct CudaBuffer {
     rank: usize,
     num_ranks: usize,
     timeout: Duration,
-    kconfig: ki::Config,
+    /// Ring launch configurations of dispatch (and notify) and of combine: the same SMs and
+    /// rings, each op's own chunk.
+    kdispatch: ki::Config,
+    kcombine: ki::Config,
     /// The kernels' view of the node's NVLink buffers.
     peer_buffers: ki::PeerBuffers,
     /// Copy-engine path: its dispatch and combine launch configurations (`None`: SM rings
@@ -122,15 +125,18 @@ impl CudaBuffer {
             ));
         }
         let c = &cfg.config;
-        let kconfig = ki::Config::new(c.num_sms, c.num_max_send_tokens, c.num_max_recv_tokens)?;
-        if c.num_max_recv_tokens < c.num_max_send_tokens + ki::COMBINE_ROUND_TOKENS {
+        let (dispatch_chunk, combine_chunk) =
+            c.send_tokens(topo.num_ranks, ki::COMBINE_ROUND_TOKENS);
+        let kdispatch = ki::Config::new(c.num_sms, dispatch_chunk, c.num_max_recv_tokens)?;
+        let kcombine = ki::Config::new(c.num_sms, combine_chunk, c.num_max_recv_tokens)?;
+        if c.num_max_recv_tokens < combine_chunk + ki::COMBINE_ROUND_TOKENS {
             return Err(Error::invalid(
                 "num_max_recv_tokens",
                 c.num_max_recv_tokens,
                 format!(
-                    "CUDA combine needs at least num_max_send_tokens + {} = {}",
+                    "CUDA combine needs at least its chunk ({combine_chunk} tokens) + {} = {}",
                     ki::COMBINE_ROUND_TOKENS,
-                    c.num_max_send_tokens + ki::COMBINE_ROUND_TOKENS
+                    combine_chunk + ki::COMBINE_ROUND_TOKENS
                 ),
             ));
         }
@@ -145,7 +151,7 @@ impl CudaBuffer {
                 BufferConfig::DEFAULT_NVL_HIDDEN,
                 BufferConfig::DEFAULT_NVL_TOPK,
                 topo.num_ranks,
-                &kconfig,
+                &kdispatch,
             );
             let ce = ki::ce_buffer_size_hint(
                 BufferConfig::DEFAULT_NVL_TOKENS,
@@ -190,7 +196,8 @@ impl CudaBuffer {
             rank: topo.rank,
             num_ranks: topo.num_ranks,
             timeout: cfg.timeout,
-            kconfig,
+            kdispatch,
+            kcombine,
             peer_buffers,
             ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
                 (

@@ -163,7 +163,7 @@ impl CudaBuffer {
             f.hidden,
             f.num_topk,
         );
-        let c = self.kconfig.num_channels();
+        let c = self.kdispatch.num_channels();
         let l = f.num_experts / r;
         if l > ki::MAX_LOCAL_EXPERTS {
             return Err(Error::invalid(
@@ -219,7 +219,7 @@ impl CudaBuffer {
             ki::notify_dispatch_cuda(
                 comm,
                 &self.peer_buffers,
-                &self.kconfig,
+                &self.kdispatch,
                 ki::NotifyArgs {
                     num_tokens_per_rank: ntpr_d.view::<i32>()?,
                     num_tokens_per_expert: ntpe_d.view::<i32>()?,
@@ -408,7 +408,7 @@ impl CudaBuffer {
         let _op = lock(&self.op);
         self.check_nvl_error()?;
         let (r, t, n, h) = (self.num_ranks, hi.num_tokens, hi.num_recv_tokens, hidden);
-        let c = self.kconfig.num_channels();
+        let c = self.kdispatch.num_channels();
         self.begin(args.previous_event)?;
         let comm = &self.comm;
         ki::cached_notify_cuda(comm, &self.peer_buffers)
@@ -538,7 +538,7 @@ impl CudaBuffer {
                     ki::combine_cuda(
                         comm,
                         &self.peer_buffers,
-                        &self.kconfig,
+                        &self.kcombine,
                         ki::CombineArgs {
                             x: x_d.view::<half::bf16>()?,
                             topk_weights,

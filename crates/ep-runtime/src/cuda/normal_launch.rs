@@ -161,7 +161,7 @@ impl CudaBuffer {
             } => ki::dispatch_cuda(
                 &self.comm,
                 &self.peer_buffers,
-                &self.kconfig,
+                &self.kdispatch,
                 ki::DispatchArgs {
                     x: rows.x,
                     topk: rows.topk,

@@ -59,29 +59,22 @@ impl Config {
         })
     }
 
-    /// Tuned dispatch defaults for `num_ranks` ranks: 24 SMs, 256-token rings, chunks of 24
-    /// tokens for 2 ranks, 32 for 3-4, 16 beyond (the SM sweep of `docs/benchmarks.md`, normal
-    /// mode).
+    /// Tuned dispatch defaults for `num_ranks` ranks: 24 SMs, 256-token rings, the dispatch
+    /// chunk of [`tuned_send_tokens`](crate::intranode::tuned_send_tokens).
     pub fn dispatch_default(num_ranks: usize) -> Self {
-        let chunk = match num_ranks {
-            0..=2 => 24,
-            3..=4 => 32,
-            _ => 16,
-        };
         Self {
             num_sms: 24,
-            num_max_send_tokens: chunk,
+            num_max_send_tokens: crate::intranode::tuned_send_tokens(num_ranks).0,
             num_max_recv_tokens: 256,
         }
     }
 
-    /// Tuned combine defaults for `num_ranks` ranks: 24 SMs, 256-token rings, chunks of 12
-    /// tokens up to 4 ranks, 6 beyond (measured as for [`Config::dispatch_default`]).
+    /// Tuned combine defaults for `num_ranks` ranks: 24 SMs, 256-token rings, the combine
+    /// chunk of [`tuned_send_tokens`](crate::intranode::tuned_send_tokens).
     pub fn combine_default(num_ranks: usize) -> Self {
-        let chunk = if num_ranks <= 4 { 12 } else { 6 };
         Self {
             num_sms: 24,
-            num_max_send_tokens: chunk,
+            num_max_send_tokens: crate::intranode::tuned_send_tokens(num_ranks).1,
             num_max_recv_tokens: 256,
         }
     }
