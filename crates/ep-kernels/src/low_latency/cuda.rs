@@ -436,7 +436,7 @@ pub fn combine_cuda<'h>(
     }
     let kernel = kernels.kernel(FILE, "ll_combine")?;
     let send_smem = if per_rank {
-        8 * layout.num_ranks
+        12 * layout.num_ranks
     } else {
         4 * (3 * layout.num_experts + 1 + layout.num_ranks)
     };

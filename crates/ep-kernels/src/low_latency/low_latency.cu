@@ -883,9 +883,12 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
 // skipped; the others sum, in k order and in f32, the weighted rows of the token's experts on
 // this rank (loaded kRankBatch rows at a time) and write the bf16 partial into row
 // (t, rank_slot) of the home's combine region. Each home's items count in `rank_done[s]`
-// (local, the first R counters of `unit_done`); the warp that finishes the last one flags the
-// home (`flags[rank]`), and homes without items are flagged at once. Shared memory: items
-// per home [R], mask snapshot [R].
+// (local, the first R counters of `unit_done`), a block at a time: the block's warps count
+// their finished items per home in shared memory, and after the block's last item one thread
+// per home adds the block's count (about 130 global atomics per home instead of one per item,
+// all of which hit R neighbouring words); the thread whose addition completes a home flags it
+// (`flags[rank]`), and homes without items are flagged at once. Shared memory: items per home
+// [R], mask snapshot [R], this block's finished items per home [R].
 __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32_t set,
                                    uint32_t tag) {
     const LlBuffer& b = p.buf;
@@ -899,6 +902,7 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
     const int chunks = ep::ceil_div(vpr, kChunkVecs);
     int* s_items = reinterpret_cast<int*>(smem);
     int* s_active = s_items + R;
+    int* s_done = s_items + 2 * R;
 
     for (int s = blockIdx.x + tid * static_cast<int>(gridDim.x); s < R;
          s += kThreads * static_cast<int>(gridDim.x)) {
@@ -974,9 +978,19 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
                 }
             }
         }
-        __syncwarp();
-        if (lane == 0 && ep::atomic_add_release_gpu(rank_done + s, 1) == s_items[s] - 1) {
-            // As `combine_send`'s last chunk of a unit: reset, fence, flag the home.
+        if (lane == 0) {
+            atomicAdd(s_done + s, 1);
+        }
+    }
+    // Every item of this block is stored (the barrier orders its warps' stores before the
+    // counting thread's release), then its counts go out; the addition that completes a home
+    // (the atomics form a release sequence, so every block's stores precede its read) resets
+    // the counter for the next op, fences and flags the home (fence + relaxed store form a
+    // release pattern), as `combine_send`'s last chunk of a unit does.
+    __syncthreads();
+    for (int s = tid; s < R; s += kThreads) {
+        const int n = s_done[s];
+        if (n > 0 && ep::atomic_add_release_gpu(rank_done + s, n) == s_items[s] - n) {
             atomicExch(rank_done + s, 0);
             if (s_active[s] != 0) {
                 ep::fence_acq_rel_sys();
@@ -1164,7 +1178,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
 }
 
 // Grid: at most one block per SM. Dynamic shared memory:
-// max(send: 4 * (3 * E + 1 + R) (per rank: 8 * R), receive: kMaxTopk * 8 + 4 * R) bytes.
+// max(send: 4 * (3 * E + 1 + R) (per rank: 12 * R), receive: kMaxTopk * 8 + 4 * R) bytes.
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__ CombineParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
@@ -1174,13 +1188,15 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
         threadIdx.x == 0 ? op_begin(reinterpret_cast<const uint32_t*>(b.local), kKindCombine, p.phases) : 0u;
     const bool per_rank = p.reduce != 0;
     if ((p.phases & kPhaseSend) && per_rank) {
-        // Items per home and the mask, for `combine_send_ranks`.
+        // Items per home, the mask and this block's finished items per home, for
+        // `combine_send_ranks`.
         const int chunks = ep::ceil_div(b.hidden / 8, ep::kWarpSize * kRankVecs);
         int* s_items = reinterpret_cast<int*>(smem);
         const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
         for (int r = threadIdx.x; r < b.num_ranks; r += kThreads) {
             s_items[r] = p.rank_count[r] * chunks;
             s_items[b.num_ranks + r] = ld_vol(active + r);
+            s_items[2 * b.num_ranks + r] = 0;
         }
     } else if (p.phases & kPhaseSend) {
         combine_stage(p, smem);
