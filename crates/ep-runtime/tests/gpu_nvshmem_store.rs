@@ -25,9 +25,12 @@
 
 use ep_runtime::nvshmem_sys::{self, Nvshmem};
 use ep_runtime::{init_nvshmem, Error, Store, StoreConfig};
-use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+#[path = "../../nvshmem-sys/tests/support/children.rs"]
+mod children;
+use children::{run_children, Outcome, Tally, TestResult};
 
 const CHILD: &str = "EP_NVSHMEM_STORE_CHILD";
 /// The job name of every launch.
@@ -35,115 +38,23 @@ const JOB: &str = "gpu_test";
 /// The store timeout of the `missing_*` launches.
 const MISSING_TIMEOUT: Duration = Duration::from_secs(3);
 
-type TestResult = std::result::Result<(), String>;
-
 fn main() {
     if let Ok(launch) = std::env::var(CHILD) {
         std::process::exit(child(&launch));
     }
-    // Before any thread exists: the environment the children inherit. NVLink multicast
-    // (NVLS) is never used on these machines.
-    std::env::set_var("NVSHMEM_DISABLE_NVLS", "1");
-    for (var, value) in [
-        ("NVSHMEM_REMOTE_TRANSPORT", "none"),
-        ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
-    ] {
-        if std::env::var_os(var).is_none() {
-            std::env::set_var(var, value);
-        }
-    }
+    children::nvshmem_environment();
     let mut tally = Tally::default();
-    let gpus = match nvshmem_sys::cuda_device_count() {
-        Ok(n) => {
-            tally.record("parent/load_nvshmem", Ok(()));
-            n
-        }
-        Err(
-            e @ (nvshmem_sys::Error::LibraryNotFound { .. }
-            | nvshmem_sys::Error::LibraryNotInDir { .. }
-            | nvshmem_sys::Error::Load { .. }
-            | nvshmem_sys::Error::ShimFile { .. }
-            | nvshmem_sys::Error::AbiMismatch { .. }),
-        ) => {
-            tally.record("parent/load_nvshmem", Err(e.to_string()));
-            tally.finish();
-        }
-        Err(e) => {
-            tally.record("parent/load_nvshmem", Ok(()));
-            println!("no usable CUDA device ({e}): skipping");
-            tally.finish();
-        }
-    };
-    if gpus == 0 {
-        println!("no CUDA device visible: skipping");
-        tally.finish();
-    }
-    let world = std::env::var("EP_NVSHMEM_WORLD")
-        .ok()
-        .and_then(|w| w.parse::<usize>().ok())
-        .filter(|&w| w >= 1)
-        .unwrap_or(gpus)
-        .min(gpus)
-        .min(8);
-    let timeout = Duration::from_secs(
-        std::env::var("EP_NVSHMEM_TIMEOUT")
-            .ok()
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(120),
-    );
+    let (world, timeout) = children::world_of_visible_gpus(&mut tally);
     let mut launches = vec!["ring", "bad_device"];
     if world >= 2 {
         launches.extend(["missing_last", "missing_first"]);
     }
     for launch in launches {
         for (rank, outcome) in spawn(launch, world, timeout).into_iter().enumerate() {
-            println!(
-                "===== {launch}: rank {rank} ({}) =====\n{}",
-                outcome.status, outcome.text
-            );
-            let lines = |p: &str| outcome.text.lines().filter(|l| l.starts_with(p)).count();
-            let (p, f) = (lines("PASS "), lines("FAIL "));
-            tally.passed += p;
-            tally.failed += f;
-            if !outcome.ok && f == 0 {
-                tally.record(&format!("{launch}/rank_{rank}_exit"), Err(outcome.status));
-            }
+            tally.child(launch, rank, &outcome);
         }
     }
     tally.finish();
-}
-
-#[derive(Default)]
-struct Tally {
-    passed: usize,
-    failed: usize,
-}
-
-impl Tally {
-    fn record(&mut self, name: &str, result: TestResult) {
-        match result {
-            Ok(()) => {
-                self.passed += 1;
-                println!("PASS {name}");
-            }
-            Err(e) => {
-                self.failed += 1;
-                println!("FAIL {name}: {e}");
-            }
-        }
-    }
-
-    fn finish(&self) -> ! {
-        println!("{} passed, {} failed", self.passed, self.failed);
-        std::process::exit(i32::from(self.failed > 0));
-    }
-}
-
-/// What one child did.
-struct Outcome {
-    ok: bool,
-    status: String,
-    text: String,
 }
 
 /// Runs `world` children of `launch`, one per GPU, and collects their output (killing those
@@ -154,71 +65,20 @@ fn spawn(launch: &str, world: usize, timeout: Duration) -> Vec<Outcome> {
         .map(|a| a.port())
         .expect("a free port");
     let exe = std::env::current_exe().expect("own path");
-    let mut children: Vec<(Child, std::thread::JoinHandle<String>)> = (0..world)
+    let commands = (0..world)
         .map(|rank| {
-            let mut child = Command::new(&exe)
-                .env(CHILD, launch)
+            let mut cmd = Command::new(&exe);
+            cmd.env(CHILD, launch)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
                 .env("LOCAL_WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn child");
-            // Drain both pipes on threads so that a chatty child never blocks.
-            let mut out = child.stdout.take().expect("piped stdout");
-            let mut err = child.stderr.take().expect("piped stderr");
-            let reader = std::thread::spawn(move || {
-                let err_reader = std::thread::spawn(move || {
-                    let mut s = Vec::new();
-                    let _ = err.read_to_end(&mut s);
-                    s
-                });
-                let mut s = Vec::new();
-                let _ = out.read_to_end(&mut s);
-                let e = err_reader.join().unwrap_or_default();
-                String::from_utf8_lossy(&s).into_owned() + &String::from_utf8_lossy(&e)
-            });
-            (child, reader)
+                .env("MASTER_PORT", port.to_string());
+            cmd
         })
         .collect();
-    let deadline = Instant::now() + timeout;
-    let mut statuses: Vec<Option<String>> = vec![None; world];
-    let mut ok = vec![false; world];
-    while statuses.iter().any(Option::is_none) {
-        for (i, (child, _)) in children.iter_mut().enumerate() {
-            if statuses[i].is_some() {
-                continue;
-            }
-            match child.try_wait() {
-                Ok(Some(s)) => {
-                    ok[i] = s.success();
-                    statuses[i] = Some(format!("{s}"));
-                }
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    statuses[i] = Some(format!("killed after {timeout:?} (hung)"));
-                }
-                Ok(None) => {}
-                Err(e) => statuses[i] = Some(format!("wait failed: {e}")),
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    children
-        .into_iter()
-        .zip(statuses)
-        .zip(ok)
-        .map(|(((_, reader), status), ok)| Outcome {
-            ok,
-            status: status.unwrap_or_default(),
-            text: reader.join().unwrap_or_default(),
-        })
-        .collect()
+    run_children(commands, timeout)
 }
 
 fn child(launch: &str) -> i32 {
@@ -240,14 +100,7 @@ fn child(launch: &str) -> i32 {
     let (rank, world, device) = (store.rank(), store.world_size(), store.config().local_rank);
     let mut failed = 0;
     let mut report = |name: &str, result: TestResult| {
-        match result {
-            Ok(()) => println!("PASS {launch}/{name} (rank {rank})"),
-            Err(e) => {
-                failed += 1;
-                println!("FAIL {launch}/{name} (rank {rank}): {e}");
-            }
-        }
-        let _ = std::io::stdout().flush();
+        failed += usize::from(children::print_case(launch, rank, name, result));
     };
 
     match launch {
