@@ -23,7 +23,8 @@
 //! experts): the communication left on the critical path. `EP_BENCH_TBO=1` turns on the
 //! two-batch overlap (`MoeLayerOptions::two_batch_overlap`). `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
-//! `EP_BENCH_FP8=1` sends normal mode's rows in fp8 (`MoeLayerOptions::fp8_dispatch`);
+//! `EP_BENCH_SMS=N` gives normal mode's dispatch and combine N SMs (`Config::num_sms`, default
+//! 24); `EP_BENCH_FP8=1` sends normal mode's rows in fp8 (`MoeLayerOptions::fp8_dispatch`);
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
@@ -435,7 +436,13 @@ fn run_rank(
 ) -> Result<Vec<Row>, BoxError> {
     let dev = Device::new_cuda(rank)?;
     let stream = stream_of(&dev);
-    let bcfg = BufferConfig::default().with_low_latency(LL_MAX, H, E);
+    let mut bcfg = BufferConfig::default().with_low_latency(LL_MAX, H, E);
+    if let Some(sms) = std::env::var("EP_BENCH_SMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        bcfg.config.num_sms = sms;
+    }
     let buffer = Arc::new(Buffer::new(
         Arc::new(transport),
         Topology::new(rank, world, world)?,
