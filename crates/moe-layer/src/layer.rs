@@ -743,8 +743,6 @@ impl MoeLayer {
     }
 }
 
-/// The two micro-batches of a two-batch-overlap step: the tokens (and their routing) split at
-/// `ceil(T / 2)`, as views (either may be empty).
 /// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
 /// with their scales).
 struct SendRows {
@@ -753,6 +751,8 @@ struct SendRows {
     scales: Option<Tensor>,
 }
 
+/// The two micro-batches of a two-batch-overlap step: the tokens (and their routing) split at
+/// `ceil(T / 2)`, as views (either may be empty).
 fn two_micro_batches(
     x: &Tensor,
     idx: &Tensor,
