@@ -31,7 +31,10 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const CUDA_ROOT_VARS: [&str; 3] = ["CUDA_ROOT", "CUDA_HOME", "CUDA_PATH"];
+#[path = "../../build-support/cuda_toolchain.rs"]
+mod cuda_toolchain;
+use cuda_toolchain::{find_nvcc, CUDA_ROOT_VARS};
+
 const BASE_FLAGS: [&str; 6] = [
     "-gencode=arch=compute_90a,code=sm_90a",
     "-O3",
@@ -84,16 +87,7 @@ fn build() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
     let nvcc = find_nvcc()?;
-    let cuda_root = nvcc
-        .parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .ok_or_else(|| {
-            format!(
-                "cannot derive the CUDA root from nvcc at {}",
-                nvcc.display()
-            )
-        })?;
+    let cuda_root = cuda_toolchain::cuda_root(&nvcc)?;
     let csrc = manifest.join("csrc");
     println!("cargo:rerun-if-changed={}", csrc.display());
     for header in list_files(&csrc, &["cuh", "h"])? {
@@ -341,7 +335,10 @@ impl Ctx<'_> {
                 .arg("-o")
                 .arg(&cubin);
         } else if source.uses_nvshmem {
-            let nvshmem = find_nvshmem(self.cuda_root)?;
+            let nvshmem = cuda_toolchain::find_nvshmem(
+                self.cuda_root,
+                &["include/nvshmem.h", "lib/libnvshmem_device.a"],
+            )?;
             let obj = self.out_dir.join(format!("{stem}.o"));
             cmd.arg("-rdc=true")
                 .arg(format!("-I{}", nvshmem.join("include").display()))
@@ -421,38 +418,6 @@ fn has_spills(line: &str) -> bool {
     })
 }
 
-/// nvcc from `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH`, else from `PATH`.
-fn find_nvcc() -> Result<PathBuf, String> {
-    let mut tried = Vec::new();
-    for var in CUDA_ROOT_VARS {
-        if let Some(root) = env::var_os(var) {
-            let nvcc = PathBuf::from(root).join("bin").join("nvcc");
-            if nvcc.is_file() {
-                return Ok(nvcc);
-            }
-            tried.push(format!("${var}/bin/nvcc = {} (missing)", nvcc.display()));
-        } else {
-            tried.push(format!("${var} (unset)"));
-        }
-    }
-    if let Some(path) = env::var_os("PATH") {
-        for dir in env::split_paths(&path) {
-            let nvcc = dir.join("nvcc");
-            if nvcc.is_file() {
-                return Ok(nvcc);
-            }
-        }
-        tried.push("nvcc on $PATH (not found)".into());
-    } else {
-        tried.push("$PATH (unset)".into());
-    }
-    Err(format!(
-        "the `cuda` feature needs nvcc, not found; tried: {}. \
-         Run `eval \"$(scripts/cuda-toolchain.sh)\"` to install CUDA 13.0 and set CUDA_ROOT.",
-        tried.join(", ")
-    ))
-}
-
 /// CUTLASS's source root: `CUTLASS_HOME`, else `$CUDA_ROOT/cutlass` (made by
 /// `scripts/cuda-toolchain.sh` from the pinned `nvidia-cutlass` wheel).
 fn find_cutlass(cuda_root: &Path) -> Result<PathBuf, String> {
@@ -469,26 +434,6 @@ fn find_cutlass(cuda_root: &Path) -> Result<PathBuf, String> {
             format!(
                 "a host-library source needs CUTLASS 3 headers, not found under {candidates:?}; \
                  run `eval \"$(scripts/cuda-toolchain.sh)\"` (pins nvidia-cutlass) or set CUTLASS_HOME"
-            )
-        })
-}
-
-/// NVSHMEM's prefix (with `include/` and `lib/libnvshmem_device.a`).
-fn find_nvshmem(cuda_root: &Path) -> Result<PathBuf, String> {
-    let candidates: Vec<PathBuf> = env::var_os("NVSHMEM_HOME")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([cuda_root.join("nvshmem")])
-        .collect();
-    candidates
-        .iter()
-        .find(|p| p.join("lib").join("libnvshmem_device.a").is_file())
-        .cloned()
-        .ok_or_else(|| {
-            format!(
-                "a .cu file includes NVSHMEM but libnvshmem_device.a was not found under {:?}; \
-                 set NVSHMEM_HOME",
-                candidates
             )
         })
 }

@@ -19,10 +19,13 @@
 //! to the crate as `NVSHMEM_SYS_BUILD_LIB_DIR`, the last place the run-time search looks.
 
 use std::env;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-const CUDA_ROOT_VARS: [&str; 3] = ["CUDA_ROOT", "CUDA_HOME", "CUDA_PATH"];
+#[path = "../../build-support/cuda_toolchain.rs"]
+mod cuda_toolchain;
+use cuda_toolchain::{find_nvcc, CUDA_ROOT_VARS};
+
 const ARCH: &str = "-gencode=arch=compute_90a,code=sm_90a";
 const SHIM: &str = "libep_nvshmem_shim.so";
 
@@ -48,17 +51,15 @@ fn build() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
     let nvcc = find_nvcc()?;
-    let cuda_root = nvcc
-        .parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .ok_or_else(|| {
-            format!(
-                "cannot derive the CUDA root from nvcc at {}",
-                nvcc.display()
-            )
-        })?;
-    let nvshmem = find_nvshmem(&cuda_root)?;
+    let cuda_root = cuda_toolchain::cuda_root(&nvcc)?;
+    let nvshmem = cuda_toolchain::find_nvshmem(
+        &cuda_root,
+        &[
+            "include/nvshmem.h",
+            "lib/libnvshmem_device.a",
+            "lib/libnvshmem_host.so.3",
+        ],
+    )?;
     let nvshmem_lib = nvshmem.join("lib");
     let cudart_dir = ["lib64", "lib"]
         .iter()
@@ -150,62 +151,4 @@ fn run(what: &str, mut cmd: Command) -> Result<(), String> {
         println!("cargo:warning={what}: {}", line.trim());
     }
     Ok(())
-}
-
-/// nvcc from `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH`, else from `PATH`.
-fn find_nvcc() -> Result<PathBuf, String> {
-    let mut tried = Vec::new();
-    for var in CUDA_ROOT_VARS {
-        if let Some(root) = env::var_os(var) {
-            let nvcc = PathBuf::from(root).join("bin").join("nvcc");
-            if nvcc.is_file() {
-                return Ok(nvcc);
-            }
-            tried.push(format!("${var}/bin/nvcc = {} (missing)", nvcc.display()));
-        } else {
-            tried.push(format!("${var} (unset)"));
-        }
-    }
-    if let Some(path) = env::var_os("PATH") {
-        if let Some(nvcc) = env::split_paths(&path)
-            .map(|d| d.join("nvcc"))
-            .find(|p| p.is_file())
-        {
-            return Ok(nvcc);
-        }
-        tried.push("nvcc on $PATH (not found)".into());
-    } else {
-        tried.push("$PATH (unset)".into());
-    }
-    Err(format!(
-        "the `cuda` feature needs nvcc, not found; tried: {}. Run `eval \"$(scripts/cuda-toolchain.sh)\"` \
-         to install CUDA 13.0 and set CUDA_ROOT.",
-        tried.join(", ")
-    ))
-}
-
-/// NVSHMEM's prefix: `NVSHMEM_HOME`, else `$CUDA_ROOT/nvshmem`; it must hold
-/// `include/nvshmem.h`, `lib/libnvshmem_device.a` and `lib/libnvshmem_host.so.3`.
-fn find_nvshmem(cuda_root: &Path) -> Result<PathBuf, String> {
-    let candidates: Vec<PathBuf> = env::var_os("NVSHMEM_HOME")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([cuda_root.join("nvshmem")])
-        .collect();
-    let needed = [
-        "include/nvshmem.h",
-        "lib/libnvshmem_device.a",
-        "lib/libnvshmem_host.so.3",
-    ];
-    candidates
-        .iter()
-        .find(|p| needed.iter().all(|f| p.join(f).is_file()))
-        .cloned()
-        .ok_or_else(|| {
-            format!(
-                "NVSHMEM 3.x not found: none of {candidates:?} holds all of {needed:?}; set \
-                 NVSHMEM_HOME to NVSHMEM's prefix (e.g. <venv>/lib/python3.12/site-packages/nvidia/nvshmem \
-                 of the wheel nvidia-nvshmem-cu13==3.4.5) or run `eval \"$(scripts/cuda-toolchain.sh)\"`"
-            )
-        })
 }
