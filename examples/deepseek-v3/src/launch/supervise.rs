@@ -1,6 +1,7 @@
 //! Watching a node's ranks: each rank has a thread that waits for it to exit without reaping it
 //! (`waitid` with `WNOWAIT`), so exits arrive in the order they happened and a rank's pid stays
-//! valid for signals until the launcher reaps it. The first rank to fail is the one reported,
+//! valid for signals until the launcher reaps it. The first rank to fail is the one reported
+//! (a peer already killed by a signal is preferred to a rank that exited with an error),
 //! with its real cause (exit code or signal) and its last error line; the others get SIGTERM,
 //! then SIGKILL once the grace period is over.
 
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
-use nix::sys::wait::{waitid, Id, WaitPidFlag};
+use nix::sys::wait::{waitid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 /// One started rank.
@@ -82,6 +83,32 @@ fn signal_all(ranks: &[Rank], reaped: &[bool], sig: Signal) {
     }
 }
 
+/// How a reaped rank failed, in words, and the launcher's exit code for it; `None` if it
+/// succeeded.
+fn failure_of(status: &std::io::Result<ExitStatus>) -> Option<(String, i32)> {
+    match status {
+        Ok(s) if s.success() => None,
+        Ok(s) => Some((describe(*s), exit_code(*s))),
+        Err(e) => Some((format!("cannot be waited for: {e}"), 1)),
+    }
+}
+
+/// A rank not yet reaped that has already been killed by a signal (checked without reaping
+/// it), if any: when a rank exits with an error, a peer killed by a signal at about the same
+/// time is the likelier cause (its exit may simply not have been reported yet).
+fn signalled_peer(ranks: &[Rank], reaped: &[bool]) -> Option<usize> {
+    ranks.iter().zip(reaped).position(|(r, done)| {
+        !done
+            && matches!(
+                waitid(
+                    Id::Pid(Pid::from_raw(r.child.id() as i32)),
+                    WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG,
+                ),
+                Ok(WaitStatus::Signaled(..))
+            )
+    })
+}
+
 /// The last line rank `r` wrote to stderr, once its pump has read everything (up to a second).
 fn last_error(r: &Rank) -> Option<String> {
     let start = Instant::now();
@@ -126,16 +153,27 @@ pub fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
         let r = &mut ranks[i];
         let status = r.child.wait();
         reaped[i] = true;
-        let failure = match status {
-            Ok(s) if s.success() => None,
-            Ok(s) => Some((describe(s), exit_code(s))),
-            Err(e) => Some((format!("cannot be waited for: {e}"), 1)),
+        let exited_with_code = status.as_ref().is_ok_and(|s| s.code().is_some());
+        let failure = failure_of(&status);
+        let Some((mut what, mut c)) = failure else {
+            continue;
         };
-        let Some((what, c)) = failure else { continue };
         if code != 0 || deadline.is_some() {
             // Stopping already: later exits are consequences, not causes.
             tracing::debug!(rank = r.rank, "{what}");
             continue;
+        }
+        let mut i = i;
+        if let Some(j) = exited_with_code
+            .then(|| signalled_peer(ranks, &reaped))
+            .flatten()
+        {
+            // Report the killed peer as the cause, this rank's exit as its consequence.
+            tracing::debug!(rank = ranks[i].rank, "{what}");
+            let peer = ranks[j].child.wait();
+            reaped[j] = true;
+            (what, c) = failure_of(&peer).unwrap_or((what, c));
+            i = j;
         }
         let detail = last_error(&ranks[i]).map_or(String::new(), |l| format!(": {l}"));
         let others = ranks.len() - reaped.iter().filter(|d| **d).count();
