@@ -20,7 +20,9 @@
 //! `EP_BENCH_CE_SPLITS="ce:sms:blocks:push,..."` (e.g. `1:22:2:1`) and
 //! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists.
 //!
-//! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep.
+//! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
+//! `EP_BENCH_DISPATCH_CHUNKS` / `EP_BENCH_COMBINE_CHUNKS` / `EP_BENCH_RINGS` (comma lists) set the
+//! rings' chunks and sizes.
 //! Run (GPU machine): `bench_intranode` (built by `scripts/gpu/package.sh`), or here
 //! `cargo bench -p ep-kernels --features nccl --bench bench_intranode`.
 //!

@@ -34,7 +34,8 @@ pub fn env_tuples(name: &str, arity: usize) -> Result<Option<Vec<Vec<usize>>>, B
     Ok(Some(out))
 }
 
-/// SM counts, chunk and ring sizes of the ring sweep (`quick`: a short sweep).
+/// SM counts, chunk and ring sizes of the ring sweep (`quick`: a short sweep;
+/// `EP_BENCH_DISPATCH_CHUNKS` / `EP_BENCH_COMBINE_CHUNKS` / `EP_BENCH_RINGS` replace the lists).
 pub struct RingPlan {
     /// SM counts.
     pub sms: Vec<usize>,
@@ -71,11 +72,22 @@ impl RingPlan {
         };
         Self {
             sms,
-            dispatch_chunks,
-            combine_chunks,
-            rings,
+            dispatch_chunks: list_from_env("EP_BENCH_DISPATCH_CHUNKS").unwrap_or(dispatch_chunks),
+            combine_chunks: list_from_env("EP_BENCH_COMBINE_CHUNKS").unwrap_or(combine_chunks),
+            rings: list_from_env("EP_BENCH_RINGS").unwrap_or(rings),
         }
     }
+}
+
+/// A comma-separated list of sizes from the environment (`None` when unset or empty; entries
+/// that do not parse are skipped).
+fn list_from_env(name: &str) -> Option<Vec<usize>> {
+    let v: Vec<usize> = std::env::var(name)
+        .ok()?
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
+    (!v.is_empty()).then_some(v)
 }
 
 /// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS` and
