@@ -878,17 +878,17 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
     }
 }
 
-// Per-rank combine, send phase. Items are (token t, home s, chunk of 32 lanes x kRankVecs
-// vectors) over all M x R (t, s), homes in the order rank, rank + 1, ...: an item whose token
-// sent nothing here (`rank_slot` -1) is skipped; the others sum, in k order and in f32, the
-// weighted rows of the token's experts on this rank (loaded kRankBatch rows at a time) and
-// write the bf16 partial into row (t, rank_slot) of the home's combine region. Each home's items count in `rank_done[s]`
-// (local, the first R counters of `unit_done`), a block at a time: the block's warps count
-// their finished items per home in shared memory, and after the block's last item one thread
-// per home adds the block's count (about 130 global atomics per home instead of one per item,
-// all of which hit R neighbouring words); the thread whose addition completes a home flags it
-// (`flags[rank]`), and homes without items are flagged at once. Shared memory: items per home
-// [R], mask snapshot [R], this block's finished items per home [R].
+// Per-rank combine, send phase. Items are (home s, token t, chunk of 32 lanes x kRankVecs vectors)
+// over all R x M (s, t), homes in the order rank + 1, rank + 2, ..., rank: an item whose token sent
+// nothing here (`rank_slot` -1) is skipped; the others sum, in k order and in f32, the weighted
+// rows of the token's experts on this rank (loaded kRankBatch rows at a time) and write the bf16
+// partial into row (t, rank_slot) of the home's combine region. Each home's items count in
+// `rank_done[s]` (local, the first R counters of `unit_done`), a block at a time: the block's warps
+// count their finished items per home in shared memory, and after the block's last item one thread
+// per home adds the block's count (about 130 global atomics per home instead of one per item, all
+// of which hit R neighbouring words); the thread whose addition completes a home flags it
+// (`flags[rank]`), and homes without items are flagged at once. Shared memory: items per home [R],
+// mask snapshot [R], this block's finished items per home [R].
 __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32_t set,
                                    uint32_t tag) {
     const LlBuffer& b = p.buf;
@@ -915,14 +915,16 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
     const int64_t items = static_cast<int64_t>(R) * M * chunks;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
     for (int64_t j = static_cast<int64_t>(blockIdx.x) * kWarps + warp; j < items; j += warps) {
-        // Token-major over the homes, each rank starting at its own: the grid's warps in flight
-        // at any moment write to every home alike, rather than all ranks' first rounds to
-        // home 0 (home-major order made homes 0 and 1 take every rank's stores while the last
-        // home's links idled).
+        // Home-major, each rank starting at the next rank's home and ending at its own: at any
+        // moment the ranks write to different homes. (Every rank starting at home 0 made homes 0
+        // and 1 take every rank's stores while the last home's links idled: EP4 30.2-30.6 us; a
+        // token-major order 27.9-28.0 at EP4 but 17.1-17.3 at EP2; this order 27.2-27.3 and
+        // 16.1-16.5.)
         const int64_t q = j / chunks;
         const int chunk = static_cast<int>(j - q * chunks);
-        const int t = static_cast<int>(q / R);
-        const int s = (static_cast<int>(q - static_cast<int64_t>(t) * R) + b.rank) % R;
+        const int h = static_cast<int>(q / M);
+        const int t = static_cast<int>(q - static_cast<int64_t>(h) * M);
+        const int s = (h + b.rank + 1) % R;
         const int64_t st = static_cast<int64_t>(s) * M + t;
         // The slot and the token's rows here load together.
         const int home_row = p.rank_slot[st];
