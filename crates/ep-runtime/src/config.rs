@@ -229,7 +229,8 @@ mod chunk_tests {
     fn unset_chunks_are_the_tuned_ones_within_the_ring() {
         let c = Config::default();
         assert_eq!(c.send_tokens(2, 24), (24, 12));
-        assert_eq!(c.send_tokens(4, 24), (32, 12));
+        assert_eq!(c.send_tokens(3, 24), (32, 12));
+        assert_eq!(c.send_tokens(4, 24), (36, 12));
         assert_eq!(c.send_tokens(8, 24), (16, 6));
         let small = Config {
             num_max_recv_tokens: 30,
