@@ -1,6 +1,6 @@
 // The NVLink buffer of the intranode (normal-mode) kernels: its layout, the addressing helpers,
 // the kernel and wait-site ids of error records, and the timeout report. Shared by
-// `src/intranode/notify.cu`, `src/intranode/rings.cu` and `src/intranode/copy_engine.cu`;
+// `src/intranode/notify.cu`, `src/intranode/rings_{dispatch,combine}.cu` and `src/intranode/copy_engine.cu`;
 // launchers: `src/intranode/cuda/`.
 //
 // ---------------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@
 //                                   topk_weights f32 [Q][K], scales f32 [Q][S];
 //                         combine:  x [Q][row_bytes] (bf16), topk_weights f32 [Q][K].
 //                       ring_bytes is the larger of the two for the op (see `RingLayout` in
-//                       `intranode/rings.cu` and `buffer_size_hint` in the launchers).
+//                       `intranode/rings.cuh` and `buffer_size_hint` in the launchers).
 //                       The copy-engine path uses the same region as per-peer slots (see
 //                       `intranode/copy_engine.cu`).
 //

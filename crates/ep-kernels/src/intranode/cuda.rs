@@ -20,7 +20,7 @@
 //!   (re-exported here);
 //! - `config`: [`Config`] of the SM rings and [`buffer_size_hint`];
 //! - `payload`: the rows, scales and routing a dispatch moves ([`Payload`], [`TopK`], ...);
-//! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu` and `rings.cu`;
+//! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu`, `rings_dispatch.cu` and `rings_combine.cu`;
 //! - `checks`: the argument checks these launchers share;
 //! - `copy_engine`: the copy-engine path (`copy_engine.cu`).
 

@@ -1,4 +1,4 @@
-//! Launcher of the SM-ring combine kernels (`rings.cu`, one per rank count).
+//! Launcher of the SM-ring combine kernels (`rings_combine.cu`, one per rank count).
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
@@ -10,14 +10,14 @@ use super::{to_i32, Config, PeerBuffers, MAX_NVL_RANKS};
 use crate::cuda::{assert_params_layout, check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
-/// The cubin of `rings.cu`.
-const FILE: &str = "intranode/rings";
+/// The cubin of `rings_combine.cu`.
+const FILE: &str = "intranode/rings_combine";
 /// Threads of the combine kernel blocks (`kCombineThreads`).
 const COMBINE_THREADS: u32 = 768;
 /// Tokens the combine home side consumes per round (`kCombineWarps`).
 pub const COMBINE_ROUND_TOKENS: usize = 24;
 
-/// Mirror of `CombineParams` in rings.cu.
+/// Mirror of `CombineParams` in rings_combine.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct CombineParams {
@@ -51,7 +51,7 @@ assert_params_layout!(
     hidden_int4 = 152, num_topk = 156, num_channels = 160, num_max_send_tokens = 164,
     num_max_recv_tokens = 168, pad = 172,
 );
-// SAFETY: repr(C) plain data mirroring `CombineParams` in rings.cu.
+// SAFETY: repr(C) plain data mirroring `CombineParams` in rings_combine.cu.
 unsafe impl KernelParams for CombineParams {}
 
 /// Inputs and outputs of [`combine_cuda`] (`N` rows this rank holds in dispatch receive

@@ -1,4 +1,4 @@
-//! Launcher of the SM-ring dispatch kernel (`rings.cu`).
+//! Launcher of the SM-ring dispatch kernel (`rings_dispatch.cu`).
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
@@ -10,15 +10,15 @@ use super::{to_i32, Config, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK, M
 use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
-/// The cubin of `rings.cu`.
-const FILE: &str = "intranode/rings";
+/// The cubin of `rings_dispatch.cu`.
+const FILE: &str = "intranode/rings_dispatch";
 /// Threads of the dispatch kernel blocks (`kDispatchThreads`).
 const DISPATCH_THREADS: u32 = 768;
 /// Dynamic shared memory of the dispatch kernel blocks (`kDispatchSmemBytes`: the per-warp
 /// bulk-copy staging buffers of the receive side).
 const DISPATCH_SMEM_BYTES: u32 = 224_256;
 
-/// Mirror of `DispatchParams` in rings.cu.
+/// Mirror of `DispatchParams` in rings_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct DispatchParams {
@@ -61,7 +61,7 @@ assert_params_layout!(
     experts_per_rank = 216, num_channels = 220, num_max_send_tokens = 224,
     num_max_recv_tokens = 228,
 );
-// SAFETY: repr(C) plain data mirroring `DispatchParams` in rings.cu.
+// SAFETY: repr(C) plain data mirroring `DispatchParams` in rings_dispatch.cu.
 unsafe impl KernelParams for DispatchParams {}
 
 /// Inputs and outputs of [`dispatch_cuda`] (`T` tokens, `H` hidden, `K` top-k, `R` ranks,
