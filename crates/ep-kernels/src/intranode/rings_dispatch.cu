@@ -304,7 +304,7 @@ EP_DEVICE void take_tokens(const DispatchParams& p, int d, int& t, int t_end, in
 // this rank's own tokens straight into the outputs (no ring, no receiver); then ring group g
 // (the rest shared by R - 1, named barrier g + 1) streams to the g-th other rank. Receiving
 // block: ring group g (kDispatchWarps / (R - 1) warps) takes the g-th other rank's ring, so at
-// R = 4 each ring has 8 receiving warps instead of 6 (EP4 bf16 dispatch 371 -> 381-386 GB/s).
+// R = 4 each ring has 8 receiving warps instead of 6 (EP4 bf16 dispatch 368-371 -> 383-391 GB/s).
 EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const DispatchParams p) {
     __shared__ int s_value[kMaxRanks][2];
     __shared__ int s_tail[kMaxRanks];
