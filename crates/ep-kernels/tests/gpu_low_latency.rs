@@ -299,10 +299,7 @@ impl Dev {
         poison_bytes(stream, &mut self.recv.recv_src_info)?;
         poison_bytes(stream, &mut self.recv.recv_src_topk)?;
         poison_bytes(stream, &mut self.recv.recv_layout_range)?;
-        poison_bytes(stream, &mut self.recv.ranks.rank_rows)?;
-        poison_bytes(stream, &mut self.recv.ranks.rank_weights)?;
-        poison_bytes(stream, &mut self.recv.ranks.rank_slot)?;
-        poison_bytes(stream, &mut self.recv.ranks.rank_count)?;
+        poison_bytes(stream, &mut self.recv.ranks.rank_records)?;
         poison_bytes(stream, &mut self.out)
     }
 

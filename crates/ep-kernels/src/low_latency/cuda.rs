@@ -17,8 +17,8 @@
 //!   experts per token first and sends one row per (token, rank) into row `j` (the rank's place
 //!   among the token's ranks), then a flag per (rank, home); the home adds its rows like
 //!   [`super::combine_per_rank`]. The weights come with the dispatch (`topk_weights` of
-//!   [`dispatch_cuda`]: a record per (token, rank) beside the message, unpacked by the receive
-//!   phase into [`RankTables`]).
+//!   [`dispatch_cuda`]: a record per (token, rank) beside the message, copied by the receive
+//!   phase into [`RankRecords`], which the combine's send phase reads).
 //! - Both take a [`Phases`]: `Both` in one launch, or `Send` now and `Recv` later (a receive
 //!   hook; at most two sends of one kind may be pending).
 //! - Nothing needs the host between ops: the buffer set (op parity) and the signal tags come
@@ -49,8 +49,8 @@ mod recv;
 pub use crate::memory::enable_peer_access;
 pub use buffer::{LowLatencyBuffer, DEFAULT_TIMEOUT};
 pub use recv::{
-    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RankTables,
-    RankTablesMut, RankTablesRef, RecvXMut,
+    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RankRecords,
+    RankRecordsMut, RankRecordsRef, RecvXMut,
 };
 
 // `buffer` reaches the layout as `super::layout`.
@@ -85,10 +85,7 @@ struct DispatchParams {
     recv_src_topk: CUdeviceptr,
     recv_layout_range: CUdeviceptr,
     topk_weights: CUdeviceptr,
-    recv_rank_rows: CUdeviceptr,
-    recv_rank_weights: CUdeviceptr,
-    recv_rank_slot: CUdeviceptr,
-    recv_rank_count: CUdeviceptr,
+    recv_rank_records: CUdeviceptr,
     num_tokens: i32,
     num_topk: i32,
     fp8: u32,
@@ -98,11 +95,11 @@ struct DispatchParams {
 }
 assert_params_layout!(
     DispatchParams,
-    272;
+    248;
     buf = 0, x = 144, topk_idx = 152, recv_x = 160, recv_scales = 168, recv_count = 176,
     recv_src_info = 184, recv_src_topk = 192, recv_layout_range = 200, topk_weights = 208,
-    recv_rank_rows = 216, recv_rank_weights = 224, recv_rank_slot = 232, recv_rank_count = 240,
-    num_tokens = 248, num_topk = 252, fp8 = 256, scale_format = 260, phases = 264, reserved = 268,
+    recv_rank_records = 216, num_tokens = 224, num_topk = 228, fp8 = 232, scale_format = 236,
+    phases = 240, reserved = 244,
 );
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
@@ -119,10 +116,7 @@ struct CombineParams {
     topk_idx: CUdeviceptr,
     topk_weights: CUdeviceptr,
     out: CUdeviceptr,
-    rank_rows: CUdeviceptr,
-    rank_weights: CUdeviceptr,
-    rank_slot: CUdeviceptr,
-    rank_count: CUdeviceptr,
+    rank_records: CUdeviceptr,
     num_tokens: i32,
     num_topk: i32,
     phases: u32,
@@ -130,10 +124,10 @@ struct CombineParams {
 }
 assert_params_layout!(
     CombineParams,
-    248;
+    224;
     buf = 0, x = 144, src_info = 152, src_topk = 160, layout_range = 168, topk_idx = 176,
-    topk_weights = 184, out = 192, rank_rows = 200, rank_weights = 208, rank_slot = 216,
-    rank_count = 224, num_tokens = 232, num_topk = 236, phases = 240, reduce = 244,
+    topk_weights = 184, out = 192, rank_records = 200, num_tokens = 208, num_topk = 212,
+    phases = 216, reduce = 220,
 );
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
@@ -254,7 +248,7 @@ pub fn dispatch_cuda<'o>(
             return Err(Error::invalid(
                 "out.ranks",
                 "None",
-                "a dispatch that carries topk_weights writes the per-rank combine's tables",
+                "a dispatch that carries topk_weights writes the per-rank combine's records",
             ));
         }
     }
@@ -284,18 +278,11 @@ pub fn dispatch_cuda<'o>(
         Some(w) => w.device_ptr(stream),
         None => (0, SyncOnDrop::Sync(None)),
     };
-    // The tables are written only when the records are sent (the sources' weights).
-    let null = || (0, SyncOnDrop::Sync(None));
-    let ((rr, _g7), (rw, _g8), (rsl, _g9), (rcn, _g10)) =
-        match out.ranks.as_mut().filter(|_| topk_weights.is_some()) {
-            Some(t) => (
-                t.rank_rows.device_ptr_mut(stream),
-                t.rank_weights.device_ptr_mut(stream),
-                t.rank_slot.device_ptr_mut(stream),
-                t.rank_count.device_ptr_mut(stream),
-            ),
-            None => (null(), null(), null(), null()),
-        };
+    // The records are written only when the sources send them (with their weights).
+    let (rr, _g7) = match out.ranks.as_mut().filter(|_| topk_weights.is_some()) {
+        Some(t) => t.rank_records.device_ptr_mut(stream),
+        None => (0, SyncOnDrop::Sync(None)),
+    };
     check_align("x", x_ptr, 16)?;
     check_align("topk_idx", t_ptr, 8)?;
     check_align("recv_x", rx, 16)?;
@@ -310,10 +297,7 @@ pub fn dispatch_cuda<'o>(
         recv_src_topk: rk,
         recv_layout_range: rl,
         topk_weights: w_ptr,
-        recv_rank_rows: rr,
-        recv_rank_weights: rw,
-        recv_rank_slot: rsl,
-        recv_rank_count: rcn,
+        recv_rank_records: rr,
         num_tokens: num_tokens as i32,
         num_topk: num_topk as i32,
         fp8: u32::from(format.is_fp8()),
@@ -332,7 +316,7 @@ pub fn dispatch_cuda<'o>(
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
     // weights (if any) T*K f32, the outputs are sized for the buffer's layout and format
     // (checked above; the scales may be null only for bf16, where the kernel does not touch
-    // them; the rank tables are null exactly when the weights are, and the kernel writes
+    // them; the records are null exactly when the weights are, and the kernel writes
     // them only then), all 16-byte aligned where the
     // kernel uses vectors; every pointer comes from a borrowed slice or view, so its memory
     // lives until the launch is queued, and its owner frees it stream-ordered (after the
@@ -351,9 +335,10 @@ pub fn dispatch_cuda<'o>(
 /// [`Reduction::PerRank`](super::Reduction), as [`super::combine_per_rank`] with the weights
 /// the dispatch carried (its `handle.ranks`, then required; `topk_weights` is not read). The
 /// send phase reads `x` and `handle`; the receive phase reads `topk_idx` (and, per expert,
-/// `topk_weights`) and writes `out`. At one rank both reductions give the same bits; there a
-/// `Both` launch runs the one-rank kernel (per expert) and split phases the per-rank protocol.
-/// Every rank must use the same reduction.
+/// `topk_weights`) and writes `out`. At one rank both reductions give the same bits, and both
+/// run per expert (a `Both` launch in the one-rank kernel, split phases in the protocol's),
+/// so there a per-rank combine reads `topk_weights` (the dispatch's weights) and not
+/// `handle.ranks`. Every rank must use the same reduction.
 #[allow(clippy::too_many_arguments)]
 pub fn combine_cuda<'h>(
     stream: &CudaStream,
@@ -375,14 +360,16 @@ pub fn combine_cuda<'h>(
     Error::check_len("x", rows * layout.hidden, x.len())?;
     handle.check(layout)?;
     let local = layout.num_ranks == 1 && phases == Phases::Both;
-    let per_rank = reduction == super::Reduction::PerRank && !local;
+    // At one rank a per-rank combine gives the bits of a per-expert one (the rank's partial
+    // sum is the token's sum, added at the home with weight 1): it runs per expert there.
+    let per_rank = reduction == super::Reduction::PerRank && layout.num_ranks > 1;
     let ranks = match (&handle.ranks, per_rank) {
         (Some(t), true) => Some(t),
         (None, true) => {
             return Err(Error::invalid(
                 "handle.ranks",
                 "None",
-                "a per-rank combine reads the tables of a dispatch that carried topk_weights",
+                "a per-rank combine reads the records of a dispatch that carried topk_weights",
             ))
         }
         (_, false) => None,
@@ -399,15 +386,9 @@ pub fn combine_cuda<'h>(
     let (t_ptr, _g3) = topk_idx.device_ptr(stream);
     let (w_ptr, _g4) = topk_weights.device_ptr(stream);
     let (o_ptr, _g5) = out.device_ptr_mut(stream);
-    let null = || (0, SyncOnDrop::Sync(None));
-    let ((rr, _g6), (rw, _g7), (rsl, _g8), (rcn, _g9)) = match ranks {
-        Some(t) => (
-            t.rank_rows.device_ptr(stream),
-            t.rank_weights.device_ptr(stream),
-            t.rank_slot.device_ptr(stream),
-            t.rank_count.device_ptr(stream),
-        ),
-        None => (null(), null(), null(), null()),
+    let (rr, _g6) = match ranks {
+        Some(t) => t.rank_records.device_ptr(stream),
+        None => (0, SyncOnDrop::Sync(None)),
     };
     check_align("x", x_ptr, 16)?;
     check_align("out", o_ptr, 16)?;
@@ -420,10 +401,7 @@ pub fn combine_cuda<'h>(
         topk_idx: t_ptr,
         topk_weights: w_ptr,
         out: o_ptr,
-        rank_rows: rr,
-        rank_weights: rw,
-        rank_slot: rsl,
-        rank_count: rcn,
+        rank_records: rr,
         num_tokens: num_tokens as i32,
         num_topk: num_topk as i32,
         phases: phases as u32,
@@ -436,14 +414,14 @@ pub fn combine_cuda<'h>(
     }
     let kernel = kernels.kernel(FILE, "ll_combine")?;
     let send_smem = if per_rank {
-        12 * layout.num_ranks
+        4 * (2 * layout.num_ranks + 2 * layout.num_experts)
     } else {
         4 * (3 * layout.num_experts + 1 + layout.num_ranks)
     };
     let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
     let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     // SAFETY: `params` matches `CombineParams`; every slice has the length the kernel uses
-    // (checked above; the rank tables are null exactly when `reduce` is 0, and only read
+    // (checked above; the records are null exactly when `reduce` is 0, and only read
     // then) and the vector-accessed ones are 16-byte aligned; the buffer outlives
     // the launch (it synchronises its context before freeing); the guards keep cudarc's
     // stream ordering until the launch is queued.

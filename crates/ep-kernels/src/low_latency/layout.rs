@@ -35,6 +35,10 @@ pub const LL_MAX_TOPK: usize = 16;
 /// Bytes of one per-(source, token) record of the per-rank combine's metadata (a 16-byte
 /// header, then [`LL_MAX_TOPK`] i32 selections and [`LL_MAX_TOPK`] f32 weights).
 pub const LL_META_STRIDE: usize = 16 + 8 * LL_MAX_TOPK;
+/// 4-byte words of one per-(source, token) record in a dispatch's outputs
+/// ([`super::RankRecords`]): the buffer's record with its header turned into the token's row at
+/// its home (`kRecordWords` in `low_latency.cu`).
+pub const LL_RECORD_WORDS: usize = LL_META_STRIDE / 4;
 
 /// Bytes of the control words at the start of the buffer (13 used, padded).
 const CONTROL_WORDS_BYTES: usize = 256;

@@ -13,11 +13,9 @@
 // experts are distinct and T <= M, so slot <= t < M). recv_count[e] and the layout range
 // (0, n) carry n = the number of valid selections of e (what `ll_dispatch` signals and its
 // receive phase counts), 0 when the rank is inactive; recv_src_info is -1 in every row from n
-// on, and recv_src_topk is written for placed rows only, as in `ll_dispatch`. With the top-k
-// weights (a dispatch for a per-rank combine), the rank tables of `ll_dispatch` for the one
-// source: rank_slot[t] = 0 for the tokens with a placed row (-1 for the others, up to M),
-// rank_rows[t, k] the placed row of (t, k) or -1, rank_weights[t, k] = w[t, k], rank_count the
-// tokens with a placed row.
+// on, and recv_src_topk is written for placed rows only, as in `ll_dispatch`. The top-k
+// weights (a dispatch for a per-rank combine) are not needed: at one rank a per-rank combine
+// gives the bits of a per-expert one, and `combine_cuda` runs it per expert.
 //
 // Combine: out[t] = sum over k in order of w[t, k] * x[e * M + slot(t, k)] in f32 (separate
 // multiply and add), packed to bf16, over the (t, k) whose expert is in [0, E), with the rank
@@ -77,13 +75,8 @@ struct LocalDispatchParams {
     uint32_t fp8;                // 0: bf16 payload, 1: fp8 e4m3 + f32 scales
     uint32_t scale_format;       // 0: amax / 448, 1: UE8M0
     uint32_t reserved;
-    const float* topk_weights;   // [T, K], or null: no rank tables
-    int32_t* rank_rows;          // [M, kMaxTopk]
-    float* rank_weights;         // [M, kMaxTopk]
-    int32_t* rank_slot;          // [M]
-    int32_t* rank_count;         // [1]
 };
-EP_CHECK_PARAMS_SIZE(LocalDispatchParams, 152);
+EP_CHECK_PARAMS_SIZE(LocalDispatchParams, 112);
 
 struct LocalCombineParams {
     const __nv_bfloat16* x;      // [E, M, H] expert outputs in the dispatch's row order
@@ -229,27 +222,6 @@ EP_KERNEL void __launch_bounds__(kThreads) ll_local_dispatch(const __grid_consta
             info[row] = -1;
         }
     }
-    if (p.topk_weights != nullptr) {
-        // Rank tables: slots past the tokens, and (block 0) the tokens with a placed row.
-        for (int t = T + blockIdx.x * kThreads + tid; t < M; t += gridDim.x * kThreads) {
-            p.rank_slot[t] = -1;
-        }
-        if (blockIdx.x == 0) {
-            int present = 0;
-            for (int base = 0; base < T; base += kThreads) {
-                const int t = base + tid;
-                bool any = false;
-                for (int k = 0; t < T && k < K && !any; ++k) {
-                    any = s_topk[t * K + k] >= 0;
-                }
-                present += __syncthreads_count(any && active);
-            }
-            if (tid == 0) {
-                p.rank_count[0] = present;
-            }
-        }
-    }
-
     int cur_t = -1;
     for (int64_t item = lo; item < hi; ++item) {
         if (item != lo) {
@@ -268,18 +240,6 @@ EP_KERNEL void __launch_bounds__(kThreads) ll_local_dispatch(const __grid_consta
             if (row >= 0) {
                 p.recv_src_info[row] = t;
                 p.recv_src_topk[row] = tid;
-            }
-            if (p.topk_weights != nullptr) {
-                p.rank_rows[static_cast<int64_t>(t) * kMaxTopk + tid] = static_cast<int>(row);
-                p.rank_weights[static_cast<int64_t>(t) * kMaxTopk + tid] =
-                    p.topk_weights[static_cast<int64_t>(t) * K + tid];
-                if (tid == 0) {
-                    bool any = false;
-                    for (int k = 0; k < K; ++k) {
-                        any = any || s_row[k] >= 0;
-                    }
-                    p.rank_slot[t] = any ? 0 : -1;
-                }
             }
         }
         const int c0 = chunk * kDispatchChans + tid * 16;  // this thread's first channel

@@ -7,8 +7,11 @@
 // weighted outputs of its experts that the token chose, in f32, and the home adds the ranks'
 // rows. For that the dispatch carries the top-k weights (`DispatchParams::topk_weights`): with
 // each token's message goes a record saying which of its selections the rank holds, in which
-// slot, and with which weight; the receive phase turns the records into the handle's
-// per-(source, token) tables (`recv_rank_*`), which the per-rank combine reads.
+// slot, and with which weight; the receive phase copies the records into the handle
+// (`recv_rank_records`: the header turned into the token's row at its home or -1, each slot into
+// its packed row), a few vectors per record on the blocks the row copy leaves idle, and the
+// per-rank combine's send phase reads them there. (Building the same tables with a block per
+// source that copied no rows cost the dispatch about 1 us more at EP4.)
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
@@ -66,7 +69,11 @@ constexpr uint32_t kPhaseRecv = 2u;
 constexpr int kMaxTopk = 16;
 // Bytes of one per-(source, token) record of the per-rank combine (Rust: `LL_META_STRIDE`).
 constexpr int kMetaStride = 16 + 8 * kMaxTopk;
-constexpr int kMetaVecs = kMetaStride / 16;
+// 4-byte words of one record in the handle (Rust: `LL_RECORD_WORDS`): word 0 the token's row j
+// at its home (-1: the source sent no selection of the token here, or it was inactive); words
+// 1-3 unused; from word 4 the packed row here of each k (-1: elsewhere), from word
+// 4 + kMaxTopk the weights (f32 bits), as the buffer's record has its selections and weights.
+constexpr int kRecordWords = kMetaStride / 4;
 // 16-byte vectors per lane of one per-rank combine item (a chunk of 32 x n vectors of each of
 // the token's rows on this rank), and rows loaded per batch: 2 x 8 f32 accumulators and
 // 2 x 2 vectors in flight fit the 64 registers of a 1024-thread block (4 rows at a time, or
@@ -130,10 +137,7 @@ struct DispatchParams {
     int32_t* recv_src_topk;     // [L, R*M] top-k position at the source
     int32_t* recv_layout_range; // [L, R, 2] (offset, count)
     const float* topk_weights;  // [T, K], or null: no per-rank records are sent
-    int32_t* recv_rank_rows;    // [R, M, kMaxTopk] packed row of (s, t, k) here, or -1; or null
-    float* recv_rank_weights;   // [R, M, kMaxTopk] w[t, k] at source s
-    int32_t* recv_rank_slot;    // [R, M] j of (s, t) (its row at the home), -1: not here
-    int32_t* recv_rank_count;   // [R] tokens of source s with a selection here
+    int32_t* recv_rank_records; // [R, M, kRecordWords] the records, with their weights; or null
     int32_t num_tokens;
     int32_t num_topk;
     uint32_t fp8;               // 0: bf16 payload, 1: fp8 e4m3 + f32 scales
@@ -141,7 +145,7 @@ struct DispatchParams {
     uint32_t phases;            // kPhaseSend | kPhaseRecv
     uint32_t reserved;
 };
-EP_CHECK_PARAMS_SIZE(DispatchParams, 272);
+EP_CHECK_PARAMS_SIZE(DispatchParams, 248);
 
 struct CombineParams {
     LlBuffer buf;
@@ -152,16 +156,13 @@ struct CombineParams {
     const int64_t* topk_idx;         // [T, K] of this (home) rank
     const float* topk_weights;       // [T, K]
     __nv_bfloat16* out;              // [T, H]
-    const int32_t* rank_rows;        // per rank: the dispatch's recv_rank_rows
-    const float* rank_weights;       // per rank: recv_rank_weights
-    const int32_t* rank_slot;        // per rank: recv_rank_slot
-    const int32_t* rank_count;       // per rank: recv_rank_count
+    const int32_t* rank_records;     // per rank: the dispatch's recv_rank_records
     int32_t num_tokens;
     int32_t num_topk;
     uint32_t phases;
     uint32_t reduce;                 // 0: per expert (DeepEP), 1: per rank
 };
-EP_CHECK_PARAMS_SIZE(CombineParams, 248);
+EP_CHECK_PARAMS_SIZE(CombineParams, 224);
 
 struct CleanParams {
     LlBuffer buf;
@@ -559,64 +560,53 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     }
 }
 
-// The per-rank combine's tables from the records (a block per source; after the signals have
-// been awaited and `s_cnt`, `s_off` hold the packed layout): per (s, t) the token's j at its
-// home (-1 when it sent nothing here, or its rank is inactive), the packed row and weight of
-// each of its k held here (row -1 for the others), and per s the tokens it sent here.
-__device__ void dispatch_recv_ranks(const DispatchParams& p, const int* s_cnt, const int* s_off,
-                                    const uint8_t* my_set, uint32_t tag) {
+// The records into the handle (after the signals have been awaited and `s_cnt`, `s_off` hold
+// the packed layout): the vectors of every (source s, token t) record that hold k < K (the
+// header, then the selections and the weights, 4 per vector), a vector per thread, taken from
+// the last block of the grid backwards: the row copy hands out its items from the first block
+// on, and at 128 tokens it leaves the last blocks without rows (fp8 at EP4: about 4100 items for
+// 4224 warps), so the records cost those blocks' idle time. The header becomes the token's row j
+// at its home, or -1 when the record is not this op's (the source sent nothing of the token
+// here) or the source is inactive; each selection `l * M + slot` becomes its packed row here
+// (-1: expert k is elsewhere, or past the count), so the combine reads rows as they are.
+__device__ void dispatch_recv_records(const DispatchParams& p, const int* s_cnt, const int* s_off,
+                                      const uint8_t* my_set, uint32_t tag) {
     const LlBuffer& b = p.buf;
-    const int R = b.num_ranks, L = b.num_experts / R, M = b.max_tokens, K = p.num_topk;
-    const int tid = threadIdx.x;
+    const int R = b.num_ranks, M = b.max_tokens, L = b.num_experts / R;
     const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
+    const int quads = ep::ceil_div(p.num_topk, 4);
+    const int rec_vecs = 1 + 2 * quads;
+    const int64_t vecs = static_cast<int64_t>(R) * M * rec_vecs;
     const int64_t rows_per_expert = static_cast<int64_t>(R) * M;
-    for (int s = blockIdx.x; s < R; s += gridDim.x) {
-        const bool src_active = ld_vol(active + s) != 0;
-        int present = 0;
-        for (int base = 0; base < M; base += kThreads) {
-            const int t = base + tid;
-            bool ok = false;
-            if (t < M) {
-                const int64_t st = static_cast<int64_t>(s) * M + t;
-                const uint8_t* rec = my_set + b.off_meta + st * kMetaStride;
-                // The whole record in flight at once (9 vectors), then its fields.
-                int4 v[kMetaVecs];
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    for (int64_t i = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kThreads + threadIdx.x;
+         i < vecs; i += stride) {
+        const int64_t st = i / rec_vecs;
+        const int s = static_cast<int>(st / M);
+        const int v = static_cast<int>(i - st * rec_vecs);
+        // Vector index in the record: 0, 1 .. quads (selections), 1 + kMaxTopk / 4 .. (weights).
+        const int at = v <= quads ? v : v - quads + kMaxTopk / 4;
+        int4 x = ep::ld_cg_v4(my_set + b.off_meta + st * kMetaStride + at * 16);
+        if (at == 0) {
+            const bool ok = ld_vol(active + s) != 0 && static_cast<uint32_t>(x.x) == tag &&
+                            x.y >= 0 && x.y < b.max_topk;
+            x = make_int4(ok ? x.y : -1, 0, 0, 0);
+        } else if (v <= quads) {
+            int* sel = reinterpret_cast<int*>(&x);
 #pragma unroll
-                for (int i = 0; i < kMetaVecs; ++i) {
-                    v[i] = ep::ld_cg_v4(rec + 16 * i);
-                }
-                const int4 hdr = v[0];
-                const int* sels = reinterpret_cast<const int*>(v + 1);
-                const float* ws = reinterpret_cast<const float*>(v + 1 + kMaxTopk / 4);
-                ok = src_active && static_cast<uint32_t>(hdr.x) == tag && hdr.y >= 0 &&
-                     hdr.y < b.max_topk;
-                if (ok) {
-#pragma unroll
-                    for (int k = 0; k < kMaxTopk; ++k) {
-                        if (k >= K) {
-                            break;
-                        }
-                        const int sel = sels[k];
-                        const float w = ws[k];
-                        int64_t row = -1;
-                        if (sel >= 0) {
-                            const int l = sel / M;
-                            const int slot = sel - l * M;
-                            if (l < L && slot < s_cnt[l * R + s]) {
-                                row = l * rows_per_expert + s_off[l * R + s] + slot;
-                            }
-                        }
-                        p.recv_rank_rows[st * kMaxTopk + k] = static_cast<int>(row);
-                        p.recv_rank_weights[st * kMaxTopk + k] = w;
+            for (int q = 0; q < 4; ++q) {
+                int row = -1;
+                if (sel[q] >= 0) {
+                    const int l = sel[q] / M;
+                    const int slot = sel[q] - l * M;
+                    if (l < L && slot < s_cnt[l * R + s]) {
+                        row = static_cast<int>(l * rows_per_expert + s_off[l * R + s] + slot);
                     }
                 }
-                p.recv_rank_slot[st] = ok ? hdr.y : -1;
+                sel[q] = row;
             }
-            present += __syncthreads_count(ok);
         }
-        if (tid == 0) {
-            p.recv_rank_count[s] = present;
-        }
+        *reinterpret_cast<int4*>(p.recv_rank_records + st * kRecordWords + at * 4) = x;
     }
 }
 
@@ -651,8 +641,8 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     __syncthreads();
     block_prefix_sum(s_pre, L);
     __syncthreads();
-    if (p.recv_rank_slot != nullptr) {
-        dispatch_recv_ranks(p, s_cnt, s_off, my_set, tag);
+    if (p.recv_rank_records != nullptr) {
+        dispatch_recv_records(p, s_cnt, s_off, my_set, tag);
     }
     // Per local expert (a block each): the count, the ranges, and -1 in the source-token
     // entries past the count (the rows below it are written by the copy below), so the outputs
@@ -674,14 +664,8 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     constexpr int kChunkVecs = ep::kWarpSize * kRecvUnroll;
     const int chunks = ep::ceil_div(payload_vecs, kChunkVecs);
     const int64_t items = static_cast<int64_t>(s_pre[L]) * chunks;
-    // The blocks that built the rank tables above (one per source) copy no rows, so the copy
-    // does not wait for them (with them in, the EP2 dispatch ended 2-3 us later).
-    const int first = p.recv_rank_slot != nullptr ? min(R, static_cast<int>(gridDim.x) - 1) : 0;
-    if (static_cast<int>(blockIdx.x) < first) {
-        return;
-    }
-    const int64_t warps = static_cast<int64_t>(gridDim.x - first) * kWarps;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x - first) * kWarps + warp; item < items;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp; item < items;
          item += warps) {
         const int j = static_cast<int>(item / chunks);
         const int chunk = static_cast<int>(item - static_cast<int64_t>(j) * chunks);
@@ -879,16 +863,16 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
 }
 
 // Per-rank combine, send phase. Items are (home s, token t, chunk of 32 lanes x kRankVecs vectors)
-// over all R x M (s, t), homes in the order rank + 1, rank + 2, ..., rank: an item whose token sent
-// nothing here (`rank_slot` -1) is skipped; the others sum, in k order and in f32, the weighted
-// rows of the token's experts on this rank (loaded kRankBatch rows at a time) and write the bf16
-// partial into row (t, rank_slot) of the home's combine region. Each home's items count in
-// `rank_done[s]` (local, the first R counters of `unit_done`), a block at a time: the block's warps
-// count their finished items per home in shared memory, and after the block's last item one thread
-// per home adds the block's count (about 130 global atomics per home instead of one per item, all
-// of which hit R neighbouring words); the thread whose addition completes a home flags it
-// (`flags[rank]`), and homes without items are flagged at once. Shared memory: items per home [R],
-// mask snapshot [R], this block's finished items per home [R].
+// over all R x M (s, t), homes in the order rank + 1, rank + 2, ..., rank. An item reads the
+// token's record in the handle (`rank_records`): one whose header is -1 (the token sent nothing
+// here) is skipped; the others sum, in k order and in f32, the weighted rows of the token's
+// experts on this rank (the record's packed rows, loaded kRankBatch rows at a time) and write
+// the bf16 partial into row (t, j) of the home's combine region. Every item of a home counts in `rank_done[s]`
+// (local, the first R counters of `unit_done`), a block at a time: the block's warps count their
+// items per home in shared memory, and after the block's last item one thread per home adds the
+// block's count (about 130 global atomics per home instead of one per item, all of which hit R
+// neighbouring words); the thread whose addition completes a home (M x chunks items) flags it
+// (`flags[rank]`). Shared memory: the mask snapshot [R], this block's items per home [R].
 __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32_t set,
                                    uint32_t tag) {
     const LlBuffer& b = p.buf;
@@ -900,17 +884,8 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
     const int64_t row_bytes = 2 * static_cast<int64_t>(H);
     constexpr int kChunkVecs = ep::kWarpSize * kRankVecs;
     const int chunks = ep::ceil_div(vpr, kChunkVecs);
-    int* s_items = reinterpret_cast<int*>(smem);
-    int* s_active = s_items + R;
-    int* s_done = s_items + 2 * R;
-
-    for (int s = blockIdx.x + tid * static_cast<int>(gridDim.x); s < R;
-         s += kThreads * static_cast<int>(gridDim.x)) {
-        if (s_items[s] == 0 && s_active[s] != 0) {
-            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags + static_cast<int64_t>(b.rank) * 4,
-                     static_cast<int>(tag));
-        }
-    }
+    const int* s_active = reinterpret_cast<const int*>(smem);
+    int* s_done = reinterpret_cast<int*>(smem) + R;
 
     const int64_t items = static_cast<int64_t>(R) * M * chunks;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -925,15 +900,12 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
         const int h = static_cast<int>(q / M);
         const int t = static_cast<int>(q - static_cast<int64_t>(h) * M);
         const int s = (h + b.rank + 1) % R;
-        const int64_t st = static_cast<int64_t>(s) * M + t;
-        // The slot and the token's rows here load together.
-        const int home_row = p.rank_slot[st];
-        const int row = lane < K ? p.rank_rows[st * kMaxTopk + lane] : -1;
-        const float w = lane < K ? p.rank_weights[st * kMaxTopk + lane] : 0.0f;
-        if (home_row < 0) {
-            continue;  // warp-uniform
-        }
-        if (s_active[s] != 0) {
+        // The record's header, and lane k's packed row and weight, load together.
+        const int* rec = p.rank_records + (static_cast<int64_t>(s) * M + t) * kRecordWords;
+        const int home_row = rec[0];
+        const int row = lane < K ? rec[4 + lane] : -1;
+        const float w = lane < K ? __int_as_float(rec[4 + kMaxTopk + lane]) : 0.0f;
+        if (home_row >= 0 && s_active[s] != 0) {
             float acc[kRankVecs][8];
 #pragma unroll
             for (int q = 0; q < kRankVecs; ++q) {
@@ -995,9 +967,10 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
     // the counter for the next op, fences and flags the home (fence + relaxed store form a
     // release pattern), as `combine_send`'s last chunk of a unit does.
     __syncthreads();
+    const int per_home = M * chunks;
     for (int s = tid; s < R; s += kThreads) {
         const int n = s_done[s];
-        if (n > 0 && ep::atomic_add_release_gpu(rank_done + s, n) == s_items[s] - n) {
+        if (n > 0 && ep::atomic_add_release_gpu(rank_done + s, n) == per_home - n) {
             atomicExch(rank_done + s, 0);
             if (s_active[s] != 0) {
                 ep::fence_acq_rel_sys();
@@ -1185,7 +1158,7 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_dispatch(const __grid_constant_
 }
 
 // Grid: at most one block per SM. Dynamic shared memory:
-// max(send: 4 * (3 * E + 1 + R) (per rank: 12 * R), receive: kMaxTopk * 8 + 4 * R) bytes.
+// max(send: 4 * (3 * E + 1 + R) (per rank: 8 * R), receive: kMaxTopk * 8 + 4 * R) bytes.
 EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__ CombineParams p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const LlBuffer& b = p.buf;
@@ -1195,15 +1168,13 @@ EP_KERNEL void __launch_bounds__(kThreads, 1) ll_combine(const __grid_constant__
         threadIdx.x == 0 ? op_begin(reinterpret_cast<const uint32_t*>(b.local), kKindCombine, p.phases) : 0u;
     const bool per_rank = p.reduce != 0;
     if ((p.phases & kPhaseSend) && per_rank) {
-        // Items per home, the mask and this block's finished items per home, for
-        // `combine_send_ranks`.
-        const int chunks = ep::ceil_div(b.hidden / 8, ep::kWarpSize * kRankVecs);
-        int* s_items = reinterpret_cast<int*>(smem);
+        // The mask and this block's finished items per home, for `combine_send_ranks`.
+        const int R = b.num_ranks;
+        int* s_words = reinterpret_cast<int*>(smem);
         const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
-        for (int r = threadIdx.x; r < b.num_ranks; r += kThreads) {
-            s_items[r] = p.rank_count[r] * chunks;
-            s_items[b.num_ranks + r] = ld_vol(active + r);
-            s_items[2 * b.num_ranks + r] = 0;
+        for (int r = threadIdx.x; r < R; r += kThreads) {
+            s_words[r] = ld_vol(active + r);
+            s_words[R + r] = 0;
         }
     } else if (p.phases & kPhaseSend) {
         combine_stage(p, smem);

@@ -25,4 +25,6 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::*;
-pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK, LL_META_STRIDE};
+pub use layout::{
+    buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK, LL_META_STRIDE, LL_RECORD_WORDS,
+};

@@ -336,7 +336,7 @@ impl LowLatencyCuda {
         let data = data.ok_or_else(|| {
             Error::HandleMismatch("the low-latency handle was made by a CPU buffer".into())
         })?;
-        if reduction == Reduction::PerRank && !data.has_rank_tables() {
+        if reduction == Reduction::PerRank && !data.has_rank_records() {
             return Err(Error::HandleMismatch(
                 "a per-rank combine needs a dispatch that carried topk_weights \
                  (LowLatencyDispatchArgs::weights)"

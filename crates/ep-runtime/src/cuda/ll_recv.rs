@@ -12,7 +12,7 @@ use cudarc::driver::CudaView;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use ep_kernels::low_latency::{
     self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyRecvMut, LowLatencyRecvRef, Phases,
-    RankTablesMut, RankTablesRef, RecvXMut, LL_MAX_TOPK,
+    RankRecordsMut, RankRecordsRef, RecvXMut, LL_RECORD_WORDS,
 };
 use ep_kernels::FP8_GROUP;
 use float8::F8E4M3;
@@ -64,49 +64,6 @@ impl I32Block {
     }
 }
 
-/// The per-rank combine's tables of one dispatch that carries the top-k weights (see
-/// [`kll::RankTables`]): one `i32` allocation (rows `[R, M, LL_MAX_TOPK]`, slots `[R, M]`,
-/// counts `[R]`) and the weights `[R, M, LL_MAX_TOPK]` f32, unzeroed (the receive phase
-/// writes every slot and count, and the rows and weights the combine reads).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RankAt {
-    /// Elements of the rows (and of the weights), then where the slots and counts start.
-    rows: usize,
-    slot: usize,
-    count: usize,
-    len: usize,
-    r: usize,
-}
-
-impl RankAt {
-    fn new(r: usize, m: usize) -> Self {
-        let rows = r * m * LL_MAX_TOPK;
-        Self {
-            rows,
-            slot: rows,
-            count: rows + r * m,
-            len: rows + r * m + r,
-            r,
-        }
-    }
-}
-
-/// [`RankAt`]'s allocations while the dispatch owns them.
-#[derive(Debug)]
-struct RankSlices {
-    ints: CudaSlice<i32>,
-    weights: CudaSlice<f32>,
-    at: RankAt,
-}
-
-/// The rank tables of a handle: the tensors owning [`RankSlices`]' memory.
-#[derive(Debug)]
-struct RankTensors {
-    ints: Tensor,
-    weights: Tensor,
-    at: RankAt,
-}
-
 /// `recv_x` of a pending dispatch, in the dtype of the tensor it becomes.
 #[derive(Debug)]
 enum RecvRows {
@@ -127,16 +84,18 @@ pub(crate) struct RecvSlices {
     /// The `i32` outputs, laid out as `at` says.
     block: CudaSlice<i32>,
     at: I32Block,
-    /// The per-rank combine's tables (dispatches that carry the top-k weights).
-    ranks: Option<RankSlices>,
+    /// The per-rank combine's records `[R, M, LL_RECORD_WORDS]` (dispatches that carry the
+    /// top-k weights; see [`kll::RankRecords`]), unzeroed: the receive phase writes every word
+    /// the combine reads.
+    ranks: Option<CudaSlice<i32>>,
 }
 
 impl RecvSlices {
     /// Allocates the outputs of a dispatch into `L` local experts of `R * M` rows of `h`
     /// channels on `stream`, with no memset or fill: rows past the counts are never read
     /// (documented as unspecified), and the receive phase writes `recv_count`, the ranges and
-    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16), and two
-    /// for the per-rank combine's tables with `ranks`.
+    /// every `src_info` entry (`-1` past the counts). Three allocations (two for bf16), and one
+    /// for the per-rank combine's records with `ranks`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn alloc(
         stream: &Arc<CudaStream>,
@@ -165,12 +124,7 @@ impl RecvSlices {
             block: alloc_uninit(stream, at.len)?,
             at,
             ranks: if ranks {
-                let at = RankAt::new(r, m);
-                Some(RankSlices {
-                    ints: alloc_uninit(stream, at.len)?,
-                    weights: alloc_uninit(stream, at.rows)?,
-                    at,
-                })
+                Some(alloc_uninit(stream, r * m * LL_RECORD_WORDS)?)
             } else {
                 None
             },
@@ -179,7 +133,7 @@ impl RecvSlices {
 
     /// Launches `phases` of the dispatch kernel of `x: [t, H]` bf16 routed by
     /// `topk_idx: [t, k]` i64 into these buffers, carrying `topk_weights` (`[t, k]` f32; exactly
-    /// when these were allocated with the rank tables).
+    /// when these were allocated with the rank records).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch(
         &mut self,
@@ -211,24 +165,10 @@ impl RecvSlices {
             recv_layout_range: range.slice_mut(0..2 * at.l * at.r),
             ranks: None,
         };
-        // The rank tables' parts, split here like the block's (the views borrow these locals).
-        let mut rank_parts = self.ranks.as_mut().map(|r| {
-            let at = r.at;
-            let (rows, rest) = r.ints.split_at_mut(at.slot);
-            (rows, rest, r.weights.as_view_mut(), at)
-        });
-        let mut rank_split = rank_parts
-            .as_mut()
-            .map(|(rows, rest, w, at)| (rows, rest.split_at_mut(at.count - at.slot), w));
         let out = LowLatencyRecvMut {
-            ranks: rank_split
-                .as_mut()
-                .map(|(rows, (slot, count), w)| RankTablesMut {
-                    rank_rows: rows.slice_mut(..),
-                    rank_weights: w.slice_mut(..),
-                    rank_slot: slot.slice_mut(..),
-                    rank_count: count.slice_mut(..),
-                }),
+            ranks: self.ranks.as_mut().map(|r| RankRecordsMut {
+                rank_records: r.as_view_mut(),
+            }),
             ..out
         };
         kll::dispatch_cuda(
@@ -255,10 +195,9 @@ impl RecvSlices {
         };
         let recv_x_scales = self.scales.map(|s| wrap(s, (l, rpe, h / FP8_GROUP), dev));
         let block = wrap(self.block, at.len, dev);
-        let ranks = self.ranks.map(|r| RankTensors {
-            ints: wrap(r.ints, r.at.len, dev),
-            weights: wrap(r.weights, r.at.rows, dev),
-            at: r.at,
+        let ranks = self.ranks.map(|r| {
+            let len = r.len();
+            wrap(r, len, dev)
         });
         Ok(DispatchOutputs {
             recv_x,
@@ -285,13 +224,13 @@ pub(super) struct DispatchOutputs {
 }
 
 /// What a low-latency handle made by a CUDA buffer keeps for its combine: the tensor owning
-/// the dispatch's `i32` block (source rows, top-k positions, ranges), and the per-rank
-/// combine's tables when the dispatch carried the top-k weights.
+/// the dispatch's `i32` block (source rows, top-k positions, ranges), and the one owning the
+/// per-rank combine's records when the dispatch carried the top-k weights.
 #[derive(Debug)]
 pub(crate) struct CudaLlDispatchData {
     block: Tensor,
     at: I32Block,
-    ranks: Option<RankTensors>,
+    ranks: Option<Tensor>,
 }
 
 impl CudaLlDispatchData {
@@ -302,24 +241,15 @@ impl CudaLlDispatchData {
         let rows = at.rows();
         let block = DeviceTensor::new("handle", &self.block)?;
         let all = block.view::<i32>()?;
-        let rank_d = match &self.ranks {
-            Some(t) => Some((
-                DeviceTensor::new("handle rank tables", &t.ints)?,
-                DeviceTensor::new("handle rank weights", &t.weights)?,
-                t.at,
-            )),
-            None => None,
-        };
+        let rank_d = self
+            .ranks
+            .as_ref()
+            .map(|t| DeviceTensor::new("handle rank records", t))
+            .transpose()?;
         let ranks = match &rank_d {
-            Some((ints, weights, ra)) => {
-                let ints = ints.view::<i32>()?;
-                Some(RankTablesRef {
-                    rank_rows: ints.slice(0..ra.rows),
-                    rank_weights: weights.view::<f32>()?,
-                    rank_slot: ints.slice(ra.slot..ra.count),
-                    rank_count: ints.slice(ra.count..ra.len),
-                })
-            }
+            Some(t) => Some(RankRecordsRef {
+                rank_records: t.view::<i32>()?,
+            }),
             None => None,
         };
         Ok(f(LowLatencyRecvRef {
@@ -331,7 +261,7 @@ impl CudaLlDispatchData {
     }
 
     /// Whether the dispatch carried the top-k weights (a per-rank combine can answer it).
-    pub(crate) fn has_rank_tables(&self) -> bool {
+    pub(crate) fn has_rank_records(&self) -> bool {
         self.ranks.is_some()
     }
 

@@ -45,20 +45,14 @@ struct LocalDispatchParams {
     fp8: u32,
     scale_format: u32,
     reserved: u32,
-    topk_weights: CUdeviceptr,
-    rank_rows: CUdeviceptr,
-    rank_weights: CUdeviceptr,
-    rank_slot: CUdeviceptr,
-    rank_count: CUdeviceptr,
 }
 assert_params_layout!(
     LocalDispatchParams,
-    152;
+    112;
     x = 0, topk_idx = 8, active = 16, active_mirror = 24, recv_x = 32, recv_scales = 40,
     recv_count = 48, recv_src_info = 56, recv_src_topk = 64, recv_layout_range = 72,
     num_tokens = 80, num_topk = 84, num_experts = 88, max_tokens = 92, hidden = 96, fp8 = 100,
-    scale_format = 104, reserved = 108, topk_weights = 112, rank_rows = 120, rank_weights = 128,
-    rank_slot = 136, rank_count = 144,
+    scale_format = 104, reserved = 108,
 );
 // SAFETY: `repr(C)` plain data mirroring `LocalDispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for LocalDispatchParams {}
@@ -152,11 +146,6 @@ pub(super) unsafe fn dispatch(
         fp8: p.fp8,
         scale_format: p.scale_format,
         reserved: 0,
-        topk_weights: p.topk_weights,
-        rank_rows: p.recv_rank_rows,
-        rank_weights: p.recv_rank_weights,
-        rank_slot: p.recv_rank_slot,
-        rank_count: p.recv_rank_count,
     };
     // SAFETY: `params` matches `LocalDispatchParams`; it takes the pointers and sizes of `p`,
     // which the caller guarantees valid for `ll_dispatch`: the kernel touches a subset of what

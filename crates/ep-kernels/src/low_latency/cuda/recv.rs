@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut,
 use float8::F8E4M3;
 use half::bf16;
 
-use super::layout::{LowLatencyLayout, LL_MAX_TOPK};
+use super::layout::{LowLatencyLayout, LL_RECORD_WORDS};
 use crate::error::{Error, Result};
 use crate::fp8::ScaleFormat;
 use crate::FP8_GROUP;
@@ -89,99 +89,78 @@ pub struct LowLatencyRecv {
     pub recv_src_topk: CudaSlice<i32>,
     /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
     pub recv_layout_range: CudaSlice<i32>,
-    /// The per-rank combine's tables ([`RankTablesMut`]), written by dispatches that carry
-    /// the top-k weights.
-    pub ranks: RankTables,
+    /// The per-rank combine's records ([`RankRecords`]), written by dispatches that carry the
+    /// top-k weights.
+    pub ranks: RankRecords,
 }
 
 /// What a dispatch that carries the top-k weights leaves for a per-rank combine
-/// ([`super::Reduction::PerRank`]), per (source rank `s`, source token `t`): `rank_slot[s, t]`
-/// the row `j` of the token at its home (its rank's place among the token's distinct ranks,
-/// `-1` when `s` sent no selection of `t` here), and for `j >= 0`, per `k` of the token,
-/// `rank_rows[s, t, k]` the packed row of `recv_x` that holds it here (`-1`: expert `k` is
-/// elsewhere) and `rank_weights[s, t, k]` its weight; `rank_count[s]` the tokens of `s` with
-/// `rank_slot >= 0`. The receive phase writes `rank_slot` and `rank_count` whole, the rows
-/// and weights of the tokens with `j >= 0`.
+/// ([`super::Reduction::PerRank`]) on a rank of a multi-rank buffer: per (source rank `s`,
+/// source token `t`) the record the source sent with the token, `[R, M, LL_RECORD_WORDS]` i32
+/// words: word 0 the row `j` of the token at its home (its rank's place among the token's
+/// distinct ranks; `-1` when `s` sent no selection of `t` here, or `s` was inactive), then from
+/// word 4 per `k` of the token the selection `l * M + slot` of expert `k` here (`-1`: elsewhere)
+/// and from word `4 + LL_MAX_TOPK` the weights (f32 bits). The receive phase writes word 0 of
+/// every record and the words of `k < num_topk` (the combine reads no others); the combine
+/// finds the packed rows through the layout ranges. At one rank nothing is written: a
+/// per-rank combine there runs per expert (the same bits).
 #[derive(Debug)]
-pub struct RankTables {
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_rows: CudaSlice<i32>,
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_weights: CudaSlice<f32>,
-    /// `[R, M]`.
-    pub rank_slot: CudaSlice<i32>,
-    /// `[R]`.
-    pub rank_count: CudaSlice<i32>,
+pub struct RankRecords {
+    /// `[R, M, LL_RECORD_WORDS]`.
+    pub rank_records: CudaSlice<i32>,
 }
 
-impl RankTables {
-    /// Allocates the tables for `layout` on `stream` (zeroed).
+impl RankRecords {
+    /// Allocates the records for `layout` on `stream` (zeroed).
     pub fn alloc(stream: &Arc<CudaStream>, layout: &LowLatencyLayout) -> Result<Self> {
-        let (r, m) = (layout.num_ranks, layout.max_tokens_per_rank);
         Ok(Self {
-            rank_rows: stream.alloc_zeros(r * m * LL_MAX_TOPK)?,
-            rank_weights: stream.alloc_zeros(r * m * LL_MAX_TOPK)?,
-            rank_slot: stream.alloc_zeros(r * m)?,
-            rank_count: stream.alloc_zeros(r)?,
+            rank_records: stream.alloc_zeros(Self::len(layout))?,
         })
     }
+
+    /// The words of the records of `layout`.
+    pub fn len(layout: &LowLatencyLayout) -> usize {
+        layout.num_ranks * layout.max_tokens_per_rank * LL_RECORD_WORDS
+    }
 }
 
-/// [`RankTables`] lent to a dispatch's receive phase.
+/// [`RankRecords`] lent to a dispatch's receive phase.
 #[derive(Debug)]
-pub struct RankTablesMut<'a> {
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_rows: CudaViewMut<'a, i32>,
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_weights: CudaViewMut<'a, f32>,
-    /// `[R, M]`.
-    pub rank_slot: CudaViewMut<'a, i32>,
-    /// `[R]`.
-    pub rank_count: CudaViewMut<'a, i32>,
+pub struct RankRecordsMut<'a> {
+    /// `[R, M, LL_RECORD_WORDS]`.
+    pub rank_records: CudaViewMut<'a, i32>,
 }
 
-/// [`RankTables`] lent to a per-rank combine.
+/// [`RankRecords`] lent to a per-rank combine.
 #[derive(Debug)]
-pub struct RankTablesRef<'a> {
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_rows: CudaView<'a, i32>,
-    /// `[R, M, LL_MAX_TOPK]`.
-    pub rank_weights: CudaView<'a, f32>,
-    /// `[R, M]`.
-    pub rank_slot: CudaView<'a, i32>,
-    /// `[R]`.
-    pub rank_count: CudaView<'a, i32>,
+pub struct RankRecordsRef<'a> {
+    /// `[R, M, LL_RECORD_WORDS]`.
+    pub rank_records: CudaView<'a, i32>,
 }
 
-impl<'a> From<&'a mut RankTables> for RankTablesMut<'a> {
-    fn from(t: &'a mut RankTables) -> Self {
+impl<'a> From<&'a mut RankRecords> for RankRecordsMut<'a> {
+    fn from(t: &'a mut RankRecords) -> Self {
         Self {
-            rank_rows: t.rank_rows.as_view_mut(),
-            rank_weights: t.rank_weights.as_view_mut(),
-            rank_slot: t.rank_slot.as_view_mut(),
-            rank_count: t.rank_count.as_view_mut(),
+            rank_records: t.rank_records.as_view_mut(),
         }
     }
 }
 
-impl<'a> From<&'a RankTables> for RankTablesRef<'a> {
-    fn from(t: &'a RankTables) -> Self {
+impl<'a> From<&'a RankRecords> for RankRecordsRef<'a> {
+    fn from(t: &'a RankRecords) -> Self {
         Self {
-            rank_rows: t.rank_rows.as_view(),
-            rank_weights: t.rank_weights.as_view(),
-            rank_slot: t.rank_slot.as_view(),
-            rank_count: t.rank_count.as_view(),
+            rank_records: t.rank_records.as_view(),
         }
     }
 }
 
-impl RankTablesRef<'_> {
+impl RankRecordsRef<'_> {
     pub(super) fn check(&self, layout: &LowLatencyLayout) -> Result<()> {
-        let (r, m) = (layout.num_ranks, layout.max_tokens_per_rank);
-        Error::check_len("rank_rows", r * m * LL_MAX_TOPK, self.rank_rows.len())?;
-        Error::check_len("rank_weights", r * m * LL_MAX_TOPK, self.rank_weights.len())?;
-        Error::check_len("rank_slot", r * m, self.rank_slot.len())?;
-        Error::check_len("rank_count", r, self.rank_count.len())
+        Error::check_len(
+            "rank_records",
+            RankRecords::len(layout),
+            self.rank_records.len(),
+        )
     }
 }
 
@@ -202,7 +181,7 @@ impl LowLatencyRecv {
             recv_src_info: stream.alloc_zeros(l * rows)?,
             recv_src_topk: stream.alloc_zeros(l * rows)?,
             recv_layout_range: stream.alloc_zeros(l * layout.num_ranks * 2)?,
-            ranks: RankTables::alloc(stream, layout)?,
+            ranks: RankRecords::alloc(stream, layout)?,
         })
     }
 
@@ -307,8 +286,8 @@ pub struct LowLatencyRecvMut<'a> {
     pub recv_src_topk: CudaViewMut<'a, i32>,
     /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
     pub recv_layout_range: CudaViewMut<'a, i32>,
-    /// The per-rank combine's tables; required when the dispatch carries the top-k weights.
-    pub ranks: Option<RankTablesMut<'a>>,
+    /// The per-rank combine's records; required when the dispatch carries the top-k weights.
+    pub ranks: Option<RankRecordsMut<'a>>,
 }
 
 impl<'a> From<&'a mut LowLatencyRecv> for LowLatencyRecvMut<'a> {
@@ -351,11 +330,8 @@ impl LowLatencyRecvMut<'_> {
             recv_src_info: self.recv_src_info.as_view(),
             recv_src_topk: self.recv_src_topk.as_view(),
             recv_layout_range: self.recv_layout_range.as_view(),
-            ranks: self.ranks.as_ref().map(|t| RankTablesRef {
-                rank_rows: t.rank_rows.as_view(),
-                rank_weights: t.rank_weights.as_view(),
-                rank_slot: t.rank_slot.as_view(),
-                rank_count: t.rank_count.as_view(),
+            ranks: self.ranks.as_ref().map(|t| RankRecordsRef {
+                rank_records: t.rank_records.as_view(),
             }),
         }
         .check(layout)
@@ -372,9 +348,9 @@ pub struct LowLatencyRecvRef<'a> {
     pub recv_src_topk: CudaView<'a, i32>,
     /// `[L, R, 2]` `(offset, count)` of each source's rows per local expert.
     pub recv_layout_range: CudaView<'a, i32>,
-    /// The per-rank combine's tables; required by a per-rank combine (but for a one-rank
-    /// `Both` launch, which runs per expert).
-    pub ranks: Option<RankTablesRef<'a>>,
+    /// The per-rank combine's records; required by a per-rank combine on more than one rank
+    /// (at one rank it runs per expert).
+    pub ranks: Option<RankRecordsRef<'a>>,
 }
 
 impl<'a> From<&'a LowLatencyRecv> for LowLatencyRecvRef<'a> {
