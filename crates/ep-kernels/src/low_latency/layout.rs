@@ -16,8 +16,7 @@
 //!                                         distinct rank among the token's experts)
 //!           meta    [R][M] x LL_META_STRIDE   per (source, token), written with the message
 //!                                         when the dispatch carries the top-k weights:
-//!                                         {u32 tag, i32 j, 0, 0 | i32 sel[LL_MAX_TOPK]:
-//!                                         l * M + slot, or -1 where expert k is elsewhere |
+//!                                         {u32 tag, i32 j, u32 mask of the k held here, 0 |
 //!                                         f32 w[LL_MAX_TOPK]}
 //! ```
 //!
@@ -33,12 +32,12 @@ use crate::FP8_GROUP;
 pub const LL_MAX_TOPK: usize = 16;
 
 /// Bytes of one per-(source, token) record of the per-rank combine's metadata (a 16-byte
-/// header, then [`LL_MAX_TOPK`] i32 selections and [`LL_MAX_TOPK`] f32 weights).
-pub const LL_META_STRIDE: usize = 16 + 8 * LL_MAX_TOPK;
+/// header with the mask of the token's k held here, then [`LL_MAX_TOPK`] f32 weights).
+pub const LL_META_STRIDE: usize = 16 + 4 * LL_MAX_TOPK;
 /// 4-byte words of one per-(source, token) record in a dispatch's outputs
-/// ([`super::RankRecords`]): the buffer's record with its header turned into the token's row at
-/// its home (`kRecordWords` in `low_latency.cu`).
-pub const LL_RECORD_WORDS: usize = LL_META_STRIDE / 4;
+/// ([`super::RankRecords`]): a header (the token's row at its home, the mask), the packed row
+/// of each k in the mask and the weights (`kRecordWords` in `low_latency.cu`).
+pub const LL_RECORD_WORDS: usize = 4 + 2 * LL_MAX_TOPK;
 
 /// Bytes of the control words at the start of the buffer (13 used, padded).
 const CONTROL_WORDS_BYTES: usize = 256;

@@ -6,12 +6,13 @@
 // or, per rank (`CombineParams::reduce`), one row per (token, rank): the expert rank sums the
 // weighted outputs of its experts that the token chose, in f32, and the home adds the ranks'
 // rows. For that the dispatch carries the top-k weights (`DispatchParams::topk_weights`): with
-// each token's message goes a record saying which of its selections the rank holds, in which
-// slot, and with which weight; the receive phase copies the records into the handle
-// (`recv_rank_records`: the header turned into the token's row at its home or -1, each slot into
-// its packed row), a few vectors per record on the blocks the row copy leaves idle, and the
-// per-rank combine's send phase reads them there. (Building the same tables with a block per
-// source that copied no rows cost the dispatch about 1 us more at EP4.)
+// each token's message goes a record saying which of its selections the rank holds (a mask of
+// k) and with which weights; the receive phase copies the records into the handle
+// (`recv_rank_records`: the header turned into the token's row at its home or -1), a few vectors
+// per record on the blocks the row copy leaves idle, and the row copy writes the packed row of
+// each (source, token, k) it places into its record; the per-rank combine's send phase reads
+// them there. (Building the same tables with a block per source that copied no rows cost the
+// dispatch about 1 us more at EP4.)
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
@@ -33,8 +34,8 @@
 //                      (per rank: one per (token, j), j = the expert rank's place among the
 //                      token's distinct ranks in k order)
 //             meta     [R][M] x kMetaStride, per (source, token) with the message when the
-//                      dispatch carries weights: {u32 tag, i32 j, 0, 0 | i32 sel[kMaxTopk]:
-//                      l * M + slot where expert k is on this rank, else -1 |
+//                      dispatch carries weights: {u32 tag, i32 j, u32 mask: bit k set where
+//                      expert k is on this rank (and its entry was written), 0 |
 //                      f32 w[kMaxTopk]}
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
@@ -68,12 +69,12 @@ constexpr uint32_t kPhaseRecv = 2u;
 // Largest top-k (Rust: `LL_MAX_TOPK`): rows per token in the combine region.
 constexpr int kMaxTopk = 16;
 // Bytes of one per-(source, token) record of the per-rank combine (Rust: `LL_META_STRIDE`).
-constexpr int kMetaStride = 16 + 8 * kMaxTopk;
+constexpr int kMetaStride = 16 + 4 * kMaxTopk;
 // 4-byte words of one record in the handle (Rust: `LL_RECORD_WORDS`): word 0 the token's row j
-// at its home (-1: the source sent no selection of the token here, or it was inactive); words
-// 1-3 unused; from word 4 the packed row here of each k (-1: elsewhere), from word
-// 4 + kMaxTopk the weights (f32 bits), as the buffer's record has its selections and weights.
-constexpr int kRecordWords = kMetaStride / 4;
+// at its home (-1: the source sent no selection of the token here, or it was inactive), word 1
+// the mask of its k held here; from word 4 the packed row here of each k in the mask (the
+// others unspecified), from word 4 + kMaxTopk the weights (f32 bits).
+constexpr int kRecordWords = 4 + 2 * kMaxTopk;
 // 16-byte vectors per lane of one per-rank combine item (a chunk of 32 x n vectors of each of
 // the token's rows on this rank), and rows loaded per batch: 2 x 8 f32 accumulators and
 // 2 x 2 vectors in flight fit the 64 registers of a 1024-thread block (4 rows at a time, or
@@ -362,7 +363,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     // Per k of the current token (records only): its rank, its `l * M + slot` (-1: no entry),
     // its weight, and for the first k of each rank the record's destination and j.
     __shared__ int s_rank[kMaxTopk];
-    __shared__ int s_sel[kMaxTopk];
+    __shared__ int s_placed[kMaxTopk];
     __shared__ float s_wt[kMaxTopk];
     __shared__ int s_j[kMaxTopk];
     __shared__ uint8_t* s_rec[kMaxTopk];
@@ -423,7 +424,7 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             const int j_rank = __popc(__ballot_sync(ep::kFullMask, first_of_rank));
             if (lane == 0 && records) {
                 s_rank[k] = e >= 0 ? e / L : -1;
-                s_sel[k] = e >= 0 && slot < M ? (e - (e / L) * L) * M + slot : -1;
+                s_placed[k] = e >= 0 && slot < M ? 1 : 0;
                 s_wt[k] = s_wtab[idx];
                 s_j[k] = j_rank;
                 s_rec[k] = nullptr;
@@ -495,11 +496,11 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         __syncthreads();
 
         // Send, 16 bytes per thread per step, in one pass: first (records only) the records of
-        // the ranks the token goes to (vector 0 the header, then the selections (the k of other
-        // ranks as -1) and the weights of k < K, 4 per vector, at 1 .. and 1 + kMaxTopk / 4 ..;
-        // the receiver reads no k >= K), then K copies of the message (vector 0 its header).
+        // the ranks the token goes to (vector 0 the header with the mask of the k placed on the
+        // rank, then the weights of k < K, 4 per vector; the receiver reads no k >= K), then K
+        // copies of the message (vector 0 its header).
         const int quads = ep::ceil_div(K, 4);
-        const int rec_vecs = 1 + 2 * quads;
+        const int rec_vecs = 1 + quads;
         const int rec_jobs = records ? K * rec_vecs : 0;
         const int jobs = rec_jobs + K * msg_vecs;
         for (int j = tid; j < jobs; j += kThreads) {
@@ -510,27 +511,24 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 if (dst == nullptr) {
                     continue;
                 }
-                const bool sel = v <= quads;
-                const int i = v == 0 ? 0 : (sel ? v : v - quads + kMaxTopk / 4);
                 int w4[4];
-                if (i == 0) {
+                if (v == 0) {
+                    uint32_t mask = 0;
+                    for (int k2 = 0; k2 < K; ++k2) {
+                        mask |= s_rank[k2] == s_rank[k] && s_placed[k2] != 0 ? 1u << k2 : 0u;
+                    }
                     w4[0] = static_cast<int>(tag);
                     w4[1] = s_j[k];
-                    w4[2] = 0;
+                    w4[2] = static_cast<int>(mask);
                     w4[3] = 0;
                 } else {
-                    const int k0 = (sel ? i - 1 : i - 1 - kMaxTopk / 4) * 4;
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        const int k2 = k0 + q;
-                        if (sel) {
-                            w4[q] = k2 < K && s_rank[k2] == s_rank[k] ? s_sel[k2] : -1;
-                        } else {
-                            w4[q] = __float_as_int(k2 < K ? s_wt[k2] : 0.0f);
-                        }
+                        const int k2 = (v - 1) * 4 + q;
+                        w4[q] = __float_as_int(k2 < K ? s_wt[k2] : 0.0f);
                     }
                 }
-                put_v4(dst + i * 16, make_int4(w4[0], w4[1], w4[2], w4[3]));
+                put_v4(dst + v * 16, make_int4(w4[0], w4[1], w4[2], w4[3]));
                 continue;
             }
             const int m = j - rec_jobs;
@@ -560,52 +558,35 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     }
 }
 
-// The records into the handle (after the signals have been awaited and `s_cnt`, `s_off` hold
-// the packed layout): the vectors of every (source s, token t) record that hold k < K (the
-// header, then the selections and the weights, 4 per vector), a vector per thread, taken from
-// the last block of the grid backwards: the row copy hands out its items from the first block
-// on, and at 128 tokens it leaves the last blocks without rows (fp8 at EP4: about 4100 items for
-// 4224 warps), so the records cost those blocks' idle time. The header becomes the token's row j
-// at its home, or -1 when the record is not this op's (the source sent nothing of the token
-// here) or the source is inactive; each selection `l * M + slot` becomes its packed row here
-// (-1: expert k is elsewhere, or past the count), so the combine reads rows as they are.
-__device__ void dispatch_recv_records(const DispatchParams& p, const int* s_cnt, const int* s_off,
-                                      const uint8_t* my_set, uint32_t tag) {
+// The records into the handle (after the signals have been awaited): the vectors of every
+// (source s, token t) record that hold k < K (the header, then the weights, 4 per vector), a
+// vector per thread, taken from the last block of the grid backwards: the row copy hands out its
+// items from the first block on, and at 128 tokens it leaves the last blocks without rows (fp8
+// at EP4: about 4100 items for 4224 warps), so the records cost those blocks' idle time. The
+// header becomes the token's row j at its home and the mask, or -1 when the record is not this
+// op's (the source sent nothing of the token here) or the source is inactive. The packed rows of
+// the mask's k are written by the row copy, which places them.
+__device__ void dispatch_recv_records(const DispatchParams& p, const uint8_t* my_set,
+                                      uint32_t tag) {
     const LlBuffer& b = p.buf;
-    const int R = b.num_ranks, M = b.max_tokens, L = b.num_experts / R;
+    const int R = b.num_ranks, M = b.max_tokens;
     const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
-    const int quads = ep::ceil_div(p.num_topk, 4);
-    const int rec_vecs = 1 + 2 * quads;
+    const int rec_vecs = 1 + ep::ceil_div(p.num_topk, 4);
     const int64_t vecs = static_cast<int64_t>(R) * M * rec_vecs;
-    const int64_t rows_per_expert = static_cast<int64_t>(R) * M;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
     for (int64_t i = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kThreads + threadIdx.x;
          i < vecs; i += stride) {
         const int64_t st = i / rec_vecs;
-        const int s = static_cast<int>(st / M);
         const int v = static_cast<int>(i - st * rec_vecs);
-        // Vector index in the record: 0, 1 .. quads (selections), 1 + kMaxTopk / 4 .. (weights).
-        const int at = v <= quads ? v : v - quads + kMaxTopk / 4;
-        int4 x = ep::ld_cg_v4(my_set + b.off_meta + st * kMetaStride + at * 16);
-        if (at == 0) {
+        int4 x = ep::ld_cg_v4(my_set + b.off_meta + st * kMetaStride + v * 16);
+        if (v == 0) {
+            const int s = static_cast<int>(st / M);
             const bool ok = ld_vol(active + s) != 0 && static_cast<uint32_t>(x.x) == tag &&
                             x.y >= 0 && x.y < b.max_topk;
-            x = make_int4(ok ? x.y : -1, 0, 0, 0);
-        } else if (v <= quads) {
-            int* sel = reinterpret_cast<int*>(&x);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                int row = -1;
-                if (sel[q] >= 0) {
-                    const int l = sel[q] / M;
-                    const int slot = sel[q] - l * M;
-                    if (l < L && slot < s_cnt[l * R + s]) {
-                        row = static_cast<int>(l * rows_per_expert + s_off[l * R + s] + slot);
-                    }
-                }
-                sel[q] = row;
-            }
+            x = make_int4(ok ? x.y : -1, x.z, 0, 0);
         }
+        // Handle vector 0 the header, the weights from vector 1 + kMaxTopk / 4.
+        const int at = v == 0 ? 0 : v + kMaxTopk / 4;
         *reinterpret_cast<int4*>(p.recv_rank_records + st * kRecordWords + at * 4) = x;
     }
 }
@@ -642,7 +623,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     block_prefix_sum(s_pre, L);
     __syncthreads();
     if (p.recv_rank_records != nullptr) {
-        dispatch_recv_records(p, s_cnt, s_off, my_set, tag);
+        dispatch_recv_records(p, my_set, tag);
     }
     // Per local expert (a block each): the count, the ranges, and -1 in the source-token
     // entries past the count (the rows below it are written by the copy below), so the outputs
@@ -711,8 +692,14 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         }
         if (chunk == 0) {
             if (lane == 0) {
+                const int k = static_cast<int>(static_cast<uint32_t>(entry) >> 24);
                 p.recv_src_info[out_row] = t;
-                p.recv_src_topk[out_row] = static_cast<int>(static_cast<uint32_t>(entry) >> 24);
+                p.recv_src_topk[out_row] = k;
+                if (p.recv_rank_records != nullptr && k < kMaxTopk) {
+                    // The packed row of (s, t, k) in the token's record (its mask has k).
+                    p.recv_rank_records[(static_cast<int64_t>(s) * M + t) * kRecordWords + 4 + k] =
+                        static_cast<int>(out_row);
+                }
             }
             if (p.fp8) {
                 float* scales = p.recv_scales + out_row * groups;
@@ -903,8 +890,12 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
         // The record's header, and lane k's packed row and weight, load together.
         const int* rec = p.rank_records + (static_cast<int64_t>(s) * M + t) * kRecordWords;
         const int home_row = rec[0];
-        const int row = lane < K ? rec[4 + lane] : -1;
+        const uint32_t mask = static_cast<uint32_t>(rec[1]);
+        const int placed = lane < K ? rec[4 + lane] : -1;
         const float w = lane < K ? __int_as_float(rec[4 + kMaxTopk + lane]) : 0.0f;
+        // Rows of k outside the mask were not written by this op (the bound keeps the loads in
+        // `x` whatever the memory holds, e.g. after a peer timed out mid-op).
+        const int row = (mask >> lane) & 1u && placed >= 0 && placed < E * M ? placed : -1;
         if (home_row >= 0 && s_active[s] != 0) {
             float acc[kRankVecs][8];
 #pragma unroll

@@ -96,14 +96,14 @@ pub struct LowLatencyRecv {
 
 /// What a dispatch that carries the top-k weights leaves for a per-rank combine
 /// ([`super::Reduction::PerRank`]) on a rank of a multi-rank buffer: per (source rank `s`,
-/// source token `t`) the record the source sent with the token, `[R, M, LL_RECORD_WORDS]` i32
-/// words: word 0 the row `j` of the token at its home (its rank's place among the token's
-/// distinct ranks; `-1` when `s` sent no selection of `t` here, or `s` was inactive), then from
-/// word 4 per `k` of the token the selection `l * M + slot` of expert `k` here (`-1`: elsewhere)
-/// and from word `4 + LL_MAX_TOPK` the weights (f32 bits). The receive phase writes word 0 of
-/// every record and the words of `k < num_topk` (the combine reads no others); the combine
-/// finds the packed rows through the layout ranges. At one rank nothing is written: a
-/// per-rank combine there runs per expert (the same bits).
+/// source token `t`) a record of `LL_RECORD_WORDS` i32 words, `[R, M, LL_RECORD_WORDS]`: word 0
+/// the row `j` of the token at its home (its rank's place among the token's distinct ranks;
+/// `-1` when `s` sent no selection of `t` here, or `s` was inactive), word 1 the mask of the
+/// token's `k` whose expert is here; from word 4 the packed row of `recv_x` of each `k` in the
+/// mask, from word `4 + LL_MAX_TOPK` the token's weights (f32 bits). The receive phase writes
+/// words 0-1 of every record, the rows of the mask's `k` and the weights of `k < num_topk`
+/// (the combine reads no others). At one rank nothing is written: a per-rank combine there runs
+/// per expert (the same bits).
 #[derive(Debug)]
 pub struct RankRecords {
     /// `[R, M, LL_RECORD_WORDS]`.
