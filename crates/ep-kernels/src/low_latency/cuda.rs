@@ -17,8 +17,9 @@
 //!   experts per token first and sends one row per (token, rank) into row `j` (the rank's place
 //!   among the token's ranks), then a flag per (rank, home); the home adds its rows like
 //!   [`super::combine_per_rank`]. The weights come with the dispatch (`topk_weights` of
-//!   [`dispatch_cuda`]: a record per (token, rank) beside the message, copied by the receive
-//!   phase into [`RankRecords`], which the combine's send phase reads).
+//!   [`dispatch_cuda`]: in each message, a header with `j` and the mask of the token's `k` held
+//!   by the rank, and the weights after the body; the receive phase copies them into
+//!   [`RankRecords`] with the packed rows, which the combine's send phase reads).
 //! - Both take a [`Phases`]: `Both` in one launch, or `Send` now and `Recv` later (a receive
 //!   hook; at most two sends of one kind may be pending).
 //! - Nothing needs the host between ops: the buffer set (op parity) and the signal tags come

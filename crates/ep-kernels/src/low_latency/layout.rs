@@ -8,16 +8,14 @@
 //! set 0, 1  signals u64 [L][R]            dispatch counts: (tag << 32) | u32(-n - 1)
 //!           flags   i32 [E]               combine: tag once expert e's rows have arrived
 //!           msgs    [R][M] x msg_stride     one per (source, token), sent once per destination
-//!                                         rank: {i32 src_token, 0, 0, 0 | payload: fp8 H
-//!                                         bytes or bf16 2H bytes | f32 scales [H/128] (fp8)}
+//!                                         rank: {i32 src_token, i32 j, u32 mask, u32 tag |
+//!                                         payload: fp8 H bytes or bf16 2H bytes | f32 scales
+//!                                         [H/128] (fp8) | padding to 16 bytes | f32 w[K]
+//!                                         (dispatches that carry the top-k weights)}
 //!           idx     i32 [L][R][M]         slot -> src_token | topk_pos << 24
 //!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows: one per (token, k) of the home
 //!                                         rank, or (per-rank combine) one per (token, j-th
 //!                                         distinct rank among the token's experts)
-//!           meta    [R][M] x LL_META_STRIDE   per (source, token), written with the message
-//!                                         when the dispatch carries the top-k weights:
-//!                                         {u32 tag, i32 j, u32 mask of the k held here, 0 |
-//!                                         f32 w[LL_MAX_TOPK]}
 //! ```
 //!
 //! Every region starts at a multiple of 256 bytes. `L = E / R` local experts,
@@ -31,9 +29,6 @@ use crate::FP8_GROUP;
 /// region holds this many rows per token.
 pub const LL_MAX_TOPK: usize = 16;
 
-/// Bytes of one per-(source, token) record of the per-rank combine's metadata (a 16-byte
-/// header with the mask of the token's k held here, then [`LL_MAX_TOPK`] f32 weights).
-pub const LL_META_STRIDE: usize = 16 + 4 * LL_MAX_TOPK;
 /// 4-byte words of one per-(source, token) record in a dispatch's outputs
 /// ([`super::RankRecords`]): a header (the token's row at its home, the mask), the packed row
 /// of each k in the mask and the weights (`kRecordWords` in `low_latency.cu`).
@@ -59,7 +54,8 @@ pub struct LowLatencyLayout {
     pub num_ranks: usize,
     /// `E`: number of routed experts (a multiple of `R`).
     pub num_experts: usize,
-    /// Bytes per dispatch message slot: `16 + 2H` (holds the bf16 and the fp8 form).
+    /// Bytes per dispatch message slot: `16 + 2H + 4 * LL_MAX_TOPK` (holds the bf16 and the
+    /// fp8 form, each with the top-k weights after it).
     pub msg_stride: usize,
     /// Offset of `active_ranks` (in the control area).
     pub off_active: usize,
@@ -79,9 +75,6 @@ pub struct LowLatencyLayout {
     pub off_idx: usize,
     /// Offset of the combine rows within a set.
     pub off_rows: usize,
-    /// Offset of the per-(source, token) records `[R][M]` of [`LL_META_STRIDE`] bytes within
-    /// a set (dispatches that carry the top-k weights, for the per-rank combine).
-    pub off_meta: usize,
     /// Total bytes of the buffer.
     pub total_bytes: usize,
 }
@@ -123,7 +116,7 @@ impl LowLatencyLayout {
                 format!("must be a positive multiple of num_ranks = {r}"),
             ));
         }
-        // The per-rank combine's records name a slot as `l * M + slot` in an i32.
+        // The per-rank combine's records name a packed row (< E * M) in an i32.
         if e.checked_mul(m).is_none_or(|v| v > i32::MAX as usize) {
             return Err(Error::invalid(
                 "num_experts",
@@ -132,7 +125,7 @@ impl LowLatencyLayout {
             ));
         }
         let l = e / r;
-        let msg_stride = 16 + 2 * h;
+        let msg_stride = 16 + 2 * h + 4 * LL_MAX_TOPK;
         let off_active = CONTROL_WORDS_BYTES;
         let off_send_done = off_active + align(4 * r, REGION_ALIGN);
         // send_done [E], then unit_done [L * R] (= [E]).
@@ -147,8 +140,7 @@ impl LowLatencyLayout {
         let off_idx = off_msgs + align(msgs_bytes, REGION_ALIGN);
         let off_rows = off_idx + align(4 * l * r * m, REGION_ALIGN);
         let rows_bytes = m * LL_MAX_TOPK * 2 * h;
-        let off_meta = off_rows + align(rows_bytes, REGION_ALIGN);
-        let set_bytes = off_meta + align(r * m * LL_META_STRIDE, REGION_ALIGN);
+        let set_bytes = off_rows + align(rows_bytes, REGION_ALIGN);
         let total_bytes = sets_offset + 2 * set_bytes;
         Ok(Self {
             max_tokens_per_rank: m,
@@ -165,7 +157,6 @@ impl LowLatencyLayout {
             off_msgs,
             off_idx,
             off_rows,
-            off_meta,
             total_bytes,
         })
     }
@@ -208,17 +199,18 @@ mod tests {
             l.off_msgs,
             l.off_idx,
             l.off_rows,
-            l.off_meta,
         ] {
             assert_eq!(off % 256, 0);
         }
         assert!(l.off_send_done >= l.off_active + 4 * 4);
         assert!(l.sets_offset >= l.off_send_done + 8 * 288);
         assert!(l.off_msgs >= l.off_flags + 4 * 288);
-        assert_eq!(l.off_idx - l.off_msgs, 4 * 128 * (16 + 2 * 7168));
+        assert_eq!(
+            l.off_idx - l.off_msgs,
+            4 * 128 * (16 + 2 * 7168 + 4 * LL_MAX_TOPK)
+        );
         assert_eq!(l.off_rows - l.off_idx, 4 * 72 * 4 * 128);
-        assert_eq!(l.off_meta - l.off_rows, 128 * LL_MAX_TOPK * 2 * 7168);
-        assert_eq!(l.set_bytes - l.off_meta, 4 * 128 * LL_META_STRIDE);
+        assert_eq!(l.set_bytes - l.off_rows, 128 * LL_MAX_TOPK * 2 * 7168);
         assert_eq!(l.total_bytes, l.sets_offset + 2 * l.set_bytes);
         assert_eq!(buffer_size_hint(128, 7168, 4, 288).unwrap(), l.total_bytes);
     }

@@ -5,14 +5,15 @@
 // the entries when it packs. Combine sends one bf16 row per (token, k) back to the home rank,
 // or, per rank (`CombineParams::reduce`), one row per (token, rank): the expert rank sums the
 // weighted outputs of its experts that the token chose, in f32, and the home adds the ranks'
-// rows. For that the dispatch carries the top-k weights (`DispatchParams::topk_weights`): with
-// each token's message goes a record saying which of its selections the rank holds (a mask of
-// k) and with which weights; the receive phase copies the records into the handle
-// (`recv_rank_records`: the header turned into the token's row at its home or -1), a few vectors
-// per record on the blocks the row copy leaves idle, and the row copy writes the packed row of
-// each (source, token, k) it places into its record; the per-rank combine's send phase reads
-// them there. (Building the same tables with a block per source that copied no rows cost the
-// dispatch about 1 us more at EP4.)
+// rows. For that the dispatch carries the top-k weights (`DispatchParams::topk_weights`): each
+// token's message says in its header which of its selections the rank holds (a mask of k) and
+// the rank's place j among the token's ranks, and carries the weights after its body; the
+// receive phase copies header and weights into the handle's records (`recv_rank_records`: the
+// header turned into j or -1), a few vectors per record on the blocks the row copy leaves idle,
+// and the row copy writes the packed row of each (source, token, k) it places into its record;
+// the per-rank combine's send phase reads them there. (Building the same tables with a block per
+// source that copied no rows cost the dispatch about 1.3 us more at EP4; records in a region of
+// their own instead of in the message about 0.3 us more.)
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
@@ -27,16 +28,16 @@
 //             flags    i32 [E]          combine: tag once expert e's rows for us are written
 //             msgs     [R][M] x msg_stride, one per (source, token), sent once per destination
 //                      rank however many of the token's experts live there:
-//                      {i32 src_token, 0, 0, 0 | payload (fp8 H bytes or bf16 2H bytes) |
-//                      f32 scales [H/128] (fp8 only)}
+//                      {i32 src_token, i32 j, u32 mask, u32 tag | payload (fp8 H bytes or
+//                      bf16 2H bytes) | f32 scales [H/128] (fp8 only) | padding to 16 bytes |
+//                      f32 w[K] (with the weights)}; without the weights the header is
+//                      {src_token, 0, 0, 0}; with them j is the rank's place among the
+//                      token's distinct ranks in k order, mask has bit k where expert k is on
+//                      the rank and its index entry was written, tag the op's
 //             idx      i32 [L][R][M]: slot -> src_token | topk_pos << 24
 //             rows     bf16 [M][max_topk][H] combine rows, one per (token, k) of the home rank
 //                      (per rank: one per (token, j), j = the expert rank's place among the
 //                      token's distinct ranks in k order)
-//             meta     [R][M] x kMetaStride, per (source, token) with the message when the
-//                      dispatch carries weights: {u32 tag, i32 j, u32 mask: bit k set where
-//                      expert k is on this rank (and its entry was written), 0 |
-//                      f32 w[kMaxTopk]}
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
 // rank's device-side op counter `seq` (the same on every rank as long as every rank runs the
@@ -68,8 +69,6 @@ constexpr uint32_t kPhaseSend = 1u;
 constexpr uint32_t kPhaseRecv = 2u;
 // Largest top-k (Rust: `LL_MAX_TOPK`): rows per token in the combine region.
 constexpr int kMaxTopk = 16;
-// Bytes of one per-(source, token) record of the per-rank combine (Rust: `LL_META_STRIDE`).
-constexpr int kMetaStride = 16 + 4 * kMaxTopk;
 // 4-byte words of one record in the handle (Rust: `LL_RECORD_WORDS`): word 0 the token's row j
 // at its home (-1: the source sent no selection of the token here, or it was inactive), word 1
 // the mask of its k held here; from word 4 the packed row here of each k in the mask (the
@@ -113,7 +112,7 @@ struct LlBuffer {
     uint64_t off_rows;       // in a set: combine rows bf16 [M][max_topk][H]
     uint64_t off_active;     // in control: active_ranks i32 [R]
     uint64_t off_send_done;  // in control: send_done i32 [E]
-    uint64_t off_meta;       // in a set: per-rank combine records [R][M] x kMetaStride
+    uint64_t reserved_u64;   // unused
     uint64_t timeout_ns;     // 0 = wait forever
     int32_t num_ranks;
     int32_t rank;
@@ -360,13 +359,11 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     int* send_done = reinterpret_cast<int*>(b.local + b.off_send_done);
     uint8_t* stage = smem;
     uint8_t** s_dst = reinterpret_cast<uint8_t**>(smem + b.msg_stride);
-    // Per k of the current token (records only): its rank, its `l * M + slot` (-1: no entry),
-    // its weight, and for the first k of each rank the record's destination and j.
+    // Per k of the current token (records only): its rank, whether its entry is written, and
+    // the j of its rank.
     __shared__ int s_rank[kMaxTopk];
     __shared__ int s_placed[kMaxTopk];
-    __shared__ float s_wt[kMaxTopk];
     __shared__ int s_j[kMaxTopk];
-    __shared__ uint8_t* s_rec[kMaxTopk];
     const bool records = p.topk_weights != nullptr;
     // The weights [T * K], staged by the kernel's start after the per-expert counts.
     const float* s_wtab = reinterpret_cast<const float*>(s_count + E);
@@ -374,10 +371,16 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     const int groups = H / ep::kFp8Group;
     const int payload = p.fp8 ? H : 2 * H;
     const int msg_bytes = 16 + payload + (p.fp8 ? groups * 4 : 0);
-    const int msg_vecs = ep::ceil_div(msg_bytes, 16);
-    // Deterministic padding after the scales.
+    const int body_vecs = ep::ceil_div(msg_bytes, 16);
+    // With the records, the K weights follow the body (ll_msg_weights), 4 per vector.
+    const int msg_vecs = body_vecs + (records ? ep::ceil_div(K, 4) : 0);
+    float* stage_w = reinterpret_cast<float*>(stage + body_vecs * 16);
+    // Deterministic padding after the scales and after the weights (the weights themselves
+    // are staged per token).
     for (int i = msg_bytes + tid; i < msg_vecs * 16; i += kThreads) {
-        stage[i] = 0;
+        if (i < body_vecs * 16 || i >= body_vecs * 16 + 4 * K) {
+            stage[i] = 0;
+        }
     }
 
     // The count signal of expert e (n selections) into its rank's slot for this source.
@@ -425,9 +428,8 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
             if (lane == 0 && records) {
                 s_rank[k] = e >= 0 ? e / L : -1;
                 s_placed[k] = e >= 0 && slot < M ? 1 : 0;
-                s_wt[k] = s_wtab[idx];
                 s_j[k] = j_rank;
-                s_rec[k] = nullptr;
+                stage_w[k] = s_wtab[idx];
             }
             if (lane == 0) {
                 // The token goes once to each rank: the first k routed there sends it; every
@@ -452,10 +454,6 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                             dst = peer_set + b.off_msgs +
                                   (static_cast<uint64_t>(b.rank) * M + t) *
                                       static_cast<uint64_t>(b.msg_stride);
-                            if (records) {
-                                s_rec[k] = peer_set + b.off_meta +
-                                           (static_cast<uint64_t>(b.rank) * M + t) * kMetaStride;
-                            }
                         }
                     }
                 }
@@ -495,51 +493,30 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
         }
         __syncthreads();
 
-        // Send, 16 bytes per thread per step, in one pass: first (records only) the records of
-        // the ranks the token goes to (vector 0 the header with the mask of the k placed on the
-        // rank, then the weights of k < K, 4 per vector; the receiver reads no k >= K), then K
-        // copies of the message (vector 0 its header).
-        const int quads = ep::ceil_div(K, 4);
-        const int rec_vecs = 1 + quads;
-        const int rec_jobs = records ? K * rec_vecs : 0;
-        const int jobs = rec_jobs + K * msg_vecs;
+        // Send, 16 bytes per thread per step: K copies of the message. Vector 0 is the header,
+        // per destination: the token, and with the records the j of the rank, the mask of the
+        // token's k whose entries it got (the receiver reads no k >= K) and the tag.
+        const int jobs = K * msg_vecs;
         for (int j = tid; j < jobs; j += kThreads) {
-            if (j < rec_jobs) {
-                const int k = j / rec_vecs;
-                const int v = j - k * rec_vecs;
-                uint8_t* dst = s_rec[k];
-                if (dst == nullptr) {
-                    continue;
-                }
-                int w4[4];
-                if (v == 0) {
-                    uint32_t mask = 0;
-                    for (int k2 = 0; k2 < K; ++k2) {
-                        mask |= s_rank[k2] == s_rank[k] && s_placed[k2] != 0 ? 1u << k2 : 0u;
-                    }
-                    w4[0] = static_cast<int>(tag);
-                    w4[1] = s_j[k];
-                    w4[2] = static_cast<int>(mask);
-                    w4[3] = 0;
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int k2 = (v - 1) * 4 + q;
-                        w4[q] = __float_as_int(k2 < K ? s_wt[k2] : 0.0f);
-                    }
-                }
-                put_v4(dst + v * 16, make_int4(w4[0], w4[1], w4[2], w4[3]));
+            const int k = j / msg_vecs;
+            const int i = j - k * msg_vecs;
+            uint8_t* dst = s_dst[k];
+            if (dst == nullptr) {
                 continue;
             }
-            const int m = j - rec_jobs;
-            const int k = m / msg_vecs;
-            const int i = m - k * msg_vecs;
-            uint8_t* dst = s_dst[k];
-            if (dst != nullptr) {
-                const int4 v = i == 0 ? make_int4(t, 0, 0, 0)
-                                      : *reinterpret_cast<const int4*>(stage + i * 16);
-                put_v4(dst + i * 16, v);
+            int4 v;
+            if (i != 0) {
+                v = *reinterpret_cast<const int4*>(stage + i * 16);
+            } else if (records) {
+                uint32_t mask = 0;
+                for (int k2 = 0; k2 < K; ++k2) {
+                    mask |= s_rank[k2] == s_rank[k] && s_placed[k2] != 0 ? 1u << k2 : 0u;
+                }
+                v = make_int4(t, s_j[k], static_cast<int>(mask), static_cast<int>(tag));
+            } else {
+                v = make_int4(t, 0, 0, 0);
             }
+            put_v4(dst + i * 16, v);
         }
         __syncthreads();
         // Publish: every (t, k) counts once for its expert (also when the rank is inactive,
@@ -558,16 +535,16 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     }
 }
 
-// The records into the handle (after the signals have been awaited): the vectors of every
-// (source s, token t) record that hold k < K (the header, then the weights, 4 per vector), a
-// vector per thread, taken from the last block of the grid backwards: the row copy hands out its
-// items from the first block on, and at 128 tokens it leaves the last blocks without rows (fp8
-// at EP4: about 4100 items for 4224 warps), so the records cost those blocks' idle time. The
-// header becomes the token's row j at its home and the mask, or -1 when the record is not this
-// op's (the source sent nothing of the token here) or the source is inactive. The packed rows of
-// the mask's k are written by the row copy, which places them.
+// The records into the handle (after the signals have been awaited): per (source s, token t)
+// the message's header and the weights of k < K (4 per vector) that follow its body, a vector
+// per thread, taken from the last block of the grid backwards: the row copy hands out its items
+// from the first block on, and at 128 tokens it leaves the last blocks without rows (fp8 at EP4:
+// about 4100 items for 4224 warps), so the records cost those blocks' idle time. The header
+// becomes the token's row j at its home and the mask, or -1 when the message is not this op's
+// (the source sent nothing of the token here) or the source is inactive. The packed rows of the
+// mask's k are written by the row copy, which places them.
 __device__ void dispatch_recv_records(const DispatchParams& p, const uint8_t* my_set,
-                                      uint32_t tag) {
+                                      int body_vecs, uint32_t tag) {
     const LlBuffer& b = p.buf;
     const int R = b.num_ranks, M = b.max_tokens;
     const int* active = reinterpret_cast<const int*>(b.local + b.off_active);
@@ -578,10 +555,11 @@ __device__ void dispatch_recv_records(const DispatchParams& p, const uint8_t* my
          i < vecs; i += stride) {
         const int64_t st = i / rec_vecs;
         const int v = static_cast<int>(i - st * rec_vecs);
-        int4 x = ep::ld_cg_v4(my_set + b.off_meta + st * kMetaStride + v * 16);
+        const uint8_t* msg = my_set + b.off_msgs + st * static_cast<int64_t>(b.msg_stride);
+        int4 x = ep::ld_cg_v4(msg + (v == 0 ? 0 : (body_vecs + v - 1) * 16));
         if (v == 0) {
             const int s = static_cast<int>(st / M);
-            const bool ok = ld_vol(active + s) != 0 && static_cast<uint32_t>(x.x) == tag &&
+            const bool ok = ld_vol(active + s) != 0 && static_cast<uint32_t>(x.w) == tag &&
                             x.y >= 0 && x.y < b.max_topk;
             x = make_int4(ok ? x.y : -1, x.z, 0, 0);
         }
@@ -623,7 +601,8 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
     block_prefix_sum(s_pre, L);
     __syncthreads();
     if (p.recv_rank_records != nullptr) {
-        dispatch_recv_records(p, my_set, tag);
+        dispatch_recv_records(p, my_set, ep::ceil_div(16 + payload + (p.fp8 ? groups * 4 : 0), 16),
+                              tag);
     }
     // Per local expert (a block each): the count, the ranges, and -1 in the source-token
     // entries past the count (the rows below it are written by the copy below), so the outputs

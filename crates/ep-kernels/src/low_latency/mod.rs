@@ -25,6 +25,4 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::*;
-pub use layout::{
-    buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK, LL_META_STRIDE, LL_RECORD_WORDS,
-};
+pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK, LL_RECORD_WORDS};

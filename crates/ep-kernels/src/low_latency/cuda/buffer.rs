@@ -267,7 +267,7 @@ impl LowLatencyBuffer {
             off_rows: l.off_rows as u64,
             off_active: l.off_active as u64,
             off_send_done: l.off_send_done as u64,
-            off_meta: l.off_meta as u64,
+            reserved_u64: 0,
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
             num_ranks: to_i32("num_ranks", l.num_ranks)?,
             rank: to_i32("rank", self.rank)?,
@@ -297,7 +297,8 @@ pub(super) struct LlBuffer {
     pub off_rows: u64,
     pub off_active: u64,
     pub off_send_done: u64,
-    pub off_meta: u64,
+    /// Unused (0).
+    pub reserved_u64: u64,
     pub timeout_ns: u64,
     pub num_ranks: i32,
     pub rank: i32,
@@ -314,7 +315,7 @@ assert_params_layout!(
     144;
     local = 0, peers = 8, set_bytes = 16, sets_offset = 24, off_signals = 32, off_flags = 40,
     off_msgs = 48, off_idx = 56, off_rows = 64, off_active = 72, off_send_done = 80,
-    off_meta = 88, timeout_ns = 96, num_ranks = 104, rank = 108, num_experts = 112,
+    reserved_u64 = 88, timeout_ns = 96, num_ranks = 104, rank = 108, num_experts = 112,
     max_tokens = 116, hidden = 120, max_topk = 124, msg_stride = 128, reserved = 132,
     active_mirror = 136,
 );
