@@ -1,7 +1,7 @@
-// Device helpers shared by the low-latency kernels (`src/low_latency/low_latency.cu`, the
-// multi-rank protocol, and `src/low_latency/local.cu`, the one-rank path), so that both compute
-// bit for bit the same values: the 1x128 fp8 cast fused into the dispatch (host twin:
-// `src/fp8/host.rs`) and the weighted bf16 accumulation of the combine (host twin:
+// Device helpers shared by the low-latency kernels (`src/low_latency/dispatch.cu` and
+// `combine.cu`, the multi-rank protocol, and `src/low_latency/local.cu`, the one-rank path), so
+// that both compute bit for bit the same values: the 1x128 fp8 cast fused into the dispatch (host
+// twin: `src/fp8/host.rs`) and the weighted bf16 accumulation of the combine (host twin:
 // `src/low_latency/host.rs`, `combine`).
 #pragma once
 

@@ -1,7 +1,8 @@
-//! Typed launchers of the low-latency kernels (`low_latency.cu`); host twins: [`super::host`]
-//! (slots, receive layout, combine) and [`crate::fp8`] (the cast fused into the dispatch).
+//! Typed launchers of the low-latency kernels (`dispatch.cu`, `combine.cu`, `control.cu`); host
+//! twins: [`super::host`] (slots, receive layout, combine) and [`crate::fp8`] (the cast fused
+//! into the dispatch).
 //!
-//! Protocol in short (details and the buffer layout: `low_latency.cu`, [`LowLatencyLayout`]):
+//! Protocol in short (details and the buffer layout: `protocol.cuh`, [`LowLatencyLayout`]):
 //! - **dispatch**: each token of a source is cast (fp8 1x128, fused) and written once to every
 //!   rank that holds at least one of its experts (NVLink stores into that rank's per-source
 //!   token region); each `(t, k)` also writes a 4-byte index entry into slot
@@ -67,12 +68,15 @@ use half::bf16;
 use crate::cuda::{assert_params_layout, check_align, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
-/// The cubin of `low_latency.cu`.
-const FILE: &str = "low_latency/low_latency";
-/// Threads per block (`kThreads` in `low_latency.cu`).
+/// The cubins of the dispatch, the combine and the buffer's reset and delay kernels (`dispatch.cu`,
+/// `combine.cu`, `control.cu`; their protocol: `protocol.cuh`).
+const DISPATCH_FILE: &str = "low_latency/dispatch";
+const COMBINE_FILE: &str = "low_latency/combine";
+const CONTROL_FILE: &str = "low_latency/control";
+/// Threads per block (`kThreads` in `protocol.cuh`).
 const THREADS: u32 = 1024;
 
-/// Mirror of `struct DispatchParams` in `low_latency.cu`.
+/// Mirror of `struct DispatchParams` in `protocol.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct DispatchParams {
@@ -105,7 +109,7 @@ assert_params_layout!(
 // SAFETY: `repr(C)` plain data mirroring `DispatchParams` (size asserted on both sides).
 unsafe impl KernelParams for DispatchParams {}
 
-/// Mirror of `struct CombineParams` in `low_latency.cu`.
+/// Mirror of `struct CombineParams` in `protocol.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct CombineParams {
@@ -133,7 +137,7 @@ assert_params_layout!(
 // SAFETY: `repr(C)` plain data mirroring `CombineParams` (size asserted on both sides).
 unsafe impl KernelParams for CombineParams {}
 
-/// Mirror of `struct CleanParams` in `low_latency.cu`.
+/// Mirror of `struct CleanParams` in `protocol.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct CleanParams {
@@ -149,7 +153,7 @@ assert_params_layout!(
 // SAFETY: `repr(C)` plain data mirroring `CleanParams` (size asserted on both sides).
 unsafe impl KernelParams for CleanParams {}
 
-/// Mirror of `struct SpinParams` in `low_latency.cu`.
+/// Mirror of `struct SpinParams` in `protocol.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct SpinParams {
@@ -311,7 +315,7 @@ pub fn dispatch_cuda<'o>(
         // guards are alive until `local::dispatch` has queued the launch.
         return unsafe { local::dispatch(stream, &kernels, &params) };
     }
-    let kernel = kernels.kernel(FILE, "ll_dispatch")?;
+    let kernel = kernels.kernel(DISPATCH_FILE, "ll_dispatch")?;
     let smem = dispatch_smem_bytes(layout, num_tokens, num_topk, topk_weights.is_some());
     let cfg = comm_config(&kernels, smem)?;
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
@@ -413,7 +417,7 @@ pub fn combine_cuda<'h>(
         // guards are alive until `local::combine` has queued the launch.
         return unsafe { local::combine(stream, &kernels, &params) };
     }
-    let kernel = kernels.kernel(FILE, "ll_combine")?;
+    let kernel = kernels.kernel(COMBINE_FILE, "ll_combine")?;
     let send_smem = if per_rank {
         4 * (2 * layout.num_ranks + 2 * layout.num_experts)
     } else {
@@ -440,7 +444,7 @@ pub fn clean_buffer_cuda(
 ) -> Result<()> {
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "ll_clean")?;
+    let kernel = kernels.kernel(CONTROL_FILE, "ll_clean")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -460,7 +464,7 @@ pub fn clean_buffer_cuda(
 /// to stand for work done between a send and a receive phase).
 pub fn delay_cuda(stream: &CudaStream, duration: Duration) -> Result<()> {
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "ll_spin")?;
+    let kernel = kernels.kernel(CONTROL_FILE, "ll_spin")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (1, 1, 1),

@@ -25,13 +25,13 @@
 use crate::error::{Error, Result};
 use crate::FP8_GROUP;
 
-/// Largest top-k the low-latency kernels support (`kMaxTopk` in `low_latency.cu`): the combine
+/// Largest top-k the low-latency kernels support (`kMaxTopk` in `protocol.cuh`): the combine
 /// region holds this many rows per token.
 pub const LL_MAX_TOPK: usize = 16;
 
 /// 4-byte words of one per-(source, token) record in a dispatch's outputs
 /// ([`super::RankRecords`]): a header (the token's row at its home, the mask), the packed row
-/// of each k in the mask and the weights (`kRecordWords` in `low_latency.cu`).
+/// of each k in the mask and the weights (`kRecordWords` in `protocol.cuh`).
 pub const LL_RECORD_WORDS: usize = 4 + 2 * LL_MAX_TOPK;
 
 /// Bytes of the control words at the start of the buffer (13 used, padded).

@@ -1,5 +1,5 @@
 // Low-latency dispatch and combine at world size 1: the whole op stays on this GPU, so none of
-// the protocol of `low_latency.cu` (buffer sets, signals, flags, fences, op counters, grid-wide
+// the protocol of `protocol.cuh` (buffer sets, signals, flags, fences, op counters, grid-wide
 // waits) is needed. Launched by `dispatch_cuda` / `combine_cuda` (`cuda/local.rs`) instead of
 // `ll_dispatch` / `ll_combine` when `num_ranks == 1` and the phases are `Both`; the outputs are
 // bit for bit those of the protocol kernels at one rank (host twins: `host.rs`, `fp8/host.rs`).

@@ -282,7 +282,7 @@ impl LowLatencyBuffer {
     }
 }
 
-/// Mirror of `struct LlBuffer` in `low_latency.cu`.
+/// Mirror of `struct LlBuffer` in `protocol.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LlBuffer {
