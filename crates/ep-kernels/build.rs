@@ -5,9 +5,9 @@
 //! table `CUBINS: &[(&str, &[u8])]` of `("<path under src without .cu>", include_bytes!(..))`,
 //! e.g. `("layout/layout", ..)`, which `src/cuda/` loads at run time.
 //!
-//! Files that include an NVSHMEM header (`#include <nvshmem...>`) are compiled with
-//! `-rdc=true` and device-linked with `libnvshmem_device.a` (from `NVSHMEM_HOME`, else
-//! `$CUDA_ROOT/nvshmem`) into the cubin.
+//! Files that include an NVSHMEM header (`#include <nvshmem...>`) are built with the `nvshmem`
+//! feature only: compiled with `-rdc=true` and device-linked with `libnvshmem_device.a` (from
+//! `NVSHMEM_HOME`, else `$CUDA_ROOT/nvshmem`) into the cubin.
 //!
 //! Files whose first line is `// ep-kernels: host library (CUTLASS)` are not cubins: they hold
 //! CUTLASS kernels together with the host code that builds their parameters (TMA descriptors)
@@ -95,6 +95,8 @@ fn build() -> Result<(), String> {
     }
 
     let src = manifest.join("src");
+    // Kernels that use NVSHMEM are built with the `nvshmem` feature only.
+    let with_nvshmem = env::var_os("CARGO_FEATURE_NVSHMEM").is_some();
     let mut sources = Vec::new();
     for path in list_files(&src, &["cu"])? {
         println!("cargo:rerun-if-changed={}", path.display());
@@ -113,6 +115,9 @@ fn build() -> Result<(), String> {
             let l = l.trim_start();
             l.starts_with("#include") && l.contains("nvshmem")
         });
+        if uses_nvshmem && !with_nvshmem {
+            continue;
+        }
         let host_library = text
             .lines()
             .next()

@@ -10,7 +10,8 @@
 # cargo's `--message-format=json` artifacts.
 #
 # Usage: scripts/gpu/package.sh [package...]   (default: every workspace package)
-# Env:   EP_GPU_TEST_PATTERN (regex, default ^gpu_), EP_GPU_BENCH_PATTERN (default ^bench)
+# Env:   EP_GPU_TEST_PATTERN (regex, default ^gpu_), EP_GPU_BENCH_PATTERN (default ^bench),
+#        EP_GPU_FEATURES (features added to every build, e.g. `ep-kernels/nvshmem`)
 set -euo pipefail
 
 log() { printf '[gpu-package] %s\n' "$*" >&2; }
@@ -59,6 +60,10 @@ mkdir -p "$DEST"
 while read -r pkg flag name feats; do
     features=()
     [[ "$feats" != "-" ]] && features=(--features "$feats")
+    if [[ -n "${EP_GPU_FEATURES:-}" ]]; then
+        [[ "$feats" != "-" ]] && features=(--features "$feats,$EP_GPU_FEATURES") ||
+            features=(--features "$EP_GPU_FEATURES")
+    fi
     if [[ "$flag" == "--test" ]]; then
         cmd=(cargo test --release --no-run -p "$pkg" "${features[@]}" "$flag" "$name")
     else

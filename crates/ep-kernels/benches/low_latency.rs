@@ -37,6 +37,9 @@ use rand::{Rng, SeedableRng};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+#[cfg(feature = "nvshmem")]
+mod ll_nvshmem;
+
 /// Tokens per rank unless `EP_BENCH_TOKENS` says otherwise.
 const DEFAULT_TOKENS: usize = 128;
 const HIDDEN: usize = 7168;
@@ -132,43 +135,11 @@ fn setup(
             enable_peer_access(a, b)?;
         }
     }
-    let l = layout.num_local_experts();
-    let rows = l * layout.recv_rows_per_expert();
     let mut ranks = Vec::with_capacity(num_ranks);
     for (r, ctx) in ctxs.iter().enumerate() {
-        let mut rng = StdRng::seed_from_u64(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9));
         let stream = ctx.new_stream()?;
         let buf = LowLatencyBuffer::new(&stream, layout, r)?;
-        let mut topk = Vec::with_capacity(tokens * TOPK);
-        let mut send_counts = vec![0usize; num_ranks];
-        for _ in 0..tokens {
-            for e in sample(&mut rng, num_experts, TOPK) {
-                topk.push(e as i64);
-                send_counts[e / l] += 1;
-            }
-        }
-        let x: Vec<bf16> = (0..tokens * HIDDEN)
-            .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
-            .collect();
-        let w: Vec<f32> = (0..tokens * TOPK)
-            .map(|_| rng.random_range(0.0f32..1.0))
-            .collect();
-        let expert_out: Vec<bf16> = (0..rows * HIDDEN)
-            .map(|i| bf16::from_f32(((i % 251) as f32 - 125.0) / 64.0))
-            .collect();
-        ranks.push(Rank {
-            x: stream.clone_htod(&x)?,
-            topk: stream.clone_htod(&topk)?,
-            w: stream.clone_htod(&w)?,
-            recv: LowLatencyRecv::alloc(&stream, &layout, FORMAT)?,
-            expert_out: stream.clone_htod(&expert_out)?,
-            out: stream.alloc_zeros(tokens * HIDDEN)?,
-            tokens,
-            stream,
-            buf,
-            send_counts,
-            red: Reduction::PerExpert,
-        });
+        ranks.push(make_rank(r, stream, buf, seed)?);
     }
     let bases: Vec<u64> = ranks.iter().map(|r| r.buf.base_ptr()).collect();
     for rank in &mut ranks {
@@ -178,6 +149,85 @@ fn setup(
         unsafe { rank.buf.connect(&stream, &bases) }?;
     }
     Ok(ranks)
+}
+
+/// Rank `r`'s inputs (drawn from `seed` and `r`) and outputs around its buffer.
+fn make_rank(
+    r: usize,
+    stream: Arc<CudaStream>,
+    buf: LowLatencyBuffer,
+    seed: u64,
+) -> Result<Rank, BoxError> {
+    let layout = *buf.layout();
+    let (tokens, num_experts) = (layout.max_tokens_per_rank, layout.num_experts);
+    let l = layout.num_local_experts();
+    let rows = l * layout.recv_rows_per_expert();
+    let mut rng = StdRng::seed_from_u64(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9));
+    let mut topk = Vec::with_capacity(tokens * TOPK);
+    let mut send_counts = vec![0usize; layout.num_ranks];
+    for _ in 0..tokens {
+        for e in sample(&mut rng, num_experts, TOPK) {
+            topk.push(e as i64);
+            send_counts[e / l] += 1;
+        }
+    }
+    let x: Vec<bf16> = (0..tokens * HIDDEN)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let w: Vec<f32> = (0..tokens * TOPK)
+        .map(|_| rng.random_range(0.0f32..1.0))
+        .collect();
+    let expert_out: Vec<bf16> = (0..rows * HIDDEN)
+        .map(|i| bf16::from_f32(((i % 251) as f32 - 125.0) / 64.0))
+        .collect();
+    Ok(Rank {
+        x: stream.clone_htod(&x)?,
+        topk: stream.clone_htod(&topk)?,
+        w: stream.clone_htod(&w)?,
+        recv: LowLatencyRecv::alloc(&stream, &layout, FORMAT)?,
+        expert_out: stream.clone_htod(&expert_out)?,
+        out: stream.alloc_zeros(tokens * HIDDEN)?,
+        tokens,
+        stream,
+        buf,
+        send_counts,
+        red: Reduction::PerExpert,
+    })
+}
+
+/// The process mode (`EP_BENCH_NVSHMEM`): a child times its rank of every configuration, the
+/// parent starts the children and prints the medians.
+#[cfg(feature = "nvshmem")]
+fn nvshmem_main(
+    num_ranks: usize,
+    gpn: usize,
+    iters: usize,
+    tokens: usize,
+    experts_list: &[usize],
+    reductions: &[(Reduction, &str)],
+    header: &str,
+) -> Result<(), BoxError> {
+    let Some(c) = ll_nvshmem::child(num_ranks)? else {
+        return ll_nvshmem::parent(num_ranks, gpn, header);
+    };
+    let ctx = CudaContext::new(c.rank)?;
+    // SAFETY: as in `setup`: one stream per rank.
+    unsafe { ctx.disable_event_tracking() };
+    for &experts in experts_list {
+        if experts % num_ranks != 0 {
+            continue;
+        }
+        let layout = LowLatencyLayout::new(tokens, HIDDEN, num_ranks, experts)?;
+        let stream = ctx.new_stream()?;
+        let node = c.rank / gpn;
+        let buf = LowLatencyBuffer::new_nvshmem(&stream, layout, &c.nv, |r| r / gpn == node)?;
+        let mut rank = make_rank(c.rank, stream, buf, 0x5eed ^ experts as u64)?;
+        for &(red, _) in reductions {
+            rank.red = red;
+            ll_nvshmem::report(experts, red, &mut rank, 20, iters)?;
+        }
+    }
+    Ok(())
 }
 
 /// Runs `f` on one thread per rank, concurrently.
@@ -445,10 +495,23 @@ fn main() -> Result<(), BoxError> {
         })
         .collect();
     let warmup = 20;
-    println!(
+    let header = format!(
         "low-latency EP{num_ranks}: {tokens} tokens/rank, hidden {HIDDEN}, top-{TOPK}, fp8 dispatch, \
          bf16 combine; {iters} CUDA-graph replays (median of replays, then of ranks)"
     );
+    #[cfg(feature = "nvshmem")]
+    if let Some(gpn) = ll_nvshmem::gpus_per_node() {
+        return nvshmem_main(
+            num_ranks,
+            gpn.max(1),
+            iters,
+            tokens,
+            &experts_list,
+            &reductions,
+            &header,
+        );
+    }
+    println!("{header}");
     let mut table = String::new();
     let _ = writeln!(
         table,

@@ -43,6 +43,10 @@ pub enum Error {
         /// What its entry point reported.
         message: String,
     },
+    /// An NVSHMEM call (symmetric memory, module binding) failed.
+    #[cfg(feature = "nvshmem")]
+    #[error(transparent)]
+    Nvshmem(#[from] nvshmem_sys::Error),
     /// A kernel reported that a peer never signalled within the timeout.
     #[error("timed out waiting for rank {rank} in kernel `{kernel}`")]
     PeerTimeout {

@@ -8,9 +8,17 @@
 //! every device output is poisoned before the op and compared bit for bit. Runs with all
 //! visible GPUs, and also with 2 of them when there are more.
 //!
+//! With the `nvshmem` feature the binary then re-executes itself once per GPU (module
+//! `nvshmem_world`): 2 nodes x 2 GPUs, 2 x 1 and one node of 4, buffers on NVSHMEM's heap and
+//! ranks of other nodes reached through NVSHMEM puts; each child checks its own rank of the
+//! round trips (both formats and reductions, no tokens, hot experts, DeepSeek-V3 size) and of
+//! back-to-back ops, and the parent adds the children's counts to its own.
+//!
 //! Environment as the other GPU tests (`EP_TEST_SEED`, a name filter as first argument).
 
 mod common;
+#[cfg(feature = "nvshmem")]
+mod nvshmem_world;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,13 +55,20 @@ struct Rank {
 struct World {
     layout: LowLatencyLayout,
     placement: ExpertPlacement,
+    /// The ranks this process drives: all of them (threads), or one (a child process of the
+    /// NVSHMEM launches), rank `first` on.
     ranks: Vec<Rank>,
+    first: usize,
 }
 
 impl World {
     fn new(num_ranks: usize, m: usize, h: usize, e: usize) -> TResult<Self> {
         let layout = LowLatencyLayout::new(m, h, num_ranks, e)?;
         let placement = ExpertPlacement::new(e, num_ranks, num_ranks)?;
+        #[cfg(feature = "nvshmem")]
+        if let Some(p) = nvshmem_world::proc() {
+            return Self::one_process_rank(p, layout, placement);
+        }
         let ctxs = (0..num_ranks)
             .map(CudaContext::new)
             .collect::<Result<Vec<_>, _>>()?;
@@ -85,11 +100,47 @@ impl World {
             layout,
             placement,
             ranks,
+            first: 0,
+        })
+    }
+
+    /// This process's rank of a multi-process world, its buffer on NVSHMEM's heap; ranks of
+    /// other nodes are reached through NVSHMEM.
+    #[cfg(feature = "nvshmem")]
+    fn one_process_rank(
+        p: &nvshmem_world::Proc,
+        layout: LowLatencyLayout,
+        placement: ExpertPlacement,
+    ) -> TResult<Self> {
+        if layout.num_ranks != p.world {
+            return Err(format!(
+                "a world of {} ranks in a launch of {}",
+                layout.num_ranks, p.world
+            )
+            .into());
+        }
+        let ctx = CudaContext::new(p.rank)?;
+        // SAFETY: as in `World::new`: one stream per rank.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let node = p.rank / p.gpus_per_node;
+        let buf =
+            LowLatencyBuffer::new_nvshmem(&stream, layout, &p.nv, |r| r / p.gpus_per_node == node)?;
+        Ok(Self {
+            layout: *buf.layout(),
+            placement,
+            ranks: vec![Rank { stream, buf }],
+            first: p.rank,
         })
     }
 
     fn num_ranks(&self) -> usize {
-        self.ranks.len()
+        self.layout.num_ranks
+    }
+
+    /// The global ranks this process drives.
+    fn local(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.ranks.len()
     }
 
     /// Runs `f(rank index, rank)` on one thread per rank, concurrently; all results.
@@ -100,7 +151,7 @@ impl World {
                 .ranks
                 .iter()
                 .enumerate()
-                .map(|(r, rank)| s.spawn(move || f(r, rank)))
+                .map(|(i, rank)| s.spawn(move || f(self.first + i, rank)))
                 .collect();
             handles
                 .into_iter()
@@ -120,16 +171,27 @@ impl World {
         }
     }
 
-    /// Cleans every rank's buffer and marks all ranks active (no op may be in flight).
+    /// Cleans every rank's buffer and marks all ranks active (no op may be in flight); across
+    /// processes with an NVSHMEM barrier before and after.
     fn clean(&self) -> TResult<()> {
         for r in &self.ranks {
             r.stream.synchronize()?;
         }
+        self.barrier()?;
         for r in &self.ranks {
             clean_buffer_cuda(&r.stream, &r.buf, true)?;
         }
         for r in &self.ranks {
             r.stream.synchronize()?;
+        }
+        self.barrier()
+    }
+
+    /// Waits for the other processes' ranks (nothing when this process drives them all).
+    fn barrier(&self) -> TResult<()> {
+        #[cfg(feature = "nvshmem")]
+        if let Some(p) = nvshmem_world::proc() {
+            p.nv.barrier_all()?;
         }
         Ok(())
     }
@@ -650,8 +712,8 @@ fn round_trip(
     })?;
     let active = vec![vec![true; r_n]; r_n];
     let exp = expected_layouts(&world, &inputs, &active)?;
-    for q in 0..r_n {
-        check_dispatch(&world, q, &inputs, &exp, &active[q], format, &gots[q])
+    for (q, got) in world.local().zip(&gots) {
+        check_dispatch(&world, q, &inputs, &exp, &active[q], format, got)
             .map_err(|e| e.to_string())?;
         check_combine(
             &world,
@@ -660,7 +722,7 @@ fn round_trip(
             &exp,
             &active[q],
             red,
-            &gots[q],
+            got,
             |qq, l, p| {
                 let at = (l * world.layout.recv_rows_per_expert() + p) * h;
                 &comb_x[qq][at..at + h]
@@ -717,7 +779,7 @@ fn many_ops(rng: &mut StdRng, r_n: usize, iters: usize, reds: &[Reduction]) -> T
     let active = vec![true; r_n];
     for (i, it) in inputs.iter().enumerate() {
         let exp = expected_layouts(&world, it, &vec![active.clone(); r_n])?;
-        for (q, rank_gots) in gots.iter().enumerate() {
+        for (q, rank_gots) in world.local().zip(&gots) {
             let got = &rank_gots[i];
             check_dispatch(&world, q, it, &exp, &active, fmt, got)
                 .map_err(|e| format!("op {i}: {e}"))?;
@@ -787,7 +849,7 @@ fn graph_replay(rng: &mut StdRng, r_n: usize, replays: usize, red: Reduction) ->
     let active = vec![true; r_n];
     for (i, round) in rounds.iter().skip(1).enumerate() {
         let exp = expected_layouts(&world, round, &vec![active.clone(); r_n])?;
-        for (q, rank_gots) in gots.iter().enumerate() {
+        for (q, rank_gots) in world.local().zip(&gots) {
             let got = &rank_gots[i];
             check_dispatch(&world, q, round, &exp, &active, fmt, got)
                 .map_err(|e| format!("replay {i}: {e}"))?;
@@ -864,7 +926,7 @@ fn split_phases(
     let active = vec![true; r_n];
     for (i, batch) in batches.iter().enumerate() {
         let exp = expected_layouts(&world, batch, &vec![active.clone(); r_n])?;
-        for (q, rank_gots) in gots.iter().enumerate() {
+        for (q, rank_gots) in world.local().zip(&gots) {
             let got = &rank_gots[i];
             check_dispatch(&world, q, batch, &exp, &active, format, got)
                 .map_err(|e| format!("batch {i}: {e}"))?;
@@ -932,7 +994,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool, red: Reduction) -> TR
     })?;
     let elapsed = start.elapsed();
     let exp = expected_layouts(&world, &inputs, &vec![mask.clone(); r_n])?;
-    for (q, g) in gots.iter().enumerate() {
+    for (q, g) in world.local().zip(&gots) {
         let Some((got, seen, took)) = g else { continue };
         compare(&format!("rank {q} active mask"), seen, &mask).map_err(|e| e.to_string())?;
         if masked && *took > Duration::from_secs(2) {
@@ -964,7 +1026,7 @@ fn absent_rank(rng: &mut StdRng, r_n: usize, masked: bool, red: Reduction) -> TR
     })?;
     let all = vec![true; r_n];
     let exp = expected_layouts(&world, &inputs, &vec![all.clone(); r_n])?;
-    for (q, got) in gots.iter().enumerate() {
+    for (q, got) in world.local().zip(&gots) {
         check_dispatch(&world, q, &inputs, &exp, &all, fmt, got)
             .map_err(|e| format!("after clean: {e}"))?;
         check_combine(&world, q, &inputs, &exp, &all, red, got, |qq, l, p| {
@@ -993,6 +1055,15 @@ fn reductions(fmt: LowLatencyFormat) -> &'static [(&'static str, Reduction)] {
 }
 
 fn main() {
+    #[cfg(feature = "nvshmem")]
+    if let Some((world, gpn)) = nvshmem_world::child_spec() {
+        let mut runner = Runner::from_env("gpu_low_latency (NVSHMEM child)");
+        match nvshmem_world::init_child(world, gpn) {
+            Ok(()) => nvshmem_cases(&mut runner, world, gpn),
+            Err(e) => runner.case(&format!("nvshmem/{world}x{gpn}/init"), |_| Err(e.into())),
+        }
+        runner.finish();
+    }
     let mut runner = Runner::from_env("gpu_low_latency");
     let gpus = match CudaContext::device_count() {
         Ok(n) if n > 0 => n as usize,
@@ -1148,5 +1219,99 @@ fn main() {
             ))
         });
     }
+    #[cfg(feature = "nvshmem")]
+    nvshmem_world::run_launches(&mut runner, gpus);
     runner.finish();
+}
+
+/// The cases of a child of the NVSHMEM launches (the same list in every child).
+#[cfg(feature = "nvshmem")]
+fn nvshmem_cases(runner: &mut Runner, r_n: usize, gpn: usize) {
+    let p = format!("nvshmem/{r_n}x{gpn}");
+    for (fname, fmt) in [
+        ("bf16", LowLatencyFormat::Bf16),
+        ("fp8", LowLatencyFormat::Fp8),
+    ] {
+        for (rname, routing) in [("random", Routing::Random), ("hot_expert", Routing::Hot)] {
+            for &(pname, red) in reductions(fmt) {
+                runner.case(&format!("{p}/round_trip/{fname}/{rname}{pname}"), |rng| {
+                    let e = random_e(rng, r_n);
+                    to_case(round_trip(
+                        rng,
+                        r_n,
+                        64,
+                        256,
+                        e,
+                        &|g| g.random_range(0..=64),
+                        routing,
+                        fmt,
+                        red,
+                    ))
+                });
+            }
+        }
+    }
+    for (pname, red) in BOTH {
+        runner.case(&format!("{p}/round_trip/bf16/no_tokens{pname}"), |rng| {
+            let e = random_e(rng, r_n);
+            to_case(round_trip(
+                rng,
+                r_n,
+                16,
+                128,
+                e,
+                &|_| 0,
+                Routing::Random,
+                LowLatencyFormat::Bf16,
+                red,
+            ))
+        });
+        runner.case(
+            &format!("{p}/round_trip/bf16/two_chunk_rows{pname}"),
+            |rng| {
+                let e = random_e(rng, r_n);
+                to_case(round_trip(
+                    rng,
+                    r_n,
+                    24,
+                    4096,
+                    e,
+                    &|g| g.random_range(0..=24),
+                    Routing::Random,
+                    LowLatencyFormat::Bf16,
+                    red,
+                ))
+            },
+        );
+        runner.case(&format!("{p}/round_trip/fp8/deepseek_size{pname}"), |rng| {
+            let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
+            to_case(round_trip(
+                rng,
+                r_n,
+                128,
+                7168,
+                e,
+                &|_| 128,
+                Routing::Random,
+                LowLatencyFormat::Fp8,
+                red,
+            ))
+        });
+    }
+    for (pname, red) in BOTH {
+        runner.case(&format!("{p}/rank_never_launches{pname}"), |rng| {
+            to_case(absent_rank(rng, r_n, false, red))
+        });
+        runner.case(&format!("{p}/rank_masked_on_purpose{pname}"), |rng| {
+            to_case(absent_rank(rng, r_n, true, red))
+        });
+    }
+    runner.case(&format!("{p}/many_ops_30/alternating_per_rank"), |rng| {
+        to_case(many_ops(
+            rng,
+            r_n,
+            30,
+            &[Reduction::PerRank, Reduction::PerExpert],
+        ))
+    });
 }

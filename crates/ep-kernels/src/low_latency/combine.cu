@@ -10,6 +10,12 @@ namespace {
 // Combine
 // ------------------------------------------------------------------------------------------
 
+// Staging offset (NVSHMEM build) of row `row` (t * max_topk + k or j) bound for home `s`.
+EP_DEVICE uint64_t rows_stage(const LlBuffer& b, int s, uint64_t row) {
+    return (static_cast<uint64_t>(s) * b.max_tokens * b.max_topk + row) * 2 *
+           static_cast<uint64_t>(b.hidden);
+}
+
 // Shared memory of the combine send phase: [E] chunks per unit, prefix [E + 1], row offset per
 // unit [E], mask snapshot [R].
 struct CombineSendSmem {
@@ -72,9 +78,8 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
          u += kThreads * static_cast<int>(gridDim.x)) {
         const int s = u % R;
         if (s_items[u] == 0 && s_active[s] != 0) {
-            put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
-                         static_cast<int64_t>(b.rank * L + u / R) * 4,
-                     static_cast<int>(tag));
+            flag_peer(b, s, set, b.off_flags + static_cast<uint64_t>(b.rank * L + u / R) * 4,
+                      static_cast<int>(tag));
         }
     }
 
@@ -110,14 +115,23 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
                 }
             }
             if (t >= 0 && t < M && k >= 0 && k < b.max_topk) {
-                uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
-                               (static_cast<int64_t>(t) * b.max_topk + k) * row_bytes;
+                const uint64_t row = static_cast<uint64_t>(t) * b.max_topk + k;
+                uint8_t* dst = write_target(b, s, set, b.off_rows + row * row_bytes,
+                                            rows_stage(b, s, row));
 #pragma unroll
                 for (int q = 0; q < kSendUnroll; ++q) {
                     const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
                     if (i < vpr) {
                         put_v4(dst + static_cast<int64_t>(i) * 16, v[q]);
                     }
+                }
+                if (is_remote(b, s)) {
+                    // Completed before the chunk counts (the unit's flag may follow at once).
+                    const int first = chunk * kChunkVecs;
+                    put_staged(b, s, set, b.off_rows + row * row_bytes, rows_stage(b, s, row),
+                               static_cast<uint64_t>(first) * 16,
+                               static_cast<uint64_t>(min(kChunkVecs, vpr - first)) * 16);
+                    remote_quiet();
                 }
             }
         }
@@ -129,9 +143,8 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
             atomicExch(unit_done + u, 0);
             if (s_active[s] != 0) {
                 ep::fence_acq_rel_sys();
-                put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
-                             static_cast<int64_t>(b.rank * L + u / R) * 4,
-                         static_cast<int>(tag));
+                flag_peer(b, s, set, b.off_flags + static_cast<uint64_t>(b.rank * L + u / R) * 4,
+                          static_cast<int>(tag));
             }
         }
     }
@@ -226,14 +239,21 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
                     }
                 }
             }
-            uint8_t* dst = set_base(b, peer_base(b, s), set) + b.off_rows +
-                           (static_cast<int64_t>(t) * b.max_topk + home_row) * row_bytes;
+            const uint64_t out_row = static_cast<uint64_t>(t) * b.max_topk + home_row;
+            uint8_t* dst = write_target(b, s, set, b.off_rows + out_row * row_bytes,
+                                        rows_stage(b, s, out_row));
 #pragma unroll
             for (int q = 0; q < kRankVecs; ++q) {
                 const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
                 if (i < vpr) {
                     put_v4(dst + static_cast<int64_t>(i) * 16, ep::ll::pack_bf16x8(acc[q]));
                 }
+            }
+            if (is_remote(b, s)) {
+                const int first = chunk * kChunkVecs;
+                put_staged(b, s, set, b.off_rows + out_row * row_bytes, rows_stage(b, s, out_row),
+                           static_cast<uint64_t>(first) * 16,
+                           static_cast<uint64_t>(min(kChunkVecs, vpr - first)) * 16);
             }
         }
         if (lane == 0) {
@@ -244,7 +264,9 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
     // counting thread's release), then its counts go out; the addition that completes a home
     // (the atomics form a release sequence, so every block's stores precede its read) resets
     // the counter for the next op, fences and flags the home (fence + relaxed store form a
-    // release pattern), as `combine_send`'s last chunk of a unit does.
+    // release pattern), as `combine_send`'s last chunk of a unit does. (NVSHMEM build: every
+    // thread first completes its puts to remote homes.)
+    remote_quiet();
     __syncthreads();
     const int per_home = M * chunks;
     for (int s = tid; s < R; s += kThreads) {
@@ -253,9 +275,8 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
             atomicExch(rank_done + s, 0);
             if (s_active[s] != 0) {
                 ep::fence_acq_rel_sys();
-                put_flag(set_base(b, peer_base(b, s), set) + b.off_flags +
-                             static_cast<int64_t>(b.rank) * 4,
-                         static_cast<int>(tag));
+                flag_peer(b, s, set, b.off_flags + static_cast<uint64_t>(b.rank) * 4,
+                          static_cast<int>(tag));
             }
         }
     }

@@ -72,6 +72,9 @@ use crate::error::{Error, Result};
 /// `combine.cu`, `control.cu`; their protocol: `protocol.cuh`).
 const DISPATCH_FILE: &str = "low_latency/dispatch";
 const COMBINE_FILE: &str = "low_latency/combine";
+/// The same kernels with NVSHMEM puts to other nodes (feature `nvshmem`).
+const DISPATCH_NVSHMEM_FILE: &str = "low_latency/dispatch_nvshmem";
+const COMBINE_NVSHMEM_FILE: &str = "low_latency/combine_nvshmem";
 const CONTROL_FILE: &str = "low_latency/control";
 /// Threads per block (`kThreads` in `protocol.cuh`).
 const THREADS: u32 = 1024;
@@ -315,7 +318,13 @@ pub fn dispatch_cuda<'o>(
         // guards are alive until `local::dispatch` has queued the launch.
         return unsafe { local::dispatch(stream, &kernels, &params) };
     }
-    let kernel = kernels.kernel(DISPATCH_FILE, "ll_dispatch")?;
+    let kernel = if buffer.reaches_other_nodes() {
+        let kernel = kernels.kernel(DISPATCH_NVSHMEM_FILE, "ll_dispatch")?;
+        buffer.bind(&kernel)?;
+        kernel
+    } else {
+        kernels.kernel(DISPATCH_FILE, "ll_dispatch")?
+    };
     let smem = dispatch_smem_bytes(layout, num_tokens, num_topk, topk_weights.is_some());
     let cfg = comm_config(&kernels, smem)?;
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
@@ -417,7 +426,13 @@ pub fn combine_cuda<'h>(
         // guards are alive until `local::combine` has queued the launch.
         return unsafe { local::combine(stream, &kernels, &params) };
     }
-    let kernel = kernels.kernel(COMBINE_FILE, "ll_combine")?;
+    let kernel = if buffer.reaches_other_nodes() {
+        let kernel = kernels.kernel(COMBINE_NVSHMEM_FILE, "ll_combine")?;
+        buffer.bind(&kernel)?;
+        kernel
+    } else {
+        kernels.kernel(COMBINE_FILE, "ll_combine")?
+    };
     let send_smem = if per_rank {
         4 * (2 * layout.num_ranks + 2 * layout.num_experts)
     } else {

@@ -10,6 +10,12 @@ namespace {
 // Dispatch
 // ------------------------------------------------------------------------------------------
 
+// Offset in a buffer set of the message of source `src`'s token `t`.
+EP_DEVICE uint64_t msg_offset(const LlBuffer& b, int src, int t) {
+    return b.off_msgs + (static_cast<uint64_t>(src) * b.max_tokens + t) *
+                            static_cast<uint64_t>(b.msg_stride);
+}
+
 // Block per token: the token is cast once (staged in shared memory) and written to each rank
 // that holds one of its experts, with an index entry per (t, k). `s_count[e]` (this rank's
 // selections of expert e) tells the warp that publishes an expert's last selection that it is
@@ -31,6 +37,10 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     __shared__ int s_rank[kMaxTopk];
     __shared__ int s_placed[kMaxTopk];
     __shared__ int s_j[kMaxTopk];
+    // Per k (NVSHMEM build): the remote rank its staged copy goes to, or -1.
+    __shared__ int s_put_rank[kMaxTopk];
+    // Per k (NVSHMEM build): 1 if its index entry (and maybe the message) went to a remote rank.
+    __shared__ int s_remote[kMaxTopk];
     const bool records = p.topk_weights != nullptr;
     // The weights [T * K], staged by the kernel's start after the per-expert counts.
     const float* s_wtab = reinterpret_cast<const float*>(s_count + E);
@@ -54,10 +64,10 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
     auto signal = [&](int e, int n) {
         const int r = e / L;
         if (ld_vol(active + r) != 0) {
-            uint8_t* sig = set_base(b, peer_base(b, r), set) + b.off_signals +
-                           (static_cast<uint64_t>(e - r * L) * R + b.rank) * 8;
-            put_signal(sig, (static_cast<uint64_t>(tag) << 32) |
-                                static_cast<uint64_t>(static_cast<uint32_t>(-n - 1)));
+            signal_peer(b, r, set,
+                        b.off_signals + (static_cast<uint64_t>(e - r * L) * R + b.rank) * 8,
+                        (static_cast<uint64_t>(tag) << 32) |
+                            static_cast<uint64_t>(static_cast<uint32_t>(-n - 1)));
         }
     };
     for (int e = blockIdx.x + tid * static_cast<int>(gridDim.x); e < E;
@@ -102,25 +112,36 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 // The token goes once to each rank: the first k routed there sends it; every
                 // k writes its slot's index entry.
                 uint8_t* dst = nullptr;
+                if constexpr (kRemotePeers) {
+                    s_put_rank[k] = -1;
+                    s_remote[k] = 0;
+                }
                 if (e >= 0) {
                     const int r = e / L;
                     // slot < M holds when a token's experts are distinct (checked for memory
                     // safety only).
                     if (ld_vol(active + r) != 0 && slot < M) {
                         const int l = e - r * L;
-                        uint8_t* peer_set = set_base(b, peer_base(b, r), set);
-                        int* entry = reinterpret_cast<int*>(peer_set + b.off_idx) +
-                                     (static_cast<int64_t>(l) * R + b.rank) * M + slot;
-                        *entry = t | (k << 24);
+                        if constexpr (kRemotePeers) {
+                            s_remote[k] = is_remote(b, r) ? 1 : 0;
+                        }
+                        entry_peer(b, r, set,
+                                   b.off_idx + ((static_cast<uint64_t>(l) * R + b.rank) * M +
+                                                static_cast<uint64_t>(slot)) * 4,
+                                   t | (k << 24));
                         bool first = true;
                         for (int k2 = 0; k2 < k; ++k2) {
                             const int e2 = s_topk[t * K + k2];
                             first = first && !(e2 >= 0 && e2 / L == r);
                         }
                         if (first) {
-                            dst = peer_set + b.off_msgs +
-                                  (static_cast<uint64_t>(b.rank) * M + t) *
-                                      static_cast<uint64_t>(b.msg_stride);
+                            // A remote rank's copy is staged at (r, t).
+                            dst = write_target(b, r, set, msg_offset(b, b.rank, t),
+                                               (static_cast<uint64_t>(r) * M + t) *
+                                                   static_cast<uint64_t>(b.msg_stride));
+                            if constexpr (kRemotePeers) {
+                                s_put_rank[k] = r;
+                            }
                         }
                     }
                 }
@@ -184,6 +205,21 @@ __device__ void dispatch_send(const DispatchParams& p, uint8_t* smem, const int*
                 v = make_int4(t, 0, 0, 0);
             }
             put_v4(dst + i * 16, v);
+        }
+        if constexpr (kRemotePeers) {
+            // Warp k puts its staged copy to a remote rank, and completes that put and its
+            // index entry's before the publish below.
+            __syncthreads();
+            if (warp < K && s_remote[warp] != 0) {
+                const int r = s_put_rank[warp];
+                if (r >= 0 && s_dst[warp] != nullptr) {
+                    put_staged(b, r, set, msg_offset(b, b.rank, t),
+                               (static_cast<uint64_t>(r) * M + t) *
+                                   static_cast<uint64_t>(b.msg_stride),
+                               0, static_cast<uint64_t>(msg_vecs) * 16);
+                }
+                remote_quiet();
+            }
         }
         __syncthreads();
         // Publish: every (t, k) counts once for its expert (also when the rank is inactive,

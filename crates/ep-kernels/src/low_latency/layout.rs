@@ -16,6 +16,10 @@
 //!           rows    bf16 [M][LL_MAX_TOPK][H]  combine rows: one per (token, k) of the home
 //!                                         rank, or (per-rank combine) one per (token, j-th
 //!                                         distinct rank among the token's experts)
+//! stage     (NVSHMEM buffers only)        rows and messages bound for ranks of other nodes,
+//!                                         written here and put from here:
+//!                                         max([R][M] x msg_stride, [R][M][LL_MAX_TOPK] bf16
+//!                                         rows of H)
 //! ```
 //!
 //! Every region starts at a multiple of 256 bytes. `L = E / R` local experts,
@@ -75,6 +79,11 @@ pub struct LowLatencyLayout {
     pub off_idx: usize,
     /// Offset of the combine rows within a set.
     pub off_rows: usize,
+    /// Offset of the staging region of puts to other nodes (0 without one, see
+    /// [`LowLatencyLayout::with_remote_stage`]).
+    pub off_stage: usize,
+    /// Bytes of the staging region (0 without one).
+    pub stage_bytes: usize,
     /// Total bytes of the buffer.
     pub total_bytes: usize,
 }
@@ -157,7 +166,37 @@ impl LowLatencyLayout {
             off_msgs,
             off_idx,
             off_rows,
+            off_stage: 0,
+            stage_bytes: 0,
             total_bytes,
+        })
+    }
+
+    /// The layout with a staging region after the two sets, for buffers that reach ranks of
+    /// other nodes with NVSHMEM puts: a message per (destination rank, token) or a combine row
+    /// per (destination rank, token, k), whichever is larger (one region serves both ops and
+    /// both sets: a launch completes its puts before it ends).
+    pub fn with_remote_stage(self) -> Result<Self> {
+        if self.stage_bytes != 0 {
+            return Ok(self);
+        }
+        let (r, m, h) = (self.num_ranks, self.max_tokens_per_rank, self.hidden);
+        let too_big = || Error::invalid("max_tokens_per_rank", m, "staging size overflows");
+        let msgs = r
+            .checked_mul(m)
+            .and_then(|v| v.checked_mul(self.msg_stride))
+            .ok_or_else(too_big)?;
+        let rows = r
+            .checked_mul(m)
+            .and_then(|v| v.checked_mul(LL_MAX_TOPK * 2 * h))
+            .ok_or_else(too_big)?;
+        let stage_bytes = align(msgs.max(rows), REGION_ALIGN);
+        let off_stage = self.total_bytes;
+        Ok(Self {
+            off_stage,
+            stage_bytes,
+            total_bytes: off_stage.checked_add(stage_bytes).ok_or_else(too_big)?,
+            ..self
         })
     }
 
@@ -213,6 +252,24 @@ mod tests {
         assert_eq!(l.set_bytes - l.off_rows, 128 * LL_MAX_TOPK * 2 * 7168);
         assert_eq!(l.total_bytes, l.sets_offset + 2 * l.set_bytes);
         assert_eq!(buffer_size_hint(128, 7168, 4, 288).unwrap(), l.total_bytes);
+        assert_eq!((l.off_stage, l.stage_bytes), (0, 0));
+    }
+
+    #[test]
+    fn remote_stage_follows_the_sets() {
+        let l = LowLatencyLayout::new(128, 7168, 4, 288).unwrap();
+        let s = l.with_remote_stage().unwrap();
+        assert_eq!(s.off_stage, l.total_bytes);
+        assert_eq!(s.off_stage % 256, 0);
+        // Combine rows (4 x 128 x 16 x 14 KiB) outweigh the messages here.
+        assert_eq!(s.stage_bytes, 4 * 128 * LL_MAX_TOPK * 2 * 7168);
+        assert_eq!(s.total_bytes, s.off_stage + s.stage_bytes);
+        assert_eq!(s.with_remote_stage().unwrap(), s);
+        // Everything else is unchanged.
+        assert_eq!(
+            (s.off_rows, s.set_bytes, s.sets_offset),
+            (l.off_rows, l.set_bytes, l.sets_offset)
+        );
     }
 
     #[test]

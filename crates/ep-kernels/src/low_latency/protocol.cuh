@@ -1,5 +1,6 @@
 // The protocol of the low-latency (decode) dispatch (`dispatch.cu`) and combine (`combine.cu`)
-// over NVLink peer pointers: constants, the buffer and parameter structs (mirrored in
+// over NVLink peer pointers, and through NVSHMEM puts to ranks of other nodes in the
+// `*_nvshmem.cu` builds: constants, the buffer and parameter structs (mirrored in
 // `cuda.rs`), addresses, the per-peer write path, op sequencing and waits. `control.cu` holds
 // the buffer reset and the benchmarks' delay.
 //
@@ -41,6 +42,9 @@
 //             rows     bf16 [M][max_topk][H] combine rows, one per (token, k) of the home rank
 //                      (per rank: one per (token, j), j = the expert rank's place among the
 //                      token's distinct ranks in k order)
+//   stage     (NVSHMEM buffers only) what is put to ranks of other nodes: messages per
+//             (destination, token) at (r * M + t) * msg_stride, or combine rows per (home,
+//             token, row) at ((s * M + t) * max_topk + row) * 2H
 //
 // Sequencing without the host: every op (dispatch or combine) that has a send phase takes the
 // rank's device-side op counter `seq` (the same on every rank as long as every rank runs the
@@ -117,7 +121,7 @@ struct LlBuffer {
     uint64_t off_rows;       // in a set: combine rows bf16 [M][max_topk][H]
     uint64_t off_active;     // in control: active_ranks i32 [R]
     uint64_t off_send_done;  // in control: send_done i32 [E]
-    uint64_t reserved_u64;   // unused
+    uint64_t off_stage;      // staging of data put to remote peers (0: no remote peers)
     uint64_t timeout_ns;     // 0 = wait forever
     int32_t num_ranks;
     int32_t rank;
@@ -191,22 +195,97 @@ EP_DEVICE uint8_t* set_base(const LlBuffer& b, uint8_t* base, uint32_t set) {
     return base + b.sets_offset + static_cast<uint64_t>(set) * b.set_bytes;
 }
 
-// Rank `r`'s buffer as this GPU addresses it (a peer pointer over NVLink).
+// Rank `r`'s buffer as this GPU addresses it (a peer pointer over NVLink; 0 for a rank on
+// another node, which only the NVSHMEM build reaches).
 EP_DEVICE uint8_t* peer_base(const LlBuffer& b, int r) {
     return reinterpret_cast<uint8_t*>(b.peers[r]);
 }
 
-// Every byte written into a peer's buffer goes through `put_v4`, `put_signal` and `put_flag`.
-// Over NVLink they are stores through the peer pointer; a remote-node transport (an NVSHMEM
-// put per peer) replaces them for peers that load/store cannot reach.
+// Every byte written into a peer's buffer goes through `put_v4`, `signal_peer`, `flag_peer`
+// and `entry_peer`. Over NVLink they are stores through the peer pointer. The NVSHMEM build
+// (`EP_LL_NVSHMEM`, the `*_nvshmem` cubins) reaches the ranks of other nodes, whose `peers`
+// entry is 0, through NVSHMEM: rows and messages are written (`put_v4`) into the local staging
+// region (`off_stage`) and put from there by a warp (`nvshmemx_putmem_nbi_warp`), words are
+// single puts, and the writers complete their puts (`nvshmem_quiet`) before the counters that
+// release the signal or flag (see `remote_quiet`). Addresses of a remote rank are this rank's
+// own buffer addresses (symmetric: NVSHMEM translates them for the target PE = rank).
+#if EP_LL_NVSHMEM
+constexpr bool kRemotePeers = true;
+#else
+constexpr bool kRemotePeers = false;
+#endif
+
+EP_DEVICE bool is_remote(const LlBuffer& b, int r) { return kRemotePeers && b.peers[r] == 0; }
+
 EP_DEVICE void put_v4(uint8_t* dst, int4 v) { ep::st_no_alloc(reinterpret_cast<int4*>(dst), v); }
 
 // The caller fences (`fence.acq_rel.sys`) after the data and before its signals and flags.
-EP_DEVICE void put_signal(uint8_t* dst, uint64_t v) {
-    ep::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(dst), v);
+// `off` is the word's offset in buffer set `set`.
+EP_DEVICE void signal_peer(const LlBuffer& b, int r, uint32_t set, uint64_t off, uint64_t v) {
+#if EP_LL_NVSHMEM
+    if (is_remote(b, r)) {
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(set_base(b, b.local, set) + off), v,
+                           NVSHMEM_SIGNAL_SET, r);
+        return;
+    }
+#endif
+    ep::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(set_base(b, peer_base(b, r), set) + off), v);
 }
 
-EP_DEVICE void put_flag(uint8_t* dst, int v) { ep::st_relaxed_sys(reinterpret_cast<int*>(dst), v); }
+EP_DEVICE void flag_peer(const LlBuffer& b, int r, uint32_t set, uint64_t off, int v) {
+#if EP_LL_NVSHMEM
+    if (is_remote(b, r)) {
+        nvshmem_int_p(reinterpret_cast<int*>(set_base(b, b.local, set) + off), v, r);
+        return;
+    }
+#endif
+    ep::st_relaxed_sys(reinterpret_cast<int*>(set_base(b, peer_base(b, r), set) + off), v);
+}
+
+// A data word (a dispatch index entry): ordered before the signal like the messages.
+EP_DEVICE void entry_peer(const LlBuffer& b, int r, uint32_t set, uint64_t off, int v) {
+#if EP_LL_NVSHMEM
+    if (is_remote(b, r)) {
+        nvshmem_int_p(reinterpret_cast<int*>(set_base(b, b.local, set) + off), v, r);
+        return;
+    }
+#endif
+    *reinterpret_cast<int*>(set_base(b, peer_base(b, r), set) + off) = v;
+}
+
+// Where a warp writes `bytes` bytes bound for offset `off` of rank r's set `set`: the peer's
+// memory over NVLink, else the staging region at `stage_off` (then `put_staged` sends them).
+EP_DEVICE uint8_t* write_target(const LlBuffer& b, int r, uint32_t set, uint64_t off,
+                                uint64_t stage_off) {
+    if (is_remote(b, r)) {
+        return b.local + b.off_stage + stage_off;
+    }
+    return set_base(b, peer_base(b, r), set) + off;
+}
+
+// Called by a whole warp, after its lanes wrote `bytes` bytes at `write_target(..)` + `from`:
+// for a remote rank, puts them from the staging region to offset `off + from` of its set.
+// Nothing for a peer over NVLink (the stores went there).
+EP_DEVICE void put_staged(const LlBuffer& b, int r, uint32_t set, uint64_t off, uint64_t stage_off,
+                          uint64_t from, uint64_t bytes) {
+#if EP_LL_NVSHMEM
+    if (is_remote(b, r)) {
+        __syncwarp();
+        nvshmemx_putmem_nbi_warp(set_base(b, b.local, set) + off + from,
+                                 b.local + b.off_stage + stage_off + from, bytes, r);
+    }
+#else
+    (void)b, (void)r, (void)set, (void)off, (void)stage_off, (void)from, (void)bytes;
+#endif
+}
+
+// Completes the calling thread's NVSHMEM puts (delivered at the target) before what it does
+// next releases a signal or flag; nothing in the NVLink build.
+EP_DEVICE void remote_quiet() {
+#if EP_LL_NVSHMEM
+    nvshmem_quiet();
+#endif
+}
 
 EP_DEVICE int ld_vol(const int* ptr) { return ep::ld_volatile(ptr); }
 

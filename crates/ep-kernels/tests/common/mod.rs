@@ -93,6 +93,22 @@ impl Runner {
         }
     }
 
+    /// The seed the cases' rngs derive from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The name filter (the first argument), if any.
+    pub fn filter(&self) -> Option<&str> {
+        self.filter.as_deref()
+    }
+
+    /// Counts cases run elsewhere (e.g. by child processes, which printed them).
+    pub fn add_counts(&mut self, passed: usize, failed: usize) {
+        self.passed += passed;
+        self.failed += failed;
+    }
+
     /// Prints `N passed, N failed` and exits (code 1 if any case failed).
     pub fn finish(self) -> ! {
         println!("{} passed, {} failed", self.passed, self.failed);

@@ -18,16 +18,20 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One rank's low-latency buffer (layout: [`LowLatencyLayout`]).
 ///
-/// The memory is a [`DeviceMemory`] (`cuMemAlloc`, not a stream-ordered pool), so that peers
-/// can reach it through peer access or CUDA IPC. Lifecycle: [`LowLatencyBuffer::new`] on
-/// every rank, share [`LowLatencyBuffer::base_ptr`] (as a peer pointer or an IPC handle), then
-/// [`LowLatencyBuffer::connect`] with every rank's base address as this GPU sees it.
+/// On one node the memory is a [`DeviceMemory`] (`cuMemAlloc`, not a stream-ordered pool), so
+/// that peers can reach it through peer access or CUDA IPC. Lifecycle: [`LowLatencyBuffer::new`]
+/// on every rank, share [`LowLatencyBuffer::base_ptr`] (as a peer pointer or an IPC handle),
+/// then [`LowLatencyBuffer::connect`] with every rank's base address as this GPU sees it.
+///
+/// Across nodes (feature `nvshmem`) the memory lies on NVSHMEM's symmetric heap and
+/// [`LowLatencyBuffer::new_nvshmem`] connects it at once: ranks of this node through their
+/// NVLink pointers, the others through NVSHMEM puts (the `*_nvshmem` kernels).
 #[derive(Debug)]
 pub struct LowLatencyBuffer {
     ctx: Arc<CudaContext>,
     /// The buffer's memory. Declared before the peer table and the mirror: its drop
-    /// synchronises the context (so no kernel uses any of them any more), then frees it.
-    mem: DeviceMemory,
+    /// synchronises the device (so no kernel uses any of them any more), then frees it.
+    mem: Memory,
     layout: LowLatencyLayout,
     rank: usize,
     peers: CudaSlice<u64>,
@@ -37,6 +41,41 @@ pub struct LowLatencyBuffer {
     /// as it ends (see [`LowLatencyBuffer::active_ranks_mirror`]); dropped after `mem`
     /// synchronised the context, so no kernel writes it any more.
     mirror: HostMappedI32,
+}
+
+/// The owner of a buffer's memory.
+#[derive(Debug)]
+enum Memory {
+    /// `cuMemAlloc`: peers of the node reach it through peer access or CUDA IPC.
+    Device(DeviceMemory),
+    /// NVSHMEM's symmetric heap: peers of the node through `nvshmem_ptr`, other nodes through
+    /// NVSHMEM puts.
+    #[cfg(feature = "nvshmem")]
+    Symmetric(Symmetric),
+}
+
+impl Memory {
+    fn ptr(&self) -> u64 {
+        match self {
+            Self::Device(mem) => mem.ptr(),
+            #[cfg(feature = "nvshmem")]
+            Self::Symmetric(sym) => sym.mem.as_device_ptr().addr(),
+        }
+    }
+}
+
+/// A buffer on NVSHMEM's symmetric heap and the NVSHMEM instance its kernels' modules are
+/// bound to.
+#[cfg(feature = "nvshmem")]
+#[derive(Debug)]
+struct Symmetric {
+    /// Dropped first among the fields: waits for the device, then frees (collective).
+    mem: nvshmem_sys::SymmetricBuffer<u8>,
+    nv: Arc<nvshmem_sys::Nvshmem>,
+    /// Modules (`CUmodule` addresses) already bound with `nvshmemx_cumodule_init`.
+    bound: std::sync::Mutex<Vec<usize>>,
+    /// Some rank is on another node (reached through NVSHMEM puts).
+    remote: bool,
 }
 
 // SAFETY: the allocation (owned through `mem`) is only touched through the CUDA driver, which
@@ -61,13 +100,15 @@ impl LowLatencyBuffer {
         let mut table = vec![0u64; layout.num_ranks];
         let mut peers = stream.alloc_zeros::<u64>(layout.num_ranks)?;
         let mirror = HostMappedI32::new(&ctx, layout.num_ranks, 1)?;
-        // Zeroed below before any use; freed by `DeviceMemory`'s drop.
-        let mem = DeviceMemory::alloc(&ctx, layout.total_bytes)?;
+        // Freed by `DeviceMemory`'s drop; the zeroing is ordered on `stream` and completes
+        // before `set_active_ranks` below synchronises it.
+        let mut mem = DeviceMemory::alloc(&ctx, layout.total_bytes)?;
+        mem.zero_async(stream)?;
         table[rank] = mem.ptr();
         stream.memcpy_htod(&table, &mut peers)?;
-        let mut buffer = Self {
+        let buffer = Self {
             ctx,
-            mem,
+            mem: Memory::Device(mem),
             layout,
             rank,
             peers,
@@ -75,10 +116,119 @@ impl LowLatencyBuffer {
             timeout: DEFAULT_TIMEOUT,
             mirror,
         };
-        // Ordered on `stream`; completes before `set_active_ranks` synchronises it.
-        buffer.mem.zero_async(stream)?;
         buffer.set_active_ranks(stream, &vec![true; layout.num_ranks])?;
         Ok(buffer)
+    }
+
+    /// Allocates this rank's buffer on NVSHMEM's symmetric heap (collective: every PE calls it
+    /// with the same layout, in the same order as its other symmetric allocations) and connects
+    /// it: ranks `r` with `same_node(r)` through their NVLink/P2P address (`nvshmem_ptr`), the
+    /// others through NVSHMEM puts, staged in the layout's staging region
+    /// ([`LowLatencyLayout::with_remote_stage`], added here). The rank is NVSHMEM's PE number,
+    /// `nv` must have `layout.num_ranks` PEs and live on `stream`'s device. Binds the NVSHMEM
+    /// kernels' modules to `nv`. Synchronises `stream`.
+    #[cfg(feature = "nvshmem")]
+    pub fn new_nvshmem(
+        stream: &Arc<CudaStream>,
+        layout: LowLatencyLayout,
+        nv: &Arc<nvshmem_sys::Nvshmem>,
+        same_node: impl Fn(usize) -> bool,
+    ) -> Result<Self> {
+        let layout = layout.with_remote_stage()?;
+        let (rank, n) = (nv.my_pe(), layout.num_ranks);
+        if nv.n_pes() != n {
+            return Err(Error::invalid(
+                "nv",
+                format!("{} PEs", nv.n_pes()),
+                format!("the layout is for num_ranks = {n}"),
+            ));
+        }
+        let ctx = stream.context().clone();
+        if nv.device() != ctx.ordinal() {
+            return Err(Error::invalid(
+                "stream",
+                format!("a stream of device {}", ctx.ordinal()),
+                format!("NVSHMEM lives on device {}", nv.device()),
+            ));
+        }
+        ctx.bind_to_thread()?;
+        let mem = nv.alloc_zeroed::<u8>(layout.total_bytes)?;
+        let base = mem.as_device_ptr().addr();
+        if base % 256 != 0 {
+            return Err(Error::invalid(
+                "NVSHMEM heap",
+                format!("{base:#x}"),
+                "the buffer must be 256-byte aligned",
+            ));
+        }
+        let mut table = vec![0u64; n];
+        for (r, entry) in table.iter_mut().enumerate() {
+            if r == rank || same_node(r) {
+                *entry = mem.peer_ptr(r)?.map(|p| p.addr()).ok_or_else(|| {
+                    Error::invalid(
+                        "same_node",
+                        format!("true for rank {r}"),
+                        "NVSHMEM gives no NVLink/P2P address of that rank's buffer",
+                    )
+                })?;
+            }
+        }
+        let mut peers = stream.alloc_zeros::<u64>(n)?;
+        stream.memcpy_htod(&table, &mut peers)?;
+        let mirror = HostMappedI32::new(&ctx, n, 1)?;
+        let mut buffer = Self {
+            ctx,
+            mem: Memory::Symmetric(Symmetric {
+                mem,
+                nv: nv.clone(),
+                bound: std::sync::Mutex::new(Vec::new()),
+                remote: table.contains(&0),
+            }),
+            layout,
+            rank,
+            peers,
+            connected: true,
+            timeout: DEFAULT_TIMEOUT,
+            mirror,
+        };
+        buffer.set_active_ranks(stream, &vec![true; n])?;
+        let kernels = crate::cuda::Kernels::for_stream(stream)?;
+        for (file, name) in [
+            (super::DISPATCH_NVSHMEM_FILE, "ll_dispatch"),
+            (super::COMBINE_NVSHMEM_FILE, "ll_combine"),
+        ] {
+            let kernel = kernels.kernel(file, name)?;
+            buffer.bind(&kernel)?;
+        }
+        buffer.connected = true;
+        Ok(buffer)
+    }
+
+    /// Binds the module of `kernel`, one of the `*_nvshmem` kernels, to this buffer's NVSHMEM
+    /// instance once (nothing for a buffer without NVSHMEM). Modules without NVSHMEM's device
+    /// state (the NVLink kernels) must not be bound: NVSHMEM refuses them.
+    pub(super) fn bind(&self, kernel: &crate::cuda::Kernel) -> Result<()> {
+        #[cfg(feature = "nvshmem")]
+        if let Memory::Symmetric(sym) = &self.mem {
+            let mut module = std::ptr::null_mut();
+            // SAFETY: the function handle belongs to `kernel`, which is alive; the driver
+            // writes the module it belongs to into `module`.
+            unsafe {
+                cudarc::driver::sys::cuFuncGetModule(&mut module, kernel.function().cu_function())
+            }
+            .result()?;
+            let mut bound = sym.bound.lock().unwrap_or_else(|e| e.into_inner());
+            if !bound.contains(&(module as usize)) {
+                // SAFETY: `module` is loaded in this buffer's context (the primary context of
+                // NVSHMEM's device, checked at construction) and stays loaded while the kernel
+                // registry keeps it (a reloaded module is a new handle, bound again here).
+                unsafe { sym.nv.cumodule_init(module.cast()) }?;
+                bound.push(module as usize);
+            }
+        }
+        #[cfg(not(feature = "nvshmem"))]
+        let _ = kernel;
+        Ok(())
     }
 
     /// The device address of this rank's buffer (what peers map).
@@ -86,9 +236,33 @@ impl LowLatencyBuffer {
         self.mem.ptr()
     }
 
-    /// The buffer's memory (for its IPC handle).
-    pub fn memory(&self) -> &DeviceMemory {
-        &self.mem
+    /// The buffer's memory (for its IPC handle); `None` for a buffer on NVSHMEM's heap.
+    pub fn memory(&self) -> Option<&DeviceMemory> {
+        match &self.mem {
+            Memory::Device(mem) => Some(mem),
+            #[cfg(feature = "nvshmem")]
+            Memory::Symmetric(_) => None,
+        }
+    }
+
+    /// Whether the buffer lies on NVSHMEM's symmetric heap.
+    pub fn uses_nvshmem(&self) -> bool {
+        match &self.mem {
+            Memory::Device(_) => false,
+            #[cfg(feature = "nvshmem")]
+            Memory::Symmetric(_) => true,
+        }
+    }
+
+    /// Whether some rank is on another node, reached through NVSHMEM puts: the launches then
+    /// use the `*_nvshmem` kernels (a buffer on NVSHMEM's heap whose ranks all share this node
+    /// uses the NVLink kernels).
+    pub fn reaches_other_nodes(&self) -> bool {
+        match &self.mem {
+            Memory::Device(_) => false,
+            #[cfg(feature = "nvshmem")]
+            Memory::Symmetric(sym) => sym.remote,
+        }
     }
 
     /// The layout.
@@ -267,7 +441,7 @@ impl LowLatencyBuffer {
             off_rows: l.off_rows as u64,
             off_active: l.off_active as u64,
             off_send_done: l.off_send_done as u64,
-            reserved_u64: 0,
+            off_stage: l.off_stage as u64,
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
             num_ranks: to_i32("num_ranks", l.num_ranks)?,
             rank: to_i32("rank", self.rank)?,
@@ -297,8 +471,7 @@ pub(super) struct LlBuffer {
     pub off_rows: u64,
     pub off_active: u64,
     pub off_send_done: u64,
-    /// Unused (0).
-    pub reserved_u64: u64,
+    pub off_stage: u64,
     pub timeout_ns: u64,
     pub num_ranks: i32,
     pub rank: i32,
@@ -315,7 +488,7 @@ assert_params_layout!(
     144;
     local = 0, peers = 8, set_bytes = 16, sets_offset = 24, off_signals = 32, off_flags = 40,
     off_msgs = 48, off_idx = 56, off_rows = 64, off_active = 72, off_send_done = 80,
-    reserved_u64 = 88, timeout_ns = 96, num_ranks = 104, rank = 108, num_experts = 112,
+    off_stage = 88, timeout_ns = 96, num_ranks = 104, rank = 108, num_experts = 112,
     max_tokens = 116, hidden = 120, max_topk = 124, msg_stride = 128, reserved = 132,
     active_mirror = 136,
 );
