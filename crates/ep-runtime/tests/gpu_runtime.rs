@@ -39,11 +39,21 @@ fn main() {
     let world = gpus.min(8);
     let (mut passed, mut failed) = (0usize, 0usize);
     // "equal": the copy-engine normal mode; "equal-rings": the SM ring kernels.
-    let mut launches = vec!["equal", "equal-rings"];
+    let mut launches = vec![("equal", world), ("equal-rings", world)];
     if world >= 2 {
-        launches.push("missing");
+        launches.push(("missing", world));
     }
-    for case in launches {
+    // Across "nodes" of this host (feature `nvshmem`): 2 nodes x 2 GPUs and 2 x 1, the
+    // low-latency ops over NVSHMEM against the host backend.
+    if cfg!(feature = "nvshmem") {
+        if world >= 4 {
+            launches.push(("nodes-2", 4));
+        }
+        if world >= 2 {
+            launches.push(("nodes-1", 2));
+        }
+    }
+    for (case, world) in launches {
         for (rank, (code, text)) in launch(case, world).into_iter().enumerate() {
             println!("===== {case}: rank {rank} (exit {code}) =====\n{text}");
             passed += text.lines().filter(|l| l.starts_with("PASS ")).count();
@@ -79,6 +89,8 @@ fn launch(case: &str, world: usize) -> Vec<(i32, String)> {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("NVSHMEM_DISABLE_NVLS", "1")
+                .env("NVSHMEM_REMOTE_TRANSPORT", "none")
+                .env("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
                 .env("NCCL_NVLS_ENABLE", "0")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -107,12 +119,18 @@ struct Ctx {
     _store: Option<Store>,
 }
 
-fn setup(timeout: Duration, transfer: NvlTransfer) -> std::result::Result<Ctx, String> {
+/// `gpus_per_node`: `None` for one node of `WORLD_SIZE` GPUs.
+fn setup(
+    timeout: Duration,
+    transfer: NvlTransfer,
+    gpus_per_node: Option<usize>,
+) -> std::result::Result<Ctx, String> {
     let scfg = StoreConfig::from_env()
         .and_then(|c| c.with_timeout(Duration::from_secs(60)))
         .map_err(|e| e.to_string())?;
     let (rank, world, local) = (scfg.rank, scfg.world_size, scfg.local_rank);
-    let topo = Topology::new(rank, world, world).map_err(|e| e.to_string())?;
+    let topo =
+        Topology::new(rank, world, gpus_per_node.unwrap_or(world)).map_err(|e| e.to_string())?;
     let store = Store::connect(scfg).map_err(|e| e.to_string())?;
     let gpu = Device::new_cuda(local).map_err(|e| e.to_string())?;
     let cfg = BufferConfig::default()
@@ -139,7 +157,10 @@ fn child(case: &str) -> i32 {
     } else {
         NvlTransfer::CopyEngine
     };
-    let ctx = match setup(Duration::from_secs(timeout), transfer) {
+    let gpus_per_node = case
+        .strip_prefix("nodes-")
+        .and_then(|g| g.parse::<usize>().ok());
+    let ctx = match setup(Duration::from_secs(timeout), transfer, gpus_per_node) {
         Ok(c) => c,
         Err(e) => {
             println!("FAIL setup: {e}");
@@ -156,6 +177,13 @@ fn child(case: &str) -> i32 {
     };
     if case == "missing" {
         run("missing_rank_named", &missing_rank);
+    } else if gpus_per_node.is_some() {
+        for round in 0..3 {
+            run(&format!("low_latency_round_{round}"), &|c| {
+                low_latency(c, round)
+            });
+        }
+        run("normal_mode_unsupported_across_nodes", &normal_unsupported);
     } else {
         run("fp8_casts", &fp8_casts);
         for round in 0..4 {
@@ -620,6 +648,31 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
         ));
     }
     Ok(())
+}
+
+/// Across nodes the CUDA buffer has no normal mode yet: its dispatch fails with
+/// `Unsupported` naming the internode path (and the layout, a local kernel, still works).
+fn normal_unsupported(c: &Ctx) -> TestResult {
+    let e = 8 * c.world;
+    let (x, idx, w) = inputs(c, 7, 0, 1)?;
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+    let lh = c.cpu.get_dispatch_layout(&idx, e).map_err(err)?;
+    let ld = c.cuda.get_dispatch_layout(&idxd, e).map_err(err)?;
+    same(
+        "num_tokens_per_rank",
+        &ld.num_tokens_per_rank,
+        &lh.num_tokens_per_rank,
+    )?;
+    match c
+        .cuda
+        .dispatch(&DispatchArgs::new(&xd).topk(&idxd, &wd).layout(&ld))
+    {
+        Err(ep_runtime::Error::Unsupported(msg)) if msg.contains("internode") => Ok(()),
+        Err(e) => Err(format!(
+            "expected Unsupported naming the internode path, got {e}"
+        )),
+        Ok(_) => Err("normal dispatch across nodes succeeded on a buffer without it".into()),
+    }
 }
 
 /// Fills `MiB` of freed pool memory with `0x7f` bytes (bf16 3.4e38, fp8 NaN, i32 0x7f7f7f7f)

@@ -37,8 +37,9 @@ use std::time::Duration;
 /// reports newly masked ranks then.
 #[derive(Debug)]
 pub(super) struct LlState {
-    /// Peers' buffers mapped here (dropped before `buffer`).
-    _peers: PeerMap,
+    /// Peers' buffers mapped here (dropped before `buffer`; `None` for a buffer on NVSHMEM's
+    /// heap, which NVSHMEM maps).
+    _peers: Option<PeerMap>,
     pub(super) buffer: LowLatencyBuffer,
     /// `(max_tokens_per_rank, hidden, num_experts)` the layout is for.
     key: (usize, usize, usize),
@@ -58,13 +59,17 @@ pub(crate) struct LowLatencyCuda {
     pub(super) compute: Arc<CudaStream>,
     /// The communication stream.
     pub(super) comm: Arc<CudaStream>,
-    rank: usize,
     pub(super) num_ranks: usize,
+    /// This rank's place (rank, nodes).
+    topo: Topology,
     pub(super) timeout: Duration,
     /// Serialises the buffer's ops (shared with the normal mode).
     pub(super) op: Arc<Mutex<()>>,
     /// The buffer (`None` until the first op, or when the buffer was built without a sizing).
     pub(super) state: Mutex<Option<LlState>>,
+    /// Across nodes: the NVSHMEM instance the buffer's memory and puts go through.
+    #[cfg(feature = "nvshmem")]
+    nvshmem: Option<Arc<nvshmem_sys::Nvshmem>>,
 }
 
 impl LowLatencyCuda {
@@ -81,11 +86,22 @@ impl LowLatencyCuda {
             dev: dev.clone(),
             compute: dev.cuda_stream(),
             comm: comm.clone(),
-            rank: topo.rank,
             num_ranks: topo.num_ranks,
+            topo,
             timeout,
             op,
             state: Mutex::new(None),
+            #[cfg(feature = "nvshmem")]
+            nvshmem: None,
+        }
+    }
+
+    /// Builds the buffers on NVSHMEM's heap through `nv` (across nodes), or as usual (`None`).
+    #[cfg(feature = "nvshmem")]
+    pub(super) fn with_nvshmem(self, nv: Option<Arc<nvshmem_sys::Nvshmem>>) -> Self {
+        Self {
+            nvshmem: nv,
+            ..self
         }
     }
 
@@ -101,18 +117,37 @@ impl LowLatencyCuda {
     fn new_state(&self, group: &dyn Group, m: usize, h: usize, e: usize) -> Result<LlState> {
         let r = self.num_ranks;
         let layout = LowLatencyLayout::new(m, h, r, e)?;
-        let mut buffer = LowLatencyBuffer::new(&self.comm, layout, self.rank)?;
+        #[cfg(feature = "nvshmem")]
+        if let Some(nv) = &self.nvshmem {
+            // Collective over NVSHMEM's PEs (every rank builds in the same order).
+            let topo = self.topo;
+            let mut buffer =
+                LowLatencyBuffer::new_nvshmem(&self.comm, layout, nv, |q| topo.same_node(q))?;
+            buffer.set_timeout(self.timeout);
+            return Ok(LlState {
+                _peers: None,
+                buffer,
+                key: (m, h, e),
+                known_mask: vec![true; r],
+                mask_event: None,
+            });
+        }
+        let mut buffer = LowLatencyBuffer::new(&self.comm, layout, self.topo.rank)?;
         buffer.set_timeout(self.timeout);
         let ctx = self.comm.context().clone();
-        let own = PeerRecord::of(buffer.memory(), ctx.ordinal())?;
+        // `LowLatencyBuffer::new` allocates device memory (never NVSHMEM's heap).
+        let mem = buffer.memory().ok_or_else(|| {
+            Error::Unsupported("a low-latency buffer on NVSHMEM's heap has no IPC handle".into())
+        })?;
+        let own = PeerRecord::of(mem, ctx.ordinal())?;
         let records = gather_records(group, own)?;
-        let peers = PeerMap::open(&ctx, &records, self.rank, |i| i)?;
+        let peers = PeerMap::open(&ctx, &records, self.topo.rank, |i| i)?;
         // SAFETY: `peers` maps every rank's low-latency buffer of this layout into this
         // context (IPC or peer pointers, own entry = own base); it is kept in `LlState` next to
         // `buffer` and dropped after it.
         unsafe { buffer.connect(&self.comm, peers.ptrs()) }?;
         Ok(LlState {
-            _peers: peers,
+            _peers: Some(peers),
             buffer,
             key: (m, h, e),
             known_mask: vec![true; r],

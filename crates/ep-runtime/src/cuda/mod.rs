@@ -12,8 +12,9 @@
 //! Communication kernels run on the buffer's own stream: it first waits for the caller's
 //! `previous_event` (or for candle's stream), and at the end either candle's stream waits for
 //! it (synchronous mode) or the caller gets an [`EventOverlap`] to wait on (`async_finish`).
-//! Only one node (all ranks reachable over NVLink) is supported; more nodes need the internode
-//! (RDMA / NVSHMEM) transport, which is not available yet.
+//! Across nodes (feature `nvshmem`, `Topology::num_nodes() > 1`) the low-latency buffer lies
+//! on NVSHMEM's symmetric heap (ranks of this node over NVLink, the others through NVSHMEM
+//! puts) and the normal mode is not available yet (its ops fail with `Error::Unsupported`).
 
 pub(crate) mod cast;
 mod common;
@@ -61,6 +62,22 @@ pub(crate) struct CudaBuffer {
     rank: usize,
     num_ranks: usize,
     timeout: Duration,
+    /// Normal mode over the node's NVLink buffers (`None` across nodes: the internode normal
+    /// path is not built yet, and its ops say so).
+    normal: Option<NormalCuda>,
+    /// Nodes of the group.
+    num_nodes: usize,
+    /// The low-latency mode (its buffer, mask tracking and ops).
+    ll: LowLatencyCuda,
+    /// Serialises ops of this buffer, of both modes (they share the streams, the NVLink
+    /// buffer and counters).
+    op: Arc<Mutex<()>>,
+}
+
+/// The normal mode's state on one node: launch configurations, the mapped NVLink buffers, the
+/// copy streams and the host-mapped counters.
+#[derive(Debug)]
+pub(crate) struct NormalCuda {
     /// Ring launch configurations of dispatch (and notify) and of combine: the same SMs and
     /// rings, each op's own chunk.
     kdispatch: ki::Config,
@@ -81,17 +98,13 @@ pub(crate) struct CudaBuffer {
     expert_counter: ki::HostMappedI32,
     /// 4 words: the normal-mode kernels' error record.
     error_record: ki::HostMappedI32,
-    /// The low-latency mode (its buffer, mask tracking and ops).
-    ll: LowLatencyCuda,
-    /// Serialises ops of this buffer, of both modes (they share the streams, the NVLink
-    /// buffer and counters).
-    op: Arc<Mutex<()>>,
 }
 
 impl CudaBuffer {
     /// Builds the CUDA state of buffer `buffer_id` on `device` for rank `topo` of `group` (a
     /// collective: every rank of the group calls it once, in the same order as its other
-    /// buffers).
+    /// buffers). On one node both modes run over NVLink; across nodes (feature `nvshmem`) the
+    /// low-latency mode runs over NVSHMEM and the normal mode is not available yet.
     pub(crate) fn new(
         device: &Device,
         topo: Topology,
@@ -106,15 +119,16 @@ impl CudaBuffer {
                 "the CUDA backend needs a CUDA device",
             ));
         };
-        if topo.num_nodes() > 1 {
+        let across_nodes = topo.num_nodes() > 1;
+        if across_nodes && !cfg!(feature = "nvshmem") {
             return Err(Error::Unsupported(format!(
-                "{} nodes of {} GPUs: CUDA buffers support one node (NVLink) only; the internode \
-                 transport (RDMA / NVSHMEM) is not available yet",
+                "{} nodes of {} GPUs: CUDA buffers across nodes need ep-runtime's `nvshmem` \
+                 feature (low-latency mode over NVSHMEM); this build supports one node (NVLink)",
                 topo.num_nodes(),
                 topo.gpus_per_node
             )));
         }
-        if topo.num_ranks > ki::MAX_NVL_RANKS {
+        if !across_nodes && topo.num_ranks > ki::MAX_NVL_RANKS {
             return Err(Error::invalid(
                 "num_ranks",
                 topo.num_ranks,
@@ -124,70 +138,31 @@ impl CudaBuffer {
                 ),
             ));
         }
-        let c = &cfg.config;
-        let (dispatch_chunk, combine_chunk) =
-            c.send_tokens(topo.num_ranks, ki::COMBINE_ROUND_TOKENS);
-        let kdispatch = ki::Config::new(c.num_sms, dispatch_chunk, c.num_max_recv_tokens)?;
-        let kcombine = ki::Config::new(c.num_sms, combine_chunk, c.num_max_recv_tokens)?;
-        if c.num_max_recv_tokens < combine_chunk + ki::COMBINE_ROUND_TOKENS {
-            return Err(Error::invalid(
-                "num_max_recv_tokens",
-                c.num_max_recv_tokens,
-                format!(
-                    "CUDA combine needs at least its chunk ({combine_chunk} tokens) + {} = {}",
-                    ki::COMBINE_ROUND_TOKENS,
-                    combine_chunk + ki::COMBINE_ROUND_TOKENS
-                ),
-            ));
-        }
         let compute = dev.cuda_stream();
         let ctx: Arc<CudaContext> = compute.context().clone();
         ctx.bind_to_thread()?;
         // Ops allocate their outputs stream-ordered on every call: keep freed memory pooled.
         ep_kernels::cuda::retain_pool_memory(&ctx).map_err(|e| kernel_err(e, cfg.timeout))?;
         let comm = ctx.new_stream()?;
-        let bytes = cfg.num_nvl_bytes.unwrap_or_else(|| {
-            let rings = ki::buffer_size_hint(
-                BufferConfig::DEFAULT_NVL_HIDDEN,
-                BufferConfig::DEFAULT_NVL_TOPK,
-                topo.num_ranks,
-                &kdispatch,
-            );
-            let ce = ki::ce_buffer_size_hint(
-                BufferConfig::DEFAULT_NVL_TOKENS,
-                BufferConfig::DEFAULT_NVL_HIDDEN,
-                BufferConfig::DEFAULT_NVL_TOPK,
-                topo.num_ranks,
-            );
-            if cfg.nvl_transfer.uses_copy_engine(topo.num_ranks) {
-                rings.max(ce)
-            } else {
-                rings
-            }
-        });
-        let bytes = bytes.max(ki::RING_BASE).div_ceil(128) * 128;
-        let nvl = DeviceMemory::zeroed(&comm, bytes)?;
-        let records = gather_records(group, PeerRecord::of(&nvl, ctx.ordinal())?)?;
-        let nvl_peers = PeerMap::open(&ctx, &records, topo.rank, |i| i)?;
-        let recv_counter = ki::HostMappedI32::new(&ctx, 1 + ki::MAX_NVL_RANKS, -1)?;
-        let expert_counter = ki::HostMappedI32::new(&ctx, ki::MAX_LOCAL_EXPERTS, -1)?;
-        let error_record = ki::HostMappedI32::new(&ctx, 4, 0)?;
-        // SAFETY: every pointer is a live `cuMemAlloc` buffer of `bytes` bytes (own, opened
-        // through IPC, or a peer-accessible pointer of this process) zeroed before the
-        // all-gather (so before any peer's first op); `nvl` and `nvl_peers` live as long as
-        // `self`, and their `Drop`s synchronise the context before freeing / unmapping; ops
-        // are serialised by `self.op`; the error record is host-mapped, 16-byte aligned.
-        let peer_buffers = unsafe {
-            ki::PeerBuffers::new(
-                topo.rank,
-                nvl_peers.ptrs(),
-                bytes,
-                error_record.device_ptr(),
-            )
-        }?
-        .with_timeout(cfg.timeout);
+        let normal = if across_nodes {
+            None
+        } else {
+            Some(NormalCuda::new(&ctx, &comm, topo, cfg, group)?)
+        };
         let op = Arc::new(Mutex::new(()));
+        #[cfg(feature = "nvshmem")]
+        let nvshmem = if across_nodes {
+            Some(crate::transport::nvshmem_for_group(
+                group,
+                topo,
+                ctx.ordinal(),
+            )?)
+        } else {
+            None
+        };
         let ll = LowLatencyCuda::new(dev, &comm, topo, cfg.timeout, op.clone());
+        #[cfg(feature = "nvshmem")]
+        let ll = ll.with_nvshmem(nvshmem);
         let this = Self {
             dev: dev.clone(),
             buffer_id,
@@ -196,21 +171,8 @@ impl CudaBuffer {
             rank: topo.rank,
             num_ranks: topo.num_ranks,
             timeout: cfg.timeout,
-            kdispatch,
-            kcombine,
-            peer_buffers,
-            ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
-                (
-                    ki::CeConfig::dispatch_for(topo.num_ranks, c.num_sms),
-                    ki::CeConfig::combine_for(topo.num_ranks, c.num_sms),
-                )
-            }),
-            copies: ki::CopyStreams::new(&ctx, topo.num_ranks)?,
-            _nvl_peers: nvl_peers,
-            nvl,
-            recv_counter,
-            expert_counter,
-            error_record,
+            normal,
+            num_nodes: topo.num_nodes(),
             ll,
             op,
         };
@@ -224,10 +186,23 @@ impl CudaBuffer {
         }
         tracing::debug!(
             rank = topo.rank,
-            nvl_bytes = this.nvl.bytes(),
+            nodes = topo.num_nodes(),
+            nvl_bytes = this.normal.as_ref().map_or(0, |n| n.nvl.bytes()),
             "CUDA buffer ready"
         );
         Ok(this)
+    }
+
+    /// The normal mode's state, or the error that says why a buffer across nodes has none.
+    fn normal_mode(&self) -> Result<&NormalCuda> {
+        self.normal.as_ref().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "normal mode (dispatch / combine) of a CUDA buffer across {} nodes: the \
+                 internode normal path is not built yet; this buffer runs the low-latency ops \
+                 (over NVSHMEM)",
+                self.num_nodes
+            ))
+        })
     }
 
     /// The communication stream.
@@ -255,14 +230,104 @@ impl CudaBuffer {
     /// Fails with the rank a normal-mode device wait timed out on, if any (and clears the
     /// record).
     fn check_nvl_error(&self) -> Result<()> {
-        let rec = self.error_record.to_vec();
+        let Some(nm) = &self.normal else {
+            return Ok(());
+        };
+        let rec = nm.error_record.to_vec();
         if rec[0] == 0 {
             return Ok(());
         }
-        self.error_record.fill(0);
+        nm.error_record.fill(0);
         match ki::PeerBuffers::check_error(&rec) {
             Ok(()) => Ok(()),
             Err(e) => Err(kernel_err(e, self.timeout)),
         }
+    }
+}
+
+impl NormalCuda {
+    /// Allocates this rank's NVLink buffer, maps the node's (a collective over `group`) and
+    /// sets up the launch configurations, copy streams and counters.
+    fn new(
+        ctx: &Arc<CudaContext>,
+        comm: &Arc<CudaStream>,
+        topo: Topology,
+        cfg: &BufferConfig,
+        group: &dyn Group,
+    ) -> Result<Self> {
+        let c = &cfg.config;
+        let (dispatch_chunk, combine_chunk) =
+            c.send_tokens(topo.num_ranks, ki::COMBINE_ROUND_TOKENS);
+        let kdispatch = ki::Config::new(c.num_sms, dispatch_chunk, c.num_max_recv_tokens)?;
+        let kcombine = ki::Config::new(c.num_sms, combine_chunk, c.num_max_recv_tokens)?;
+        if c.num_max_recv_tokens < combine_chunk + ki::COMBINE_ROUND_TOKENS {
+            return Err(Error::invalid(
+                "num_max_recv_tokens",
+                c.num_max_recv_tokens,
+                format!(
+                    "CUDA combine needs at least its chunk ({combine_chunk} tokens) + {} = {}",
+                    ki::COMBINE_ROUND_TOKENS,
+                    combine_chunk + ki::COMBINE_ROUND_TOKENS
+                ),
+            ));
+        }
+        let bytes = cfg.num_nvl_bytes.unwrap_or_else(|| {
+            let rings = ki::buffer_size_hint(
+                BufferConfig::DEFAULT_NVL_HIDDEN,
+                BufferConfig::DEFAULT_NVL_TOPK,
+                topo.num_ranks,
+                &kdispatch,
+            );
+            let ce = ki::ce_buffer_size_hint(
+                BufferConfig::DEFAULT_NVL_TOKENS,
+                BufferConfig::DEFAULT_NVL_HIDDEN,
+                BufferConfig::DEFAULT_NVL_TOPK,
+                topo.num_ranks,
+            );
+            if cfg.nvl_transfer.uses_copy_engine(topo.num_ranks) {
+                rings.max(ce)
+            } else {
+                rings
+            }
+        });
+        let bytes = bytes.max(ki::RING_BASE).div_ceil(128) * 128;
+        let nvl = DeviceMemory::zeroed(comm, bytes)?;
+        let records = gather_records(group, PeerRecord::of(&nvl, ctx.ordinal())?)?;
+        let nvl_peers = PeerMap::open(ctx, &records, topo.rank, |i| i)?;
+        let recv_counter = ki::HostMappedI32::new(ctx, 1 + ki::MAX_NVL_RANKS, -1)?;
+        let expert_counter = ki::HostMappedI32::new(ctx, ki::MAX_LOCAL_EXPERTS, -1)?;
+        let error_record = ki::HostMappedI32::new(ctx, 4, 0)?;
+        // SAFETY: every pointer is a live `cuMemAlloc` buffer of `bytes` bytes (own, opened
+        // through IPC, or a peer-accessible pointer of this process) zeroed before the
+        // all-gather (so before any peer's first op); `nvl` and `nvl_peers` live as long as
+        // `self`, and their `Drop`s synchronise the context before freeing / unmapping; ops
+        // are serialised by the buffer's op lock; the error record is host-mapped, 16-byte
+        // aligned.
+        let peer_buffers = unsafe {
+            ki::PeerBuffers::new(
+                topo.rank,
+                nvl_peers.ptrs(),
+                bytes,
+                error_record.device_ptr(),
+            )
+        }?
+        .with_timeout(cfg.timeout);
+        Ok(Self {
+            kdispatch,
+            kcombine,
+            peer_buffers,
+            ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
+                (
+                    ki::CeConfig::dispatch_for(topo.num_ranks, c.num_sms),
+                    ki::CeConfig::combine_for(topo.num_ranks, c.num_sms),
+                )
+            }),
+            copies: ki::CopyStreams::new(ctx, topo.num_ranks)?,
+            _nvl_peers: nvl_peers,
+            nvl,
+            recv_counter,
+            expert_counter,
+            error_record,
+        })
     }
 }

@@ -152,6 +152,7 @@ impl CudaBuffer {
 
     /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch.
     pub(crate) fn dispatch_fresh(&self, f: FreshDispatch<'_>) -> Result<DispatchOutput> {
+        let nm = self.normal_mode()?;
         let args = f.args;
         check_payload_dtype(args.x)?;
         let _op = lock(&self.op);
@@ -163,7 +164,7 @@ impl CudaBuffer {
             f.hidden,
             f.num_topk,
         );
-        let c = self.kdispatch.num_channels();
+        let c = nm.kdispatch.num_channels();
         let l = f.num_experts / r;
         if l > ki::MAX_LOCAL_EXPERTS {
             return Err(Error::invalid(
@@ -192,8 +193,8 @@ impl CudaBuffer {
             }
         };
         // The copy-engine path when the NVLink buffer holds this op (and its combine).
-        let use_ce = self.ce.is_some() && {
-            let bytes = self.peer_buffers.bytes();
+        let use_ce = nm.ce.is_some() && {
+            let bytes = nm.peer_buffers.bytes();
             let (row, sc) = if f.fp8 {
                 (h, h / FP8_GROUP)
             } else {
@@ -203,8 +204,8 @@ impl CudaBuffer {
                 && t <= ki::CeSlotLayout::combine(bytes, r, h, k).capacity
         };
         // Notify.
-        self.recv_counter.fill(-1);
-        self.expert_counter.fill(-1);
+        nm.recv_counter.fill(-1);
+        nm.expert_counter.fill(-1);
         let mut rpm = alloc::<i32>(comm, r * r)?;
         let mut cpm = alloc::<i32>(comm, r * c)?;
         let mut send_index = if use_ce {
@@ -218,8 +219,8 @@ impl CudaBuffer {
             let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
             ki::notify_dispatch_cuda(
                 comm,
-                &self.peer_buffers,
-                &self.kdispatch,
+                &nm.peer_buffers,
+                &nm.kdispatch,
                 ki::NotifyArgs {
                     num_tokens_per_rank: ntpr_d.view::<i32>()?,
                     num_tokens_per_expert: ntpe_d.view::<i32>()?,
@@ -229,21 +230,21 @@ impl CudaBuffer {
                     expert_alignment: args.expert_alignment,
                     rank_prefix_matrix: rpm.slice_mut(0..r * r),
                     channel_prefix_matrix: cpm.slice_mut(0..r * c),
-                    moe_recv_counter: &self.recv_counter,
-                    moe_recv_expert_counter: &self.expert_counter,
+                    moe_recv_counter: &nm.recv_counter,
+                    moe_recv_expert_counter: &nm.expert_counter,
                     send_index: send_index.as_mut().map(|s| s.slice_mut(0..t * r)),
                 },
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
         let start = Instant::now();
-        let n = self.poll(&self.recv_counter, 0, start)?;
+        let n = self.poll(&nm.recv_counter, 0, start)?;
         // Written before word 0.
         let recv_per_source: Vec<usize> = (0..r)
-            .map(|s| self.recv_counter.get(1 + s).max(0) as usize)
+            .map(|s| nm.recv_counter.get(1 + s).max(0) as usize)
             .collect();
         let per_expert = (0..l)
-            .map(|i| self.poll(&self.expert_counter, i, start))
+            .map(|i| self.poll(&nm.expert_counter, i, start))
             .collect::<Result<Vec<_>>>()?;
         tracing::trace!(rank = me, recv = n, "notify done");
 
@@ -312,7 +313,7 @@ impl CudaBuffer {
                 hidden: h,
                 num_topk: k,
             };
-            let path = match (&self.ce, &send_index) {
+            let path = match (&nm.ce, &send_index) {
                 (Some((ce, _)), Some(si)) => DispatchPath::CopyEngine {
                     config: ce,
                     send_index: si.slice(0..t * r),
@@ -402,17 +403,17 @@ impl CudaBuffer {
         fp8: bool,
         handle: &Handle,
     ) -> Result<DispatchOutput> {
+        let nm = self.normal_mode()?;
         check_payload_dtype(args.x)?;
         let cd = handle.cuda_data()?;
         let hi = &handle.inner;
         let _op = lock(&self.op);
         self.check_nvl_error()?;
         let (r, t, n, h) = (self.num_ranks, hi.num_tokens, hi.num_recv_tokens, hidden);
-        let c = self.kdispatch.num_channels();
+        let c = nm.kdispatch.num_channels();
         self.begin(args.previous_event)?;
         let comm = &self.comm;
-        ki::cached_notify_cuda(comm, &self.peer_buffers)
-            .map_err(|e| kernel_err(e, self.timeout))?;
+        ki::cached_notify_cuda(comm, &nm.peer_buffers).map_err(|e| kernel_err(e, self.timeout))?;
         let ce = match cd {
             CudaHandleData::CopyEngine {
                 send_index,
@@ -489,6 +490,7 @@ impl CudaBuffer {
 
     /// Combine along `args.handle` (barrier, then the combine kernel).
     pub(crate) fn combine(&self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
+        let nm = self.normal_mode()?;
         if args.x.dtype() != DType::BF16 {
             return Err(Error::DType {
                 arg: "x",
@@ -509,8 +511,7 @@ impl CudaBuffer {
         self.check_nvl_error()?;
         self.begin(args.previous_event)?;
         let comm = &self.comm;
-        ki::cached_notify_cuda(comm, &self.peer_buffers)
-            .map_err(|e| kernel_err(e, self.timeout))?;
+        ki::cached_notify_cuda(comm, &nm.peer_buffers).map_err(|e| kernel_err(e, self.timeout))?;
         // Every row is written by the combine kernels: no memset.
         let mut combined = alloc_uninit::<half::bf16>(comm, t * h)?;
         let mut combined_w = alloc::<f32>(comm, t * k)?;
@@ -537,8 +538,8 @@ impl CudaBuffer {
                     let sh = DeviceTensor::new("handle.send_head", kernel_send_head)?;
                     ki::combine_cuda(
                         comm,
-                        &self.peer_buffers,
-                        &self.kcombine,
+                        &nm.peer_buffers,
+                        &nm.kcombine,
                         ki::CombineArgs {
                             x: x_d.view::<half::bf16>()?,
                             topk_weights,
@@ -561,8 +562,8 @@ impl CudaBuffer {
                     let si = DeviceTensor::new("handle.send_index", send_index)?;
                     ki::ce_combine_cuda(
                         comm,
-                        &self.copies,
-                        &self.peer_buffers,
+                        &nm.copies,
+                        &nm.peer_buffers,
                         ce,
                         ki::CeCombineArgs {
                             x: x_d.view::<half::bf16>()?,

@@ -111,7 +111,8 @@ impl CudaBuffer {
     /// The copy-engine configs `(dispatch, combine)`, or the error for a handle of a
     /// copy-engine dispatch when this buffer has the copy-engine path off.
     pub(super) fn ce_configs(&self) -> Result<&(ki::CeConfig, ki::CeConfig)> {
-        self.ce.as_ref().ok_or_else(|| {
+        let nm = self.normal_mode()?;
+        nm.ce.as_ref().ok_or_else(|| {
             Error::invalid(
                 "handle",
                 "a copy-engine dispatch's",
@@ -126,6 +127,7 @@ impl CudaBuffer {
         path: DispatchPath<'_>,
         rows: DispatchRows<'_>,
     ) -> Result<()> {
+        let nm = self.normal_mode()?;
         match path {
             DispatchPath::CopyEngine {
                 config,
@@ -134,8 +136,8 @@ impl CudaBuffer {
                 recv_per_source,
             } => ki::ce_dispatch_cuda(
                 &self.comm,
-                &self.copies,
-                &self.peer_buffers,
+                &nm.copies,
+                &nm.peer_buffers,
                 config,
                 ki::CeDispatchArgs {
                     x: rows.x,
@@ -160,8 +162,8 @@ impl CudaBuffer {
                 num_recv_tokens,
             } => ki::dispatch_cuda(
                 &self.comm,
-                &self.peer_buffers,
-                &self.kdispatch,
+                &nm.peer_buffers,
+                &nm.kdispatch,
                 ki::DispatchArgs {
                     x: rows.x,
                     topk: rows.topk,

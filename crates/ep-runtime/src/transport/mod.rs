@@ -8,16 +8,21 @@
 //!
 //! With the `nvshmem` feature, `init_nvshmem` starts NVSHMEM (the GPU transport for peers on
 //! other nodes) on every rank of the store, bootstrapped by a unique id that the store carries
-//! (see the module `nvshmem`).
+//! (see the module `nvshmem`); CUDA buffers across nodes start it over their own group
+//! (`nvshmem_group`).
 
 mod local;
 #[cfg(any(feature = "nvshmem", test))]
 pub mod nvshmem;
+#[cfg(feature = "nvshmem")]
+mod nvshmem_group;
 mod tcp;
 
 pub use local::LocalTransport;
 #[cfg(feature = "nvshmem")]
 pub use nvshmem::init_nvshmem;
+#[cfg(feature = "nvshmem")]
+pub(crate) use nvshmem_group::nvshmem_for_group;
 pub use tcp::TcpTransport;
 
 use crate::error::Result;
