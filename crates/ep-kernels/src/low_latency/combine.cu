@@ -87,16 +87,7 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
     const int items = s_pre[E];
     const int warps = static_cast<int>(gridDim.x) * kWarps;
     for (int j = static_cast<int>(blockIdx.x) * kWarps + warp; j < items; j += warps) {
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_pre[mid] <= j) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        const int u = lo;
+        const int u = last_at_or_below(s_pre, E, j);
         const int s = u % R;
         if (s_active[s] != 0) {
             const int r = (j - s_pre[u]) / chunks;

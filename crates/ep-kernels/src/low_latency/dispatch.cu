@@ -333,16 +333,7 @@ __device__ void dispatch_recv(const DispatchParams& p, int* s_cnt, int* s_off, i
         const int j = static_cast<int>(item / chunks);
         const int chunk = static_cast<int>(item - static_cast<int64_t>(j) * chunks);
         // Expert: the last l with s_pre[l] <= j (binary search), then source by offsets.
-        int lo = 0, hi = L - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_pre[mid] <= j) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        const int l = lo;
+        const int l = last_at_or_below(s_pre, L, j);
         const int row = j - s_pre[l];
         int s = R - 1;
         while (s_off[l * R + s] > row) {

@@ -381,6 +381,21 @@ EP_DEVICE void wait_flag(const int* flag, uint32_t tag, int* active_src, uint64_
 }
 
 
+// The last i in [0, n) with pre[i] <= j, for a non-decreasing prefix sum `pre` with pre[0] <= j
+// (the work unit that item j of a prefix-summed list falls into).
+EP_DEVICE int last_at_or_below(const int* pre, int n, int j) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (pre[mid] <= j) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
 // In place: s_pre[1..=n] holds n values; on return s_pre[i] is the sum of the first i of them
 // (s_pre[0] = 0). Every thread of the block calls it, after a barrier that made the values
 // visible; the caller's next barrier makes the result visible. One warp scan per 1024 values
