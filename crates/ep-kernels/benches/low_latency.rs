@@ -284,6 +284,20 @@ struct Graphs {
 /// Ops per graph for the back-to-back (launch overhead amortised) timings.
 const REPS: usize = 16;
 
+/// The names of [`Timings`]' slots.
+const OP_NAMES: [&str; 10] = [
+    "dispatch",
+    "combine",
+    "dispatch+combine",
+    "dispatch send",
+    "dispatch recv",
+    "combine send",
+    "combine recv",
+    "dispatch (x16 graph)",
+    "combine (x16 graph)",
+    "disp+comb (x16 graph)",
+];
+
 /// Median microseconds per rank of: dispatch, combine, both (one graph replay each, launch
 /// included), dispatch send, dispatch recv, combine send, combine recv, then dispatch,
 /// combine, both per op from graphs of [`REPS`] ops back to back.
@@ -534,19 +548,7 @@ fn main() -> Result<(), BoxError> {
                 .iter()
                 .map(|r| r.send_counts.iter().sum::<usize>() as f64)
                 .collect();
-            let names = [
-                "dispatch",
-                "combine",
-                "dispatch+combine",
-                "dispatch send",
-                "dispatch recv",
-                "combine send",
-                "combine recv",
-                "dispatch (x16 graph)",
-                "combine (x16 graph)",
-                "disp+comb (x16 graph)",
-            ];
-            for (i, name) in names.iter().enumerate() {
+            for (i, name) in OP_NAMES.iter().enumerate() {
                 let name = format!("{name}{suffix}");
                 let mut us: Vec<f64> = per_rank.iter().map(|t| t[i]).collect();
                 let bytes_per_sel = match i {

@@ -1094,97 +1094,66 @@ fn main() {
                 ("repeats", Routing::Repeats),
             ] {
                 for &(pname, red) in reductions(fmt) {
-                    runner.case(
+                    round_trip_case(
+                        &mut runner,
                         &format!("r{r_n}/round_trip/{fname}/{rname}{pname}"),
-                        |rng| {
-                            let e = random_e(rng, r_n);
-                            to_case(round_trip(
-                                rng,
-                                r_n,
-                                64,
-                                256,
-                                e,
-                                &|g| g.random_range(0..=64),
-                                routing,
-                                fmt,
-                                red,
-                            ))
-                        },
+                        r_n,
+                        (64, 256, None),
+                        &|g| g.random_range(0..=64),
+                        routing,
+                        fmt,
+                        red,
                     );
                 }
             }
             for &(pname, red) in reductions(fmt) {
-                runner.case(
+                round_trip_case(
+                    &mut runner,
                     &format!("r{r_n}/round_trip/{fname}/no_tokens{pname}"),
-                    |rng| {
-                        let e = random_e(rng, r_n);
-                        to_case(round_trip(
-                            rng,
-                            r_n,
-                            16,
-                            128,
-                            e,
-                            &|_| 0,
-                            Routing::Random,
-                            fmt,
-                            red,
-                        ))
-                    },
+                    r_n,
+                    (16, 128, None),
+                    &|_| 0,
+                    Routing::Random,
+                    fmt,
+                    red,
                 );
-                runner.case(
+                round_trip_case(
+                    &mut runner,
                     &format!("r{r_n}/round_trip/{fname}/full_hot{pname}"),
-                    |rng| {
-                        let e = random_e(rng, r_n);
-                        to_case(round_trip(
-                            rng,
-                            r_n,
-                            40,
-                            640,
-                            e,
-                            &|_| 40,
-                            Routing::Hot,
-                            fmt,
-                            red,
-                        ))
-                    },
+                    r_n,
+                    (40, 640, None),
+                    &|_| 40,
+                    Routing::Hot,
+                    fmt,
+                    red,
                 );
             }
         }
         for (pname, red) in BOTH {
             // Rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB).
-            runner.case(
+            round_trip_case(
+                &mut runner,
                 &format!("r{r_n}/round_trip/bf16/two_chunk_rows{pname}"),
-                |rng| {
-                    let e = random_e(rng, r_n);
-                    to_case(round_trip(
-                        rng,
-                        r_n,
-                        24,
-                        4096,
-                        e,
-                        &|g| g.random_range(0..=24),
-                        Routing::Random,
-                        LowLatencyFormat::Bf16,
-                        red,
-                    ))
-                },
+                r_n,
+                (24, 4096, None),
+                &|g| g.random_range(0..=24),
+                Routing::Random,
+                LowLatencyFormat::Bf16,
+                red,
             );
-            runner.case(
+            round_trip_case(
+                &mut runner,
                 &format!("r{r_n}/round_trip/fp8/deepseek_size{pname}"),
-                |rng| {
-                    let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
-                    to_case(round_trip(
-                        rng,
-                        r_n,
-                        128,
-                        7168,
-                        e,
-                        &|_| 128,
-                        Routing::Random,
-                        LowLatencyFormat::Fp8,
-                        red,
-                    ))
-                },
+                r_n,
+                (
+                    128,
+                    7168,
+                    Some(if 288 % r_n == 0 { 288 } else { 256 * r_n }),
+                ),
+                &|_| 128,
+                Routing::Random,
+                LowLatencyFormat::Fp8,
+                red,
             );
             runner.case(&format!("r{r_n}/cuda_graph_replay{pname}"), |rng| {
                 to_case(graph_replay(rng, r_n, 5, red))
@@ -1224,6 +1193,25 @@ fn main() {
     runner.finish();
 }
 
+/// Registers a round trip of `r_n` ranks: `(m, h, experts)` (`None`: a random multiple of
+/// `r_n`, drawn first), tokens per rank from `tokens`.
+#[allow(clippy::too_many_arguments)]
+fn round_trip_case(
+    runner: &mut Runner,
+    name: &str,
+    r_n: usize,
+    (m, h, experts): (usize, usize, Option<usize>),
+    tokens: &dyn Fn(&mut StdRng) -> usize,
+    routing: Routing,
+    fmt: LowLatencyFormat,
+    red: Reduction,
+) {
+    runner.case(name, |rng| {
+        let e = experts.unwrap_or_else(|| random_e(rng, r_n));
+        to_case(round_trip(rng, r_n, m, h, e, tokens, routing, fmt, red))
+    });
+}
+
 /// The cases of a child of the NVSHMEM launches (the same list in every child).
 #[cfg(feature = "nvshmem")]
 fn nvshmem_cases(runner: &mut Runner, r_n: usize, gpn: usize) {
@@ -1234,69 +1222,54 @@ fn nvshmem_cases(runner: &mut Runner, r_n: usize, gpn: usize) {
     ] {
         for (rname, routing) in [("random", Routing::Random), ("hot_expert", Routing::Hot)] {
             for &(pname, red) in reductions(fmt) {
-                runner.case(&format!("{p}/round_trip/{fname}/{rname}{pname}"), |rng| {
-                    let e = random_e(rng, r_n);
-                    to_case(round_trip(
-                        rng,
-                        r_n,
-                        64,
-                        256,
-                        e,
-                        &|g| g.random_range(0..=64),
-                        routing,
-                        fmt,
-                        red,
-                    ))
-                });
+                round_trip_case(
+                    runner,
+                    &format!("{p}/round_trip/{fname}/{rname}{pname}"),
+                    r_n,
+                    (64, 256, None),
+                    &|g| g.random_range(0..=64),
+                    routing,
+                    fmt,
+                    red,
+                );
             }
         }
     }
     for (pname, red) in BOTH {
-        runner.case(&format!("{p}/round_trip/bf16/no_tokens{pname}"), |rng| {
-            let e = random_e(rng, r_n);
-            to_case(round_trip(
-                rng,
-                r_n,
-                16,
-                128,
-                e,
-                &|_| 0,
-                Routing::Random,
-                LowLatencyFormat::Bf16,
-                red,
-            ))
-        });
-        runner.case(
-            &format!("{p}/round_trip/bf16/two_chunk_rows{pname}"),
-            |rng| {
-                let e = random_e(rng, r_n);
-                to_case(round_trip(
-                    rng,
-                    r_n,
-                    24,
-                    4096,
-                    e,
-                    &|g| g.random_range(0..=24),
-                    Routing::Random,
-                    LowLatencyFormat::Bf16,
-                    red,
-                ))
-            },
+        round_trip_case(
+            runner,
+            &format!("{p}/round_trip/bf16/no_tokens{pname}"),
+            r_n,
+            (16, 128, None),
+            &|_| 0,
+            Routing::Random,
+            LowLatencyFormat::Bf16,
+            red,
         );
-        runner.case(&format!("{p}/round_trip/fp8/deepseek_size{pname}"), |rng| {
-            let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
-            to_case(round_trip(
-                rng,
-                r_n,
+        round_trip_case(
+            runner,
+            &format!("{p}/round_trip/bf16/two_chunk_rows{pname}"),
+            r_n,
+            (24, 4096, None),
+            &|g| g.random_range(0..=24),
+            Routing::Random,
+            LowLatencyFormat::Bf16,
+            red,
+        );
+        round_trip_case(
+            runner,
+            &format!("{p}/round_trip/fp8/deepseek_size{pname}"),
+            r_n,
+            (
                 128,
                 7168,
-                e,
-                &|_| 128,
-                Routing::Random,
-                LowLatencyFormat::Fp8,
-                red,
-            ))
-        });
+                Some(if 288 % r_n == 0 { 288 } else { 256 * r_n }),
+            ),
+            &|_| 128,
+            Routing::Random,
+            LowLatencyFormat::Fp8,
+            red,
+        );
     }
     for (pname, red) in BOTH {
         runner.case(&format!("{p}/rank_never_launches{pname}"), |rng| {

@@ -100,7 +100,7 @@ pub fn parent(world: usize, gpn: usize, header: &str) -> Result<(), BoxError> {
         }
         for line in o.text.lines().filter_map(|l| l.strip_prefix("RESULT ")) {
             let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() != 3 + 10 {
+            if f.len() != 3 + super::OP_NAMES.len() {
                 return Err(format!("rank {rank}: malformed line {line:?}").into());
             }
             let key = (f[0].parse::<usize>()?, f[1].to_owned());
@@ -114,18 +114,6 @@ pub fn parent(world: usize, gpn: usize, header: &str) -> Result<(), BoxError> {
             }
         }
     }
-    let names = [
-        "dispatch",
-        "combine",
-        "dispatch+combine",
-        "dispatch send",
-        "dispatch recv",
-        "combine send",
-        "combine recv",
-        "dispatch (x16 graph)",
-        "combine (x16 graph)",
-        "disp+comb (x16 graph)",
-    ];
     let mut table = String::new();
     println!(
         "{header}\nNVSHMEM, {} nodes x {gpn} GPUs: ranks of other nodes through NVSHMEM puts, \
@@ -141,7 +129,7 @@ pub fn parent(world: usize, gpn: usize, header: &str) -> Result<(), BoxError> {
             )
             .into());
         }
-        for (i, name) in names.iter().enumerate() {
+        for (i, name) in super::OP_NAMES.iter().enumerate() {
             let mut us: Vec<f64> = per_rank.iter().map(|t| t[i]).collect();
             let med = super::median(&mut us);
             let suffix = if red == "rank" { " per rank" } else { "" };
