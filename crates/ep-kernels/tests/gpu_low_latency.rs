@@ -1131,30 +1131,7 @@ fn main() {
         }
         for (pname, red) in BOTH {
             // Rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB).
-            round_trip_case(
-                &mut runner,
-                &format!("r{r_n}/round_trip/bf16/two_chunk_rows{pname}"),
-                r_n,
-                (24, 4096, None),
-                &|g| g.random_range(0..=24),
-                Routing::Random,
-                LowLatencyFormat::Bf16,
-                red,
-            );
-            round_trip_case(
-                &mut runner,
-                &format!("r{r_n}/round_trip/fp8/deepseek_size{pname}"),
-                r_n,
-                (
-                    128,
-                    7168,
-                    Some(if 288 % r_n == 0 { 288 } else { 256 * r_n }),
-                ),
-                &|_| 128,
-                Routing::Random,
-                LowLatencyFormat::Fp8,
-                red,
-            );
+            size_cases(&mut runner, &format!("r{r_n}"), r_n, pname, red);
             runner.case(&format!("r{r_n}/cuda_graph_replay{pname}"), |rng| {
                 to_case(graph_replay(rng, r_n, 5, red))
             });
@@ -1167,12 +1144,7 @@ fn main() {
                 });
             }
             if r_n >= 2 {
-                runner.case(&format!("r{r_n}/rank_never_launches{pname}"), |rng| {
-                    to_case(absent_rank(rng, r_n, false, red))
-                });
-                runner.case(&format!("r{r_n}/rank_masked_on_purpose{pname}"), |rng| {
-                    to_case(absent_rank(rng, r_n, true, red))
-                });
+                absent_cases(&mut runner, &format!("r{r_n}"), r_n, pname, red);
             }
         }
         runner.case(&format!("r{r_n}/many_ops_50"), |rng| {
@@ -1212,6 +1184,42 @@ fn round_trip_case(
     });
 }
 
+/// Round trips with rows of exactly two combine copy chunks (4096 bf16 = 2 x 4 KiB) and at
+/// DeepSeek-V3 size, named `{p}/round_trip/...{pname}`.
+fn size_cases(runner: &mut Runner, p: &str, r_n: usize, pname: &str, red: Reduction) {
+    round_trip_case(
+        runner,
+        &format!("{p}/round_trip/bf16/two_chunk_rows{pname}"),
+        r_n,
+        (24, 4096, None),
+        &|g| g.random_range(0..=24),
+        Routing::Random,
+        LowLatencyFormat::Bf16,
+        red,
+    );
+    let e = if 288 % r_n == 0 { 288 } else { 256 * r_n };
+    round_trip_case(
+        runner,
+        &format!("{p}/round_trip/fp8/deepseek_size{pname}"),
+        r_n,
+        (128, 7168, Some(e)),
+        &|_| 128,
+        Routing::Random,
+        LowLatencyFormat::Fp8,
+        red,
+    );
+}
+
+/// The last rank never launching, then masked on purpose (at least 2 ranks).
+fn absent_cases(runner: &mut Runner, p: &str, r_n: usize, pname: &str, red: Reduction) {
+    runner.case(&format!("{p}/rank_never_launches{pname}"), |rng| {
+        to_case(absent_rank(rng, r_n, false, red))
+    });
+    runner.case(&format!("{p}/rank_masked_on_purpose{pname}"), |rng| {
+        to_case(absent_rank(rng, r_n, true, red))
+    });
+}
+
 /// The cases of a child of the NVSHMEM launches (the same list in every child).
 #[cfg(feature = "nvshmem")]
 fn nvshmem_cases(runner: &mut Runner, r_n: usize, gpn: usize) {
@@ -1246,38 +1254,10 @@ fn nvshmem_cases(runner: &mut Runner, r_n: usize, gpn: usize) {
             LowLatencyFormat::Bf16,
             red,
         );
-        round_trip_case(
-            runner,
-            &format!("{p}/round_trip/bf16/two_chunk_rows{pname}"),
-            r_n,
-            (24, 4096, None),
-            &|g| g.random_range(0..=24),
-            Routing::Random,
-            LowLatencyFormat::Bf16,
-            red,
-        );
-        round_trip_case(
-            runner,
-            &format!("{p}/round_trip/fp8/deepseek_size{pname}"),
-            r_n,
-            (
-                128,
-                7168,
-                Some(if 288 % r_n == 0 { 288 } else { 256 * r_n }),
-            ),
-            &|_| 128,
-            Routing::Random,
-            LowLatencyFormat::Fp8,
-            red,
-        );
+        size_cases(runner, &p, r_n, pname, red);
     }
     for (pname, red) in BOTH {
-        runner.case(&format!("{p}/rank_never_launches{pname}"), |rng| {
-            to_case(absent_rank(rng, r_n, false, red))
-        });
-        runner.case(&format!("{p}/rank_masked_on_purpose{pname}"), |rng| {
-            to_case(absent_rank(rng, r_n, true, red))
-        });
+        absent_cases(runner, &p, r_n, pname, red);
     }
     runner.case(&format!("{p}/many_ops_30/alternating_per_rank"), |rng| {
         to_case(many_ops(
