@@ -176,7 +176,7 @@ impl LowLatencyBuffer {
         let mut peers = stream.alloc_zeros::<u64>(n)?;
         stream.memcpy_htod(&table, &mut peers)?;
         let mirror = HostMappedI32::new(&ctx, n, 1)?;
-        let mut buffer = Self {
+        let buffer = Self {
             ctx,
             mem: Memory::Symmetric(Symmetric {
                 mem,
@@ -200,7 +200,6 @@ impl LowLatencyBuffer {
             let kernel = kernels.kernel(file, name)?;
             buffer.bind(&kernel)?;
         }
-        buffer.connected = true;
         Ok(buffer)
     }
 
