@@ -127,3 +127,55 @@ fn fp8_dispatch_over_4_ranks() {
     // fp8 e4m3 carries 3 mantissa bits: error of a few percent on the routed part.
     run(4, 4, DType::F32, true, 8e-2);
 }
+
+/// Normal-mode steps run as low-latency chunks (`prefill_in_low_latency_chunks`, what a CUDA
+/// buffer across nodes does): 4 ranks as 2 nodes x 2, 8-token chunks, ranks with 0, 8, 17 and
+/// 23 tokens (so 3 chunks each, the last ones partial or empty), equal to the dense layer.
+#[test]
+fn prefill_in_low_latency_chunks() {
+    let cfg = config();
+    let path = write_checkpoint(&cfg, "chunks");
+    let chunk = 8;
+    let bcfg =
+        BufferConfig::default().with_low_latency(chunk, cfg.hidden_size, cfg.n_routed_experts);
+    let buffers = Buffer::local_group(4, 2, bcfg).unwrap();
+    let handles: Vec<_> = buffers
+        .into_iter()
+        .map(|buf| {
+            let cfg = cfg.clone();
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let rank = buf.topology().rank;
+                let opts = MoeLayerOptions {
+                    low_latency_max_tokens: chunk,
+                    prefill_in_low_latency_chunks: true,
+                    ..Default::default()
+                };
+                let layer =
+                    MoeLayer::load(var_builder(&path, DType::F32), &cfg, Arc::new(buf), opts)
+                        .unwrap();
+                assert!(layer.prefill_in_low_latency_chunks());
+                let dense = DenseMoe::load(var_builder(&path, DType::F32), &cfg).unwrap();
+                let t = [0, 8, 17, 23][rank];
+                let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
+                let want = dense.forward(&x).unwrap();
+                // Normal, and Auto (which resolves to normal: more than 8 tokens somewhere).
+                [Mode::Normal, Mode::Auto].map(|mode| {
+                    let got = layer.forward_with_mode(&x, mode).unwrap();
+                    assert_eq!(got.dims(), x.dims());
+                    if t == 0 {
+                        0.0
+                    } else {
+                        rel_err(&got, &want)
+                    }
+                })
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        for e in h.join().unwrap() {
+            assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
+        }
+    }
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}

@@ -78,6 +78,16 @@ impl Backend {
         }
     }
 
+    /// Whether normal-mode dispatch and combine are available (not on a CUDA buffer across
+    /// nodes until the internode path exists).
+    pub(crate) fn has_normal_mode(&self) -> bool {
+        match self {
+            Self::Host => true,
+            #[cfg(feature = "cuda")]
+            Self::Cuda(c) => c.has_normal_mode(),
+        }
+    }
+
     /// The communication stream (`None` for the host backend).
     #[cfg(feature = "cuda")]
     pub(crate) fn comm_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {

@@ -139,6 +139,13 @@ impl Buffer {
         self.backend.low_latency_note_replay()
     }
 
+    /// Whether normal-mode [`Buffer::dispatch`] / [`Buffer::combine`] are available: always on
+    /// CPU and on one node; not for a CUDA buffer across nodes (feature `nvshmem`), which runs
+    /// the low-latency ops only until the internode normal path exists.
+    pub fn has_normal_mode(&self) -> bool {
+        self.backend.has_normal_mode()
+    }
+
     /// The CUDA stream the buffer's communication kernels run on (`None` for CPU buffers).
     #[cfg(feature = "cuda")]
     pub fn comm_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {

@@ -185,6 +185,7 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
             _ => Reduction::PerRank,
         },
         two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
+        prefill_in_low_latency_chunks: false,
     };
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }

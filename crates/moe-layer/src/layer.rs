@@ -84,6 +84,12 @@ pub struct MoeLayerOptions {
     /// the GEMMs are bound by their math (many rows per local expert), not by their weight
     /// reads. Every rank must use the same setting. Off by default (`docs/benchmarks.md`).
     pub two_batch_overlap: bool,
+    /// Run normal-mode steps (prefill) as low-latency ops of at most `low_latency_max_tokens`
+    /// tokens per rank each, one after another (every rank runs as many as the rank with the
+    /// most tokens needs). Always on for a buffer without a normal mode (a CUDA buffer across
+    /// nodes, until the internode normal path exists); off by default elsewhere, where the
+    /// normal mode moves large batches faster. Every rank must use the same setting.
+    pub prefill_in_low_latency_chunks: bool,
 }
 
 impl Default for MoeLayerOptions {
@@ -97,6 +103,7 @@ impl Default for MoeLayerOptions {
             low_latency_tiles: None,
             low_latency_reduction: Reduction::PerRank,
             two_batch_overlap: false,
+            prefill_in_low_latency_chunks: false,
         }
     }
 }
@@ -360,21 +367,65 @@ impl MoeLayer {
         };
         let (routed, shared) = match mode {
             Mode::LowLatency => self.routed_low_latency(&x2, &topk_idx, &topk_weights)?,
+            _ if self.prefill_in_low_latency_chunks() => {
+                self.routed_low_latency_chunks(&x2, &topk_idx, &topk_weights)?
+            }
             _ => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
         };
         if t == 0 {
             return Ok(crate::empty::empty(dims, x.dtype(), x.device())?);
         }
-        let out = match shared {
-            // bf16 + bf16 rounds the exact sum once, as an f32 sum rounded to bf16 would: one
-            // kernel instead of four.
-            Some(s) if routed.dtype() == x.dtype() && s.dtype() == x.dtype() => (routed + s)?,
-            Some(s) => {
-                (routed.to_dtype(DType::F32)? + s.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?
+        Ok(with_shared(routed, shared, x.dtype())?.reshape(dims)?)
+    }
+
+    /// Whether normal-mode steps run as low-latency chunks (the option, or a buffer without a
+    /// normal mode).
+    pub fn prefill_in_low_latency_chunks(&self) -> bool {
+        self.options.prefill_in_low_latency_chunks || !self.buffer.has_normal_mode()
+    }
+
+    /// A normal-mode step as low-latency ops of at most `low_latency_max_tokens` rows per rank
+    /// each (a collective: every rank runs as many ops as the rank with the most tokens needs,
+    /// empty ones once its own rows are done); returns the routed output with the shared
+    /// experts' added in.
+    fn routed_low_latency_chunks(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (t, h) = x.dims2()?;
+        let k = idx.dims()[1];
+        let c = self.options.low_latency_max_tokens;
+        let most = usize::try_from(self.buffer.max_over_ranks(t as u64)?).unwrap_or(usize::MAX);
+        let dev = x.device();
+        let mut outs = Vec::new();
+        for i in 0..most.div_ceil(c) {
+            let lo = (i * c).min(t);
+            let n = c.min(t - lo);
+            let (xc, ic, wc) = if n == 0 {
+                (
+                    crate::empty::empty((0, h), x.dtype(), dev)?,
+                    crate::empty::empty((0, k), DType::I64, dev)?,
+                    crate::empty::empty((0, k), DType::F32, dev)?,
+                )
+            } else {
+                (
+                    x.narrow(0, lo, n)?,
+                    idx.narrow(0, lo, n)?,
+                    w.narrow(0, lo, n)?,
+                )
+            };
+            let (routed, shared) = self.routed_low_latency(&xc, &ic, &wc)?;
+            if n > 0 {
+                outs.push(with_shared(routed, shared, x.dtype())?);
             }
-            None => routed.to_dtype(x.dtype())?,
-        };
-        Ok(out.reshape(dims)?)
+        }
+        Ok(match outs.len() {
+            0 => (x.clone(), None),
+            1 => (outs.remove(0), None),
+            _ => (Tensor::cat(&outs, 0)?, None),
+        })
     }
 
     fn shared_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
@@ -784,5 +835,19 @@ fn join_parts(a: Tensor, b: Tensor) -> Result<Tensor> {
 impl candle_nn::Module for MoeLayer {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         MoeLayer::forward(self, x)
+    }
+}
+
+/// The routed output plus the shared experts' (if they ran apart), in `dtype`: bf16 + bf16
+/// rounds the exact sum once, as an f32 sum rounded to bf16 would (one kernel instead of four).
+fn with_shared(
+    routed: Tensor,
+    shared: Option<Tensor>,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    match shared {
+        Some(s) if routed.dtype() == dtype && s.dtype() == dtype => routed + s,
+        Some(s) => (routed.to_dtype(DType::F32)? + s.to_dtype(DType::F32)?)?.to_dtype(dtype),
+        None => routed.to_dtype(dtype),
     }
 }

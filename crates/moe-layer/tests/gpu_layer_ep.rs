@@ -74,6 +74,7 @@ fn build(
         low_latency_tiles: None,
         low_latency_reduction: s.reduction,
         two_batch_overlap: s.tbo,
+        prefill_in_low_latency_chunks: false,
     };
     let gpu = MoeLayer::load(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),

@@ -193,6 +193,11 @@ impl CudaBuffer {
         Ok(this)
     }
 
+    /// Whether the normal mode is available (one node).
+    pub(crate) fn has_normal_mode(&self) -> bool {
+        self.normal.is_some()
+    }
+
     /// The normal mode's state, or the error that says why a buffer across nodes has none.
     fn normal_mode(&self) -> Result<&NormalCuda> {
         self.normal.as_ref().ok_or_else(|| {
