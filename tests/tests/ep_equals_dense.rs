@@ -5,7 +5,8 @@ use candle_core::{DType, Device, Tensor};
 use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
-use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
+use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions};
+use std::path::Path;
 use std::sync::Arc;
 
 fn run(num_ranks: usize, gpus_per_node: usize, dtype: DType, fp8: bool, tol: f64) {
@@ -28,59 +29,51 @@ fn run_with(
     tol: f64,
     base: MoeLayerOptions,
 ) {
-    let cfg = config();
-    let path = write_checkpoint(&cfg, "dense");
     let max_tokens = 24;
-    let bcfg =
-        BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, cfg.n_routed_experts);
-    let buffers = Buffer::local_group(num_ranks, gpus_per_node, bcfg).unwrap();
-    let handles: Vec<_> = buffers
-        .into_iter()
-        .map(|buf| {
-            let cfg = cfg.clone();
-            let path = path.clone();
-            std::thread::spawn(move || {
-                let rank = buf.topology().rank;
-                let opts = MoeLayerOptions {
-                    mode: Mode::Auto,
-                    low_latency_max_tokens: max_tokens,
-                    fp8_dispatch: fp8,
-                    expert_alignment: 4,
-                    ..base
-                };
-                let layer =
-                    MoeLayer::load(var_builder(&path, dtype), &cfg, Arc::new(buf), opts).unwrap();
-                let dense = DenseMoe::load(var_builder(&path, dtype), &cfg).unwrap();
-                // Different token counts per rank, rank 1 with none.
-                let t = if rank == 1 {
-                    0
-                } else {
-                    (5 + 6 * rank).min(max_tokens)
-                };
-                let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap();
-                let want = dense.forward(&x).unwrap();
-                let mut errs = Vec::new();
-                for mode in [Mode::Normal, Mode::LowLatency, Mode::Auto] {
-                    let got = layer.forward_with_mode(&x, mode).unwrap();
-                    assert_eq!(got.dims(), x.dims());
-                    assert_eq!(got.dtype(), dtype);
-                    errs.push(if t == 0 { 0.0 } else { rel_err(&got, &want) });
-                }
-                // 3-D input keeps its shape.
-                let x3 = x.reshape((1, t, cfg.hidden_size)).unwrap();
-                assert_eq!(
-                    layer.forward_with_mode(&x3, Mode::Normal).unwrap().dims(),
-                    x3.dims()
-                );
-                errs
-            })
-        })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        let errs = h.join().unwrap();
+    let per_rank = on_ranks(
+        num_ranks,
+        gpus_per_node,
+        max_tokens,
+        "dense",
+        |buf, cfg, path| {
+            let rank = buf.topology().rank;
+            let opts = MoeLayerOptions {
+                mode: Mode::Auto,
+                low_latency_max_tokens: max_tokens,
+                fp8_dispatch: fp8,
+                expert_alignment: 4,
+                ..base
+            };
+            let layer = MoeLayer::load(var_builder(path, dtype), cfg, Arc::new(buf), opts).unwrap();
+            let dense = DenseMoe::load(var_builder(path, dtype), cfg).unwrap();
+            // Different token counts per rank, rank 1 with none.
+            let t = if rank == 1 {
+                0
+            } else {
+                (5 + 6 * rank).min(max_tokens)
+            };
+            let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want = dense.forward(&x).unwrap();
+            let mut errs = Vec::new();
+            for mode in [Mode::Normal, Mode::LowLatency, Mode::Auto] {
+                let got = layer.forward_with_mode(&x, mode).unwrap();
+                assert_eq!(got.dims(), x.dims());
+                assert_eq!(got.dtype(), dtype);
+                errs.push(if t == 0 { 0.0 } else { rel_err(&got, &want) });
+            }
+            // 3-D input keeps its shape.
+            let x3 = x.reshape((1, t, cfg.hidden_size)).unwrap();
+            assert_eq!(
+                layer.forward_with_mode(&x3, Mode::Normal).unwrap().dims(),
+                x3.dims()
+            );
+            errs
+        },
+    );
+    for (rank, errs) in per_rank.into_iter().enumerate() {
         for (mode, e) in ["normal", "low-latency", "auto"].iter().zip(errs) {
             assert!(
                 e <= tol,
@@ -88,7 +81,33 @@ fn run_with(
             );
         }
     }
+}
+
+/// Runs `f(buffer, config, checkpoint)` on `num_ranks` CPU ranks (threads of a local group of
+/// `gpus_per_node`-rank nodes whose low-latency buffers hold `max_tokens` tokens per rank) over
+/// a fresh checkpoint tagged `tag`; the results by rank.
+fn on_ranks<T: Send>(
+    num_ranks: usize,
+    gpus_per_node: usize,
+    max_tokens: usize,
+    tag: &str,
+    f: impl Fn(Buffer, &MoeConfig, &Path) -> T + Sync,
+) -> Vec<T> {
+    let cfg = config();
+    let path = write_checkpoint(&cfg, tag);
+    let bcfg =
+        BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, cfg.n_routed_experts);
+    let buffers = Buffer::local_group(num_ranks, gpus_per_node, bcfg).unwrap();
+    let (f, cfg_ref, path_ref) = (&f, &cfg, path.as_path());
+    let out = std::thread::scope(|s| {
+        let handles: Vec<_> = buffers
+            .into_iter()
+            .map(|buf| s.spawn(move || f(buf, cfg_ref, path_ref)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
     std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    out
 }
 
 #[test]
@@ -133,49 +152,35 @@ fn fp8_dispatch_over_4_ranks() {
 /// 23 tokens (so 3 chunks each, the last ones partial or empty), equal to the dense layer.
 #[test]
 fn prefill_in_low_latency_chunks() {
-    let cfg = config();
-    let path = write_checkpoint(&cfg, "chunks");
     let chunk = 8;
-    let bcfg =
-        BufferConfig::default().with_low_latency(chunk, cfg.hidden_size, cfg.n_routed_experts);
-    let buffers = Buffer::local_group(4, 2, bcfg).unwrap();
-    let handles: Vec<_> = buffers
-        .into_iter()
-        .map(|buf| {
-            let cfg = cfg.clone();
-            let path = path.clone();
-            std::thread::spawn(move || {
-                let rank = buf.topology().rank;
-                let opts = MoeLayerOptions {
-                    low_latency_max_tokens: chunk,
-                    prefill_in_low_latency_chunks: true,
-                    ..Default::default()
-                };
-                let layer =
-                    MoeLayer::load(var_builder(&path, DType::F32), &cfg, Arc::new(buf), opts)
-                        .unwrap();
-                assert!(layer.prefill_in_low_latency_chunks());
-                let dense = DenseMoe::load(var_builder(&path, DType::F32), &cfg).unwrap();
-                let t = [0, 8, 17, 23][rank];
-                let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
-                let want = dense.forward(&x).unwrap();
-                // Normal, and Auto (which resolves to normal: more than 8 tokens somewhere).
-                [Mode::Normal, Mode::Auto].map(|mode| {
-                    let got = layer.forward_with_mode(&x, mode).unwrap();
-                    assert_eq!(got.dims(), x.dims());
-                    if t == 0 {
-                        0.0
-                    } else {
-                        rel_err(&got, &want)
-                    }
-                })
-            })
+    let per_rank = on_ranks(4, 2, chunk, "chunks", |buf, cfg, path| {
+        let rank = buf.topology().rank;
+        let opts = MoeLayerOptions {
+            low_latency_max_tokens: chunk,
+            prefill_in_low_latency_chunks: true,
+            ..Default::default()
+        };
+        let layer =
+            MoeLayer::load(var_builder(path, DType::F32), cfg, Arc::new(buf), opts).unwrap();
+        assert!(layer.prefill_in_low_latency_chunks());
+        let dense = DenseMoe::load(var_builder(path, DType::F32), cfg).unwrap();
+        let t = [0, 8, 17, 23][rank];
+        let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
+        let want = dense.forward(&x).unwrap();
+        // Normal, and Auto (which resolves to normal: more than 8 tokens somewhere).
+        [Mode::Normal, Mode::Auto].map(|mode| {
+            let got = layer.forward_with_mode(&x, mode).unwrap();
+            assert_eq!(got.dims(), x.dims());
+            if t == 0 {
+                0.0
+            } else {
+                rel_err(&got, &want)
+            }
         })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        for e in h.join().unwrap() {
+    });
+    for (rank, errs) in per_rank.into_iter().enumerate() {
+        for e in errs {
             assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
         }
     }
-    std::fs::remove_dir_all(path.parent().unwrap()).ok();
 }
