@@ -313,12 +313,22 @@ impl MoeLayer {
 
     /// The mode `Auto` resolves to for `num_tokens` on this rank (a collective).
     pub fn resolve_mode(&self, num_tokens: usize) -> Result<Mode> {
+        Ok(self.mode_for(self.most_tokens(num_tokens)?))
+    }
+
+    /// The most tokens any rank has this step (a collective: one host all-gather).
+    fn most_tokens(&self, num_tokens: usize) -> Result<usize> {
         let max = self.buffer.max_over_ranks(num_tokens as u64)?;
-        Ok(if max as usize <= self.options.low_latency_max_tokens {
+        Ok(usize::try_from(max).unwrap_or(usize::MAX))
+    }
+
+    /// The mode `Auto` resolves to when the busiest rank has `most` tokens.
+    fn mode_for(&self, most: usize) -> Mode {
+        if most <= self.options.low_latency_max_tokens {
             Mode::LowLatency
         } else {
             Mode::Normal
-        })
+        }
     }
 
     fn forward_impl(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
@@ -338,9 +348,13 @@ impl MoeLayer {
         }
         let x2 = x.reshape(((), h))?;
         let t = x2.dims()[0];
-        let mode = match mode {
-            Mode::Auto => self.resolve_mode(t)?,
-            m => m,
+        // `Auto` learns the busiest rank's token count (also what low-latency chunks need).
+        let (mode, most) = match mode {
+            Mode::Auto => {
+                let most = self.most_tokens(t)?;
+                (self.mode_for(most), Some(most))
+            }
+            m => (m, None),
         };
         if mode == Mode::LowLatency && t > self.options.low_latency_max_tokens {
             return Err(Error::invalid(
@@ -368,7 +382,7 @@ impl MoeLayer {
         let (routed, shared) = match mode {
             Mode::LowLatency => self.routed_low_latency(&x2, &topk_idx, &topk_weights)?,
             _ if self.prefill_in_low_latency_chunks() => {
-                self.routed_low_latency_chunks(&x2, &topk_idx, &topk_weights)?
+                self.routed_low_latency_chunks(&x2, &topk_idx, &topk_weights, most)?
             }
             _ => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
         };
@@ -386,18 +400,22 @@ impl MoeLayer {
 
     /// A normal-mode step as low-latency ops of at most `low_latency_max_tokens` rows per rank
     /// each (a collective: every rank runs as many ops as the rank with the most tokens needs,
-    /// empty ones once its own rows are done); returns the routed output with the shared
-    /// experts' added in.
+    /// empty ones once its own rows are done; `most`: that count if the step already learned
+    /// it); returns the routed output with the shared experts' added in.
     fn routed_low_latency_chunks(
         &self,
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
+        most: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (t, h) = x.dims2()?;
         let k = idx.dims()[1];
         let c = self.options.low_latency_max_tokens;
-        let most = usize::try_from(self.buffer.max_over_ranks(t as u64)?).unwrap_or(usize::MAX);
+        let most = match most {
+            Some(m) => m,
+            None => self.most_tokens(t)?,
+        };
         let dev = x.device();
         let mut outs = Vec::new();
         for i in 0..most.div_ceil(c) {

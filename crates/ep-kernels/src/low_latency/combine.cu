@@ -16,6 +16,21 @@ EP_DEVICE uint64_t rows_stage(const LlBuffer& b, int s, uint64_t row) {
            static_cast<uint64_t>(b.hidden);
 }
 
+// Where the lanes write combine row `row` (`row_bytes` long) of home `s`: its peer memory over
+// NVLink, or the staging region for a home on another node (then `put_row_vectors` sends it).
+EP_DEVICE uint8_t* row_target(const LlBuffer& b, int s, uint32_t set, uint64_t row,
+                              int64_t row_bytes) {
+    return write_target(b, s, set, b.off_rows + row * row_bytes, rows_stage(b, s, row));
+}
+
+// Called by the whole warp after it wrote vectors [first, first + n) of row `row` at
+// `row_target`: puts them to a home on another node (nothing over NVLink).
+EP_DEVICE void put_row_vectors(const LlBuffer& b, int s, uint32_t set, uint64_t row,
+                               int64_t row_bytes, int first, int n) {
+    put_staged(b, s, set, b.off_rows + row * row_bytes, rows_stage(b, s, row),
+               static_cast<uint64_t>(first) * 16, static_cast<uint64_t>(n) * 16);
+}
+
 // Shared memory of the combine send phase: [E] chunks per unit, prefix [E + 1], row offset per
 // unit [E], mask snapshot [R].
 struct CombineSendSmem {
@@ -107,8 +122,7 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
             }
             if (t >= 0 && t < M && k >= 0 && k < b.max_topk) {
                 const uint64_t row = static_cast<uint64_t>(t) * b.max_topk + k;
-                uint8_t* dst = write_target(b, s, set, b.off_rows + row * row_bytes,
-                                            rows_stage(b, s, row));
+                uint8_t* dst = row_target(b, s, set, row, row_bytes);
 #pragma unroll
                 for (int q = 0; q < kSendUnroll; ++q) {
                     const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
@@ -119,9 +133,7 @@ __device__ void combine_send(const CombineParams& p, uint8_t* smem, uint32_t set
                 if (is_remote(b, s)) {
                     // Completed before the chunk counts (the unit's flag may follow at once).
                     const int first = chunk * kChunkVecs;
-                    put_staged(b, s, set, b.off_rows + row * row_bytes, rows_stage(b, s, row),
-                               static_cast<uint64_t>(first) * 16,
-                               static_cast<uint64_t>(min(kChunkVecs, vpr - first)) * 16);
+                    put_row_vectors(b, s, set, row, row_bytes, first, min(kChunkVecs, vpr - first));
                     remote_quiet();
                 }
             }
@@ -231,8 +243,7 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
                 }
             }
             const uint64_t out_row = static_cast<uint64_t>(t) * b.max_topk + home_row;
-            uint8_t* dst = write_target(b, s, set, b.off_rows + out_row * row_bytes,
-                                        rows_stage(b, s, out_row));
+            uint8_t* dst = row_target(b, s, set, out_row, row_bytes);
 #pragma unroll
             for (int q = 0; q < kRankVecs; ++q) {
                 const int i = chunk * kChunkVecs + q * ep::kWarpSize + lane;
@@ -242,9 +253,8 @@ __device__ void combine_send_ranks(const CombineParams& p, uint8_t* smem, uint32
             }
             if (is_remote(b, s)) {
                 const int first = chunk * kChunkVecs;
-                put_staged(b, s, set, b.off_rows + out_row * row_bytes, rows_stage(b, s, out_row),
-                           static_cast<uint64_t>(first) * 16,
-                           static_cast<uint64_t>(min(kChunkVecs, vpr - first)) * 16);
+                put_row_vectors(b, s, set, out_row, row_bytes, first,
+                                min(kChunkVecs, vpr - first));
             }
         }
         if (lane == 0) {
