@@ -293,7 +293,8 @@ impl Ctx<'_> {
     /// Compiles one source into `$OUT_DIR/<key with / -> __>.cubin`; returns the cubin path
     /// and the compiler log.
     ///
-    /// A cubin whose inputs (source, shared headers, nvcc path and flags) hash to the value
+    /// A cubin whose inputs (source, the files of its folder, shared headers, nvcc path and
+    /// flags) hash to the value
     /// stored beside it is reused, and its saved compiler log replayed.
     fn compile(&self, source: &Source) -> Result<(PathBuf, String), String> {
         let stem = source.key.replace('/', "__");
@@ -303,10 +304,24 @@ impl Ctx<'_> {
         let log_path = self.out_dir.join(format!("{stem}.{ext}.log"));
         let text = fs::read_to_string(&source.path)
             .map_err(|e| format!("cannot read {}: {e}", source.path.display()))?;
+        // What the source may include beside the shared headers: every .cu / .cuh / .h of its
+        // own folder (e.g. `low_latency/protocol.cuh`, or `combine.cu` for `combine_nvshmem.cu`).
+        let mut siblings = String::new();
+        if let Some(dir) = source.path.parent() {
+            for file in list_files(dir, &["cu", "cuh", "h"])? {
+                if file.parent() == Some(dir) {
+                    siblings.push_str(
+                        &fs::read_to_string(&file)
+                            .map_err(|e| format!("cannot read {}: {e}", file.display()))?,
+                    );
+                }
+            }
+        }
         let key = {
             let mut h = DefaultHasher::new();
             (
                 text.as_str(),
+                siblings.as_str(),
                 self.headers_text,
                 self.nvcc,
                 self.include_flags,
