@@ -9,6 +9,8 @@
 //! - [`routing`]: each token's top-k experts and weights from the gate's scores;
 //! - [`layout`]: per-rank / per-node / per-expert token counts and `is_token_in_rank`;
 //! - [`fp8`]: per-token 1x128 fp8 e4m3 quantisation (optionally UE8M0 scales) and back;
+//! - [`internode`]: the normal mode across nodes (a token crosses the network once per node,
+//!   NVLink inside the node), over NVSHMEM (feature `nvshmem`);
 //! - [`intranode`]: the normal (high-throughput) mode: notify (prefix matrices, receive
 //!   counts), the dispatch receive order, and the combine reduction;
 //! - [`low_latency`]: the decode mode: fixed per-(expert, source) slots, pack/unpack and the
@@ -26,6 +28,7 @@ pub mod error;
 pub mod expert_order;
 pub mod fp8;
 pub mod gemm;
+pub mod internode;
 pub mod intranode;
 pub mod layout;
 pub mod low_latency;

@@ -99,6 +99,19 @@ pub struct LowLatencySizing {
     pub num_experts: usize,
 }
 
+/// What the internode normal mode of a CUDA buffer across nodes is sized for (feature
+/// `nvshmem`): its buffer on NVSHMEM's symmetric heap takes about
+/// `(2 * nodes + ranks) * max_tokens_per_rank * 2 * hidden` bytes per rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InternodeSizing {
+    /// Most tokens any rank dispatches in one normal-mode op.
+    pub max_tokens_per_rank: usize,
+    /// Largest hidden size.
+    pub hidden: usize,
+    /// Largest top-k.
+    pub max_topk: usize,
+}
+
 /// How a [`crate::Buffer`] is built.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BufferConfig {
@@ -115,6 +128,9 @@ pub struct BufferConfig {
     pub num_nvl_bytes: Option<usize>,
     /// CUDA buffers: how normal-mode dispatch and combine move bytes over NVLink.
     pub nvl_transfer: NvlTransfer,
+    /// CUDA buffers across nodes: the internode normal mode's sizing; `None` leaves such a
+    /// buffer without a normal mode (its low-latency ops still run).
+    pub internode: Option<InternodeSizing>,
 }
 
 /// How a CUDA buffer's normal mode moves bytes between the GPUs of a node.
@@ -153,6 +169,7 @@ impl Default for BufferConfig {
             low_latency: None,
             num_nvl_bytes: None,
             nvl_transfer: NvlTransfer::Auto,
+            internode: None,
         }
     }
 }
@@ -194,6 +211,23 @@ impl BufferConfig {
         self
     }
 
+    /// Enables the internode normal mode of CUDA buffers across nodes, for up to
+    /// `max_tokens_per_rank` tokens per rank of up to `hidden` channels and `max_topk` experts
+    /// (see [`InternodeSizing`]).
+    pub fn with_internode(
+        mut self,
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        max_topk: usize,
+    ) -> Self {
+        self.internode = Some(InternodeSizing {
+            max_tokens_per_rank,
+            hidden,
+            max_topk,
+        });
+        self
+    }
+
     /// Sets the peer timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -215,6 +249,22 @@ impl BufferConfig {
             }
             if ll.num_experts == 0 {
                 return Err(Error::invalid("num_experts", 0, "must be >= 1"));
+            }
+        }
+        if let Some(n) = &self.internode {
+            if n.max_tokens_per_rank == 0 {
+                return Err(Error::invalid(
+                    "internode.max_tokens_per_rank",
+                    0,
+                    "must be >= 1",
+                ));
+            }
+            if n.hidden == 0 || n.hidden % 8 != 0 {
+                return Err(Error::invalid(
+                    "internode.hidden",
+                    n.hidden,
+                    "must be a positive multiple of 8",
+                ));
             }
         }
         Ok(())

@@ -66,7 +66,7 @@ pub mod transport;
 
 pub use bootstrap::{Store, StoreConfig};
 pub use buffer::Buffer;
-pub use config::{BufferConfig, Config, LowLatencySizing, NvlTransfer};
+pub use config::{BufferConfig, Config, InternodeSizing, LowLatencySizing, NvlTransfer};
 #[cfg(feature = "cuda")]
 pub use cuda::graph;
 #[cfg(feature = "cuda")]

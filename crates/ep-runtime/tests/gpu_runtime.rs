@@ -6,6 +6,9 @@
 //! routings (with `-1` entries, empty ranks, a hot expert, zero tokens), that the CUDA ops give
 //! the host backend's outputs: bit-exact for data movement, rel err <= 1e-2 for combines. A
 //! second launch checks that when one rank never calls the op, the others fail naming it.
+//! With `nvshmem`, the same over 2 nodes x 2 GPUs and 2 x 1 of this host: the internode
+//! normal mode (an empty node in round 4), the low-latency ops, a buffer without the
+//! internode path, and a missing rank.
 //! Prints `N passed, N failed` and exits 1 on failure.
 
 use candle_core::{DType, Device, Tensor};
@@ -23,6 +26,7 @@ const CHILD: &str = "EP_GPU_RUNTIME_CHILD";
 const HIDDEN: usize = 256;
 const TOPK: usize = 4;
 const LL_MAX_TOKENS: usize = 32;
+const INTERNODE_MAX_TOKENS: usize = 64;
 
 type TestResult = std::result::Result<(), String>;
 
@@ -44,14 +48,21 @@ fn main() {
         launches.push(("missing", world));
     }
     // Across "nodes" of this host (feature `nvshmem`): 2 nodes x 2 GPUs and 2 x 1, the
-    // low-latency ops over NVSHMEM against the host backend.
+    // internode normal mode and the low-latency ops over NVSHMEM against the host backend,
+    // and a rank that never calls dispatch.
     if cfg!(feature = "nvshmem") {
         if world >= 4 {
             launches.push(("nodes-2", 4));
+            launches.push(("nodes-2-missing", 4));
         }
         if world >= 2 {
             launches.push(("nodes-1", 2));
+            launches.push(("nodes-1-missing", 2));
         }
+    }
+    // `EP_GPU_RUNTIME_ONLY=<case>`: that launch alone (e.g. under compute-sanitizer).
+    if let Ok(only) = std::env::var("EP_GPU_RUNTIME_ONLY") {
+        launches.retain(|(case, _)| *case == only);
     }
     for (case, world) in launches {
         for (rank, (code, text)) in launch(case, world).into_iter().enumerate() {
@@ -112,6 +123,9 @@ fn launch(case: &str, world: usize) -> Vec<(i32, String)> {
 struct Ctx {
     rank: usize,
     world: usize,
+    /// Nodes of the buffers' topology.
+    nodes: usize,
+    topo: Topology,
     gpu: Device,
     cuda: Buffer,
     cpu: Buffer,
@@ -119,7 +133,8 @@ struct Ctx {
     _store: Option<Store>,
 }
 
-/// `gpus_per_node`: `None` for one node of `WORLD_SIZE` GPUs.
+/// `gpus_per_node`: `None` for one node of `WORLD_SIZE` GPUs; across nodes the buffer gets
+/// the internode normal mode for up to `INTERNODE_MAX_TOKENS` tokens per rank.
 fn setup(
     timeout: Duration,
     transfer: NvlTransfer,
@@ -138,11 +153,17 @@ fn setup(
         .with_low_latency(LL_MAX_TOKENS, HIDDEN, 8 * world)
         .with_nvl_bytes(64 << 20)
         .with_nvl_transfer(transfer);
+    let cfg = match gpus_per_node {
+        Some(_) => cfg.with_internode(INTERNODE_MAX_TOKENS, HIDDEN, TOPK),
+        None => cfg,
+    };
     let cuda = Buffer::from_store(&store, topo, cfg.clone(), &gpu).map_err(|e| e.to_string())?;
     let cpu = Buffer::from_store(&store, topo, cfg, &Device::Cpu).map_err(|e| e.to_string())?;
     Ok(Ctx {
         rank,
         world,
+        nodes: topo.num_nodes(),
+        topo,
         gpu,
         cuda,
         cpu,
@@ -151,7 +172,8 @@ fn setup(
 }
 
 fn child(case: &str) -> i32 {
-    let timeout = if case == "missing" { 3 } else { 30 };
+    let missing = case.ends_with("missing");
+    let timeout = if missing { 3 } else { 30 };
     let transfer = if case.ends_with("-rings") {
         NvlTransfer::SmRings
     } else {
@@ -159,6 +181,7 @@ fn child(case: &str) -> i32 {
     };
     let gpus_per_node = case
         .strip_prefix("nodes-")
+        .and_then(|g| g.split('-').next())
         .and_then(|g| g.parse::<usize>().ok());
     let ctx = match setup(Duration::from_secs(timeout), transfer, gpus_per_node) {
         Ok(c) => c,
@@ -175,15 +198,24 @@ fn child(case: &str) -> i32 {
             println!("FAIL {case}/{name} (rank {}): {e}", ctx.rank);
         }
     };
-    if case == "missing" {
+    if missing {
         run("missing_rank_named", &missing_rank);
     } else if gpus_per_node.is_some() {
+        for round in 0..5 {
+            run(&format!("internode_normal_round_{round}"), &|c| {
+                normal(c, round)
+            });
+        }
+        run("internode_normal_fp8", &normal_fp8);
         for round in 0..3 {
             run(&format!("low_latency_round_{round}"), &|c| {
                 low_latency(c, round)
             });
         }
-        run("normal_mode_unsupported_across_nodes", &normal_unsupported);
+        run(
+            "normal_mode_unsupported_without_internode",
+            &normal_unsupported,
+        );
     } else {
         run("fp8_casts", &fp8_casts);
         for round in 0..4 {
@@ -321,6 +353,9 @@ fn routing(
     let per_rank = e / world;
     let allowed: Vec<usize> = if round == 1 && world > 1 {
         (0..e - per_rank).collect()
+    } else if round == 4 && world > 1 {
+        // The experts of the first half of the ranks only (across 2 nodes: node 1 empty).
+        (0..e / 2).collect()
     } else {
         (0..e).collect()
     };
@@ -466,11 +501,17 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
         od.handle.rank_prefix_matrix(),
         oh.handle.rank_prefix_matrix(),
     )?;
-    same(
-        "channel_prefix_matrix",
-        od.handle.channel_prefix_matrix(),
-        oh.handle.channel_prefix_matrix(),
-    )?;
+    if c.nodes > 1 {
+        // Across nodes the handle's send head is the row in the destination's recv_x, as the
+        // host backend's (one node: the ring kernels' own index), and there is one channel.
+        same("send_head", od.handle.send_head(), oh.handle.send_head())?;
+    } else {
+        same(
+            "channel_prefix_matrix",
+            od.handle.channel_prefix_matrix(),
+            oh.handle.channel_prefix_matrix(),
+        )?;
+    }
 
     // Combine the received rows (with the weights) back.
     let rw_h = pick(&oh.recv_topk_weights, "w")?;
@@ -650,23 +691,34 @@ fn low_latency(c: &Ctx, round: usize) -> TestResult {
     Ok(())
 }
 
-/// Across nodes the CUDA buffer has no normal mode yet: its dispatch fails with
-/// `Unsupported` naming the internode path (and the layout, a local kernel, still works).
+/// A CUDA buffer across nodes built without `with_internode` has no normal mode: its dispatch
+/// fails with `Unsupported` naming the internode path (and the layout, a local kernel, still
+/// works).
 fn normal_unsupported(c: &Ctx) -> TestResult {
     let e = 8 * c.world;
+    let store = c._store.as_ref().ok_or("no bootstrap store")?;
+    let plain = Buffer::from_store(
+        store,
+        c.topo,
+        BufferConfig::default().with_timeout(Duration::from_secs(30)),
+        &c.gpu,
+    )
+    .map_err(err)?;
+    if plain.has_normal_mode() {
+        return Err(
+            "a buffer across nodes without with_internode says it has a normal mode".into(),
+        );
+    }
     let (x, idx, w) = inputs(c, 7, 0, 1)?;
     let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
     let lh = c.cpu.get_dispatch_layout(&idx, e).map_err(err)?;
-    let ld = c.cuda.get_dispatch_layout(&idxd, e).map_err(err)?;
+    let ld = plain.get_dispatch_layout(&idxd, e).map_err(err)?;
     same(
         "num_tokens_per_rank",
         &ld.num_tokens_per_rank,
         &lh.num_tokens_per_rank,
     )?;
-    match c
-        .cuda
-        .dispatch(&DispatchArgs::new(&xd).topk(&idxd, &wd).layout(&ld))
-    {
+    match plain.dispatch(&DispatchArgs::new(&xd).topk(&idxd, &wd).layout(&ld)) {
         Err(ep_runtime::Error::Unsupported(msg)) if msg.contains("internode") => Ok(()),
         Err(e) => Err(format!(
             "expected Unsupported naming the internode path, got {e}"
@@ -702,6 +754,8 @@ fn low_latency_one_rank(c: &Ctx) -> TestResult {
     let one = Ctx {
         rank: 0,
         world: 1,
+        nodes: 1,
+        topo: Topology::new(0, 1, 1).map_err(err)?,
         gpu: c.gpu.clone(),
         cuda,
         cpu,

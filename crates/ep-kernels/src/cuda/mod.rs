@@ -33,3 +33,34 @@ pub use launch::{
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
 }
+
+/// The module (`CUmodule`, as an address) that `kernel` belongs to.
+#[cfg(feature = "nvshmem")]
+fn module_of(kernel: &Kernel) -> crate::Result<usize> {
+    let mut module = std::ptr::null_mut();
+    // SAFETY: the function handle belongs to `kernel`, which is alive; the driver writes the
+    // module it belongs to into `module`.
+    unsafe { cudarc::driver::sys::cuFuncGetModule(&mut module, kernel.function().cu_function()) }
+        .result()?;
+    Ok(module as usize)
+}
+
+/// Binds the module of `kernel` (a cubin device-linked with NVSHMEM) to `nv` with
+/// `nvshmemx_cumodule_init`, once per (module, NVSHMEM instance) in the process. Modules
+/// without NVSHMEM's device state must not be bound: NVSHMEM refuses them. The kernel
+/// registry keeps a loaded module for the context's life.
+#[cfg(feature = "nvshmem")]
+pub(crate) fn nvshmem_module_init(nv: &nvshmem_sys::Nvshmem, kernel: &Kernel) -> crate::Result<()> {
+    static BOUND: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+    let module = module_of(kernel)?;
+    let key = (module, nv as *const nvshmem_sys::Nvshmem as usize);
+    let mut bound = BOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if bound.contains(&key) {
+        return Ok(());
+    }
+    // SAFETY: `module` is loaded in the context of `kernel`, which the caller made NVSHMEM's
+    // device's primary context, and stays loaded while the kernel registry keeps it.
+    unsafe { nv.cumodule_init(module as *mut std::ffi::c_void) }?;
+    bound.push(key);
+    Ok(())
+}

@@ -14,11 +14,15 @@
 //! it (synchronous mode) or the caller gets an [`EventOverlap`] to wait on (`async_finish`).
 //! Across nodes (feature `nvshmem`, `Topology::num_nodes() > 1`) the low-latency buffer lies
 //! on NVSHMEM's symmetric heap (ranks of this node over NVLink, the others through NVSHMEM
-//! puts) and the normal mode is not available yet (its ops fail with `Error::Unsupported`).
+//! puts), and with [`BufferConfig::internode`](crate::BufferConfig::internode) the normal mode
+//! runs the internode kernels over a second buffer on that heap (`internode.rs`); without it
+//! the normal ops fail with `Error::Unsupported`.
 
 pub(crate) mod cast;
 mod common;
 pub mod graph;
+#[cfg(feature = "nvshmem")]
+mod internode;
 mod ll_ops;
 mod ll_recv;
 mod low_latency;
@@ -62,9 +66,11 @@ pub(crate) struct CudaBuffer {
     rank: usize,
     num_ranks: usize,
     timeout: Duration,
-    /// Normal mode over the node's NVLink buffers (`None` across nodes: the internode normal
-    /// path is not built yet, and its ops say so).
+    /// Normal mode over the node's NVLink buffers (`None` across nodes).
     normal: Option<NormalCuda>,
+    /// Normal mode across nodes (`BufferConfig::internode` set, feature `nvshmem`).
+    #[cfg(feature = "nvshmem")]
+    internode: Option<internode::InternodeCuda>,
     /// Nodes of the group.
     num_nodes: usize,
     /// The low-latency mode (its buffer, mask tracking and ops).
@@ -104,7 +110,7 @@ impl CudaBuffer {
     /// Builds the CUDA state of buffer `buffer_id` on `device` for rank `topo` of `group` (a
     /// collective: every rank of the group calls it once, in the same order as its other
     /// buffers). On one node both modes run over NVLink; across nodes (feature `nvshmem`) the
-    /// low-latency mode runs over NVSHMEM and the normal mode is not available yet.
+    /// low-latency mode runs over NVSHMEM, and the normal mode too when configured.
     pub(crate) fn new(
         device: &Device,
         topo: Topology,
@@ -160,6 +166,18 @@ impl CudaBuffer {
         } else {
             None
         };
+        // Symmetric allocations are collective: every rank makes them in the same order.
+        #[cfg(feature = "nvshmem")]
+        let internode = match (&nvshmem, cfg.internode) {
+            (Some(nv), Some(sizing)) => Some(internode::InternodeCuda::new(
+                &comm,
+                topo,
+                sizing,
+                nv,
+                cfg.timeout,
+            )?),
+            _ => None,
+        };
         let ll = LowLatencyCuda::new(dev, &comm, topo, cfg.timeout, op.clone());
         #[cfg(feature = "nvshmem")]
         let ll = ll.with_nvshmem(nvshmem);
@@ -172,6 +190,8 @@ impl CudaBuffer {
             num_ranks: topo.num_ranks,
             timeout: cfg.timeout,
             normal,
+            #[cfg(feature = "nvshmem")]
+            internode,
             num_nodes: topo.num_nodes(),
             ll,
             op,
@@ -193,20 +213,36 @@ impl CudaBuffer {
         Ok(this)
     }
 
-    /// Whether the normal mode is available (one node).
+    /// Whether the normal mode is available (one node, or across nodes with the internode
+    /// path configured).
     pub(crate) fn has_normal_mode(&self) -> bool {
+        #[cfg(feature = "nvshmem")]
+        if self.internode.is_some() {
+            return true;
+        }
         self.normal.is_some()
     }
 
-    /// The normal mode's state, or the error that says why a buffer across nodes has none.
+    /// The one-node normal mode's state, or the error that says why a buffer across nodes
+    /// has none.
     fn normal_mode(&self) -> Result<&NormalCuda> {
         self.normal.as_ref().ok_or_else(|| {
             Error::Unsupported(format!(
                 "normal mode (dispatch / combine) of a CUDA buffer across {} nodes: the \
-                 internode normal path is not built yet; this buffer runs the low-latency ops \
-                 (over NVSHMEM)",
+                 internode normal path needs `BufferConfig::with_internode` (and ep-runtime's \
+                 `nvshmem` feature); this buffer runs the low-latency ops (over NVSHMEM)",
                 self.num_nodes
             ))
+        })
+    }
+
+    /// The internode normal mode, for a handle it made.
+    #[cfg(feature = "nvshmem")]
+    fn internode(&self) -> Result<&internode::InternodeCuda> {
+        self.internode.as_ref().ok_or_else(|| {
+            Error::HandleMismatch(
+                "the handle was made by the internode path of another buffer".into(),
+            )
         })
     }
 

@@ -35,6 +35,9 @@ pub(crate) enum CudaHandleData {
         /// Rows this rank received from each source.
         recv_per_source: Vec<usize>,
     },
+    /// Internode path (buffers across nodes).
+    #[cfg(feature = "nvshmem")]
+    Internode(super::internode::InternodeHandle),
 }
 
 /// Extra time the host waits for the notify counters beyond the device timeout, so that the
@@ -95,7 +98,7 @@ impl CudaBuffer {
 
     /// Runs the layout kernel on `stream`: `(per rank [R], per node [R/P], per expert [E],
     /// is_token_in_rank [T, R] u8)` as CUDA tensors.
-    fn device_layout(
+    pub(super) fn device_layout(
         &self,
         stream: &Arc<cudarc::driver::CudaStream>,
         topk_idx: &Tensor,
@@ -152,6 +155,10 @@ impl CudaBuffer {
 
     /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch.
     pub(crate) fn dispatch_fresh(&self, f: FreshDispatch<'_>) -> Result<DispatchOutput> {
+        #[cfg(feature = "nvshmem")]
+        if let Some(inn) = &self.internode {
+            return self.internode_dispatch_fresh(inn, f);
+        }
         let nm = self.normal_mode()?;
         let args = f.args;
         check_payload_dtype(args.x)?;
@@ -403,9 +410,20 @@ impl CudaBuffer {
         fp8: bool,
         handle: &Handle,
     ) -> Result<DispatchOutput> {
+        let cd = handle.cuda_data()?;
+        #[cfg(feature = "nvshmem")]
+        if let CudaHandleData::Internode(ih) = cd {
+            return self.internode_dispatch_cached(
+                self.internode()?,
+                args,
+                hidden,
+                fp8,
+                handle,
+                ih,
+            );
+        }
         let nm = self.normal_mode()?;
         check_payload_dtype(args.x)?;
-        let cd = handle.cuda_data()?;
         let hi = &handle.inner;
         let _op = lock(&self.op);
         self.check_nvl_error()?;
@@ -420,6 +438,8 @@ impl CudaBuffer {
                 recv_per_source,
             } => Some((send_index, recv_per_source, &self.ce_configs()?.0)),
             CudaHandleData::Rings { .. } => None,
+            #[cfg(feature = "nvshmem")]
+            CudaHandleData::Internode(_) => unreachable!("internode handles returned above"),
         };
         let mut scratch_src = alloc::<i32>(comm, n)?;
         let mut scratch_off = alloc::<i32>(comm, r * c)?;
@@ -490,7 +510,6 @@ impl CudaBuffer {
 
     /// Combine along `args.handle` (barrier, then the combine kernel).
     pub(crate) fn combine(&self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
-        let nm = self.normal_mode()?;
         if args.x.dtype() != DType::BF16 {
             return Err(Error::DType {
                 arg: "x",
@@ -500,6 +519,11 @@ impl CudaBuffer {
         }
         let handle = args.handle;
         let cd = handle.cuda_data()?;
+        #[cfg(feature = "nvshmem")]
+        if let CudaHandleData::Internode(ih) = cd {
+            return self.internode_combine(self.internode()?, args, ih);
+        }
+        let nm = self.normal_mode()?;
         let hi = &handle.inner;
         let (t, n) = (hi.num_tokens, hi.num_recv_tokens);
         let h = args.x.dims2()?.1;
@@ -578,6 +602,8 @@ impl CudaBuffer {
                         },
                     )
                 }
+                #[cfg(feature = "nvshmem")]
+                CudaHandleData::Internode(_) => unreachable!("internode handles returned above"),
             }
             .map_err(|e| kernel_err(e, self.timeout))?;
         }

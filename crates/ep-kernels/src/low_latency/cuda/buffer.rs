@@ -72,8 +72,6 @@ struct Symmetric {
     /// Dropped first among the fields: waits for the device, then frees (collective).
     mem: nvshmem_sys::SymmetricBuffer<u8>,
     nv: Arc<nvshmem_sys::Nvshmem>,
-    /// Modules (`CUmodule` addresses) already bound with `nvshmemx_cumodule_init`.
-    bound: std::sync::Mutex<Vec<usize>>,
     /// Some rank is on another node (reached through NVSHMEM puts).
     remote: bool,
 }
@@ -181,7 +179,6 @@ impl LowLatencyBuffer {
             mem: Memory::Symmetric(Symmetric {
                 mem,
                 nv: nv.clone(),
-                bound: std::sync::Mutex::new(Vec::new()),
                 remote: table.contains(&0),
             }),
             layout,
@@ -209,21 +206,7 @@ impl LowLatencyBuffer {
     pub(super) fn bind(&self, kernel: &crate::cuda::Kernel) -> Result<()> {
         #[cfg(feature = "nvshmem")]
         if let Memory::Symmetric(sym) = &self.mem {
-            let mut module = std::ptr::null_mut();
-            // SAFETY: the function handle belongs to `kernel`, which is alive; the driver
-            // writes the module it belongs to into `module`.
-            unsafe {
-                cudarc::driver::sys::cuFuncGetModule(&mut module, kernel.function().cu_function())
-            }
-            .result()?;
-            let mut bound = sym.bound.lock().unwrap_or_else(|e| e.into_inner());
-            if !bound.contains(&(module as usize)) {
-                // SAFETY: `module` is loaded in this buffer's context (the primary context of
-                // NVSHMEM's device, checked at construction) and stays loaded while the kernel
-                // registry keeps it (a reloaded module is a new handle, bound again here).
-                unsafe { sym.nv.cumodule_init(module.cast()) }?;
-                bound.push(module as usize);
-            }
+            crate::cuda::nvshmem_module_init(&sym.nv, kernel)?;
         }
         #[cfg(not(feature = "nvshmem"))]
         let _ = kernel;

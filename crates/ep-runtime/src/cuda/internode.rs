@@ -1,0 +1,451 @@
+//! Normal mode of a CUDA buffer across nodes (feature `nvshmem`): the internode kernels of
+//! `ep_kernels::internode` over a buffer on NVSHMEM's symmetric heap. A token crosses the
+//! network once per destination node, to the GPU with its home's local index there, and the
+//! node's GPUs take theirs over NVLink; combine sums each node's rows on that GPU first.
+//! Outputs, handle and receive order are those of the one-node path.
+
+use super::common::{kernel_err, lock};
+use super::normal::FreshDispatch;
+use super::normal_launch::{x_tensors, RecvRows};
+use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
+use super::CudaBuffer;
+use crate::config::InternodeSizing;
+use crate::error::{Error, Result};
+use crate::normal::handle::{HandleInner, HandleTensors};
+use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
+use crate::topology::Topology;
+use candle_core::{DType, Tensor};
+use cudarc::driver::CudaStream;
+use ep_kernels::internode as kn;
+use ep_kernels::intranode as ki;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The internode normal mode of one rank: its buffer on NVSHMEM's heap.
+#[derive(Debug)]
+pub(crate) struct InternodeCuda {
+    buf: kn::InternodeBuffer,
+}
+
+/// What a handle made by the internode path holds besides the shared tensors.
+#[derive(Debug)]
+pub(crate) struct InternodeHandle {
+    /// `[T, N]` i32: each token's index among this rank's tokens for each node.
+    node_send_index: Tensor,
+    /// `[P, N]` i32: the messages of each block this rank reads.
+    block_count: Tensor,
+    /// `[P, N, M]` i32: the row of each block message in `recv_x` (`-1`: not this rank's).
+    dest: Tensor,
+    /// `[N, M]` u8: the GPUs of this node holding each token of this rank's own blocks.
+    fwd_mask: Tensor,
+    /// `[n]` i32: the block message each received row came from.
+    origin: Tensor,
+}
+
+impl InternodeCuda {
+    /// Allocates this rank's internode buffer on `nv`'s heap (a collective over every rank).
+    pub(super) fn new(
+        comm: &Arc<CudaStream>,
+        topo: Topology,
+        sizing: InternodeSizing,
+        nv: &Arc<nvshmem_sys::Nvshmem>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let layout = kn::InternodeLayout::new(
+            topo.num_ranks,
+            topo.gpus_per_node,
+            sizing.max_tokens_per_rank,
+            sizing.hidden,
+            sizing.max_topk,
+        )?;
+        let mut buf = kn::InternodeBuffer::new(comm, layout, nv, |q| topo.same_node(q))?;
+        buf.set_timeout(timeout);
+        tracing::debug!(
+            rank = topo.rank,
+            bytes = layout.total_bytes,
+            "internode buffer ready"
+        );
+        Ok(Self { buf })
+    }
+}
+
+fn check_payload_dtype(x: &Tensor) -> Result<()> {
+    if matches!(x.dtype(), DType::BF16 | DType::F8E4M3) {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            arg: "x",
+            expected: "bf16 or f8e4m3 (CUDA buffers)",
+            got: x.dtype(),
+        })
+    }
+}
+
+impl CudaBuffer {
+    fn kerr(&self, e: ep_kernels::Error) -> Error {
+        kernel_err(e, self.timeout)
+    }
+
+    /// The internode payload views of `x` (and its scales).
+    fn send_payload<'a>(
+        x: &'a DeviceTensor<'_>,
+        xs: Option<&'a DeviceTensor<'_>>,
+        fp8: bool,
+    ) -> Result<ki::Payload<'a>> {
+        Ok(if fp8 {
+            let xs = xs.ok_or_else(|| Error::invalid("x_scales", "None", "fp8 x needs scales"))?;
+            ki::Payload::Fp8 {
+                x: x.view::<float8::F8E4M3>()?,
+                scales: xs.view::<f32>()?,
+            }
+        } else {
+            ki::Payload::Bf16(x.view::<half::bf16>()?)
+        })
+    }
+
+    /// Fresh dispatch across nodes: barrier and counts, send, poll, plan and receive.
+    pub(super) fn internode_dispatch_fresh(
+        &self,
+        inn: &InternodeCuda,
+        f: FreshDispatch<'_>,
+    ) -> Result<DispatchOutput> {
+        let args = f.args;
+        check_payload_dtype(args.x)?;
+        let _op = lock(&self.op);
+        inn.buf.check_error().map_err(|e| self.kerr(e))?;
+        let lay = inn.buf.layout();
+        let (r, t, h, k) = (self.num_ranks, f.num_tokens, f.hidden, f.num_topk);
+        let (nodes, p, m) = (lay.num_nodes(), lay.gpus_per_node, lay.max_tokens);
+        let l = f.num_experts / r;
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        let (ntpr, ntpn, ntpe, itir) = match args.layout {
+            Some(lay) => (
+                lay.num_tokens_per_rank.clone(),
+                lay.num_tokens_per_node.clone().ok_or_else(|| {
+                    Error::invalid(
+                        "layout",
+                        "a layout without num_tokens_per_node",
+                        "a buffer across nodes needs a layout of its own topology",
+                    )
+                })?,
+                lay.num_tokens_per_expert.clone(),
+                lay.is_token_in_rank.clone(),
+            ),
+            None => {
+                let idx = args.topk_idx.ok_or_else(|| {
+                    Error::invalid("topk_idx", "None", "needed to compute the layout")
+                })?;
+                self.device_layout(comm, idx, t, k, &f.placement)?
+            }
+        };
+        let mut rpm = alloc::<i32>(comm, r * r)?;
+        let mut block_count = alloc::<i32>(comm, p * nodes)?;
+        let mut nsi = alloc::<i32>(comm, t * nodes)?;
+        let mut send_head = alloc::<i32>(comm, t * r)?;
+        let zero_w = match (k > 0, args.topk_weights) {
+            (true, None) => Some(alloc::<f32>(comm, t * k)?),
+            _ => None,
+        };
+        let seq = {
+            let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
+            let ntpn_d = DeviceTensor::new("layout.num_tokens_per_node", &ntpn)?;
+            let ntpe_d = DeviceTensor::new("layout.num_tokens_per_expert", &ntpe)?;
+            let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
+            let seq = kn::notify_cuda(
+                comm,
+                &inn.buf,
+                Some(kn::NotifyCounts {
+                    num_tokens_per_rank: ntpr_d.view::<i32>()?,
+                    num_tokens_per_node: ntpn_d.view::<i32>()?,
+                    num_tokens_per_expert: ntpe_d.view::<i32>()?,
+                    is_token_in_rank: itir_d.view::<u8>()?,
+                    num_tokens: t,
+                    num_experts: f.num_experts,
+                    expert_alignment: args.expert_alignment,
+                    rank_prefix_matrix: rpm.slice_mut(0..r * r),
+                    block_count: block_count.slice_mut(0..p * nodes),
+                    node_send_index: nsi.slice_mut(0..t * nodes),
+                    send_head: send_head.slice_mut(0..t * r),
+                }),
+            )
+            .map_err(|e| self.kerr(e))?;
+            let (x_d, xs_d) = x_tensors(args)?;
+            let idx_d = args
+                .topk_idx
+                .filter(|_| k > 0)
+                .map(|i| DeviceTensor::new("topk_idx", i))
+                .transpose()?;
+            let w_d = args
+                .topk_weights
+                .filter(|_| k > 0)
+                .map(|w| DeviceTensor::new("topk_weights", w))
+                .transpose()?;
+            let topk = match &idx_d {
+                Some(i) => Some(ki::TopK {
+                    idx: i.view::<i64>()?,
+                    weights: match (&w_d, &zero_w) {
+                        (Some(w), _) => w.view::<f32>()?,
+                        (None, Some(z)) => z.slice(0..t * k),
+                        (None, None) => unreachable!("zero weights exist when k > 0"),
+                    },
+                }),
+                None => None,
+            };
+            kn::dispatch_send_cuda(
+                comm,
+                &inn.buf,
+                seq,
+                kn::InternodeSendArgs {
+                    x: Self::send_payload(&x_d, xs_d.as_ref(), f.fp8)?,
+                    num_topk: if topk.is_some() { k } else { 0 },
+                    topk,
+                    node_send_index: nsi.slice(0..t * nodes),
+                    is_token_in_rank: itir_d.view::<u8>()?,
+                    num_tokens: t,
+                    hidden: h,
+                },
+            )
+            .map_err(|e| self.kerr(e))?;
+            seq
+        };
+        // The one host read of the op: the receive counts.
+        let counts = inn
+            .buf
+            .recv_counts(l, self.timeout)
+            .map_err(|e| self.kerr(e))?;
+        let n = counts.num_recv_tokens;
+        tracing::trace!(rank = self.rank, recv = n, "internode notify done");
+        let with_topk = k > 0 && args.topk_idx.is_some();
+        let mut recv_src_idx = alloc::<i32>(comm, n)?;
+        let mut recv_idx = alloc::<i64>(comm, n * k)?;
+        let mut recv_w = alloc::<f32>(comm, n * k)?;
+        let mut dest = alloc_uninit::<i32>(comm, p * nodes * m)?;
+        let mut fwd_mask = alloc::<u8>(comm, nodes * m)?;
+        let mut origin = alloc_uninit::<i32>(comm, n)?;
+        let mut recv_rows = RecvRows::default();
+        kn::dispatch_recv_cuda(
+            comm,
+            &inn.buf,
+            seq,
+            kn::DispatchPlan::Fresh {
+                block_count: block_count.slice(0..p * nodes),
+                rank_prefix_matrix: rpm.slice(0..r * r),
+                dest: dest.slice_mut(0..p * nodes * m),
+                fwd_mask: fwd_mask.slice_mut(0..nodes * m),
+                origin: origin.slice_mut(0..n),
+            },
+            kn::InternodeRecvArgs {
+                recv_x: recv_rows.alloc(comm, f.fp8, n, h)?,
+                recv_src_idx: Some(recv_src_idx.slice_mut(0..n)),
+                recv_topk: if with_topk {
+                    Some(ki::RecvTopK {
+                        idx: recv_idx.slice_mut(0..n * k),
+                        weights: recv_w.slice_mut(0..n * k),
+                    })
+                } else {
+                    None
+                },
+                num_topk: if with_topk { k } else { 0 },
+                num_recv_tokens: n,
+                hidden: h,
+                num_experts: if with_topk { f.num_experts } else { 0 },
+            },
+        )
+        .map_err(|e| self.kerr(e))?;
+        let event = self.finish(args.async_finish)?;
+        let dev = &self.dev;
+        let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, dev);
+        let (recv_topk_idx, recv_topk_weights) = if with_topk {
+            (
+                Some(wrap(recv_idx, (n, k), dev)),
+                Some(wrap(recv_w, (n, k), dev)),
+            )
+        } else {
+            (None, None)
+        };
+        let recv_src_idx = wrap(recv_src_idx, n, dev);
+        // One channel: the channel prefix is the per-destination count.
+        let cpm = ntpr.reshape((r, 1))?;
+        let handle = Handle {
+            inner: Arc::new(HandleInner {
+                buffer_id: self.buffer_id,
+                num_ranks: r,
+                num_tokens: t,
+                num_recv_tokens: n,
+                rank_prefix_matrix: Vec::new(),
+                is_token_in_rank: Vec::new(),
+                tensors: HandleTensors {
+                    rank_prefix_matrix: wrap(rpm, (r, r), dev),
+                    channel_prefix_matrix: cpm,
+                    recv_src_idx: recv_src_idx.clone(),
+                    is_token_in_rank: itir,
+                    send_head: wrap(send_head, (t, r), dev),
+                },
+                cuda: Some(super::CudaHandleData::Internode(InternodeHandle {
+                    node_send_index: wrap(nsi, (t, nodes), dev),
+                    block_count: wrap(block_count, (p, nodes), dev),
+                    dest: wrap(dest, (p, nodes, m), dev),
+                    fwd_mask: wrap(fwd_mask, (nodes, m), dev),
+                    origin: wrap(origin, n, dev),
+                })),
+            }),
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            num_recv_tokens_per_expert: counts.per_expert,
+            handle,
+            event,
+        })
+    }
+
+    /// Cached dispatch across nodes: barrier, send along the handle's routing, receive with
+    /// its plan.
+    pub(super) fn internode_dispatch_cached(
+        &self,
+        inn: &InternodeCuda,
+        args: &DispatchArgs<'_>,
+        hidden: usize,
+        fp8: bool,
+        handle: &Handle,
+        ih: &InternodeHandle,
+    ) -> Result<DispatchOutput> {
+        check_payload_dtype(args.x)?;
+        let hi = &handle.inner;
+        let _op = lock(&self.op);
+        inn.buf.check_error().map_err(|e| self.kerr(e))?;
+        let lay = inn.buf.layout();
+        let (t, n, h) = (hi.num_tokens, hi.num_recv_tokens, hidden);
+        let (nodes, p, m) = (lay.num_nodes(), lay.gpus_per_node, lay.max_tokens);
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        let mut recv_rows = RecvRows::default();
+        {
+            let seq = kn::notify_cuda(comm, &inn.buf, None).map_err(|e| self.kerr(e))?;
+            let (x_d, xs_d) = x_tensors(args)?;
+            let nsi = DeviceTensor::new("handle.node_send_index", &ih.node_send_index)?;
+            let itir = DeviceTensor::new("handle.is_token_in_rank", &hi.tensors.is_token_in_rank)?;
+            let bc = DeviceTensor::new("handle.block_count", &ih.block_count)?;
+            let dest = DeviceTensor::new("handle.dest", &ih.dest)?;
+            kn::dispatch_send_cuda(
+                comm,
+                &inn.buf,
+                seq,
+                kn::InternodeSendArgs {
+                    x: Self::send_payload(&x_d, xs_d.as_ref(), fp8)?,
+                    topk: None,
+                    num_topk: 0,
+                    node_send_index: nsi.view::<i32>()?,
+                    is_token_in_rank: itir.view::<u8>()?,
+                    num_tokens: t,
+                    hidden: h,
+                },
+            )
+            .map_err(|e| self.kerr(e))?;
+            kn::dispatch_recv_cuda(
+                comm,
+                &inn.buf,
+                seq,
+                kn::DispatchPlan::Cached {
+                    block_count: bc.view::<i32>()?,
+                    dest: dest.view::<i32>()?,
+                },
+                kn::InternodeRecvArgs {
+                    recv_x: recv_rows.alloc(comm, fp8, n, h)?,
+                    recv_src_idx: None,
+                    recv_topk: None,
+                    num_topk: 0,
+                    num_recv_tokens: n,
+                    hidden: h,
+                    num_experts: 0,
+                },
+            )
+            .map_err(|e| self.kerr(e))?;
+            debug_assert_eq!(ih.dest.elem_count(), p * nodes * m);
+        }
+        let event = self.finish(args.async_finish)?;
+        let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
+        Ok(DispatchOutput {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx: None,
+            recv_topk_weights: None,
+            recv_src_idx: hi.tensors.recv_src_idx.clone(),
+            num_recv_tokens_per_expert: Vec::new(),
+            handle: handle.clone(),
+            event,
+        })
+    }
+
+    /// Combine across nodes along `args.handle`.
+    pub(super) fn internode_combine(
+        &self,
+        inn: &InternodeCuda,
+        args: &CombineArgs<'_>,
+        ih: &InternodeHandle,
+    ) -> Result<CombineOutput> {
+        let hi = &args.handle.inner;
+        let (t, n) = (hi.num_tokens, hi.num_recv_tokens);
+        let h = args.x.dims2()?.1;
+        let k = match args.topk_weights {
+            Some(w) => w.dims2()?.1,
+            None => 0,
+        };
+        let _op = lock(&self.op);
+        inn.buf.check_error().map_err(|e| self.kerr(e))?;
+        self.begin(args.previous_event)?;
+        let comm = &self.comm;
+        // Every row and weight is written by the home's sum: no memset.
+        let mut combined = alloc_uninit::<half::bf16>(comm, t * h)?;
+        let mut combined_w = alloc_uninit::<f32>(comm, t * k)?;
+        {
+            let x_d = DeviceTensor::new("x", args.x)?;
+            let w_d = args
+                .topk_weights
+                .map(|w| DeviceTensor::new("topk_weights", w))
+                .transpose()?;
+            let origin = DeviceTensor::new("handle.origin", &ih.origin)?;
+            let bc = DeviceTensor::new("handle.block_count", &ih.block_count)?;
+            let fm = DeviceTensor::new("handle.fwd_mask", &ih.fwd_mask)?;
+            let nsi = DeviceTensor::new("handle.node_send_index", &ih.node_send_index)?;
+            kn::combine_cuda(
+                comm,
+                &inn.buf,
+                kn::InternodeCombineArgs {
+                    x: x_d.view::<half::bf16>()?,
+                    topk_weights: w_d.as_ref().map(|w| w.view::<f32>()).transpose()?,
+                    origin: origin.view::<i32>()?,
+                    block_count: bc.view::<i32>()?,
+                    fwd_mask: fm.view::<u8>()?,
+                    node_send_index: nsi.view::<i32>()?,
+                    combined_x: combined.slice_mut(0..t * h),
+                    combined_topk_weights: if k > 0 {
+                        Some(combined_w.slice_mut(0..t * k))
+                    } else {
+                        None
+                    },
+                    num_recv_tokens: n,
+                    num_tokens: t,
+                    hidden: h,
+                    num_topk: k,
+                },
+            )
+            .map_err(|e| self.kerr(e))?;
+        }
+        let event = self.finish(args.async_finish)?;
+        let dev = &self.dev;
+        Ok(CombineOutput {
+            combined_x: wrap(combined, (t, h), dev),
+            combined_topk_weights: if k > 0 {
+                Some(wrap(combined_w, (t, k), dev))
+            } else {
+                None
+            },
+            event,
+        })
+    }
+}
