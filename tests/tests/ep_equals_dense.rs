@@ -33,7 +33,7 @@ fn run_with(
     let per_rank = on_ranks(
         num_ranks,
         gpus_per_node,
-        max_tokens,
+        (max_tokens, None),
         "dense",
         |buf, cfg, path| {
             let rank = buf.topology().rank;
@@ -84,12 +84,13 @@ fn run_with(
 }
 
 /// Runs `f(buffer, config, checkpoint)` on `num_ranks` CPU ranks (threads of a local group of
-/// `gpus_per_node`-rank nodes whose low-latency buffers hold `max_tokens` tokens per rank) over
-/// a fresh checkpoint tagged `tag`; the results by rank.
+/// `gpus_per_node`-rank nodes whose low-latency buffers hold `max_tokens` tokens per rank, and
+/// whose normal mode across nodes takes `internode_max` tokens per op if given) over a fresh
+/// checkpoint tagged `tag`; the results by rank.
 fn on_ranks<T: Send>(
     num_ranks: usize,
     gpus_per_node: usize,
-    max_tokens: usize,
+    (max_tokens, internode_max): (usize, Option<usize>),
     tag: &str,
     f: impl Fn(Buffer, &MoeConfig, &Path) -> T + Sync,
 ) -> Vec<T> {
@@ -97,6 +98,10 @@ fn on_ranks<T: Send>(
     let path = write_checkpoint(&cfg, tag);
     let bcfg =
         BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, cfg.n_routed_experts);
+    let bcfg = match internode_max {
+        Some(m) => bcfg.with_internode(m, cfg.hidden_size, cfg.num_experts_per_tok),
+        None => bcfg,
+    };
     let buffers = Buffer::local_group(num_ranks, gpus_per_node, bcfg).unwrap();
     let (f, cfg_ref, path_ref) = (&f, &cfg, path.as_path());
     let out = std::thread::scope(|s| {
@@ -153,7 +158,7 @@ fn fp8_dispatch_over_4_ranks() {
 #[test]
 fn prefill_in_low_latency_chunks() {
     let chunk = 8;
-    let per_rank = on_ranks(4, 2, chunk, "chunks", |buf, cfg, path| {
+    let per_rank = on_ranks(4, 2, (chunk, None), "chunks", |buf, cfg, path| {
         let rank = buf.topology().rank;
         let opts = MoeLayerOptions {
             low_latency_max_tokens: chunk,
@@ -183,4 +188,51 @@ fn prefill_in_low_latency_chunks() {
             assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
         }
     }
+}
+
+/// Across nodes the internode buffer bounds the tokens of one normal op: the layer runs a
+/// larger normal-mode step as several normal ops (4 ranks as 2 nodes x 2, 5 tokens per op,
+/// ranks with 0, 5, 11 and 14 tokens, so 3 ops each), equal to the dense layer; one node has
+/// no such bound.
+#[test]
+fn normal_steps_in_internode_chunks() {
+    let cap = 5;
+    let per_rank = on_ranks(4, 2, (4, Some(cap)), "internode", |buf, cfg, path| {
+        let rank = buf.topology().rank;
+        assert_eq!(buf.normal_mode_max_tokens(), Some(cap));
+        let layer = MoeLayer::load(
+            var_builder(path, DType::F32),
+            cfg,
+            Arc::new(buf),
+            MoeLayerOptions {
+                low_latency_max_tokens: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(!layer.prefill_in_low_latency_chunks());
+        let dense = DenseMoe::load(var_builder(path, DType::F32), cfg).unwrap();
+        let t = [0, 5, 11, 14][rank];
+        let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
+        let want = dense.forward(&x).unwrap();
+        [Mode::Normal, Mode::Auto].map(|mode| {
+            let got = layer.forward_with_mode(&x, mode).unwrap();
+            assert_eq!(got.dims(), x.dims());
+            if t == 0 {
+                0.0
+            } else {
+                rel_err(&got, &want)
+            }
+        })
+    });
+    for (rank, errs) in per_rank.into_iter().enumerate() {
+        for e in errs {
+            assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
+        }
+    }
+    let one_node =
+        Buffer::local_group(2, 2, BufferConfig::default().with_internode(cap, 8, 2)).unwrap();
+    assert!(one_node
+        .iter()
+        .all(|b| b.normal_mode_max_tokens().is_none()));
 }

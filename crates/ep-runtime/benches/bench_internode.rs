@@ -65,7 +65,9 @@ fn main() {
 
 /// Runs `world` children of `case` and returns every rank's `RESULT` lines.
 fn launch(case: &str, world: usize) -> Result<Vec<Vec<(String, f64)>>, BoxError> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let exe = std::env::current_exe()?;
     let children: Vec<_> = (0..world)
         .map(|rank| {
@@ -157,7 +159,9 @@ fn child(case: &str) -> Result<(), BoxError> {
         }
         idx.extend(row);
     }
-    let w: Vec<f32> = (0..TOKENS * TOPK).map(|_| rng.random_range(0.0..1.0)).collect();
+    let w: Vec<f32> = (0..TOKENS * TOPK)
+        .map(|_| rng.random_range(0.0..1.0))
+        .collect();
     let xv: Vec<f32> = (0..TOKENS * HIDDEN)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -236,7 +240,10 @@ fn child(case: &str) -> Result<(), BoxError> {
         let (bf16_mb, fp8_mb) = (mb(2 * HIDDEN), mb(HIDDEN + HIDDEN / 128 * 4));
         println!("RESULT network_mb_dispatch_bf16 {bf16_mb:.1}");
         println!("RESULT network_mb_dispatch_fp8 {fp8_mb:.1}");
-        println!("RESULT network_gbps_dispatch_bf16 {:.1}", bf16_mb / median(d16));
+        println!(
+            "RESULT network_gbps_dispatch_bf16 {:.1}",
+            bf16_mb / median(d16)
+        );
         println!("RESULT network_gbps_combine {:.1}", bf16_mb / median(cb));
         println!("RESULT at_50GBps_dispatch_bf16_ms {:.3}", bf16_mb / 50.0);
         println!("RESULT at_50GBps_dispatch_fp8_ms {:.3}", fp8_mb / 50.0);

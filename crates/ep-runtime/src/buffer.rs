@@ -140,10 +140,22 @@ impl Buffer {
     }
 
     /// Whether normal-mode [`Buffer::dispatch`] / [`Buffer::combine`] are available: always on
-    /// CPU and on one node; not for a CUDA buffer across nodes (feature `nvshmem`), which runs
-    /// the low-latency ops only until the internode normal path exists.
+    /// CPU and on one node; for a CUDA buffer across nodes (feature `nvshmem`) only with
+    /// [`BufferConfig::with_internode`] (without it the buffer runs the low-latency ops only).
     pub fn has_normal_mode(&self) -> bool {
         self.backend.has_normal_mode()
+    }
+
+    /// Most tokens a rank may dispatch in one normal-mode op: across nodes, the
+    /// `max_tokens_per_rank` of [`BufferConfig::internode`] (the internode buffer's size; CPU
+    /// buffers report the same limit so that callers behave alike on both backends), `None`
+    /// (no limit) on one node or without that sizing.
+    pub fn normal_mode_max_tokens(&self) -> Option<usize> {
+        if self.topology.num_nodes() > 1 {
+            self.config.internode.map(|s| s.max_tokens_per_rank)
+        } else {
+            None
+        }
     }
 
     /// The CUDA stream the buffer's communication kernels run on (`None` for CPU buffers).

@@ -381,10 +381,22 @@ impl MoeLayer {
         };
         let (routed, shared) = match mode {
             Mode::LowLatency => self.routed_low_latency(&x2, &topk_idx, &topk_weights)?,
-            _ if self.prefill_in_low_latency_chunks() => {
-                self.routed_low_latency_chunks(&x2, &topk_idx, &topk_weights, most)?
-            }
-            _ => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
+            _ if self.prefill_in_low_latency_chunks() => self.routed_in_chunks(
+                (&x2, &topk_idx, &topk_weights),
+                most,
+                self.options.low_latency_max_tokens,
+                Self::routed_low_latency,
+            )?,
+            _ => match self.buffer.normal_mode_max_tokens() {
+                // Across nodes the internode buffer bounds the tokens of one normal op.
+                Some(cap) => self.routed_in_chunks(
+                    (&x2, &topk_idx, &topk_weights),
+                    most,
+                    cap,
+                    Self::routed_normal,
+                )?,
+                None => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
+            },
         };
         if t == 0 {
             return Ok(crate::empty::empty(dims, x.dtype(), x.device())?);
@@ -398,24 +410,28 @@ impl MoeLayer {
         self.options.prefill_in_low_latency_chunks || !self.buffer.has_normal_mode()
     }
 
-    /// A normal-mode step as low-latency ops of at most `low_latency_max_tokens` rows per rank
-    /// each (a collective: every rank runs as many ops as the rank with the most tokens needs,
-    /// empty ones once its own rows are done; `most`: that count if the step already learned
-    /// it); returns the routed output with the shared experts' added in.
-    fn routed_low_latency_chunks(
+    /// A normal-mode step as ops `op` (low-latency ops, or normal ops of a buffer whose normal
+    /// mode bounds the tokens per op) of at most `cap` rows per rank each (a collective: every
+    /// rank runs as many ops as the rank with the most tokens needs, empty ones once its own
+    /// rows are done; `most`: that count if the step already learned it); returns the routed
+    /// output with the shared experts' added in.
+    fn routed_in_chunks(
         &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
+        (x, idx, w): (&Tensor, &Tensor, &Tensor),
         most: Option<usize>,
+        cap: usize,
+        op: fn(&Self, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (t, h) = x.dims2()?;
         let k = idx.dims()[1];
-        let c = self.options.low_latency_max_tokens;
+        let c = cap.max(1);
         let most = match most {
             Some(m) => m,
             None => self.most_tokens(t)?,
         };
+        if most <= c {
+            return op(self, x, idx, w);
+        }
         let dev = x.device();
         let mut outs = Vec::new();
         for i in 0..most.div_ceil(c) {
@@ -434,7 +450,7 @@ impl MoeLayer {
                     w.narrow(0, lo, n)?,
                 )
             };
-            let (routed, shared) = self.routed_low_latency(&xc, &ic, &wc)?;
+            let (routed, shared) = op(self, &xc, &ic, &wc)?;
             if n > 0 {
                 outs.push(with_shared(routed, shared, x.dtype())?);
             }

@@ -190,6 +190,19 @@ impl Buffer {
         if args.expert_alignment == 0 {
             return Err(Error::invalid("expert_alignment", 0, "must be >= 1"));
         }
+        // Both backends keep the internode buffer's bound, so code that runs on CPU runs on GPUs.
+        if let Some(cap) = self.normal_mode_max_tokens() {
+            if cx.num_tokens > cap {
+                return Err(Error::invalid(
+                    "x",
+                    format!("{} tokens", cx.num_tokens),
+                    format!(
+                        "normal mode across nodes takes at most \
+                         BufferConfig::internode.max_tokens_per_rank = {cap} tokens per rank"
+                    ),
+                ));
+            }
+        }
         // The host backend waits for `previous_event` here; CUDA buffers order it on their
         // stream instead.
         if self.backend.is_host() {

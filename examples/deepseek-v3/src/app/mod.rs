@@ -183,6 +183,12 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
             );
         }
         buffer_cfg = buffer_cfg.with_low_latency(args.max_batch, cfg.hidden_size, e);
+        // Across nodes (CUDA with `nvshmem`) the normal mode runs the internode kernels over a
+        // buffer of this many tokens per op; longer steps run as several ops. Ignored on one
+        // node.
+        if let Some(k) = cfg.num_experts_per_tok {
+            buffer_cfg = buffer_cfg.with_internode(args.max_prefill_tokens, cfg.hidden_size, k);
+        }
     }
     let what = match &source {
         Source::Checkpoint(dir) => dir.display().to_string(),
