@@ -13,6 +13,10 @@ use ep_runtime::{
 };
 use std::sync::Arc;
 
+/// One routed step on `(x, topk_idx, topk_weights)`: the combined routed output and the
+/// shared experts' output (when computed alongside).
+type RoutedOp = fn(&MoeLayer, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>;
+
 /// Which communication mode a forward pass uses. Every rank must use the same mode for the
 /// same call (the ops are collectives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -420,7 +424,7 @@ impl MoeLayer {
         (x, idx, w): (&Tensor, &Tensor, &Tensor),
         most: Option<usize>,
         cap: usize,
-        op: fn(&Self, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>,
+        op: RoutedOp,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (t, h) = x.dims2()?;
         let k = idx.dims()[1];

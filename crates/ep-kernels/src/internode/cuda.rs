@@ -16,9 +16,7 @@ mod combine;
 mod dispatch;
 mod notify;
 
-pub use buffer::{
-    InternodeBuffer, InternodeLayout, MessageLayout, DEFAULT_TIMEOUT, MAX_GPUS_PER_NODE, MAX_NODES,
-};
+pub use buffer::{InternodeBuffer, DEFAULT_TIMEOUT};
 pub use combine::{combine_cuda, InternodeCombineArgs};
 pub use dispatch::{
     dispatch_recv_cuda, dispatch_send_cuda, DispatchPlan, InternodeRecvArgs, InternodeSendArgs,

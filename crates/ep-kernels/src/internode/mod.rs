@@ -5,11 +5,13 @@
 //!
 //! - [`host`]: the host twins of the route (per-node send index, the plan of a block); the
 //!   receive order and values are the intranode mode's, so the CPU backend is the reference;
+//! - `layout`: the byte layout of a rank's buffer and of a message, and the size checks;
 //! - `cuda` (feature `nvshmem`): [`InternodeBuffer`] on NVSHMEM's symmetric heap and the
 //!   launchers of `notify.cu` (op barrier and count exchange, signals), `dispatch.cu` and
 //!   `combine.cu`; the buffer layout and the ordering argument are in `internode.cuh`.
 
 pub mod host;
+mod layout;
 
 #[cfg(feature = "nvshmem")]
 mod cuda;
@@ -17,3 +19,4 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::*;
+pub use layout::{InternodeLayout, MessageLayout, MAX_GPUS_PER_NODE, MAX_NODES};

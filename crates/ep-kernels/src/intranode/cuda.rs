@@ -49,8 +49,7 @@ use crate::error::{Error, Result};
 
 /// Most ranks of one node (`kMaxRanks`).
 pub const MAX_NVL_RANKS: usize = 8;
-/// Most local experts per rank the notify step accepts (`kMaxLocalExperts`).
-pub const MAX_LOCAL_EXPERTS: usize = 1024;
+pub(crate) use super::MAX_LOCAL_EXPERTS;
 /// Offset of the first ring in an NVLink buffer (`kRingBase`): the header before it holds the
 /// barrier signals, channel counters and notify counts.
 pub const RING_BASE: usize = 65536;

@@ -21,6 +21,9 @@ pub use cuda::*;
 pub use ce_layout::*;
 pub use host::*;
 
+/// Most local experts per rank the notify steps accept (`kMaxLocalExperts`).
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+
 /// Tokens per send chunk of the SM-ring dispatch and combine that measured fastest for
 /// `num_ranks` ranks at 24 SMs and 256-token rings (the ring sweep of `docs/benchmarks.md`):
 /// `(dispatch, combine)` = (24, 12) for 2 ranks, (32, 12) for 3, (36, 12) for 4 (a multiple of

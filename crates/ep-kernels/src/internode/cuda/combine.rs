@@ -4,10 +4,11 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
-use super::buffer::{combine_row, InBuffer, InternodeBuffer, SignalTarget};
+use super::buffer::{InBuffer, InternodeBuffer, SignalTarget};
 use super::notify::{notify_cuda, signal_cuda};
 use crate::cuda::{assert_params_layout, check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::internode::layout::combine_row;
 
 /// Threads of the combine kernels (`kCombineThreads`): 16 warps.
 const THREADS: u32 = 512;

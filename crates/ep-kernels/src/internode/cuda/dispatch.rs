@@ -4,10 +4,11 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
-use super::buffer::{InBuffer, InternodeBuffer, MessageLayout, SignalTarget};
+use super::buffer::{InBuffer, InternodeBuffer, SignalTarget};
 use super::notify::signal_cuda;
 use crate::cuda::{assert_params_layout, check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::internode::layout::MessageLayout;
 use crate::intranode::{Payload, RecvPayload, RecvTopK, TopK};
 
 /// Threads of the send and receive kernels (`kSendThreads`, `kRecvThreads`): 16 warps.
