@@ -42,38 +42,16 @@ use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
 use ep_kernels::gemm::GemmTiles;
-use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
     LowLatencyDispatchArgs, Reduction, Topology,
 };
-use moe_layer::{Experts, Mlp, Mode, MoeLayer, MoeLayerOptions, Router};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-const H: usize = 7168;
-const I: usize = 2048;
-const E: usize = 256;
-const K: usize = 8;
-const LL_MAX: usize = 128;
-
-fn config() -> MoeConfig {
-    MoeConfig {
-        hidden_size: H,
-        moe_intermediate_size: I,
-        n_routed_experts: E,
-        num_experts_per_tok: K,
-        n_shared_experts: Some(1),
-        n_group: 8,
-        topk_group: 4,
-        routed_scaling_factor: 2.5,
-        norm_topk_prob: true,
-        scoring_func: ScoringFunc::Sigmoid,
-        topk_method: TopkMethod::NoauxTc,
-    }
-}
+mod layer_common;
+use layer_common::{build_layer, randn_bf16, BoxError, E, H, I, K, LL_MAX};
 
 fn stream_of(dev: &Device) -> Arc<CudaStream> {
     match dev {
@@ -121,50 +99,9 @@ fn graph_ms(
     })
 }
 
-/// Random bf16 `[shape]` on `dev`, built in chunks along dim 0.
-fn randn_bf16(dev: &Device, shape: &[usize], std: f32) -> Result<Tensor, BoxError> {
-    let per: usize = shape[1..].iter().product();
-    let chunk = ((1usize << 28) / per.max(1)).max(1);
-    let mut parts = Vec::new();
-    let mut done = 0;
-    while done < shape[0] {
-        let n = chunk.min(shape[0] - done);
-        let mut s = shape.to_vec();
-        s[0] = n;
-        parts.push(Tensor::randn(0f32, std, s, dev)?.to_dtype(DType::BF16)?);
-        done += n;
-    }
-    Ok(Tensor::cat(&parts, 0)?)
-}
-
-/// This rank's layer over random weights (router and shared expert seeded alike on every rank).
-fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> {
-    let cfg = config();
-    let topo = buffer.topology();
-    let l = E / topo.num_ranks;
-    // Logits of unit scale (a gate of std 1/sqrt(H) on unit-scale tokens): routing spread over
-    // the experts as a trained DeepSeek-V3 router's is; larger logits saturate the sigmoid and
-    // the bias alone would pick the same experts for every token.
-    // bf16 values, as DeepSeek-V3's checkpoints store the gate (the router then computes the
-    // logits of many tokens on the tensor cores; an f32 gate takes the f32 GEMM).
-    let gate = Tensor::randn(0f32, 1.0 / (H as f32).sqrt(), (E, H), &Device::Cpu)?
-        .to_dtype(DType::BF16)?
-        .to_device(dev)?;
-    let bias = Tensor::randn(0f32, 0.01, E, &Device::Cpu)?.to_device(dev)?;
-    let router = Router::new(gate, Some(bias), &cfg)?;
-    let std_in = 1.0 / (H as f32).sqrt();
-    let std_out = 1.0 / (I as f32).sqrt();
-    let experts = Experts::from_stacked(
-        topo.rank * l,
-        randn_bf16(dev, &[l, 2 * I, H], std_in)?,
-        randn_bf16(dev, &[l, H, I], std_out)?,
-    )?;
-    let shared = Mlp::new(
-        randn_bf16(dev, &[I, H], std_in)?,
-        randn_bf16(dev, &[I, H], std_in)?,
-        randn_bf16(dev, &[H, I], std_out)?,
-    )?;
-    let opts = MoeLayerOptions {
+/// The layer options the environment asks for (see the file comment).
+fn bench_options() -> MoeLayerOptions {
+    MoeLayerOptions {
         mode: Mode::Auto,
         low_latency_max_tokens: LL_MAX,
         fp8_dispatch: fp8_dispatch(),
@@ -186,8 +123,7 @@ fn build_layer(dev: &Device, buffer: Arc<Buffer>) -> Result<MoeLayer, BoxError> 
         },
         two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
         prefill_in_low_latency_chunks: false,
-    };
-    Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
+    }
 }
 
 /// One row of the report.
@@ -460,7 +396,7 @@ fn run_rank(
     })?;
     drop((src, dst));
     let copy_gbs = 2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9;
-    let layer = build_layer(&dev, buffer)?;
+    let layer = build_layer(&dev, buffer, bench_options())?;
     let dense = (
         layer.experts().gate_up().get(0)?.t()?,
         layer.experts().down().get(0)?.t()?,
