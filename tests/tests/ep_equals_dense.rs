@@ -168,26 +168,10 @@ fn prefill_in_low_latency_chunks() {
         let layer =
             MoeLayer::load(var_builder(path, DType::F32), cfg, Arc::new(buf), opts).unwrap();
         assert!(layer.prefill_in_low_latency_chunks());
-        let dense = DenseMoe::load(var_builder(path, DType::F32), cfg).unwrap();
-        let t = [0, 8, 17, 23][rank];
-        let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
-        let want = dense.forward(&x).unwrap();
         // Normal, and Auto (which resolves to normal: more than 8 tokens somewhere).
-        [Mode::Normal, Mode::Auto].map(|mode| {
-            let got = layer.forward_with_mode(&x, mode).unwrap();
-            assert_eq!(got.dims(), x.dims());
-            if t == 0 {
-                0.0
-            } else {
-                rel_err(&got, &want)
-            }
-        })
+        normal_and_auto_errs(&layer, cfg, path, [0, 8, 17, 23][rank])
     });
-    for (rank, errs) in per_rank.into_iter().enumerate() {
-        for e in errs {
-            assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
-        }
-    }
+    assert_within(per_rank, 1e-5);
 }
 
 /// Across nodes the internode buffer bounds the tokens of one normal op: the layer runs a
@@ -211,28 +195,37 @@ fn normal_steps_in_internode_chunks() {
         )
         .unwrap();
         assert!(!layer.prefill_in_low_latency_chunks());
-        let dense = DenseMoe::load(var_builder(path, DType::F32), cfg).unwrap();
-        let t = [0, 5, 11, 14][rank];
-        let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
-        let want = dense.forward(&x).unwrap();
-        [Mode::Normal, Mode::Auto].map(|mode| {
-            let got = layer.forward_with_mode(&x, mode).unwrap();
-            assert_eq!(got.dims(), x.dims());
-            if t == 0 {
-                0.0
-            } else {
-                rel_err(&got, &want)
-            }
-        })
+        normal_and_auto_errs(&layer, cfg, path, [0, 5, 11, 14][rank])
     });
-    for (rank, errs) in per_rank.into_iter().enumerate() {
-        for e in errs {
-            assert!(e <= 1e-5, "rank {rank}: rel err {e} > 1e-5");
-        }
-    }
+    assert_within(per_rank, 1e-5);
     let one_node =
         Buffer::local_group(2, 2, BufferConfig::default().with_internode(cap, 8, 2)).unwrap();
     assert!(one_node
         .iter()
         .all(|b| b.normal_mode_max_tokens().is_none()));
+}
+
+/// The relative errors of `layer`'s Normal and Auto steps on `t` random tokens against the
+/// dense layer of the same checkpoint (0 for no tokens).
+fn normal_and_auto_errs(layer: &MoeLayer, cfg: &MoeConfig, path: &Path, t: usize) -> [f64; 2] {
+    let dense = DenseMoe::load(var_builder(path, DType::F32), cfg).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (t, cfg.hidden_size), &Device::Cpu).unwrap();
+    let want = dense.forward(&x).unwrap();
+    [Mode::Normal, Mode::Auto].map(|mode| {
+        let got = layer.forward_with_mode(&x, mode).unwrap();
+        assert_eq!(got.dims(), x.dims());
+        if t == 0 {
+            0.0
+        } else {
+            rel_err(&got, &want)
+        }
+    })
+}
+
+fn assert_within(per_rank: Vec<[f64; 2]>, tol: f64) {
+    for (rank, errs) in per_rank.into_iter().enumerate() {
+        for e in errs {
+            assert!(e <= tol, "rank {rank}: rel err {e} > {tol}");
+        }
+    }
 }

@@ -13,6 +13,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use ep_runtime::transport::ONE_HOST_NODES_ENV;
 use ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
     NvlTransfer, Reduction, Store, StoreConfig, Topology,
@@ -93,16 +94,8 @@ fn launch(case: &str, world: usize) -> Vec<(i32, String)> {
         .map(|rank| {
             Command::new(&exe)
                 .env(CHILD, case)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("NVSHMEM_DISABLE_NVLS", "1")
-                .env("NVSHMEM_REMOTE_TRANSPORT", "none")
-                .env("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
-                .env("NCCL_NVLS_ENABLE", "0")
+                .envs(StoreConfig::one_host_env(rank, world, port))
+                .envs(ONE_HOST_NODES_ENV)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -13,6 +13,7 @@
 mod layer_common;
 
 use layer_common::{build_layer, BoxError, E, H, K, LL_MAX};
+use moe_layer::ep_runtime::transport::ONE_HOST_NODES_ENV;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Store, StoreConfig, Topology};
 use moe_layer::{Mode, MoeLayerOptions};
 use std::process::{Command, Stdio};
@@ -93,17 +94,9 @@ fn launch(case: &str, world: usize) -> Result<Vec<Vec<(String, f64)>>, BoxError>
         .map(|rank| {
             Command::new(&exe)
                 .env(CHILD, case)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("NVSHMEM_DISABLE_NVLS", "1")
-                .env("NVSHMEM_REMOTE_TRANSPORT", "none")
-                .env("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+                .envs(StoreConfig::one_host_env(rank, world, port))
+                .envs(ONE_HOST_NODES_ENV)
                 .env("NVSHMEM_SYMMETRIC_SIZE", "4G")
-                .env("NCCL_NVLS_ENABLE", "0")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -109,6 +109,24 @@ impl StoreConfig {
         Ok(())
     }
 
+    /// The environment a launcher of `world_size` processes on this host gives rank `rank`
+    /// (what [`StoreConfig::from_env`] reads): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR` (127.0.0.1) and `MASTER_PORT`.
+    pub fn one_host_env(
+        rank: usize,
+        world_size: usize,
+        master_port: u16,
+    ) -> [(&'static str, String); 6] {
+        [
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", world_size.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", world_size.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", master_port.to_string()),
+        ]
+    }
+
     /// Reads the configuration from the process environment: `RANK`, `WORLD_SIZE`,
     /// `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (all required) and
     /// `EP_STORE_TIMEOUT_SECS` (optional, seconds, fractions allowed). Errors name the
@@ -205,4 +223,31 @@ fn parse_usize(lookup: &impl Fn(&str) -> Option<String>, name: &'static str) -> 
     text.trim()
         .parse::<usize>()
         .map_err(|_| Error::invalid(name, format!("{text:?}"), "must be a non-negative integer"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_host_env_reads_back_as_the_config() {
+        let env = StoreConfig::one_host_env(2, 4, 29500);
+        let cfg = StoreConfig::from_lookup(|name| {
+            env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+        })
+        .unwrap();
+        assert_eq!(
+            (
+                cfg.rank,
+                cfg.world_size,
+                cfg.local_rank,
+                cfg.local_world_size
+            ),
+            (2, 4, 2, 4)
+        );
+        assert_eq!(
+            (cfg.master_addr.as_str(), cfg.master_port),
+            ("127.0.0.1", 29500)
+        );
+    }
 }

@@ -6,15 +6,17 @@
 
 use super::common::{kernel_err, lock};
 use super::normal::FreshDispatch;
-use super::normal_launch::{x_tensors, RecvRows};
+use super::normal_launch::{
+    check_payload_dtype, combine_output, payload, x_tensors, RecvRows, TopkTensors,
+};
 use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::config::InternodeSizing;
 use crate::error::{Error, Result};
-use crate::normal::handle::{HandleInner, HandleTensors};
+use crate::normal::handle::HandleTensors;
 use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 use crate::topology::Topology;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use cudarc::driver::CudaStream;
 use ep_kernels::internode as kn;
 use ep_kernels::intranode as ki;
@@ -69,38 +71,9 @@ impl InternodeCuda {
     }
 }
 
-fn check_payload_dtype(x: &Tensor) -> Result<()> {
-    if matches!(x.dtype(), DType::BF16 | DType::F8E4M3) {
-        Ok(())
-    } else {
-        Err(Error::DType {
-            arg: "x",
-            expected: "bf16 or f8e4m3 (CUDA buffers)",
-            got: x.dtype(),
-        })
-    }
-}
-
 impl CudaBuffer {
     fn kerr(&self, e: ep_kernels::Error) -> Error {
         kernel_err(e, self.timeout)
-    }
-
-    /// The internode payload views of `x` (and its scales).
-    fn send_payload<'a>(
-        x: &'a DeviceTensor<'_>,
-        xs: Option<&'a DeviceTensor<'_>>,
-        fp8: bool,
-    ) -> Result<ki::Payload<'a>> {
-        Ok(if fp8 {
-            let xs = xs.ok_or_else(|| Error::invalid("x_scales", "None", "fp8 x needs scales"))?;
-            ki::Payload::Fp8 {
-                x: x.view::<float8::F8E4M3>()?,
-                scales: xs.view::<f32>()?,
-            }
-        } else {
-            ki::Payload::Bf16(x.view::<half::bf16>()?)
-        })
     }
 
     /// Fresh dispatch across nodes: barrier and counts, send, poll, plan and receive.
@@ -171,33 +144,14 @@ impl CudaBuffer {
             )
             .map_err(|e| self.kerr(e))?;
             let (x_d, xs_d) = x_tensors(args)?;
-            let idx_d = args
-                .topk_idx
-                .filter(|_| k > 0)
-                .map(|i| DeviceTensor::new("topk_idx", i))
-                .transpose()?;
-            let w_d = args
-                .topk_weights
-                .filter(|_| k > 0)
-                .map(|w| DeviceTensor::new("topk_weights", w))
-                .transpose()?;
-            let topk = match &idx_d {
-                Some(i) => Some(ki::TopK {
-                    idx: i.view::<i64>()?,
-                    weights: match (&w_d, &zero_w) {
-                        (Some(w), _) => w.view::<f32>()?,
-                        (None, Some(z)) => z.slice(0..t * k),
-                        (None, None) => unreachable!("zero weights exist when k > 0"),
-                    },
-                }),
-                None => None,
-            };
+            let topk_d = TopkTensors::new(args, k)?;
+            let topk = topk_d.views(zero_w.as_ref(), t, k)?;
             kn::dispatch_send_cuda(
                 comm,
                 &inn.buf,
                 seq,
                 kn::InternodeSendArgs {
-                    x: Self::send_payload(&x_d, xs_d.as_ref(), f.fp8)?,
+                    x: payload(&x_d, xs_d.as_ref(), f.fp8)?,
                     num_topk: if topk.is_some() { k } else { 0 },
                     topk,
                     node_send_index: nsi.slice(0..t * nodes),
@@ -267,30 +221,23 @@ impl CudaBuffer {
         let recv_src_idx = wrap(recv_src_idx, n, dev);
         // One channel: the channel prefix is the per-destination count.
         let cpm = ntpr.reshape((r, 1))?;
-        let handle = Handle {
-            inner: Arc::new(HandleInner {
-                buffer_id: self.buffer_id,
-                num_ranks: r,
-                num_tokens: t,
-                num_recv_tokens: n,
-                rank_prefix_matrix: Vec::new(),
-                is_token_in_rank: Vec::new(),
-                tensors: HandleTensors {
-                    rank_prefix_matrix: wrap(rpm, (r, r), dev),
-                    channel_prefix_matrix: cpm,
-                    recv_src_idx: recv_src_idx.clone(),
-                    is_token_in_rank: itir,
-                    send_head: wrap(send_head, (t, r), dev),
-                },
-                cuda: Some(super::CudaHandleData::Internode(InternodeHandle {
-                    node_send_index: wrap(nsi, (t, nodes), dev),
-                    block_count: wrap(block_count, (p, nodes), dev),
-                    dest: wrap(dest, (p, nodes, m), dev),
-                    fwd_mask: wrap(fwd_mask, (nodes, m), dev),
-                    origin: wrap(origin, n, dev),
-                })),
+        let handle = self.cuda_handle(
+            (t, n),
+            HandleTensors {
+                rank_prefix_matrix: wrap(rpm, (r, r), dev),
+                channel_prefix_matrix: cpm,
+                recv_src_idx: recv_src_idx.clone(),
+                is_token_in_rank: itir,
+                send_head: wrap(send_head, (t, r), dev),
+            },
+            super::CudaHandleData::Internode(InternodeHandle {
+                node_send_index: wrap(nsi, (t, nodes), dev),
+                block_count: wrap(block_count, (p, nodes), dev),
+                dest: wrap(dest, (p, nodes, m), dev),
+                fwd_mask: wrap(fwd_mask, (nodes, m), dev),
+                origin: wrap(origin, n, dev),
             }),
-        };
+        );
         Ok(DispatchOutput {
             recv_x,
             recv_x_scales,
@@ -336,7 +283,7 @@ impl CudaBuffer {
                 &inn.buf,
                 seq,
                 kn::InternodeSendArgs {
-                    x: Self::send_payload(&x_d, xs_d.as_ref(), fp8)?,
+                    x: payload(&x_d, xs_d.as_ref(), fp8)?,
                     topk: None,
                     num_topk: 0,
                     node_send_index: nsi.view::<i32>()?,
@@ -369,16 +316,7 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
-        Ok(DispatchOutput {
-            recv_x,
-            recv_x_scales,
-            recv_topk_idx: None,
-            recv_topk_weights: None,
-            recv_src_idx: hi.tensors.recv_src_idx.clone(),
-            num_recv_tokens_per_expert: Vec::new(),
-            handle: handle.clone(),
-            event,
-        })
+        Ok(DispatchOutput::cached(recv_x, recv_x_scales, handle, event))
     }
 
     /// Combine across nodes along `args.handle`.
@@ -438,14 +376,6 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
-        Ok(CombineOutput {
-            combined_x: wrap(combined, (t, h), dev),
-            combined_topk_weights: if k > 0 {
-                Some(wrap(combined_w, (t, k), dev))
-            } else {
-                None
-            },
-            event,
-        })
+        Ok(combine_output(combined, combined_w, (t, h, k), dev, event))
     }
 }

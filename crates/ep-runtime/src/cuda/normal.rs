@@ -1,7 +1,10 @@
 //! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
 
 use super::common::{kernel_err, lock};
-use super::normal_launch::{x_tensors, DispatchPath, DispatchRows, RecvRows};
+use super::normal_launch::{
+    check_payload_dtype, combine_output, payload, x_tensors, DispatchPath, DispatchRows, RecvRows,
+    TopkTensors,
+};
 use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::error::{Error, Result};
@@ -54,18 +57,6 @@ pub(crate) struct FreshDispatch<'a> {
     pub placement: ExpertPlacement,
     /// Top-k of `topk_idx` (0 when no routing is sent).
     pub num_topk: usize,
-}
-
-fn check_payload_dtype(x: &Tensor) -> Result<()> {
-    if matches!(x.dtype(), DType::BF16 | DType::F8E4M3) {
-        Ok(())
-    } else {
-        Err(Error::DType {
-            arg: "x",
-            expected: "bf16 or f8e4m3 (CUDA buffers)",
-            got: x.dtype(),
-        })
-    }
 }
 
 impl CudaBuffer {
@@ -268,40 +259,11 @@ impl CudaBuffer {
         let mut recv_rows = RecvRows::default();
         {
             let (x_d, xs_d) = x_tensors(args)?;
-            let idx_d = args
-                .topk_idx
-                .filter(|_| k > 0)
-                .map(|i| DeviceTensor::new("topk_idx", i))
-                .transpose()?;
-            let w_d = args
-                .topk_weights
-                .filter(|_| k > 0)
-                .map(|w| DeviceTensor::new("topk_weights", w))
-                .transpose()?;
+            let topk_d = TopkTensors::new(args, k)?;
             let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
-            let payload = if f.fp8 {
-                let xs = xs_d
-                    .as_ref()
-                    .ok_or_else(|| Error::invalid("x_scales", "None", "fp8 x needs scales"))?;
-                ki::Payload::Fp8 {
-                    x: x_d.view::<float8::F8E4M3>()?,
-                    scales: xs.view::<f32>()?,
-                }
-            } else {
-                ki::Payload::Bf16(x_d.view::<half::bf16>()?)
-            };
+            let payload = payload(&x_d, xs_d.as_ref(), f.fp8)?;
             let recv_payload = recv_rows.alloc(comm, f.fp8, n, h)?;
-            let topk = match &idx_d {
-                Some(i) => Some(ki::TopK {
-                    idx: i.view::<i64>()?,
-                    weights: match (&w_d, &zero_w) {
-                        (Some(w), _) => w.view::<f32>()?,
-                        (None, Some(z)) => z.slice(0..t * k),
-                        (None, None) => unreachable!("zero weights exist when k > 0"),
-                    },
-                }),
-                None => None,
-            };
+            let topk = topk_d.views(zero_w.as_ref(), t, k)?;
             let recv_topk = if topk.is_some() {
                 Some(ki::RecvTopK {
                     idx: recv_idx.slice_mut(0..n * k),
@@ -372,24 +334,17 @@ impl CudaBuffer {
                 )
             }
         };
-        let handle = Handle {
-            inner: Arc::new(HandleInner {
-                buffer_id: self.buffer_id,
-                num_ranks: r,
-                num_tokens: t,
-                num_recv_tokens: n,
-                rank_prefix_matrix: Vec::new(),
-                is_token_in_rank: Vec::new(),
-                tensors: HandleTensors {
-                    rank_prefix_matrix: wrap(rpm, (r, r), dev),
-                    channel_prefix_matrix: wrap(cpm, (r, c), dev),
-                    recv_src_idx: recv_src_idx.clone(),
-                    is_token_in_rank: itir,
-                    send_head,
-                },
-                cuda: Some(cuda),
-            }),
-        };
+        let handle = self.cuda_handle(
+            (t, n),
+            HandleTensors {
+                rank_prefix_matrix: wrap(rpm, (r, r), dev),
+                channel_prefix_matrix: wrap(cpm, (r, c), dev),
+                recv_src_idx: recv_src_idx.clone(),
+                is_token_in_rank: itir,
+                send_head,
+            },
+            cuda,
+        );
         Ok(DispatchOutput {
             recv_x,
             recv_x_scales,
@@ -400,6 +355,28 @@ impl CudaBuffer {
             handle,
             event,
         })
+    }
+
+    /// The handle of a fresh dispatch of `t` tokens that received `n` (host-side copies of the
+    /// matrices stay empty: CUDA handles keep them on the device).
+    pub(super) fn cuda_handle(
+        &self,
+        (t, n): (usize, usize),
+        tensors: HandleTensors,
+        cuda: CudaHandleData,
+    ) -> Handle {
+        Handle {
+            inner: Arc::new(HandleInner {
+                buffer_id: self.buffer_id,
+                num_ranks: self.num_ranks,
+                num_tokens: t,
+                num_recv_tokens: n,
+                rank_prefix_matrix: Vec::new(),
+                is_token_in_rank: Vec::new(),
+                tensors,
+                cuda: Some(cuda),
+            }),
+        }
     }
 
     /// Cached dispatch: reuses the handle's routing (barrier, then dispatch of `x` only).
@@ -454,13 +431,7 @@ impl CudaBuffer {
                 "handle.channel_prefix_matrix",
                 &hi.tensors.channel_prefix_matrix,
             )?;
-            let payload = match &xs_d {
-                Some(xs) if fp8 => ki::Payload::Fp8 {
-                    x: x_d.view::<float8::F8E4M3>()?,
-                    scales: xs.view::<f32>()?,
-                },
-                _ => ki::Payload::Bf16(x_d.view::<half::bf16>()?),
-            };
+            let payload = payload(&x_d, xs_d.as_ref(), fp8)?;
             let recv_payload = recv_rows.alloc(comm, fp8, n, h)?;
             let rows = DispatchRows {
                 x: payload,
@@ -496,16 +467,7 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
-        Ok(DispatchOutput {
-            recv_x,
-            recv_x_scales,
-            recv_topk_idx: None,
-            recv_topk_weights: None,
-            recv_src_idx: hi.tensors.recv_src_idx.clone(),
-            num_recv_tokens_per_expert: Vec::new(),
-            handle: handle.clone(),
-            event,
-        })
+        Ok(DispatchOutput::cached(recv_x, recv_x_scales, handle, event))
     }
 
     /// Combine along `args.handle` (barrier, then the combine kernel).
@@ -609,14 +571,6 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
-        Ok(CombineOutput {
-            combined_x: wrap(combined, (t, h), dev),
-            combined_topk_weights: if k > 0 {
-                Some(wrap(combined_w, (t, k), dev))
-            } else {
-                None
-            },
-            event,
-        })
+        Ok(combine_output(combined, combined_w, (t, h, k), dev, event))
     }
 }

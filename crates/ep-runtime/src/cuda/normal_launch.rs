@@ -1,6 +1,7 @@
-//! What the normal-mode ops on CUDA tensors (`normal.rs`) share: for the fresh and cached
-//! dispatch, the receive buffers of the rows and the launch of either transfer path; for those
-//! and the combine, the copy-engine configs of a copy-engine handle.
+//! What the normal-mode ops on CUDA tensors (`normal.rs`, and `internode.rs` across nodes)
+//! share: the payload's dtype check and views, the routing's views, the receive buffers of the
+//! rows; for the one-node dispatch the launch of either transfer path, and for it and the
+//! combine the copy-engine configs of a copy-engine handle.
 
 use super::common::kernel_err;
 use super::tensor::{alloc_uninit, wrap, DeviceTensor};
@@ -8,7 +9,7 @@ use super::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::normal::DispatchArgs;
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 use ep_kernels::intranode as ki;
 use ep_kernels::FP8_GROUP;
@@ -24,6 +25,102 @@ pub(super) fn x_tensors<'a>(
         .map(|s| DeviceTensor::new("x_scales", s))
         .transpose()?;
     Ok((x_d, xs_d))
+}
+
+/// CUDA buffers move bf16 or f8e4m3 rows.
+pub(super) fn check_payload_dtype(x: &Tensor) -> Result<()> {
+    if matches!(x.dtype(), DType::BF16 | DType::F8E4M3) {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            arg: "x",
+            expected: "bf16 or f8e4m3 (CUDA buffers)",
+            got: x.dtype(),
+        })
+    }
+}
+
+/// The kernels' view of `x` (fp8 with its scales, or bf16).
+pub(super) fn payload<'a>(
+    x: &'a DeviceTensor<'_>,
+    xs: Option<&'a DeviceTensor<'_>>,
+    fp8: bool,
+) -> Result<ki::Payload<'a>> {
+    Ok(if fp8 {
+        let xs = xs.ok_or_else(|| Error::invalid("x_scales", "None", "fp8 x needs scales"))?;
+        ki::Payload::Fp8 {
+            x: x.view::<float8::F8E4M3>()?,
+            scales: xs.view::<f32>()?,
+        }
+    } else {
+        ki::Payload::Bf16(x.view::<half::bf16>()?)
+    })
+}
+
+/// The routing a fresh dispatch sends along (`k` > 0), borrowed for the launch.
+pub(super) struct TopkTensors<'a> {
+    idx: Option<DeviceTensor<'a>>,
+    weights: Option<DeviceTensor<'a>>,
+}
+
+impl<'a> TopkTensors<'a> {
+    pub(super) fn new(args: &DispatchArgs<'a>, k: usize) -> Result<Self> {
+        Ok(Self {
+            idx: args
+                .topk_idx
+                .filter(|_| k > 0)
+                .map(|i| DeviceTensor::new("topk_idx", i))
+                .transpose()?,
+            weights: args
+                .topk_weights
+                .filter(|_| k > 0)
+                .map(|w| DeviceTensor::new("topk_weights", w))
+                .transpose()?,
+        })
+    }
+
+    /// The kernels' view (`None` without routing); `zero_w` (`[T, K]` zeros) stands in for
+    /// weights the caller did not give.
+    pub(super) fn views<'b>(
+        &'b self,
+        zero_w: Option<&'b CudaSlice<f32>>,
+        t: usize,
+        k: usize,
+    ) -> Result<Option<ki::TopK<'b>>> {
+        let Some(i) = &self.idx else {
+            return Ok(None);
+        };
+        let weights = match (&self.weights, zero_w) {
+            (Some(w), _) => w.view::<f32>()?,
+            (None, Some(z)) => z.slice(0..t * k),
+            (None, None) => {
+                return Err(Error::invalid(
+                    "topk_weights",
+                    "None",
+                    "needed (or zeros in their place) with topk_idx",
+                ))
+            }
+        };
+        Ok(Some(ki::TopK {
+            idx: i.view::<i64>()?,
+            weights,
+        }))
+    }
+}
+
+/// A combine's output from the kernels' `[T, H]` rows and `[T, K]` weights (`K` = 0: none).
+pub(super) fn combine_output(
+    combined: CudaSlice<half::bf16>,
+    combined_w: CudaSlice<f32>,
+    (t, h, k): (usize, usize, usize),
+    dev: &CudaDevice,
+    event: crate::event::EventOverlap,
+) -> crate::normal::CombineOutput {
+    crate::normal::CombineOutput {
+        combined_x: wrap(combined, (t, h), dev),
+        combined_topk_weights: (k > 0).then(|| wrap(combined_w, (t, k), dev)),
+        event,
+    }
 }
 
 /// The receive buffers of a dispatch's rows: bf16, or fp8 and its scales.

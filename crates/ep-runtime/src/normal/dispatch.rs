@@ -124,6 +124,28 @@ pub struct DispatchOutput {
     pub event: EventOverlap,
 }
 
+impl DispatchOutput {
+    /// The output of a cached dispatch along `handle`: the received rows (and scales), the
+    /// handle's source indices, no routing and no counts.
+    pub(crate) fn cached(
+        recv_x: Tensor,
+        recv_x_scales: Option<Tensor>,
+        handle: &Handle,
+        event: EventOverlap,
+    ) -> Self {
+        Self {
+            recv_x,
+            recv_x_scales,
+            recv_topk_idx: None,
+            recv_topk_weights: None,
+            recv_src_idx: handle.inner.tensors.recv_src_idx.clone(),
+            num_recv_tokens_per_expert: Vec::new(),
+            handle: handle.clone(),
+            event,
+        }
+    }
+}
+
 /// What [`check_x`] learnt about `x`.
 pub(super) struct CheckedX {
     pub(super) num_tokens: usize,

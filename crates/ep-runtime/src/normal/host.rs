@@ -332,24 +332,21 @@ impl Buffer {
             rx.extend_from_slice(parts[0]);
             rs.extend_from_slice(parts[1]);
         }
-        Ok(DispatchOutput {
-            recv_x: tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
-            recv_x_scales: if cx.fp8 {
-                Some(tensor_from_bytes(
-                    &rs,
-                    DType::F32,
-                    &[n, cx.hidden / FP8_GROUP],
-                )?)
-            } else {
-                None
-            },
-            recv_topk_idx: None,
-            recv_topk_weights: None,
-            recv_src_idx: hi.tensors.recv_src_idx.clone(),
-            num_recv_tokens_per_expert: Vec::new(),
-            handle: h.clone(),
-            event: EventOverlap::complete(),
-        })
+        let recv_x_scales = if cx.fp8 {
+            Some(tensor_from_bytes(
+                &rs,
+                DType::F32,
+                &[n, cx.hidden / FP8_GROUP],
+            )?)
+        } else {
+            None
+        };
+        Ok(DispatchOutput::cached(
+            tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
+            recv_x_scales,
+            h,
+            EventOverlap::complete(),
+        ))
     }
 
     /// Combine on the host backend (arguments checked): `hidden` is `x`'s row size and `k` the

@@ -19,6 +19,16 @@ mod nvshmem_group;
 mod tcp;
 
 pub use local::LocalTransport;
+
+/// What NVSHMEM (and NCCL inside it) needs to treat GPUs of one host as several nodes: NVLink
+/// multicast off, no remote transport (the P2P transport carries the "network"), and the
+/// unique-id bootstrap over the loopback interface. For launchers of tests and benchmarks.
+pub const ONE_HOST_NODES_ENV: [(&str, &str); 4] = [
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+    ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+    ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+    ("NCCL_NVLS_ENABLE", "0"),
+];
 #[cfg(feature = "nvshmem")]
 pub use nvshmem::init_nvshmem;
 #[cfg(feature = "nvshmem")]
