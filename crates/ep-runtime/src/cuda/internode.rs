@@ -5,7 +5,7 @@
 //! Outputs, handle and receive order are those of the one-node path.
 
 use super::common::{kernel_err, lock};
-use super::normal::FreshDispatch;
+use super::handle_data::{CudaHandleData, FreshDispatch, InternodeHandle};
 use super::normal_launch::{
     check_payload_dtype, combine_output, payload, x_tensors, RecvRows, TopkTensors,
 };
@@ -16,7 +16,6 @@ use crate::error::{Error, Result};
 use crate::normal::handle::HandleTensors;
 use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 use crate::topology::Topology;
-use candle_core::Tensor;
 use cudarc::driver::CudaStream;
 use ep_kernels::internode as kn;
 use ep_kernels::intranode as ki;
@@ -27,21 +26,6 @@ use std::time::Duration;
 #[derive(Debug)]
 pub(crate) struct InternodeCuda {
     buf: kn::InternodeBuffer,
-}
-
-/// What a handle made by the internode path holds besides the shared tensors.
-#[derive(Debug)]
-pub(crate) struct InternodeHandle {
-    /// `[T, N]` i32: each token's index among this rank's tokens for each node.
-    node_send_index: Tensor,
-    /// `[P, N]` i32: the messages of each block this rank reads.
-    block_count: Tensor,
-    /// `[P, N, M]` i32: the row of each block message in `recv_x` (`-1`: not this rank's).
-    dest: Tensor,
-    /// `[N, M]` u8: the GPUs of this node holding each token of this rank's own blocks.
-    fwd_mask: Tensor,
-    /// `[n]` i32: the block message each received row came from.
-    origin: Tensor,
 }
 
 impl InternodeCuda {
@@ -230,7 +214,7 @@ impl CudaBuffer {
                 is_token_in_rank: itir,
                 send_head: wrap(send_head, (t, r), dev),
             },
-            super::CudaHandleData::Internode(InternodeHandle {
+            CudaHandleData::Internode(InternodeHandle {
                 node_send_index: wrap(nsi, (t, nodes), dev),
                 block_count: wrap(block_count, (p, nodes), dev),
                 dest: wrap(dest, (p, nodes, m), dev),

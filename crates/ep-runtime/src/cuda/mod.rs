@@ -21,6 +21,7 @@
 pub(crate) mod cast;
 mod common;
 pub mod graph;
+pub(crate) mod handle_data;
 #[cfg(feature = "nvshmem")]
 mod internode;
 mod ll_ops;
@@ -32,10 +33,10 @@ mod normal_launch;
 pub mod tensor;
 
 pub(crate) use common::kernel_err;
+pub(crate) use handle_data::FreshDispatch;
 pub(crate) use ll_ops::{LlCombineDims, LlDispatched, LlHostPlan};
 pub(crate) use ll_recv::CudaLlDispatchData;
 pub(crate) use low_latency::LowLatencyCuda;
-pub(crate) use normal::{CudaHandleData, FreshDispatch};
 
 use crate::config::BufferConfig;
 use crate::error::{Error, Result};

@@ -1,6 +1,7 @@
 //! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
 
 use super::common::{kernel_err, lock};
+use super::handle_data::{CudaHandleData, FreshDispatch};
 use super::normal_launch::{
     check_payload_dtype, combine_output, payload, x_tensors, DispatchPath, DispatchRows, RecvRows,
     TopkTensors,
@@ -19,45 +20,9 @@ use ep_kernels::FP8_GROUP;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// What a handle made by a CUDA buffer holds besides the host backend's tensors: the state
-/// its combine (and cached dispatches) need, for the transfer path its dispatch took.
-#[derive(Debug)]
-pub(crate) enum CudaHandleData {
-    /// SM ring kernels.
-    Rings {
-        /// `[R, C]` i32: where each source's channel-`c` tokens start in this rank's `recv_x`.
-        recv_channel_offset: Tensor,
-        /// `[T, R]` i32: the kernel's send head (index among the channel's tokens sent to that
-        /// destination, `-1` = not sent), what combine needs.
-        kernel_send_head: Tensor,
-    },
-    /// Copy-engine path.
-    CopyEngine {
-        /// `[T, R]` i32: index of each token among this rank's tokens sent to each rank.
-        send_index: Tensor,
-        /// Rows this rank received from each source.
-        recv_per_source: Vec<usize>,
-    },
-    /// Internode path (buffers across nodes).
-    #[cfg(feature = "nvshmem")]
-    Internode(super::internode::InternodeHandle),
-}
-
 /// Extra time the host waits for the notify counters beyond the device timeout, so that the
 /// device's error record (naming the late rank) arrives first.
 const HOST_GRACE: Duration = Duration::from_secs(2);
-
-/// The inputs of [`CudaBuffer::dispatch_fresh`] checked by the shared argument checks.
-pub(crate) struct FreshDispatch<'a> {
-    pub args: &'a DispatchArgs<'a>,
-    pub num_tokens: usize,
-    pub hidden: usize,
-    pub fp8: bool,
-    pub num_experts: usize,
-    pub placement: ExpertPlacement,
-    /// Top-k of `topk_idx` (0 when no routing is sent).
-    pub num_topk: usize,
-}
 
 impl CudaBuffer {
     /// Layout kernel on candle's stream (no host read).

@@ -28,7 +28,7 @@ pub(crate) struct HandleInner {
     /// What the CUDA kernels need besides `tensors` (handles made by CUDA buffers). Those
     /// handles leave `rank_prefix_matrix` and `is_token_in_rank` above empty (host-only).
     #[cfg(feature = "cuda")]
-    pub cuda: Option<crate::cuda::CudaHandleData>,
+    pub cuda: Option<crate::cuda::handle_data::CudaHandleData>,
 }
 
 #[derive(Debug)]
@@ -81,7 +81,9 @@ impl Handle {
 
     /// The CUDA side of a handle made by a CUDA buffer.
     #[cfg(feature = "cuda")]
-    pub(crate) fn cuda_data(&self) -> crate::error::Result<&crate::cuda::CudaHandleData> {
+    pub(crate) fn cuda_data(
+        &self,
+    ) -> crate::error::Result<&crate::cuda::handle_data::CudaHandleData> {
         self.inner.cuda.as_ref().ok_or_else(|| {
             crate::error::Error::HandleMismatch(
                 "the handle was made by a CPU buffer; a CUDA buffer needs its own handle".into(),
