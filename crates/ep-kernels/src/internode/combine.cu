@@ -1,7 +1,8 @@
 // Internode normal-mode combine, after the op barrier (`internode_notify` without counts):
 //
 //   1. `internode_combine_send` (every rank): each received row goes back over NVLink into
-//      the buffer of the forwarder it came from (`comb_in`, at (this local rank, node, k));
+//      the buffer of the forwarder it came from (`comb_in`, at (this local rank, node, k)),
+//      except the rows of its own blocks, which the rank reads from `x` when it forwards;
 //      `internode_signal` then tells the node's forwarders (`comb_sig`);
 //   2. `internode_combine_forward` (forwarder): for each token of its own blocks, the f32 sum
 //      of the rows of the node's GPUs that got it (local rank order), one bf16 row (and the
@@ -37,14 +38,17 @@ EP_CHECK_PARAMS_SIZE(CombineSendParams, 168);
 struct ForwardParams {
     InBuffer b;
     uint64_t seq;
-    const int* block_count;   // [P, N]
-    const uint8_t* fwd_mask;  // [N, M]
+    const int* block_count;     // [P, N]
+    const uint8_t* fwd_mask;    // [N, M]
+    const __nv_bfloat16* x;     // [n, H] this rank's combine input (rows of its own blocks)
+    const float* topk_weights;  // [n, K] or null
+    const int* dest;            // [P, N, M] the dispatch plan: row of each block message
     int hidden;
     int num_topk;
     int off_w;
     int row_bytes;  // bytes of a combine row that carry data (off_w + 4K)
 };
-EP_CHECK_PARAMS_SIZE(ForwardParams, 168);
+EP_CHECK_PARAMS_SIZE(ForwardParams, 192);
 
 struct CombineRecvParams {
     InBuffer b;
@@ -111,6 +115,9 @@ EP_KERNEL void __launch_bounds__(kCombineThreads) internode_combine_send(Combine
         const int o = p.origin[i];
         const int blk = o / M, k = o % M;
         const int j = blk / N, n = blk % N;
+        if (j == me_local) {
+            continue;  // this rank forwards the token itself and reads the row from `x`
+        }
         uint8_t* dst = comb_in_row(b, peer_base(b, me_node * P + j), me_local, n, k);
         const auto* src = reinterpret_cast<const int4*>(p.x + static_cast<size_t>(i) * p.hidden);
         auto* out = reinterpret_cast<int4*>(dst);
@@ -156,12 +163,19 @@ EP_KERNEL void __launch_bounds__(kCombineThreads) internode_combine_forward(Forw
         }
         const int k = g - s_start[n];
         const uint32_t mask = p.fwd_mask[static_cast<size_t>(n) * M + k];
+        // This GPU's own row, if it holds the token: straight from `x`.
+        const int own = (mask >> me_local & 1u) != 0
+                            ? p.dest[(static_cast<size_t>(me_local) * N + n) * M + k]
+                            : -1;
         const bool remote = n != me_node;
         uint8_t* out = remote ? stage_slot(b, n, k) : comb_recv_row(b, b.local, me_node, k);
         for (int v = lane; v < p.hidden / 8; v += ep::kWarpSize) {
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int j = 0; j < P; ++j) {
-                if (mask >> j & 1u) {
+                if (j == me_local && own >= 0) {
+                    const auto* row = reinterpret_cast<const int4*>(p.x + static_cast<size_t>(own) * p.hidden);
+                    add_bf16x8(acc, ep::ld_nc_no_alloc(row + v));
+                } else if (mask >> j & 1u) {
                     const auto* row = reinterpret_cast<const int4*>(comb_in_row(b, b.local, j, n, k));
                     add_bf16x8(acc, ep::ld_peer_no_alloc(row + v));
                 }
@@ -171,7 +185,9 @@ EP_KERNEL void __launch_bounds__(kCombineThreads) internode_combine_forward(Forw
         for (int w = lane; w < p.num_topk; w += ep::kWarpSize) {
             float acc = 0.0f;
             for (int j = 0; j < P; ++j) {
-                if (mask >> j & 1u) {
+                if (j == me_local && own >= 0) {
+                    acc += p.topk_weights[static_cast<size_t>(own) * p.num_topk + w];
+                } else if (mask >> j & 1u) {
                     acc += reinterpret_cast<const float*>(comb_in_row(b, b.local, j, n, k) + p.off_w)[w];
                 }
             }

@@ -333,6 +333,7 @@ impl CudaBuffer {
             let origin = DeviceTensor::new("handle.origin", &ih.origin)?;
             let bc = DeviceTensor::new("handle.block_count", &ih.block_count)?;
             let fm = DeviceTensor::new("handle.fwd_mask", &ih.fwd_mask)?;
+            let dest = DeviceTensor::new("handle.dest", &ih.dest)?;
             let nsi = DeviceTensor::new("handle.node_send_index", &ih.node_send_index)?;
             kn::combine_cuda(
                 comm,
@@ -343,6 +344,7 @@ impl CudaBuffer {
                     origin: origin.view::<i32>()?,
                     block_count: bc.view::<i32>()?,
                     fwd_mask: fm.view::<u8>()?,
+                    dest: dest.view::<i32>()?,
                     node_send_index: nsi.view::<i32>()?,
                     combined_x: combined.slice_mut(0..t * h),
                     combined_topk_weights: if k > 0 {

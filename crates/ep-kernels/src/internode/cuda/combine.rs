@@ -44,6 +44,9 @@ struct ForwardParams {
     seq: u64,
     block_count: CUdeviceptr,
     fwd_mask: CUdeviceptr,
+    x: CUdeviceptr,
+    topk_weights: CUdeviceptr,
+    dest: CUdeviceptr,
     hidden: i32,
     num_topk: i32,
     off_w: i32,
@@ -51,9 +54,9 @@ struct ForwardParams {
 }
 assert_params_layout!(
     ForwardParams,
-    168;
-    b = 0, seq = 128, block_count = 136, fwd_mask = 144, hidden = 152, num_topk = 156,
-    off_w = 160, row_bytes = 164,
+    192;
+    b = 0, seq = 128, block_count = 136, fwd_mask = 144, x = 152, topk_weights = 160,
+    dest = 168, hidden = 176, num_topk = 180, off_w = 184, row_bytes = 188,
 );
 // SAFETY: repr(C) plain data mirroring `ForwardParams`.
 unsafe impl KernelParams for ForwardParams {}
@@ -94,6 +97,9 @@ pub struct InternodeCombineArgs<'a> {
     pub block_count: CudaView<'a, i32>,
     /// `[N, M]` the dispatch's node masks of this rank's own blocks.
     pub fwd_mask: CudaView<'a, u8>,
+    /// `[P, N, M]` the dispatch plan's row of each block message (the forwarder finds its own
+    /// rows in `x` through it).
+    pub dest: CudaView<'a, i32>,
     /// `[T, N]` the dispatch's per-node send index.
     pub node_send_index: CudaView<'a, i32>,
     /// Out: `[T, hidden]`.
@@ -136,6 +142,7 @@ pub fn combine_cuda(
     Error::check_len("origin", nr, args.origin.len())?;
     Error::check_len("block_count", p * n_nodes, args.block_count.len())?;
     Error::check_len("fwd_mask", n_nodes * mt, args.fwd_mask.len())?;
+    Error::check_len("dest", p * n_nodes * mt, args.dest.len())?;
     Error::check_len("node_send_index", t * n_nodes, args.node_send_index.len())?;
     Error::check_len("combined_x", t * h, args.combined_x.len())?;
     let mut guards = Vec::new();
@@ -163,9 +170,10 @@ pub fn combine_cuda(
     let (origin, go) = args.origin.device_ptr(stream);
     let (bc, gb) = args.block_count.device_ptr(stream);
     let (fm, gf) = args.fwd_mask.device_ptr(stream);
+    let (dest, gd) = args.dest.device_ptr(stream);
     let (nsi, gn) = args.node_send_index.device_ptr(stream);
     let (out, gc) = args.combined_x.device_ptr(stream);
-    guards.extend([gx, go, gb, gf, gn, gc]);
+    guards.extend([gx, go, gb, gf, gd, gn, gc]);
     check_align("x", x, 16)?;
     check_align("combined_x", out, 16)?;
 
@@ -191,7 +199,8 @@ pub fn combine_cuda(
     };
     // SAFETY: `send_params` matches `CombineSendParams`; `x`, `topk_weights` and `origin`
     // hold n rows (checked); every origin is a (block, k) of this dispatch's plan, so the row
-    // lands inside the forwarder's `comb_in` region (rows of at most `comb_bytes`, checked).
+    // lands inside the forwarder's `comb_in` region (rows of at most `comb_bytes`, checked);
+    // rows of this rank's own blocks are not sent (the forward reads them from `x`).
     unsafe {
         send.launch(
             stream,
@@ -206,14 +215,18 @@ pub fn combine_cuda(
         seq,
         block_count: bc,
         fwd_mask: fm,
+        x,
+        topk_weights: w,
+        dest,
         hidden: i32_of(h),
         num_topk: i32_of(k),
         off_w: i32_of(off_w),
         row_bytes: i32_of(row_bytes),
     };
     // SAFETY: `fwd_params` matches `ForwardParams`; block counts are at most M and the masks
-    // hold N * M entries (checked), so every row read and written lies in this buffer's
-    // regions, and every put lands in the home's receive region.
+    // and plan hold N * M and P * N * M entries (checked), so every row read and written lies
+    // in this buffer's regions or in `x` / `topk_weights` (a planned row is below n), and
+    // every put lands in the home's receive region.
     unsafe { forward.launch(stream, cfg(forward.props().sm_count.max(1)), fwd_params) }?;
     signal_cuda(stream, buffer, seq, SignalTarget::Nodes)?;
     let recv = kernels.kernel(super::buffer::COMBINE_FILE, "internode_combine_recv")?;
