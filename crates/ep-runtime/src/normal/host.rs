@@ -222,16 +222,7 @@ impl Buffer {
             );
         }
         let dev = &self.device;
-        let recv_x = tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?;
-        let recv_x_scales = if cx.fp8 {
-            Some(tensor_from_bytes(
-                &rs,
-                DType::F32,
-                &[n, cx.hidden / FP8_GROUP],
-            )?)
-        } else {
-            None
-        };
+        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
         let (recv_topk_idx, recv_topk_weights) = if topk.is_some() {
             (
                 Some(Tensor::from_vec(rids, (n, k), dev)?),
@@ -332,17 +323,9 @@ impl Buffer {
             rx.extend_from_slice(parts[0]);
             rs.extend_from_slice(parts[1]);
         }
-        let recv_x_scales = if cx.fp8 {
-            Some(tensor_from_bytes(
-                &rs,
-                DType::F32,
-                &[n, cx.hidden / FP8_GROUP],
-            )?)
-        } else {
-            None
-        };
+        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
         Ok(DispatchOutput::cached(
-            tensor_from_bytes(&rx, args.x.dtype(), &[n, cx.hidden])?,
+            recv_x,
             recv_x_scales,
             h,
             EventOverlap::complete(),
@@ -436,4 +419,26 @@ impl Buffer {
             event: EventOverlap::complete(),
         })
     }
+}
+
+/// The received rows (`rx`, `[n, hidden]` of `dtype`) and, for fp8, their scales (`rs`) as
+/// tensors.
+fn recv_rows(
+    rx: &[u8],
+    rs: &[u8],
+    dtype: DType,
+    n: usize,
+    cx: &CheckedX,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let recv_x = tensor_from_bytes(rx, dtype, &[n, cx.hidden])?;
+    let scales = if cx.fp8 {
+        Some(tensor_from_bytes(
+            rs,
+            DType::F32,
+            &[n, cx.hidden / FP8_GROUP],
+        )?)
+    } else {
+        None
+    };
+    Ok((recv_x, scales))
 }

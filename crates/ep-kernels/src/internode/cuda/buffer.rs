@@ -214,11 +214,6 @@ impl InternodeBuffer {
         })
     }
 
-    /// Whether the error record holds a timeout (without clearing it).
-    pub fn has_error(&self) -> bool {
-        self.error_record.get(0) != 0
-    }
-
     /// The kernels' view of the buffer.
     pub(super) fn view(&self, stream: &CudaStream) -> InBuffer {
         let l = &self.layout;
