@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
-use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions};
+use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions, Step};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -203,6 +203,69 @@ fn normal_steps_in_internode_chunks() {
     assert!(one_node
         .iter()
         .all(|b| b.normal_mode_max_tokens().is_none()));
+}
+
+/// A step that knows the busiest rank's count runs the same ops as one that asks for it, and
+/// no host round of its own: over 2 nodes x 2 with 5-token internode ops and 0 / 5 / 11 / 14
+/// tokens, `forward_with_mode` adds one all-gather to its ops, `forward_step` (given 14, or
+/// planned once) none, and the outputs are the same bits; a rank with more tokens than its
+/// step claims is refused before any op.
+#[test]
+fn known_step_runs_no_host_round_of_its_own() {
+    let tokens = [0, 5, 11, 14];
+    on_ranks(4, 2, (4, Some(5)), "step", |buf, cfg, path| {
+        let rank = buf.topology().rank;
+        let buf = Arc::new(buf);
+        let opts = MoeLayerOptions {
+            low_latency_max_tokens: 4,
+            ..Default::default()
+        };
+        let layer = MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (tokens[rank], cfg.hidden_size), &Device::Cpu).unwrap();
+        let rounds = |f: &dyn Fn() -> Tensor| {
+            let before = buf.host_rounds();
+            let y = f();
+            (buf.host_rounds() - before, y)
+        };
+        let (asked, want) = rounds(&|| layer.forward_with_mode(&x, Mode::Normal).unwrap());
+        let planned = layer.plan_step(tokens[rank], Mode::Auto).unwrap();
+        assert_eq!(planned, Step::new(Mode::Auto, 14));
+        for step in [Step::new(Mode::Normal, 14), planned] {
+            let (known, got) = rounds(&|| layer.forward_step(&x, step).unwrap());
+            assert_eq!(asked, known + 1, "rank {rank}: {step:?}");
+            assert_eq!(got.dims(), want.dims());
+            if tokens[rank] > 0 {
+                let diff = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
+                assert_eq!(
+                    diff.to_scalar::<f32>().unwrap(),
+                    0.0,
+                    "rank {rank}: {step:?}"
+                );
+            }
+        }
+    });
+    let one = on_ranks(1, 1, (4, None), "step-refused", |buf, cfg, path| {
+        let layer = MoeLayer::load(
+            var_builder(path, DType::F32),
+            cfg,
+            Arc::new(buf),
+            MoeLayerOptions {
+                low_latency_max_tokens: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let x = Tensor::zeros((6, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
+        layer
+            .forward_step(&x, Step::new(Mode::Normal, 5))
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        one[0].contains("6 tokens") && one[0].contains("most_tokens = 5"),
+        "{}",
+        one[0]
+    );
 }
 
 /// The relative errors of `layer`'s Normal and Auto steps on `t` random tokens against the

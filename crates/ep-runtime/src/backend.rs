@@ -79,7 +79,7 @@ impl Backend {
     }
 
     /// Whether normal-mode dispatch and combine are available (not on a CUDA buffer across
-    /// nodes until the internode path exists).
+    /// nodes built without `BufferConfig::with_internode`).
     pub(crate) fn has_normal_mode(&self) -> bool {
         match self {
             Self::Host => true,

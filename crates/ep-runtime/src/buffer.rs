@@ -282,6 +282,13 @@ impl Buffer {
         Ok(got.into_iter().map(|m| m.unwrap_or_default()).collect())
     }
 
+    /// How many rounds of host messages this buffer has run: each all-gather, and each op of
+    /// the host backend (CPU tensors). A CUDA op leaves it alone, so a serving loop can check
+    /// that a step added no host collective beyond the ones it asked for.
+    pub fn host_rounds(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
     /// The largest `value` over all ranks (a collective), e.g. to pick one mode for a step.
     pub fn max_over_ranks(&self, value: u64) -> Result<u64> {
         let all = self.host_all_gather(&value.to_le_bytes())?;

@@ -6,8 +6,10 @@
 //! 2 nodes x 1 and one node of 2. NVSHMEM's P2P transport over NVLink stands in for RDMA (no
 //! NIC here).
 //!
-//! Each step is `forward_with_mode(x, Mode::Normal)` timed on the host (synchronised), median
-//! of `EP_BENCH_ITERS` (default 5) after 2 warm-ups, slowest rank; `EP_BENCH_TOKENS` sets the
+//! Each step is `forward_with_mode(x, Mode::Normal)` (`T=..`: the layer asks the ranks for the
+//! busiest one's token count, one host all-gather) and `forward_step` with that count known
+//! (`T=../step`: no host round), alternating, timed on the host (synchronised), median of
+//! `EP_BENCH_ITERS` (default 5) after 2 warm-ups, slowest rank; `EP_BENCH_TOKENS` sets the
 //! tokens per rank (comma-separated, default `512,4096`).
 
 mod layer_common;
@@ -15,7 +17,7 @@ mod layer_common;
 use layer_common::{build_layer, BoxError, E, H, K, LL_MAX};
 use moe_layer::ep_runtime::transport::ONE_HOST_NODES_ENV;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Store, StoreConfig, Topology};
-use moe_layer::{Mode, MoeLayerOptions};
+use moe_layer::{Mode, MoeLayerOptions, Step};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,8 +70,10 @@ fn main() -> Result<(), BoxError> {
         match launch(case, world) {
             Ok(per_rank) => {
                 let mut line = format!("  {label:<42}");
-                for t in tokens() {
-                    let key = format!("T={t}");
+                for key in tokens()
+                    .into_iter()
+                    .flat_map(|t| [format!("T={t}"), format!("T={t}/step")])
+                {
                     let worst = per_rank
                         .iter()
                         .filter_map(|r| r.iter().find(|(k, _)| *k == key).map(|(_, v)| *v))
@@ -153,19 +157,28 @@ fn child(case: &str) -> Result<(), BoxError> {
         .unwrap_or(5);
     for t in tokens() {
         let x = Tensor::randn(0f32, 1.0, (t, H), &dev)?.to_dtype(DType::BF16)?;
-        let mut times = Vec::new();
+        let step = Step::new(Mode::Normal, t);
+        let mut times = [Vec::new(), Vec::new()];
         for i in 0..iters + 2 {
-            dev.synchronize()?;
-            let start = Instant::now();
-            let y = layer.forward_with_mode(&x, Mode::Normal)?;
-            dev.synchronize()?;
-            if i >= 2 {
-                times.push(start.elapsed().as_secs_f64() * 1e3);
+            for (known, times) in times.iter_mut().enumerate() {
+                dev.synchronize()?;
+                let start = Instant::now();
+                let y = if known == 1 {
+                    layer.forward_step(&x, step)?
+                } else {
+                    layer.forward_with_mode(&x, Mode::Normal)?
+                };
+                dev.synchronize()?;
+                if i >= 2 {
+                    times.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+                drop(y);
             }
-            drop(y);
         }
-        times.sort_by(f64::total_cmp);
-        println!("RESULT T={t} {:.3}", times[times.len() / 2]);
+        for (times, suffix) in times.iter_mut().zip(["", "/step"]) {
+            times.sort_by(f64::total_cmp);
+            println!("RESULT T={t}{suffix} {:.3}", times[times.len() / 2]);
+        }
     }
     Ok(())
 }

@@ -13,7 +13,8 @@ use ep_runtime::graph::{capture, warm_up, CapturedGraph};
 use ep_runtime::Buffer;
 
 use crate::error::{Error, Result};
-use crate::layer::{Mode, MoeLayer};
+use crate::layer::MoeLayer;
+use crate::step::Mode;
 
 /// One captured step: the tensor it reads, the tensor it writes, the graph.
 #[derive(Debug)]

@@ -4,6 +4,7 @@ use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::experts::{Experts, Mlp};
 use crate::router::Router;
+use crate::step::{Mode, Step};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
@@ -16,21 +17,6 @@ use std::sync::Arc;
 /// One routed step on `(x, topk_idx, topk_weights)`: the combined routed output and the
 /// shared experts' output (when computed alongside).
 type RoutedOp = fn(&MoeLayer, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>;
-
-/// Which communication mode a forward pass uses. Every rank must use the same mode for the
-/// same call (the ops are collectives).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Mode {
-    /// High-throughput dispatch/combine (prefill): exact-size buffers, a count exchange.
-    Normal,
-    /// Low-latency dispatch/combine (decode): fixed slots, no count exchange.
-    LowLatency,
-    /// Low-latency when the largest token count over all ranks is at most
-    /// [`MoeLayerOptions::low_latency_max_tokens`], normal otherwise. Costs one small host
-    /// all-gather per call to agree; callers that know the step's mode should pass it.
-    #[default]
-    Auto,
-}
 
 /// Where the shared experts run in low-latency mode (CUDA layers with grouped GEMMs; other
 /// layers always run them as their own MLP).
@@ -91,7 +77,7 @@ pub struct MoeLayerOptions {
     /// Run normal-mode steps (prefill) as low-latency ops of at most `low_latency_max_tokens`
     /// tokens per rank each, one after another (every rank runs as many as the rank with the
     /// most tokens needs). Always on for a buffer without a normal mode (a CUDA buffer across
-    /// nodes, until the internode normal path exists); off by default elsewhere, where the
+    /// nodes built without `BufferConfig::with_internode`); off by default elsewhere, where the
     /// normal mode moves large batches faster. Every rank must use the same setting.
     pub prefill_in_low_latency_chunks: bool,
 }
@@ -302,9 +288,25 @@ impl MoeLayer {
     }
 
     /// Forward in `mode`. Every rank must call this the same number of times with the same
-    /// mode (a rank without tokens passes `[0, H]`).
+    /// mode (a rank without tokens passes `[0, H]`). Where the layer needs the busiest rank's
+    /// token count ([`Step`]) it learns it with one host all-gather; a model that runs many
+    /// layers per step passes a [`Step`] to [`MoeLayer::forward_step`] instead.
     pub fn forward_with_mode(&self, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
-        Ok(self.forward_impl(x, mode)?)
+        Ok(self.forward_impl(x, mode, None)?)
+    }
+
+    /// Forward as part of `step` (the same on every rank): no collective beyond the
+    /// dispatches and combines, however many ops the step needs. Refuses `x` with more tokens
+    /// than `step.most_tokens()` before anything runs.
+    pub fn forward_step(&self, x: &Tensor, step: Step) -> candle_core::Result<Tensor> {
+        Ok(self.forward_impl(x, step.mode(), Some(step.most_tokens()))?)
+    }
+
+    /// The [`Step`] of `mode` when this rank brings `num_tokens` tokens: one host all-gather
+    /// learns the busiest rank's count (a collective). Once per model step is enough: every
+    /// layer of the step takes the same [`Step`].
+    pub fn plan_step(&self, num_tokens: usize, mode: Mode) -> Result<Step> {
+        Ok(Step::new(mode, self.most_tokens(num_tokens)?))
     }
 
     /// A low-latency step; CUDA builds replay captured graphs for single-rank CUDA layers
@@ -335,7 +337,9 @@ impl MoeLayer {
         }
     }
 
-    fn forward_impl(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+    /// `most`: the busiest rank's token count when the caller knows it (else it is asked for
+    /// where needed).
+    fn forward_impl(&self, x: &Tensor, mode: Mode, most: Option<usize>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let h = *dims
             .last()
@@ -352,13 +356,21 @@ impl MoeLayer {
         }
         let x2 = x.reshape(((), h))?;
         let t = x2.dims()[0];
+        if let Some(most) = most.filter(|&m| t > m) {
+            return Err(Error::invalid(
+                "x",
+                format!("{t} tokens"),
+                format!("the step's most_tokens = {most} bounds every rank's tokens"),
+            ));
+        }
         // `Auto` learns the busiest rank's token count (also what low-latency chunks need).
-        let (mode, most) = match mode {
-            Mode::Auto => {
+        let (mode, most) = match (mode, most) {
+            (Mode::Auto, Some(most)) => (self.mode_for(most), Some(most)),
+            (Mode::Auto, None) => {
                 let most = self.most_tokens(t)?;
                 (self.mode_for(most), Some(most))
             }
-            m => (m, None),
+            (m, most) => (m, most),
         };
         if mode == Mode::LowLatency && t > self.options.low_latency_max_tokens {
             return Err(Error::invalid(

@@ -43,6 +43,7 @@ pub mod mlp;
 pub mod router;
 #[cfg(feature = "cuda")]
 mod shared_groups;
+mod step;
 
 pub use config::MoeConfig;
 pub use ep_runtime;
@@ -50,6 +51,7 @@ pub use error::{Error, Result};
 pub use experts::Experts;
 #[cfg(feature = "cuda")]
 pub use graph::DecodeGraph;
-pub use layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
+pub use layer::{MoeLayer, MoeLayerOptions, SharedPlacement};
 pub use mlp::{GateUpLayout, Mlp};
 pub use router::{Router, Routing};
+pub use step::{Mode, Step};

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dist::Dist;
 use crate::kv_cache::KvCache;
-use crate::model::{DeepSeekV3, SeqInput, StepKind};
+use crate::model::{DeepSeekV3, SeqInput, StepKind, StepShape};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Sequence id, unique for the lifetime of a job.
@@ -156,7 +156,13 @@ impl Engine {
                         tokens: &n.prompt,
                     })
                     .collect();
-                self.forward_and_sample(&inputs, StepKind::Prefill)
+                // Every rank has the whole plan, so the MoE layers need not ask each other
+                // for the busiest rank's token count.
+                let step = StepShape {
+                    kind: StepKind::Prefill,
+                    most_tokens: Some(most_prefill_tokens(new)),
+                };
+                self.forward_and_sample(&inputs, step)
             }
             StepOp::Decode => {
                 // Slot order: the batch is every live sequence, read from the cache as views.
@@ -179,7 +185,7 @@ impl Engine {
                         .sample(&inputs, &logits)
                         .with_context(|| format!("rank {}: sampling failed", self.rank));
                 }
-                self.forward_and_sample(&inputs, StepKind::Decode)
+                self.forward_and_sample(&inputs, StepKind::Decode.into())
             }
         }
     }
@@ -187,12 +193,12 @@ impl Engine {
     fn forward_and_sample(
         &mut self,
         inputs: &[SeqInput<'_>],
-        kind: StepKind,
+        step: StepShape,
     ) -> Result<Vec<(SeqId, u32)>> {
         let logits = self
             .model
-            .forward(&mut self.cache, inputs, kind)
-            .with_context(|| format!("rank {}: {kind:?} step failed", self.rank))?;
+            .forward(&mut self.cache, inputs, step)
+            .with_context(|| format!("rank {}: {:?} step failed", self.rank, step.kind))?;
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
@@ -281,5 +287,32 @@ impl Cluster {
                 return Ok(());
             }
         }
+    }
+}
+
+/// The most prompt tokens any rank prefills in a step of `new` sequences (0 if none).
+fn most_prefill_tokens(new: &[NewSeq]) -> usize {
+    let mut per_rank: HashMap<usize, usize> = HashMap::new();
+    for n in new {
+        *per_rank.entry(n.rank).or_default() += n.prompt.len();
+    }
+    per_rank.into_values().max().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn most_prefill_tokens_sums_per_rank() {
+        let seq = |id, rank, len| NewSeq {
+            id,
+            rank,
+            prompt: vec![1; len],
+            sampling: SamplingParams::greedy(),
+        };
+        assert_eq!(most_prefill_tokens(&[]), 0);
+        let new = [seq(1, 0, 3), seq(2, 1, 4), seq(3, 0, 2), seq(4, 3, 1)];
+        assert_eq!(most_prefill_tokens(&new), 5);
     }
 }

@@ -27,6 +27,27 @@ pub enum StepKind {
     Decode,
 }
 
+/// A forward pass's kind and, when the caller knows it, the most tokens any rank brings to
+/// it: then the MoE layers split and run a prefill without asking the other ranks
+/// ([`moe_layer::Step`]); else each MoE layer that needs the count asks once (a host
+/// all-gather per layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    /// Prefill or decode.
+    pub kind: StepKind,
+    /// The most new tokens any rank has in this step, if known.
+    pub most_tokens: Option<usize>,
+}
+
+impl From<StepKind> for StepShape {
+    fn from(kind: StepKind) -> Self {
+        Self {
+            kind,
+            most_tokens: None,
+        }
+    }
+}
+
 /// The feed-forward part of a layer.
 #[derive(Debug)]
 pub enum Ffn {
@@ -45,11 +66,16 @@ impl Ffn {
     }
 
     /// Runs the layer on `x: [T, hidden]` (`T` may be 0 for MoE layers).
-    pub fn forward(&self, x: &Tensor, kind: StepKind) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, step: StepShape) -> Result<Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => match kind {
-                StepKind::Prefill => m.forward_with_mode(x, moe_layer::Mode::Normal),
+            Ffn::Moe(m) => match step.kind {
+                StepKind::Prefill => match step.most_tokens {
+                    Some(most) => {
+                        m.forward_step(x, moe_layer::Step::new(moe_layer::Mode::Normal, most))
+                    }
+                    None => m.forward_with_mode(x, moe_layer::Mode::Normal),
+                },
                 // Low-latency mode; on one GPU through captured CUDA graphs.
                 StepKind::Decode => m.forward_decode(x),
             },
@@ -62,7 +88,7 @@ impl Ffn {
     pub(crate) fn forward_captured(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Ffn::Moe(m) => m.forward_with_mode(x, moe_layer::Mode::LowLatency),
-            other => other.forward(x, StepKind::Decode),
+            other => other.forward(x, StepKind::Decode.into()),
         }
     }
 }
@@ -173,40 +199,41 @@ impl DeepSeekV3 {
         &self,
         cache: &mut KvCache,
         seqs: &[SeqInput<'_>],
-        kind: StepKind,
+        step: impl Into<StepShape>,
     ) -> Result<Tensor> {
+        let step = step.into();
         if seqs.is_empty() {
             let empty = Tensor::zeros((0, self.hidden), self.dtype, &self.device)?;
             for layer in self.layers.iter().filter(|l| l.ffn.is_collective()) {
-                layer.ffn.forward(&empty, kind)?;
+                layer.ffn.forward(&empty, step)?;
             }
             return Tensor::zeros((0, self.vocab_size()), DType::F32, &self.device);
         }
         let batch: Vec<(SeqKey, &[u32])> = seqs.iter().map(|s| (s.seq, s.tokens)).collect();
         let (plan, ids) = BatchPlan::new(&batch, cache, &self.rotary, self.dtype, &self.device)?;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
-        let x = self.hidden_states(&ids, cache, &plan, Some(kind))?;
+        let x = self.hidden_states(&ids, cache, &plan, Some(step))?;
         cache.advance(&plan);
         let last = plan.last_rows(&x)?;
         self.logits(&last)?.to_dtype(DType::F32)
     }
 
     /// The decoder layers over the tokens `ids` laid out by `plan`: `[total, hidden]` before the
-    /// final norm. `kind` `None`: a decode step being captured ([`Ffn::forward_captured`]).
+    /// final norm. `step` `None`: a decode step being captured ([`Ffn::forward_captured`]).
     pub(crate) fn hidden_states(
         &self,
         ids: &Tensor,
         cache: &KvCache,
         plan: &BatchPlan,
-        kind: Option<StepKind>,
+        step: Option<StepShape>,
     ) -> Result<Tensor> {
         let mut x = self.embed.forward(ids)?; // [total, hidden]
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.input_norm.forward(&x)?;
             x = (x + layer.attn.forward(&h, cache, l, plan)?)?;
             let h = layer.post_norm.forward(&x)?;
-            let f = match kind {
-                Some(kind) => layer.ffn.forward(&h, kind)?,
+            let f = match step {
+                Some(step) => layer.ffn.forward(&h, step)?,
                 None => layer.ffn.forward_captured(&h)?,
             };
             x = (&x + f)?;
