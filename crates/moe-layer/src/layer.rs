@@ -3,100 +3,17 @@
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::experts::{Experts, Mlp};
+use crate::options::MoeLayerOptions;
 use crate::router::Router;
 use crate::step::{Mode, Step};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
-use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
-use ep_runtime::{
-    Buffer, CombineArgs, DispatchArgs, EventOverlap, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-    Reduction,
-};
+use ep_runtime::Buffer;
 use std::sync::Arc;
 
 /// One routed step on `(x, topk_idx, topk_weights)`: the combined routed output and the
 /// shared experts' output (when computed alongside).
 type RoutedOp = fn(&MoeLayer, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>;
-
-/// Where the shared experts run in low-latency mode (CUDA layers with grouped GEMMs; other
-/// layers always run them as their own MLP).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SharedPlacement {
-    /// `Grouped` in the steps of at most [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected
-    /// per expert (a decode token or two per rank), where an extra group costs only its weight
-    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles an H200
-    /// gets there: 0.259 against 0.260 ms at one token) and, at one rank, there is no dispatch
-    /// to hide the shared MLP behind; `Overlap` in the others. The default.
-    #[default]
-    Auto,
-    /// As their own MLP on the compute stream while the dispatch travels. With the tiled
-    /// GEMMs (more rows per expert) this measured as fast as `Grouped` or faster
-    /// (`docs/benchmarks.md`, "The MoE layer").
-    Overlap,
-    /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
-    /// when their inner width is a multiple of the routed experts'; else as `Overlap`. The
-    /// shared MLP's gate_up is re-laid once into the grouped GEMMs' blocked layout (a copy that
-    /// replaces the layer's shared MLP, whose blocks are then views; `down_proj` is copied into
-    /// blocks when the shared MLP is wider than one routed expert), also under `Auto`.
-    Grouped,
-}
-
-/// How a [`MoeLayer`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MoeLayerOptions {
-    /// The default mode of [`MoeLayer::forward`].
-    pub mode: Mode,
-    /// Low-latency slots per rank (the `Auto` threshold, and the `num_max_dispatch_tokens_per_rank`
-    /// of low-latency ops). The buffer must be sized for at least this many.
-    pub low_latency_max_tokens: usize,
-    /// Send tokens as fp8 e4m3 with 1x128 scales (hidden must be a multiple of 128).
-    pub fp8_dispatch: bool,
-    /// Per-expert receive counts of normal mode rounded up to a multiple of this (DeepEP's
-    /// `expert_alignment`; default 1: the grouped GEMMs need no alignment).
-    pub expert_alignment: usize,
-    /// Where the shared experts run in low-latency mode.
-    pub shared_placement: SharedPlacement,
-    /// The grouped GEMMs' configuration in low-latency mode (CUDA); `None`: chosen from the
-    /// rows a step expects per expert and the GPU's bandwidth per SM
-    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
-    /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
-    pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
-    /// How the low-latency combine reduces a token's expert outputs: per rank (the default:
-    /// each expert rank sends one partial sum per token, so fewer bytes travel back; the
-    /// dispatch carries the gate weights for it) or per expert (DeepEP's numbers: one row per
-    /// (token, expert), summed once at home). The same bits at one rank.
-    pub low_latency_reduction: Reduction,
-    /// Two-batch overlap at more than one rank (SGLang's TBO): each rank splits its tokens into
-    /// two micro-batches, and the second's dispatch travels while the first's experts compute,
-    /// the first's combine while the second's compute (both modes; the shared experts run
-    /// once, over all tokens, while the first dispatch travels). It hides transfers behind
-    /// GEMMs, but each micro-batch's GEMMs read the local experts' weights again: it pays when
-    /// the GEMMs are bound by their math (many rows per local expert), not by their weight
-    /// reads. Every rank must use the same setting. Off by default (`docs/benchmarks.md`).
-    pub two_batch_overlap: bool,
-    /// Run normal-mode steps (prefill) as low-latency ops of at most `low_latency_max_tokens`
-    /// tokens per rank each, one after another (every rank runs as many as the rank with the
-    /// most tokens needs). Always on for a buffer without a normal mode (a CUDA buffer across
-    /// nodes built without `BufferConfig::with_internode`); off by default elsewhere, where the
-    /// normal mode moves large batches faster. Every rank must use the same setting.
-    pub prefill_in_low_latency_chunks: bool,
-}
-
-impl Default for MoeLayerOptions {
-    fn default() -> Self {
-        Self {
-            mode: Mode::Auto,
-            low_latency_max_tokens: 128,
-            fp8_dispatch: false,
-            expert_alignment: 1,
-            shared_placement: SharedPlacement::Auto,
-            low_latency_tiles: None,
-            low_latency_reduction: Reduction::PerRank,
-            two_batch_overlap: false,
-            prefill_in_low_latency_chunks: false,
-        }
-    }
-}
 
 /// An expert-parallel Mixture-of-Experts layer over candle tensors.
 ///
@@ -107,18 +24,18 @@ impl Default for MoeLayerOptions {
 /// low-latency mode the shared experts run while the routed tokens travel (receive hook).
 #[derive(Debug)]
 pub struct MoeLayer {
-    router: Router,
-    experts: Experts,
-    shared: Option<Mlp>,
-    buffer: Arc<Buffer>,
-    num_experts: usize,
-    options: MoeLayerOptions,
+    pub(crate) router: Router,
+    pub(crate) experts: Experts,
+    pub(crate) shared: Option<Mlp>,
+    pub(crate) buffer: Arc<Buffer>,
+    pub(crate) num_experts: usize,
+    pub(crate) options: MoeLayerOptions,
     /// Captured decode steps of [`MoeLayer::forward_decode`].
     #[cfg(feature = "cuda")]
-    decode_graphs: crate::graph::DecodeGraphs,
+    pub(crate) decode_graphs: crate::graph::DecodeGraphs,
     /// The shared experts as extra groups of the low-latency grouped GEMMs, when placed there.
     #[cfg(feature = "cuda")]
-    shared_groups: Option<crate::shared_groups::SharedGroups>,
+    pub(crate) shared_groups: Option<crate::shared_groups::SharedGroups>,
 }
 
 impl MoeLayer {
@@ -196,7 +113,7 @@ impl MoeLayer {
         }
         #[cfg(feature = "cuda")]
         let (shared, shared_groups) = match (shared, options.shared_placement) {
-            (Some(m), SharedPlacement::Grouped | SharedPlacement::Auto)
+            (Some(m), crate::SharedPlacement::Grouped | crate::SharedPlacement::Auto)
                 if crate::shared_groups::SharedGroups::eligible(&m, &experts) =>
             {
                 // The shared MLP in the blocked layout; its blocks are views of its weights.
@@ -478,383 +395,17 @@ impl MoeLayer {
         })
     }
 
-    fn shared_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    pub(crate) fn shared_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
         Ok(match &self.shared {
             Some(m) => Some(m.forward(x)?),
             None => None,
         })
     }
-
-    /// Normal mode; returns the combined routed output and the shared experts' output.
-    ///
-    /// Stream timeline on CUDA (see `docs/design.md`): routing, layout and the fp8 cast on the
-    /// compute stream, then the shared experts on the compute stream while the dispatch runs
-    /// on the communication stream (it waits only for the layout's event); the host waits once,
-    /// for the received-token count; the expert GEMMs wait for the dispatch's event; the combine
-    /// waits for the GEMMs' event, and the compute stream for the combine.
-    fn routed_normal(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        if self.buffer.topology().num_ranks == 1 && !self.options.fp8_dispatch {
-            return self.routed_local(x, idx, w);
-        }
-        if self.options.two_batch_overlap {
-            return self.routed_normal_two_batches(x, idx, w);
-        }
-        let dev = x.device();
-        // The dispatch is issued (its kernel grabs its SMs) before the shared experts are
-        // queued: queued first, they measured no faster (docs/benchmarks.md).
-        let send = self.prepare_dispatch(x, idx)?;
-        let ready = EventOverlap::record(dev)?;
-        let out = self.dispatch_normal(&send, idx, w, &ready)?;
-        let shared = if x.dims()[0] == 0 {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
-        let y = self.experts_normal(&out, dev, x.dtype())?;
-        let computed = EventOverlap::record(dev)?;
-        let combined = self
-            .buffer
-            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
-        Ok((combined.combined_x, shared))
-    }
-
-    /// What a normal-mode dispatch of `x` routed by `idx` sends, computed on the compute
-    /// stream: the layout and, with [`MoeLayerOptions::fp8_dispatch`], the fp8 rows and scales.
-    fn prepare_dispatch(&self, x: &Tensor, idx: &Tensor) -> Result<SendRows> {
-        let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
-        let (x, scales) = if self.options.fp8_dispatch {
-            let (q, s) = per_token_cast_to_fp8(x, false)?;
-            (q, Some(s))
-        } else {
-            (x.clone(), None)
-        };
-        Ok(SendRows { layout, x, scales })
-    }
-
-    /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
-    /// after `ready`; returns once it is issued: the host has read the received count, the
-    /// rows are not yet in.
-    fn dispatch_normal(
-        &self,
-        send: &SendRows,
-        idx: &Tensor,
-        w: &Tensor,
-        ready: &EventOverlap,
-    ) -> Result<ep_runtime::DispatchOutput> {
-        let mut args = DispatchArgs::new(&send.x)
-            .topk(idx, w)
-            .layout(&send.layout)
-            .expert_alignment(self.options.expert_alignment)
-            .previous_event(ready)
-            .async_finish(true);
-        if let Some(s) = &send.scales {
-            args = args.x_scales(s);
-        }
-        Ok(self.buffer.dispatch(&args)?)
-    }
-
-    /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
-    /// compute stream once it is in.
-    fn experts_normal(
-        &self,
-        out: &ep_runtime::DispatchOutput,
-        dev: &Device,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        out.event.compute_wait(dev)?;
-        let recv_x = match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
-            None => out.recv_x.clone(),
-        };
-        let recv_idx = out.recv_topk_idx.as_ref().expect("routing was dispatched");
-        let recv_w = out
-            .recv_topk_weights
-            .as_ref()
-            .expect("routing was dispatched");
-        self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
-    }
-
-    /// Normal mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): dispatch A;
-    /// the shared experts while A travels; A's experts while B's dispatch travels (its count
-    /// exchange and copy are on the communication stream behind A's); A's combine while B's
-    /// experts compute; B's combine. Two host reads of a received count (one per dispatch).
-    fn routed_normal_two_batches(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let dev = x.device();
-        let t = x.dims()[0];
-        let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
-        let send_a = self.prepare_dispatch(&xa, &ia)?;
-        let send_b = self.prepare_dispatch(&xb, &ib)?;
-        let ready = EventOverlap::record(dev)?;
-        let shared = if t == 0 {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
-        let out_a = self.dispatch_normal(&send_a, &ia, &wa, &ready)?;
-        let ya = self.experts_normal(&out_a, dev, x.dtype())?;
-        let computed_a = EventOverlap::record(dev)?;
-        let out_b = self.dispatch_normal(&send_b, &ib, &wb, &ready)?;
-        let comb_a = self.buffer.combine(
-            &CombineArgs::new(&ya, &out_a.handle)
-                .previous_event(&computed_a)
-                .async_finish(true),
-        )?;
-        let yb = self.experts_normal(&out_b, dev, x.dtype())?;
-        let computed_b = EventOverlap::record(dev)?;
-        let comb_b = self
-            .buffer
-            .combine(&CombineArgs::new(&yb, &out_b.handle).previous_event(&computed_b))?;
-        comb_a.event.compute_wait(dev)?;
-        Ok((join_parts(comb_a.combined_x, comb_b.combined_x)?, shared))
-    }
-
-    /// Normal mode at one rank: every expert is local and there is nothing to send, so the
-    /// routed experts run on this rank's tokens as they are: no layout, dispatch or combine,
-    /// and no host synchronisation (the fp8 wire format keeps the buffer's path, so that its
-    /// rounding is the same at any rank count). The shared MLP runs first, on the same stream.
-    fn routed_local(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let shared = if x.dims()[0] == 0 {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
-        Ok((self.experts.forward_grouped(x, idx, w)?, shared))
-    }
-
-    /// The expert stage of a low-latency step alone, as [`MoeLayer::forward`] runs it: the
-    /// routed experts over received blocks `recv_x` `[L, M, H]` with device counts
-    /// `recv_count` `[L]`, and, when they run inside the grouped GEMMs
-    /// ([`MoeLayer::shared_in_grouped_gemm`]), the shared experts over this rank's tokens `x`
-    /// `[T, H]` (else `None`). For benchmarks and custom pipelines.
-    pub fn low_latency_experts(
-        &self,
-        recv_x: &Tensor,
-        recv_count: &Tensor,
-        x: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        self.expert_blocks(recv_x, recv_count, x, None)
-    }
-
-    /// Whether the shared experts run inside the low-latency grouped GEMMs of a step of
-    /// `tokens` tokens on this rank ([`SharedPlacement`]).
-    pub fn shared_in_grouped_gemm(&self, tokens: usize) -> bool {
-        #[cfg(feature = "cuda")]
-        {
-            tokens > 0
-                && self.shared_groups.is_some()
-                && match self.options.shared_placement {
-                    SharedPlacement::Grouped => true,
-                    SharedPlacement::Auto => {
-                        self.expected_rows(tokens) <= ep_kernels::gemm::GEMV_ROWS_PER_PASS
-                    }
-                    SharedPlacement::Overlap => false,
-                }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = tokens;
-            false
-        }
-    }
-
-    /// The low-latency grouped GEMMs' configuration for `expected` rows per expert on `dev`.
-    fn low_latency_tiles(
-        &self,
-        dev: &Device,
-        expected: usize,
-    ) -> Result<ep_kernels::gemm::GemmTiles> {
-        if let Some(tiles) = self.options.low_latency_tiles {
-            return Ok(tiles);
-        }
-        #[cfg(feature = "cuda")]
-        if dev.is_cuda() {
-            return crate::grouped::masked_tiles(dev, expected);
-        }
-        let _ = (dev, expected);
-        Ok(ep_kernels::gemm::GemmTiles::Auto)
-    }
-
-    /// Rows an expert's low-latency block can expect in a step of `tokens` tokens per rank:
-    /// one from each rank (a token picks an expert at most once).
-    fn expected_rows(&self, tokens: usize) -> usize {
-        tokens * self.buffer.topology().num_ranks
-    }
-
-    /// The routed experts over the received blocks, and the shared experts' output: `shared`
-    /// as computed already, or computed here over `x` as extra groups of the grouped GEMMs.
-    fn expert_blocks(
-        &self,
-        recv_x: &Tensor,
-        recv_count: &Tensor,
-        x: &Tensor,
-        shared: Option<Tensor>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let expected = self.expected_rows(x.dims()[0]);
-        #[cfg(feature = "cuda")]
-        if let Some(groups) = self
-            .shared_groups
-            .as_ref()
-            .filter(|_| self.shared_in_grouped_gemm(x.dims()[0]))
-        {
-            let (y, s) = crate::grouped::forward_masked_with_shared(
-                &self.experts,
-                recv_x,
-                recv_count,
-                x,
-                groups,
-                self.low_latency_tiles(x.device(), expected)?,
-            )?;
-            return Ok((y, Some(s)));
-        }
-        let tiles = self.low_latency_tiles(x.device(), expected)?;
-        Ok((
-            self.experts
-                .forward_masked_tiled(recv_x, recv_count, tiles)?,
-            shared,
-        ))
-    }
-
-    /// Low-latency mode; the shared experts run between the send and receive phases, or inside
-    /// the grouped GEMMs ([`SharedPlacement`]). No host synchronisation: the expert GEMMs read
-    /// the received counts on the device.
-    fn routed_low_latency(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        if self.options.two_batch_overlap && self.buffer.topology().num_ranks > 1 {
-            return self.routed_low_latency_two_batches(x, idx, w);
-        }
-        let t = x.dims()[0];
-        let hook = self
-            .buffer
-            .low_latency_dispatch_send(&self.low_latency_dispatch_args(x, idx, w))?;
-        let shared = if t == 0 || self.shared_in_grouped_gemm(t) {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
-        let out = hook.recv()?;
-        let recv_x = self.low_latency_rows(&out, x.dtype())?;
-        let (y, shared) = self.expert_blocks(&recv_x, &out.recv_count, x, shared)?;
-        let y = y.to_dtype(recv_x.dtype())?;
-        let combined = self.buffer.low_latency_combine(
-            &LowLatencyCombineArgs::new(&y, idx, w, &out.handle)
-                .reduction(self.options.low_latency_reduction),
-        )?;
-        Ok((combined.combined_x, shared))
-    }
-
-    /// The low-latency dispatch of `x` routed by `idx`, `w` (the weights travel for a per-rank
-    /// combine).
-    fn low_latency_dispatch_args<'a>(
-        &self,
-        x: &'a Tensor,
-        idx: &'a Tensor,
-        w: &'a Tensor,
-    ) -> LowLatencyDispatchArgs<'a> {
-        let mut args = LowLatencyDispatchArgs::new(
-            x,
-            idx,
-            self.options.low_latency_max_tokens,
-            self.num_experts,
-        );
-        if self.options.fp8_dispatch {
-            args = args.fp8(false);
-        }
-        if self.options.low_latency_reduction == Reduction::PerRank {
-            args = args.weights(w);
-        }
-        args
-    }
-
-    /// The received rows of a low-latency dispatch in `dtype` (fp8 cast back).
-    fn low_latency_rows(
-        &self,
-        out: &ep_runtime::LowLatencyDispatchOutput,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        Ok(match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
-            None => out.recv_x.clone(),
-        })
-    }
-
-    /// Low-latency mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): both
-    /// dispatches are sent, the shared experts run while they travel, then A is received, its
-    /// experts run and its combine is sent, while B's tokens are already in; then B; then both
-    /// combines are received. The shared experts run as their own MLP.
-    fn routed_low_latency_two_batches(
-        &self,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let t = x.dims()[0];
-        let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
-        let red = self.options.low_latency_reduction;
-        let hook_a = self
-            .buffer
-            .low_latency_dispatch_send(&self.low_latency_dispatch_args(&xa, &ia, &wa))?;
-        let hook_b = self
-            .buffer
-            .low_latency_dispatch_send(&self.low_latency_dispatch_args(&xb, &ib, &wb))?;
-        let shared = if t == 0 {
-            None
-        } else {
-            self.shared_forward(x)?
-        };
-        let tiles = self.low_latency_tiles(x.device(), self.expected_rows(xa.dims()[0]))?;
-        // A micro-batch's rows in, its experts, its combine sent.
-        let experts = |out: &ep_runtime::LowLatencyDispatchOutput| -> Result<Tensor> {
-            let rows = self.low_latency_rows(out, x.dtype())?;
-            Ok(self
-                .experts
-                .forward_masked_tiled(&rows, &out.recv_count, tiles)?
-                .to_dtype(rows.dtype())?)
-        };
-        let out_a = hook_a.recv()?;
-        let ya = experts(&out_a)?;
-        let comb_a = self.buffer.low_latency_combine_send(
-            &LowLatencyCombineArgs::new(&ya, &ia, &wa, &out_a.handle).reduction(red),
-        )?;
-        let out_b = hook_b.recv()?;
-        let yb = experts(&out_b)?;
-        let comb_b = self.buffer.low_latency_combine_send(
-            &LowLatencyCombineArgs::new(&yb, &ib, &wb, &out_b.handle).reduction(red),
-        )?;
-        let (ca, cb) = (comb_a.recv()?, comb_b.recv()?);
-        Ok((join_parts(ca.combined_x, cb.combined_x)?, shared))
-    }
-}
-
-/// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
-/// with their scales).
-struct SendRows {
-    layout: ep_runtime::DispatchLayout,
-    x: Tensor,
-    scales: Option<Tensor>,
 }
 
 /// The two micro-batches of a two-batch-overlap step: the tokens (and their routing) split at
 /// `ceil(T / 2)`, as views (either may be empty).
-fn two_micro_batches(
+pub(crate) fn two_micro_batches(
     x: &Tensor,
     idx: &Tensor,
     w: &Tensor,
@@ -872,7 +423,7 @@ fn two_micro_batches(
 }
 
 /// The outputs of two micro-batches in token order (an empty second part adds nothing).
-fn join_parts(a: Tensor, b: Tensor) -> Result<Tensor> {
+pub(crate) fn join_parts(a: Tensor, b: Tensor) -> Result<Tensor> {
     Ok(if b.dims()[0] == 0 {
         a
     } else if a.dims()[0] == 0 {

@@ -39,7 +39,10 @@ mod graph;
 #[cfg(feature = "cuda")]
 mod grouped;
 mod layer;
+mod low_latency;
 pub mod mlp;
+mod normal;
+mod options;
 pub mod router;
 #[cfg(feature = "cuda")]
 mod shared_groups;
@@ -51,7 +54,8 @@ pub use error::{Error, Result};
 pub use experts::Experts;
 #[cfg(feature = "cuda")]
 pub use graph::DecodeGraph;
-pub use layer::{MoeLayer, MoeLayerOptions, SharedPlacement};
+pub use layer::MoeLayer;
 pub use mlp::{GateUpLayout, Mlp};
+pub use options::{MoeLayerOptions, SharedPlacement};
 pub use router::{Router, Routing};
 pub use step::{Mode, Step};

@@ -1,0 +1,170 @@
+//! [`MoeLayer`]'s normal mode (prefill): layout, dispatch, the experts over what arrived,
+//! combine, with the shared experts beside the dispatch; as two micro-batches; and at one rank
+//! without any transfer.
+
+use crate::error::Result;
+use crate::layer::{join_parts, two_micro_batches, MoeLayer};
+use candle_core::{DType, Device, Tensor};
+use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use ep_runtime::{CombineArgs, DispatchArgs, EventOverlap};
+
+impl MoeLayer {
+    /// Normal mode; returns the combined routed output and the shared experts' output.
+    ///
+    /// Stream timeline on CUDA (see `docs/design.md`): routing, layout and the fp8 cast on the
+    /// compute stream, then the shared experts on the compute stream while the dispatch runs
+    /// on the communication stream (it waits only for the layout's event); the host waits once,
+    /// for the received-token count; the expert GEMMs wait for the dispatch's event; the combine
+    /// waits for the GEMMs' event, and the compute stream for the combine.
+    pub(crate) fn routed_normal(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.buffer.topology().num_ranks == 1 && !self.options.fp8_dispatch {
+            return self.routed_local(x, idx, w);
+        }
+        if self.options.two_batch_overlap {
+            return self.routed_normal_two_batches(x, idx, w);
+        }
+        let dev = x.device();
+        // The dispatch is issued (its kernel grabs its SMs) before the shared experts are
+        // queued: queued first, they measured no faster (docs/benchmarks.md).
+        let send = self.prepare_dispatch(x, idx)?;
+        let ready = EventOverlap::record(dev)?;
+        let out = self.dispatch_normal(&send, idx, w, &ready)?;
+        let shared = if x.dims()[0] == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        let y = self.experts_normal(&out, dev, x.dtype())?;
+        let computed = EventOverlap::record(dev)?;
+        let combined = self
+            .buffer
+            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
+        Ok((combined.combined_x, shared))
+    }
+
+    /// What a normal-mode dispatch of `x` routed by `idx` sends, computed on the compute
+    /// stream: the layout and, with [`MoeLayerOptions::fp8_dispatch`], the fp8 rows and scales.
+    fn prepare_dispatch(&self, x: &Tensor, idx: &Tensor) -> Result<SendRows> {
+        let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
+        let (x, scales) = if self.options.fp8_dispatch {
+            let (q, s) = per_token_cast_to_fp8(x, false)?;
+            (q, Some(s))
+        } else {
+            (x.clone(), None)
+        };
+        Ok(SendRows { layout, x, scales })
+    }
+
+    /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
+    /// after `ready`; returns once it is issued: the host has read the received count, the
+    /// rows are not yet in.
+    fn dispatch_normal(
+        &self,
+        send: &SendRows,
+        idx: &Tensor,
+        w: &Tensor,
+        ready: &EventOverlap,
+    ) -> Result<ep_runtime::DispatchOutput> {
+        let mut args = DispatchArgs::new(&send.x)
+            .topk(idx, w)
+            .layout(&send.layout)
+            .expert_alignment(self.options.expert_alignment)
+            .previous_event(ready)
+            .async_finish(true);
+        if let Some(s) = &send.scales {
+            args = args.x_scales(s);
+        }
+        Ok(self.buffer.dispatch(&args)?)
+    }
+
+    /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
+    /// compute stream once it is in.
+    fn experts_normal(
+        &self,
+        out: &ep_runtime::DispatchOutput,
+        dev: &Device,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        out.event.compute_wait(dev)?;
+        let recv_x = match &out.recv_x_scales {
+            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
+            None => out.recv_x.clone(),
+        };
+        let recv_idx = out.recv_topk_idx.as_ref().expect("routing was dispatched");
+        let recv_w = out
+            .recv_topk_weights
+            .as_ref()
+            .expect("routing was dispatched");
+        self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
+    }
+
+    /// Normal mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): dispatch A;
+    /// the shared experts while A travels; A's experts while B's dispatch travels (its count
+    /// exchange and copy are on the communication stream behind A's); A's combine while B's
+    /// experts compute; B's combine. Two host reads of a received count (one per dispatch).
+    fn routed_normal_two_batches(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dev = x.device();
+        let t = x.dims()[0];
+        let [(xa, ia, wa), (xb, ib, wb)] = two_micro_batches(x, idx, w)?;
+        let send_a = self.prepare_dispatch(&xa, &ia)?;
+        let send_b = self.prepare_dispatch(&xb, &ib)?;
+        let ready = EventOverlap::record(dev)?;
+        let shared = if t == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        let out_a = self.dispatch_normal(&send_a, &ia, &wa, &ready)?;
+        let ya = self.experts_normal(&out_a, dev, x.dtype())?;
+        let computed_a = EventOverlap::record(dev)?;
+        let out_b = self.dispatch_normal(&send_b, &ib, &wb, &ready)?;
+        let comb_a = self.buffer.combine(
+            &CombineArgs::new(&ya, &out_a.handle)
+                .previous_event(&computed_a)
+                .async_finish(true),
+        )?;
+        let yb = self.experts_normal(&out_b, dev, x.dtype())?;
+        let computed_b = EventOverlap::record(dev)?;
+        let comb_b = self
+            .buffer
+            .combine(&CombineArgs::new(&yb, &out_b.handle).previous_event(&computed_b))?;
+        comb_a.event.compute_wait(dev)?;
+        Ok((join_parts(comb_a.combined_x, comb_b.combined_x)?, shared))
+    }
+
+    /// Normal mode at one rank: every expert is local and there is nothing to send, so the
+    /// routed experts run on this rank's tokens as they are: no layout, dispatch or combine,
+    /// and no host synchronisation (the fp8 wire format keeps the buffer's path, so that its
+    /// rounding is the same at any rank count). The shared MLP runs first, on the same stream.
+    fn routed_local(
+        &self,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let shared = if x.dims()[0] == 0 {
+            None
+        } else {
+            self.shared_forward(x)?
+        };
+        Ok((self.experts.forward_grouped(x, idx, w)?, shared))
+    }
+}
+
+/// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
+/// with their scales).
+struct SendRows {
+    layout: ep_runtime::DispatchLayout,
+    x: Tensor,
+    scales: Option<Tensor>,
+}

@@ -1,0 +1,84 @@
+//! [`MoeLayerOptions`]: how a [`crate::MoeLayer`] runs, and [`SharedPlacement`].
+
+use crate::step::Mode;
+use ep_runtime::Reduction;
+
+/// Where the shared experts run in low-latency mode (CUDA layers with grouped GEMMs; other
+/// layers always run them as their own MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SharedPlacement {
+    /// `Grouped` in the steps of at most [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected
+    /// per expert (a decode token or two per rank), where an extra group costs only its weight
+    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles an H200
+    /// gets there: 0.259 against 0.260 ms at one token) and, at one rank, there is no dispatch
+    /// to hide the shared MLP behind; `Overlap` in the others. The default.
+    #[default]
+    Auto,
+    /// As their own MLP on the compute stream while the dispatch travels. With the tiled
+    /// GEMMs (more rows per expert) this measured as fast as `Grouped` or faster
+    /// (`docs/benchmarks.md`, "The MoE layer").
+    Overlap,
+    /// As extra groups of the routed experts' grouped GEMMs (one launch reads every weight)
+    /// when their inner width is a multiple of the routed experts'; else as `Overlap`. The
+    /// shared MLP's gate_up is re-laid once into the grouped GEMMs' blocked layout (a copy that
+    /// replaces the layer's shared MLP, whose blocks are then views; `down_proj` is copied into
+    /// blocks when the shared MLP is wider than one routed expert), also under `Auto`.
+    Grouped,
+}
+
+/// How a [`crate::MoeLayer`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeLayerOptions {
+    /// The default mode of [`crate::MoeLayer::forward`].
+    pub mode: Mode,
+    /// Low-latency slots per rank (the `Auto` threshold, and the `num_max_dispatch_tokens_per_rank`
+    /// of low-latency ops). The buffer must be sized for at least this many.
+    pub low_latency_max_tokens: usize,
+    /// Send tokens as fp8 e4m3 with 1x128 scales (hidden must be a multiple of 128).
+    pub fp8_dispatch: bool,
+    /// Per-expert receive counts of normal mode rounded up to a multiple of this (DeepEP's
+    /// `expert_alignment`; default 1: the grouped GEMMs need no alignment).
+    pub expert_alignment: usize,
+    /// Where the shared experts run in low-latency mode.
+    pub shared_placement: SharedPlacement,
+    /// The grouped GEMMs' configuration in low-latency mode (CUDA); `None`: chosen from the
+    /// rows a step expects per expert and the GPU's bandwidth per SM
+    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
+    /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
+    pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
+    /// How the low-latency combine reduces a token's expert outputs: per rank (the default:
+    /// each expert rank sends one partial sum per token, so fewer bytes travel back; the
+    /// dispatch carries the gate weights for it) or per expert (DeepEP's numbers: one row per
+    /// (token, expert), summed once at home). The same bits at one rank.
+    pub low_latency_reduction: Reduction,
+    /// Two-batch overlap at more than one rank (SGLang's TBO): each rank splits its tokens into
+    /// two micro-batches, and the second's dispatch travels while the first's experts compute,
+    /// the first's combine while the second's compute (both modes; the shared experts run
+    /// once, over all tokens, while the first dispatch travels). It hides transfers behind
+    /// GEMMs, but each micro-batch's GEMMs read the local experts' weights again: it pays when
+    /// the GEMMs are bound by their math (many rows per local expert), not by their weight
+    /// reads. Every rank must use the same setting. Off by default (`docs/benchmarks.md`).
+    pub two_batch_overlap: bool,
+    /// Run normal-mode steps (prefill) as low-latency ops of at most `low_latency_max_tokens`
+    /// tokens per rank each, one after another (every rank runs as many as the rank with the
+    /// most tokens needs). Always on for a buffer without a normal mode (a CUDA buffer across
+    /// nodes built without `BufferConfig::with_internode`); off by default elsewhere, where the
+    /// normal mode moves large batches faster. Every rank must use the same setting.
+    pub prefill_in_low_latency_chunks: bool,
+}
+
+impl Default for MoeLayerOptions {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Auto,
+            low_latency_max_tokens: 128,
+            fp8_dispatch: false,
+            expert_alignment: 1,
+            shared_placement: SharedPlacement::Auto,
+            low_latency_tiles: None,
+            low_latency_reduction: Reduction::PerRank,
+            two_batch_overlap: false,
+            prefill_in_low_latency_chunks: false,
+        }
+    }
+}
