@@ -35,6 +35,8 @@ pub mod low_latency;
 pub mod routing;
 
 #[cfg(feature = "cuda")]
+pub mod cublas_sms;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod memory;

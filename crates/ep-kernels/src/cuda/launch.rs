@@ -303,3 +303,15 @@ pub fn retain_pool_memory(ctx: &cudarc::driver::CudaContext) -> Result<()> {
     }
     Ok(())
 }
+
+/// A stream for communication work (transfers and their waits) on `ctx`, at the device's
+/// greatest priority, as DeepEP's communication stream: while compute kernels beside it hold the
+/// SMs, the block scheduler starts this stream's pending blocks first as SMs free up, so a
+/// transfer issued after a GEMM does not wait for the GEMM's later waves.
+pub fn new_comm_stream(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> Result<std::sync::Arc<cudarc::driver::CudaStream>> {
+    ctx.bind_to_thread()?;
+    let (_, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+    Ok(ctx.new_stream_with_priority(greatest)?)
+}

@@ -150,7 +150,8 @@ impl CudaBuffer {
         ctx.bind_to_thread()?;
         // Ops allocate their outputs stream-ordered on every call: keep freed memory pooled.
         ep_kernels::cuda::retain_pool_memory(&ctx).map_err(|e| kernel_err(e, cfg.timeout))?;
-        let comm = ctx.new_stream()?;
+        let comm =
+            ep_kernels::cuda::new_comm_stream(&ctx).map_err(|e| kernel_err(e, cfg.timeout))?;
         let normal = if across_nodes {
             None
         } else {

@@ -17,11 +17,11 @@ pub struct CopyStreams {
 
 impl CopyStreams {
     /// Creates `MAX_COPY_LANES` streams per rank on `ctx` (those of this rank's own index stay
-    /// unused).
+    /// unused), at the greatest priority: their wait kernels then start ahead of compute.
     pub fn new(ctx: &Arc<CudaContext>, num_ranks: usize) -> Result<Self> {
         let streams = (0..num_ranks * MAX_COPY_LANES)
-            .map(|_| ctx.new_stream())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+            .map(|_| crate::cuda::new_comm_stream(ctx))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self { streams })
     }
 

@@ -1,0 +1,42 @@
+//! cuBLAS calls that leave SMs free for a kernel running beside them.
+//!
+//! A GEMM that overlaps a communication kernel shares the GPU with it. cuBLAS sizes its grids for
+//! every SM, so the blocks that find their SM taken by the other kernel run as an extra wave.
+//! `cublasSetSmCountTarget` makes cuBLAS pick grids for fewer SMs. This is what DeepGEMM's
+//! `set_num_sms` does for its own kernels.
+
+use cudarc::cublas::{sys, CudaBlas};
+
+use crate::error::Result;
+
+/// Runs `f` with cuBLAS on `blas` targeting `sms` SMs (0: all, cuBLAS's default), and restores
+/// the default afterwards, also when `f` fails or panics. The setting belongs to the handle:
+/// every cuBLAS call made through `blas` while `f` runs uses it.
+pub fn with_sm_count_target<R>(blas: &CudaBlas, sms: u32, f: impl FnOnce() -> R) -> Result<R> {
+    let target = i32::try_from(sms).unwrap_or(i32::MAX);
+    set_target(blas, target)?;
+    let guard = Restore(blas);
+    let out = f();
+    drop(guard);
+    set_target(blas, 0)?;
+    Ok(out)
+}
+
+/// Sets the handle's SM count target.
+fn set_target(blas: &CudaBlas, sms: i32) -> Result<()> {
+    // SAFETY: `blas.handle()` is a live cuBLAS handle owned by `blas`; the call only stores an
+    // integer in it.
+    unsafe { sys::cublasSetSmCountTarget(*blas.handle(), sms) }.result()?;
+    Ok(())
+}
+
+/// Puts the handle back to all SMs if `f` unwinds.
+struct Restore<'a>(&'a CudaBlas);
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = set_target(self.0, 0);
+        }
+    }
+}
