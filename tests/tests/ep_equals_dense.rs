@@ -129,7 +129,7 @@ fn bf16_over_2_and_4_ranks() {
 }
 
 #[test]
-fn two_batch_overlap_and_per_expert_combine() {
+fn two_batch_overlap_per_expert_combine_and_shared_first() {
     let tbo = MoeLayerOptions {
         two_batch_overlap: true,
         ..Default::default()
@@ -144,6 +144,11 @@ fn two_batch_overlap_and_per_expert_combine() {
     run_with(4, 2, DType::BF16, false, 2e-2, tbo);
     run_with(2, 2, DType::F32, true, 8e-2, tbo);
     run_with(4, 4, DType::F32, false, 1e-5, per_expert);
+    let shared_first = MoeLayerOptions {
+        shared_before_dispatch: true,
+        ..Default::default()
+    };
+    run_with(4, 2, DType::F32, false, 1e-5, shared_first);
 }
 
 #[test]

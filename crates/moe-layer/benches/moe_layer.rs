@@ -29,7 +29,10 @@
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
 //! layer's choice), `EP_BENCH_REDUCTION=expert` the low-latency combine per expert
-//! (`MoeLayerOptions::low_latency_reduction`; default per rank).
+//! (`MoeLayerOptions::low_latency_reduction`; default per rank), `EP_BENCH_SHARED_FIRST=1`
+//! queues normal mode's shared expert before the dispatch
+//! (`MoeLayerOptions::shared_before_dispatch`). Normal rows across ranks also time the dispatch
+//! with the shared expert beside it, issued in three orders (one line each after the table).
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
@@ -38,15 +41,16 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::sync::{Arc, Barrier, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
+use ep_kernels::cublas_sms::with_sm_count_target;
 use ep_kernels::gemm::GemmTiles;
 use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, LocalTransport, LowLatencyCombineArgs,
-    LowLatencyDispatchArgs, Reduction, Topology,
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, EventOverlap, LocalTransport,
+    LowLatencyCombineArgs, LowLatencyDispatchArgs, Reduction, Topology,
 };
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
@@ -123,6 +127,7 @@ fn bench_options() -> MoeLayerOptions {
         },
         two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
         prefill_in_low_latency_chunks: false,
+        shared_before_dispatch: std::env::var("EP_BENCH_SHARED_FIRST").as_deref() == Ok("1"),
     }
 }
 
@@ -138,6 +143,10 @@ struct Row {
     gemm_ms: f64,
     combine_ms: f64,
     shared_ms: f64,
+    /// Normal mode across ranks: the dispatch with the shared expert beside it, issued in
+    /// three ways: the dispatch first; the shared expert first; the shared expert first with
+    /// cuBLAS targeting the SMs the dispatch leaves.
+    overlap_ms: Option<[f64; 3]>,
     floor_ms: f64,
     floor_gb: f64,
     dense_ms: f64,
@@ -308,6 +317,46 @@ fn bench_tokens(
             dispatch(&x)?;
             Ok(())
         })?;
+        // The dispatch on the communication stream after an event, the shared expert on the
+        // compute stream, which then waits for the dispatch: what overlapping leaves of the two.
+        let beside = |shared_first: bool, sms: u32| -> Result<(), BoxError> {
+            let layout = buf.get_dispatch_layout(idx, E)?;
+            let (q, s) = send(&x)?;
+            let ready = EventOverlap::record(dev)?;
+            let run_shared = || -> Result<(), BoxError> {
+                with_sm_count_target(&dev.as_cuda_device()?.cublas_handle(), sms, || {
+                    shared.forward(&x)
+                })??;
+                Ok(())
+            };
+            if shared_first {
+                run_shared()?;
+            }
+            let mut args = DispatchArgs::new(&q)
+                .topk(idx, w)
+                .layout(&layout)
+                .previous_event(&ready)
+                .async_finish(true);
+            if let Some(s) = &s {
+                args = args.x_scales(s);
+            }
+            let out = buf.dispatch(&args)?;
+            if !shared_first {
+                run_shared()?;
+            }
+            out.event.compute_wait(dev)?;
+            Ok(())
+        };
+        let all_sms = stream
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let left =
+            u32::try_from(all_sms)?.saturating_sub(u32::try_from(buf.config().config.num_sms)?);
+        row.overlap_ms = Some([
+            part(&mut || beside(false, 0))?,
+            part(&mut || beside(true, 0))?,
+            part(&mut || beside(true, left))?,
+        ]);
         let out = dispatch(&x)?;
         let (ri, rw) = (
             out.recv_topk_idx.as_ref().ok_or("no routing")?,
@@ -512,15 +561,23 @@ fn main() -> Result<(), BoxError> {
             100.0 * r.exposed_ms() / best
         )?;
     }
+    for (r, o) in rows.iter().filter_map(|r| Some((r, r.overlap_ms?))) {
+        writeln!(
+            table,
+            "{:>6} dispatch beside the shared expert: dispatch first {:.3} ms, shared first {:.3}, \
+             shared first with cuBLAS on the SMs the dispatch leaves {:.3} (alone: {:.3} + {:.3})",
+            r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.shared_ms
+        )?;
+    }
     print!("{table}");
     if let Ok(path) = std::env::var("EP_BENCH_OUT") {
         let mut f = std::fs::File::create(path)?;
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.floor_ms, r.floor_gb, r.dense_ms,
+                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.floor_ms, r.floor_gb, r.dense_ms,
                 r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch()
             )?;
         }

@@ -13,9 +13,9 @@ impl MoeLayer {
     ///
     /// Stream timeline on CUDA (see `docs/design.md`): routing, layout and the fp8 cast on the
     /// compute stream, then the shared experts on the compute stream while the dispatch runs
-    /// on the communication stream (it waits only for the layout's event); the host waits once,
-    /// for the received-token count; the expert GEMMs wait for the dispatch's event; the combine
-    /// waits for the GEMMs' event, and the compute stream for the combine.
+    /// on the (high-priority) communication stream (it waits only for the layout's event); the
+    /// host waits once, for the received-token count; the expert GEMMs wait for the dispatch's
+    /// event; the combine waits for the GEMMs' event, and the compute stream for the combine.
     pub(crate) fn routed_normal(
         &self,
         x: &Tensor,
@@ -29,13 +29,20 @@ impl MoeLayer {
             return self.routed_normal_two_batches(x, idx, w);
         }
         let dev = x.device();
-        // The dispatch is issued (its kernel grabs its SMs) before the shared experts are
-        // queued: queued first, they measured no faster (docs/benchmarks.md).
+        // By default the dispatch is issued (its kernel grabs its SMs) before the shared experts
+        // are queued; `shared_before_dispatch` queues them first, on the SMs the transfer
+        // leaves (docs/benchmarks.md, "Shared experts beside the dispatch").
         let send = self.prepare_dispatch(x, idx)?;
         let ready = EventOverlap::record(dev)?;
-        let out = self.dispatch_normal(&send, idx, w, &ready)?;
-        let shared = if x.dims()[0] == 0 {
+        let first = self.options.shared_before_dispatch && x.dims()[0] > 0;
+        let early = if first {
+            self.shared_beside_transfer(x)?
+        } else {
             None
+        };
+        let out = self.dispatch_normal(&send, idx, w, &ready)?;
+        let shared = if first || x.dims()[0] == 0 {
+            early
         } else {
             self.shared_forward(x)?
         };
@@ -45,6 +52,32 @@ impl MoeLayer {
             .buffer
             .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
         Ok((combined.combined_x, shared))
+    }
+
+    /// The shared experts on the compute stream while a normal-mode transfer runs beside them:
+    /// on CUDA with cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`),
+    /// so that the transfer, queued after them on its high-priority stream, finds its SMs free
+    /// instead of waiting behind the GEMMs' later waves.
+    fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Some(_), Device::Cuda(dev)) = (&self.shared, x.device()) {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+            let sms = dev
+                .cuda_stream()
+                .context()
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(candle_core::Error::wrap)?;
+            let left = usize::try_from(sms)
+                .unwrap_or(0)
+                .saturating_sub(self.buffer.config().config.num_sms);
+            let left = u32::try_from(left).unwrap_or(u32::MAX);
+            return ep_kernels::cublas_sms::with_sm_count_target(
+                &dev.cublas_handle(),
+                left,
+                || self.shared_forward(x),
+            )?;
+        }
+        self.shared_forward(x)
     }
 
     /// What a normal-mode dispatch of `x` routed by `idx` sends, computed on the compute

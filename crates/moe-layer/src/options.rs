@@ -65,6 +65,15 @@ pub struct MoeLayerOptions {
     /// nodes built without `BufferConfig::with_internode`); off by default elsewhere, where the
     /// normal mode moves large batches faster. Every rank must use the same setting.
     pub prefill_in_low_latency_chunks: bool,
+    /// Normal mode across ranks on CUDA: queue the shared experts before the dispatch, with
+    /// cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`), so that they
+    /// also run while the host waits for the received count, and the transfer, queued after
+    /// them on its high-priority stream, finds its SMs free. Off by default: at EP2 on 2 x H100
+    /// the dispatch and the shared expert together took 0.70-0.77 ms against 0.82-0.89 in the
+    /// default order at 4096 tokens per rank, but the layer's gain was below its run-to-run
+    /// spread there, and the same order without the SM target was slower at EP4, where it has
+    /// not run with it (`docs/benchmarks.md`, "Shared experts beside the dispatch").
+    pub shared_before_dispatch: bool,
 }
 
 impl Default for MoeLayerOptions {
@@ -79,6 +88,7 @@ impl Default for MoeLayerOptions {
             low_latency_reduction: Reduction::PerRank,
             two_batch_overlap: false,
             prefill_in_low_latency_chunks: false,
+            shared_before_dispatch: false,
         }
     }
 }

@@ -54,6 +54,7 @@ fn pair(
         low_latency_reduction: moe_layer::ep_runtime::Reduction::PerRank,
         two_batch_overlap: false,
         prefill_in_low_latency_chunks: false,
+        shared_before_dispatch: false,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(

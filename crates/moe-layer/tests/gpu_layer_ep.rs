@@ -44,6 +44,7 @@ struct Setup {
     fp8: bool,
     reduction: Reduction,
     tbo: bool,
+    shared_first: bool,
 }
 
 fn build(
@@ -75,6 +76,7 @@ fn build(
         low_latency_reduction: s.reduction,
         two_batch_overlap: s.tbo,
         prefill_in_low_latency_chunks: false,
+        shared_before_dispatch: s.shared_first,
     };
     let gpu = MoeLayer::load(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
@@ -222,6 +224,7 @@ fn main() {
             fp8: false,
             reduction: Reduction::PerRank,
             tbo: false,
+            shared_first: false,
         },
         Setup {
             name: "bf16-per-expert",
@@ -230,6 +233,7 @@ fn main() {
             fp8: false,
             reduction: Reduction::PerExpert,
             tbo: false,
+            shared_first: false,
         },
         Setup {
             name: "fp8",
@@ -238,6 +242,7 @@ fn main() {
             fp8: true,
             reduction: Reduction::PerRank,
             tbo: false,
+            shared_first: false,
         },
         Setup {
             name: "two-batch-overlap",
@@ -246,6 +251,7 @@ fn main() {
             fp8: false,
             reduction: Reduction::PerRank,
             tbo: true,
+            shared_first: false,
         },
         Setup {
             name: "two-batch-overlap-fp8",
@@ -254,6 +260,16 @@ fn main() {
             fp8: true,
             reduction: Reduction::PerRank,
             tbo: true,
+            shared_first: false,
+        },
+        Setup {
+            name: "shared-before-dispatch",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: true,
         },
         Setup {
             name: "hot-expert",
@@ -262,6 +278,7 @@ fn main() {
             fp8: false,
             reduction: Reduction::PerRank,
             tbo: false,
+            shared_first: false,
         },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
