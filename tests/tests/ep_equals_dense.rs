@@ -189,16 +189,7 @@ fn normal_steps_in_internode_chunks() {
     let per_rank = on_ranks(4, 2, (4, Some(cap)), "internode", |buf, cfg, path| {
         let rank = buf.topology().rank;
         assert_eq!(buf.normal_mode_max_tokens(), Some(cap));
-        let layer = MoeLayer::load(
-            var_builder(path, DType::F32),
-            cfg,
-            Arc::new(buf),
-            MoeLayerOptions {
-                low_latency_max_tokens: 4,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let layer = f32_layer(Arc::new(buf), cfg, path, 4);
         assert!(!layer.prefill_in_low_latency_chunks());
         normal_and_auto_errs(&layer, cfg, path, [0, 5, 11, 14][rank])
     });
@@ -221,11 +212,7 @@ fn known_step_runs_no_host_round_of_its_own() {
     on_ranks(4, 2, (4, Some(5)), "step", |buf, cfg, path| {
         let rank = buf.topology().rank;
         let buf = Arc::new(buf);
-        let opts = MoeLayerOptions {
-            low_latency_max_tokens: 4,
-            ..Default::default()
-        };
-        let layer = MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts).unwrap();
+        let layer = f32_layer(buf.clone(), cfg, path, 4);
         let x = Tensor::randn(0f32, 1.0, (tokens[rank], cfg.hidden_size), &Device::Cpu).unwrap();
         let rounds = |f: &dyn Fn() -> Tensor| {
             let before = buf.host_rounds();
@@ -250,16 +237,7 @@ fn known_step_runs_no_host_round_of_its_own() {
         }
     });
     let one = on_ranks(1, 1, (4, None), "step-refused", |buf, cfg, path| {
-        let layer = MoeLayer::load(
-            var_builder(path, DType::F32),
-            cfg,
-            Arc::new(buf),
-            MoeLayerOptions {
-                low_latency_max_tokens: 4,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let layer = f32_layer(Arc::new(buf), cfg, path, 4);
         let x = Tensor::zeros((6, cfg.hidden_size), DType::F32, &Device::Cpu).unwrap();
         layer
             .forward_step(&x, Step::new(Mode::Normal, 5))
@@ -271,6 +249,15 @@ fn known_step_runs_no_host_round_of_its_own() {
         "{}",
         one[0]
     );
+}
+
+/// The f32 layer of the checkpoint at `path` over `buf`, with `ll_max` low-latency slots.
+fn f32_layer(buf: Arc<Buffer>, cfg: &MoeConfig, path: &Path, ll_max: usize) -> MoeLayer {
+    let opts = MoeLayerOptions {
+        low_latency_max_tokens: ll_max,
+        ..Default::default()
+    };
+    MoeLayer::load(var_builder(path, DType::F32), cfg, buf, opts).unwrap()
 }
 
 /// The relative errors of `layer`'s Normal and Auto steps on `t` random tokens against the
