@@ -70,9 +70,10 @@ pub struct MoeLayerOptions {
     /// also run while the host waits for the received count, and the transfer, queued after
     /// them on its high-priority stream, finds its SMs free. Off by default: at EP2 on 2 x H100
     /// the dispatch and the shared expert together took 0.70-0.77 ms against 0.82-0.89 in the
-    /// default order at 4096 tokens per rank, but the layer's gain was below its run-to-run
-    /// spread there, and the same order without the SM target was slower at EP4, where it has
-    /// not run with it (`docs/benchmarks.md`, "Shared experts beside the dispatch").
+    /// default order at 4096 tokens per rank, and the layer was faster at 2048 tokens in five
+    /// pairs of runs out of five (at 4096 in three of five, within a wide spread), but the
+    /// same order without the SM target was slower at EP4, where it has not run with it
+    /// (`docs/benchmarks.md`, "Shared experts beside the dispatch").
     pub shared_before_dispatch: bool,
 }
 
