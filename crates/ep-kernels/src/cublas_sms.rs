@@ -6,6 +6,7 @@
 //! `set_num_sms` does for its own kernels.
 
 use cudarc::cublas::{sys, CudaBlas};
+use cudarc::driver::{sys::CUdevice_attribute, CudaContext};
 
 use crate::error::Result;
 
@@ -20,6 +21,14 @@ pub fn with_sm_count_target<R>(blas: &CudaBlas, sms: u32, f: impl FnOnce() -> R)
     drop(guard);
     set_target(blas, 0)?;
     Ok(out)
+}
+
+/// The SMs of `ctx`'s device that a kernel holding `busy` of them leaves (the target for a GEMM
+/// beside it).
+pub fn sms_left(ctx: &CudaContext, busy: usize) -> Result<u32> {
+    let all = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let left = usize::try_from(all).unwrap_or(0).saturating_sub(busy);
+    Ok(u32::try_from(left).unwrap_or(u32::MAX))
 }
 
 /// Sets the handle's SM count target.

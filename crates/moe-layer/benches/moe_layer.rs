@@ -41,10 +41,10 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::sync::{Arc, Barrier, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
-use ep_kernels::cublas_sms::with_sm_count_target;
+use ep_kernels::cublas_sms::{sms_left, with_sm_count_target};
 use ep_kernels::gemm::GemmTiles;
 use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
@@ -347,11 +347,7 @@ fn bench_tokens(
             out.event.compute_wait(dev)?;
             Ok(())
         };
-        let all_sms = stream
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let left =
-            u32::try_from(all_sms)?.saturating_sub(u32::try_from(buf.config().config.num_sms)?);
+        let left = sms_left(stream.context(), buf.config().config.num_sms)?;
         row.overlap_ms = Some([
             part(&mut || beside(false, 0))?,
             part(&mut || beside(true, 0))?,

@@ -34,17 +34,17 @@ impl MoeLayer {
         // leaves (docs/benchmarks.md, "Shared experts beside the dispatch").
         let send = self.prepare_dispatch(x, idx)?;
         let ready = EventOverlap::record(dev)?;
-        let first = self.options.shared_before_dispatch && x.dims()[0] > 0;
-        let early = if first {
+        let (tokens, first) = (x.dims()[0] > 0, self.options.shared_before_dispatch);
+        let early = if tokens && first {
             self.shared_beside_transfer(x)?
         } else {
             None
         };
         let out = self.dispatch_normal(&send, idx, w, &ready)?;
-        let shared = if first || x.dims()[0] == 0 {
-            early
-        } else {
+        let shared = if tokens && !first {
             self.shared_forward(x)?
+        } else {
+            early
         };
         let y = self.experts_normal(&out, dev, x.dtype())?;
         let computed = EventOverlap::record(dev)?;
@@ -61,16 +61,11 @@ impl MoeLayer {
     fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if let (Some(_), Device::Cuda(dev)) = (&self.shared, x.device()) {
-            use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-            let sms = dev
-                .cuda_stream()
-                .context()
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(candle_core::Error::wrap)?;
-            let left = usize::try_from(sms)
-                .unwrap_or(0)
-                .saturating_sub(self.buffer.config().config.num_sms);
-            let left = u32::try_from(left).unwrap_or(u32::MAX);
+            use ep_kernels::cublas_sms::sms_left;
+            let left = sms_left(
+                dev.cuda_stream().context(),
+                self.buffer.config().config.num_sms,
+            )?;
             return ep_kernels::cublas_sms::with_sm_count_target(
                 &dev.cublas_handle(),
                 left,
