@@ -70,9 +70,9 @@ pub struct MoeLayerOptions {
     /// also run while the host waits for the received count, and the transfer, queued after
     /// them on its high-priority stream, finds its SMs free. Off by default: at EP2 on 2 x H100
     /// the dispatch and the shared expert together took 0.70-0.77 ms against 0.82-0.89 in the
-    /// default order at 4096 tokens per rank, and the layer was faster at 2048 tokens in five
-    /// pairs of runs out of five (at 4096 in three of five, within a wide spread), but the
-    /// same order without the SM target was slower at EP4, where it has not run with it
+    /// default order at 4096 tokens per rank; the whole layer was faster in 5 of 6 pairs of
+    /// runs at 2048 tokens and 3 of 6 at 4096, within a run-to-run spread larger than the gain.
+    /// The same order without the SM target was slower at EP4, where it has not run with it
     /// (`docs/benchmarks.md`, "Shared experts beside the dispatch").
     pub shared_before_dispatch: bool,
 }
