@@ -192,12 +192,13 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
             }
         }
         // Count the rows into their chunks; the warp that completes a chunk raises the flag in
-        // the destination's header (its rows, written by any warp of this GPU, were released to
-        // the counter at gpu scope; the system fence orders them before the flag).
-        if (pass == 0 && p.sm_push_mask != 0) {
-            // Rows pushed over NVLink reach the system before they are counted.
-            ep::fence_acq_rel_sys();
-        }
+        // the destination's header. No system fence per token, also for rows pushed over
+        // NVLink: the warp barrier orders every lane's stores before the counting lane's
+        // release (gpu scope); the completing lane's add reads the end of that release
+        // sequence and its `fence.acq_rel.sys` makes it an acquire, so every counted row
+        // precedes, in causality order, the system-scope release of the flag, which the
+        // reader acquires (the PTX model's cumulativity; docs/design.md, normal mode through
+        // the copy engines).
         __syncwarp();
         if (pass == 0 && lane < R && lane != p.rank && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
