@@ -72,8 +72,9 @@ pub struct MoeLayerOptions {
     /// the dispatch and the shared expert together took 0.70-0.77 ms against 0.82-0.89 in the
     /// default order at 4096 tokens per rank; the whole layer was faster in 5 of 6 pairs of
     /// runs at 2048 tokens and 3 of 6 at 4096, within a run-to-run spread larger than the gain.
-    /// The same order without the SM target was slower at EP4, where it has not run with it
-    /// (`docs/benchmarks.md`, "Shared experts beside the dispatch").
+    /// At EP4 on 4 x H100 the pair was shorter again, but the layer was not (median 7.65 ms
+    /// against 7.66 at 4096 tokens) and lost 1.3-3.0 ms at 8192 (`docs/benchmarks.md`, "Shared
+    /// experts beside the dispatch" and its EP4 section).
     pub shared_before_dispatch: bool,
 }
 
