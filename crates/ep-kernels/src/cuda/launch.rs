@@ -8,7 +8,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::kernels::DeviceProps;
+use super::device_props::DeviceProps;
 use crate::error::{Error, Result};
 
 /// Dynamic shared memory a block may use without opting in, in bytes.

@@ -19,10 +19,12 @@
 //! guards alive across the launch so cudarc's stream ordering holds), fill the params struct
 //! and call [`Kernel::launch`] in one `unsafe` block.
 
+mod device_props;
 mod kernels;
 mod launch;
 
-pub use kernels::{cubin, cubin_names, DeviceProps, Kernels};
+pub use device_props::DeviceProps;
+pub use kernels::{cubin, cubin_names, Kernels};
 pub(crate) use launch::assert_params_layout;
 pub use launch::{
     check_align, fill_bytes_cuda, fill_i32_cuda, grid_for, new_comm_stream, retain_pool_memory,
