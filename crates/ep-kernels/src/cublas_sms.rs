@@ -5,9 +5,12 @@
 //! `cublasSetSmCountTarget` makes cuBLAS pick grids for fewer SMs. This is what DeepGEMM's
 //! `set_num_sms` does for its own kernels.
 
-use cudarc::cublas::{sys, CudaBlas};
-use cudarc::driver::{sys::CUdevice_attribute, CudaContext};
+use std::sync::Arc;
 
+use cudarc::cublas::{sys, CudaBlas};
+use cudarc::driver::CudaContext;
+
+use crate::cuda::Kernels;
 use crate::error::Result;
 
 /// Runs `f` with cuBLAS on `blas` targeting `sms` SMs (0: all, cuBLAS's default), and restores
@@ -24,11 +27,10 @@ pub fn with_sm_count_target<R>(blas: &CudaBlas, sms: u32, f: impl FnOnce() -> R)
 }
 
 /// The SMs of `ctx`'s device that a kernel holding `busy` of them leaves (the target for a GEMM
-/// beside it).
-pub fn sms_left(ctx: &CudaContext, busy: usize) -> Result<u32> {
-    let all = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let left = usize::try_from(all).unwrap_or(0).saturating_sub(busy);
-    Ok(u32::try_from(left).unwrap_or(u32::MAX))
+/// beside it), from the context's cached [`DeviceProps`](crate::cuda::DeviceProps).
+pub fn sms_left(ctx: &Arc<CudaContext>, busy: usize) -> Result<u32> {
+    let all = Kernels::get(ctx)?.props().sm_count;
+    Ok(all.saturating_sub(u32::try_from(busy).unwrap_or(u32::MAX)))
 }
 
 /// Sets the handle's SM count target.
