@@ -74,7 +74,7 @@ struct GroupedGemmArgs {
     int32_t layout;          // kContiguous or kMasked
     int32_t m_max;           // masked: rows per group block
     int32_t alignment;       // contiguous: group starts are multiples of it
-    int32_t sm_count;        // SMs the persistent kernel may occupy
+    int32_t sm_count;        // CTAs to launch (persistent: the SMs the kernel may occupy)
     // Extra groups (masked layout only): groups first_extra.. take their weights from
     // extra_b ([groups - first_extra, n, k]) instead of b, and, when extra_a is set, their rows
     // from extra_a (the same extra_a_rows rows for every extra group) instead of their block of

@@ -20,7 +20,9 @@ use std::sync::Arc;
 
 use common::{device, poisoned, CaseResult, Poison, Runner};
 use cudarc::driver::{CudaSlice, CudaStream};
-use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use ep_kernels::gemm::{
+    self, GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace,
+};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -686,6 +688,34 @@ fn main() {
                 Some(3),
             )
         });
+    }
+    // The launch grids (`GemmGrid`): about one CTA per tile, and persistent on a few SMs (an
+    // odd count, which the two-CTA clusters round).
+    for grid in [GemmGrid::PerTile, GemmGrid::PersistentOn(7)] {
+        for tiles in [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow] {
+            let t = format!("{tiles:?}").to_lowercase();
+            runner.case(
+                &format!("{t}/contiguous/uneven-64-groups/{grid:?}"),
+                |rng| {
+                    ws.set_grid(grid)?;
+                    let counts = uneven_counts(rng, 64, 3000);
+                    let r = gemm_case(
+                        &stream,
+                        &mut ws,
+                        rng,
+                        &counts,
+                        contiguous(1),
+                        0,
+                        256,
+                        384,
+                        tiles,
+                        Some(3),
+                    );
+                    ws.set_grid(GemmGrid::Persistent)?;
+                    r
+                },
+            );
+        }
     }
     // The tile-less kernel for a few rows per block (masked only): one row per group, several
     // passes over the weights (counts above GEMV_ROWS_PER_PASS), a partial column slab.

@@ -9,7 +9,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
-use super::{GemmTiles, GroupLayout, GroupedGemmShape, MAX_GROUPS};
+use super::{GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape, MAX_GROUPS};
 use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
@@ -128,15 +128,26 @@ fn entry_points(tiles: GemmTiles, epilogue: Epilogue) -> (&'static str, Workspac
     }
 }
 
+/// Most CTAs a [`GemmGrid::PerTile`] launch sizes its workspace for (about 8 MB of TMA
+/// descriptors); a GEMM with more tiles loops its CTAs over them.
+pub const MAX_PER_TILE_CTAS: u32 = 16384;
+
 /// Device memory a grouped GEMM needs besides its operands: the per-group tables the setup
 /// kernel writes (shapes, pointers, strides) and CUTLASS's own workspace (TMA descriptors per
-/// SM). One workspace serves any number of GEMMs issued one after another on one stream; GEMMs
-/// that may run at the same time (other streams) need one each.
+/// CTA), and the grid its GEMMs launch ([`GemmGrid`]). One workspace serves any number of GEMMs
+/// issued one after another on one stream; GEMMs that may run at the same time (other streams)
+/// need one each.
 #[derive(Debug)]
 pub struct GroupedGemmWorkspace {
     buf: CudaSlice<u8>,
     max_groups: usize,
+    /// SMs of a [`GemmGrid::Persistent`] launch.
     sm_count: u32,
+    /// The device's SMs.
+    device_sms: u32,
+    /// CTAs whose descriptors `buf` has room for.
+    max_ctas: u32,
+    grid: GemmGrid,
 }
 
 impl GroupedGemmWorkspace {
@@ -169,25 +180,53 @@ impl GroupedGemmWorkspace {
                 format!("must be in 1..={} (the device's SMs)", props.sm_count),
             ));
         }
+        // The experts' intermediates are allocated stream-ordered on every forward.
+        crate::cuda::retain_pool_memory(stream.context())?;
+        let buf = stream.alloc_zeros::<u8>(Self::bytes(max_groups, sm_count) as usize)?;
+        Ok(Self {
+            buf,
+            max_groups,
+            sm_count,
+            device_sms: props.sm_count,
+            max_ctas: sm_count,
+            grid: GemmGrid::Persistent,
+        })
+    }
+
+    /// Bytes every CUTLASS configuration needs for `max_groups` groups on `ctas` CTAs.
+    fn bytes(max_groups: usize, ctas: u32) -> u64 {
         let tiles = [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow];
-        let bytes = tiles
+        tiles
             .into_iter()
             .flat_map(|t| [(t, Epilogue::Plain), (t, Epilogue::Swiglu)])
             .map(|(t, e)| {
                 let (_, workspace, _) = entry_points(t, e);
                 // SAFETY: pure host computation on two integers (no device access).
-                unsafe { workspace(max_groups as i32, sm_count as i32) }
+                unsafe { workspace(max_groups as i32, ctas as i32) }
             })
             .max()
-            .unwrap_or(0);
-        // The experts' intermediates are allocated stream-ordered on every forward.
-        crate::cuda::retain_pool_memory(stream.context())?;
-        let buf = stream.alloc_zeros::<u8>(bytes as usize)?;
-        Ok(Self {
-            buf,
-            max_groups,
-            sm_count,
-        })
+            .unwrap_or(0)
+    }
+
+    /// Sets the grid of the GEMMs launched with this workspace from now on.
+    /// [`GemmGrid::PersistentOn`] takes 1 to the device's SMs.
+    pub fn set_grid(&mut self, grid: GemmGrid) -> Result<()> {
+        if let GemmGrid::PersistentOn(n) = grid {
+            if n == 0 || n > self.device_sms {
+                return Err(Error::invalid(
+                    "grid",
+                    format!("{grid:?}"),
+                    format!("must be on 1..={} SMs (the device's)", self.device_sms),
+                ));
+            }
+        }
+        self.grid = grid;
+        Ok(())
+    }
+
+    /// The grid of the GEMMs launched with this workspace.
+    pub fn grid(&self) -> GemmGrid {
+        self.grid
     }
 
     /// Most groups a GEMM using this workspace may have.
@@ -195,9 +234,39 @@ impl GroupedGemmWorkspace {
         self.max_groups
     }
 
-    /// SMs the GEMMs may occupy.
+    /// SMs a persistent GEMM occupies.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// The CTAs a CUTLASS GEMM of `shape` with `tiles` launches under the current grid, after
+    /// making room for their descriptors (a larger buffer, allocated on `stream`).
+    fn ctas_for(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        tiles: GemmTiles,
+        shape: &GroupedGemmShape,
+    ) -> Result<u32> {
+        // Whole clusters: CUTLASS fails a launch whose grid is not a multiple of them (an odd
+        // count with clusters along M).
+        let cluster = tiles
+            .tile_and_cluster()
+            .map_or(1, |(_, (cm, cn))| (cm * cn) as u32);
+        let persistent = |sms: u32| (sms / cluster).max(1) * cluster;
+        let ctas = match self.grid {
+            GemmGrid::Persistent => persistent(self.sm_count),
+            GemmGrid::PersistentOn(n) => persistent(n),
+            GemmGrid::PerTile => tiles
+                .max_tiles(shape)
+                .map_or(persistent(self.sm_count), |t| {
+                    (t.clamp(1, MAX_PER_TILE_CTAS as usize) as u32).next_multiple_of(cluster)
+                }),
+        };
+        if ctas > self.max_ctas {
+            self.buf = stream.alloc_zeros::<u8>(Self::bytes(self.max_groups, ctas) as usize)?;
+            self.max_ctas = ctas;
+        }
+        Ok(ctas)
     }
 }
 
@@ -468,6 +537,7 @@ fn run_grouped(
         return launch_gemv(stream, params, groups, n, swiglu);
     }
     let (kernel, _, run) = entry_points(tiles, epilogue);
+    let ctas = workspace.ctas_for(stream, tiles, shape)?;
     let ws_bytes = workspace.buf.len() as u64;
     let (ws_ptr, _gw) = workspace.buf.device_ptr_mut(stream);
     let args = GroupedGemmArgs {
@@ -485,7 +555,8 @@ fn run_grouped(
         layout: layout.code(),
         m_max,
         alignment,
-        sm_count: workspace.sm_count as i32,
+        // At most MAX_PER_TILE_CTAS or the device's SMs: fits an i32.
+        sm_count: ctas as i32,
         first_extra: first_extra as i32,
         extra_a: xa_ptr,
         extra_b: xb_ptr,

@@ -156,6 +156,47 @@ pub enum GemmTiles {
     Gemv,
 }
 
+/// How many CTAs a CUTLASS grouped GEMM launches ([`GroupedGemmWorkspace::set_grid`] on CUDA).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmGrid {
+    /// One CTA (or cluster member) per SM, each looping over tiles (CUTLASS's persistent
+    /// scheduler): the fastest alone, but it holds every SM until its last tile, so a kernel
+    /// queued on another stream meanwhile waits for the whole GEMM. The default.
+    #[default]
+    Persistent,
+    /// Persistent on at most this many SMs, leaving the others to kernels on other streams
+    /// (DeepGEMM's `num_sms` beside DeepEP's transfers), also when those are not running.
+    PersistentOn(u32),
+    /// About one CTA per output tile (an upper bound of the tiles the shape can have), which
+    /// the hardware places as SMs free up: between two tiles, the blocks of a kernel on a
+    /// higher-priority stream (the communication streams) take the SMs they need and give them
+    /// back when they end, so a transfer and the GEMM share the GPU only while both run.
+    PerTile,
+}
+
+impl GemmTiles {
+    /// Output tile rows and columns, and the cluster's CTAs along M and N, of a CUTLASS
+    /// configuration (`None` for [`GemmTiles::Gemv`]; [`GemmTiles::Auto`] must be resolved).
+    pub fn tile_and_cluster(self) -> Option<((usize, usize), (usize, usize))> {
+        match self {
+            GemmTiles::Wide => Some(((128, 256), (1, 2))),
+            GemmTiles::WideM => Some(((128, 256), (2, 1))),
+            GemmTiles::Narrow => Some(((64, 128), (1, 2))),
+            GemmTiles::Auto | GemmTiles::Gemv => None,
+        }
+    }
+
+    /// An upper bound of the output tiles (counted as the scheduler pads them to whole
+    /// clusters) of a grouped GEMM of `shape` with these tiles: every group may end in a
+    /// partial tile along M. `None` for [`GemmTiles::Gemv`] and unresolved `Auto`.
+    pub fn max_tiles(self, shape: &GroupedGemmShape) -> Option<usize> {
+        let ((tm, tn), (cm, cn)) = self.tile_and_cluster()?;
+        let m_tiles = shape.rows.div_ceil(tm) + shape.groups * cm;
+        let n_tiles = shape.n.div_ceil(tn).next_multiple_of(cn);
+        Some(m_tiles * n_tiles)
+    }
+}
+
 /// Valid rows a [`GemmTiles::Gemv`] GEMM multiplies per pass over a group's weights (more rows
 /// take more passes).
 pub const GEMV_ROWS_PER_PASS: usize = 2;
@@ -252,5 +293,30 @@ mod tests {
             GemmTiles::for_masked_rows(1, h200).resolve(masked, 256 * 128, 256),
             GemmTiles::Narrow
         );
+    }
+
+    #[test]
+    fn max_tiles_bounds_every_split_of_the_rows() {
+        let shape = |groups, rows, n| GroupedGemmShape {
+            groups,
+            rows,
+            n,
+            k: 64,
+            layout: GroupLayout::Contiguous { alignment: 1 },
+        };
+        // 300 rows in 3 groups: at most 3 + 3 tiles of 128 rows (every group ending in a
+        // partial one), 512 columns in 2 tiles of 256 (a whole cluster of 2 along N).
+        assert_eq!(GemmTiles::Wide.max_tiles(&shape(3, 300, 512)), Some(6 * 2));
+        // Clusters along M: 2 more M tiles per group; 300 columns -> 2 N tiles.
+        assert_eq!(GemmTiles::WideM.max_tiles(&shape(3, 300, 300)), Some(9 * 2));
+        // 64 x 128 tiles; 136 columns -> 2 N tiles, already a whole cluster.
+        assert_eq!(
+            GemmTiles::Narrow.max_tiles(&shape(2, 100, 136)),
+            Some(4 * 2)
+        );
+        // One N tile rounds up to the cluster of 2.
+        assert_eq!(GemmTiles::Wide.max_tiles(&shape(1, 128, 16)), Some(2 * 2));
+        assert_eq!(GemmTiles::Gemv.max_tiles(&shape(1, 128, 16)), None);
+        assert_eq!(GemmTiles::Auto.max_tiles(&shape(1, 128, 16)), None);
     }
 }
