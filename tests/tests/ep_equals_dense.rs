@@ -151,6 +151,74 @@ fn two_batch_overlap_per_expert_combine_and_shared_first() {
     run_with(4, 2, DType::F32, false, 1e-5, shared_first);
 }
 
+/// Normal mode pipelined over groups of each rank's experts (`expert_groups`): even and
+/// uneven groups, one group per expert, bf16, fp8 rows with the shared experts first; equal to
+/// the dense layer (low-latency mode is unchanged by the option and checked again).
+#[test]
+fn expert_groups_pipeline() {
+    let groups = |n| MoeLayerOptions {
+        expert_groups: n,
+        ..Default::default()
+    };
+    run_with(2, 2, DType::F32, false, 1e-5, groups(2));
+    run_with(2, 1, DType::F32, false, 1e-5, groups(3));
+    run_with(4, 4, DType::F32, false, 1e-5, groups(4));
+    run_with(4, 2, DType::BF16, false, 2e-2, groups(2));
+    run_with(
+        4,
+        4,
+        DType::F32,
+        true,
+        8e-2,
+        MoeLayerOptions {
+            shared_before_dispatch: true,
+            ..groups(2)
+        },
+    );
+}
+
+/// `expert_groups` outside 1..=experts per rank, or with the two-batch overlap, is refused at
+/// load, naming the option.
+#[test]
+fn expert_groups_out_of_range_is_refused() {
+    let errs = on_ranks(2, 2, (8, None), "groups-refused", |buf, cfg, path| {
+        let buf = Arc::new(buf);
+        let bad = [
+            MoeLayerOptions {
+                expert_groups: 0,
+                ..Default::default()
+            },
+            MoeLayerOptions {
+                expert_groups: 9,
+                ..Default::default()
+            },
+            MoeLayerOptions {
+                expert_groups: 2,
+                two_batch_overlap: true,
+                ..Default::default()
+            },
+        ];
+        bad.map(|opts| {
+            let opts = MoeLayerOptions {
+                low_latency_max_tokens: 8,
+                ..opts
+            };
+            MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts)
+                .unwrap_err()
+                .to_string()
+        })
+    });
+    for e in errs.iter().flatten() {
+        assert!(e.contains("expert_groups"), "{e}");
+    }
+    assert!(
+        errs[0][1].contains("between 1 and the experts per rank (8)"),
+        "{}",
+        errs[0][1]
+    );
+    assert!(errs[0][2].contains("two_batch_overlap"), "{}", errs[0][2]);
+}
+
 #[test]
 fn fp8_dispatch_over_4_ranks() {
     // fp8 e4m3 carries 3 mantissa bits: error of a few percent on the routed part.

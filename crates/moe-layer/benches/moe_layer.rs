@@ -31,7 +31,10 @@
 //! layer's choice), `EP_BENCH_REDUCTION=expert` the low-latency combine per expert
 //! (`MoeLayerOptions::low_latency_reduction`; default per rank), `EP_BENCH_SHARED_FIRST=1`
 //! queues normal mode's shared expert before the dispatch
-//! (`MoeLayerOptions::shared_before_dispatch`). Normal rows across ranks also time the dispatch
+//! (`MoeLayerOptions::shared_before_dispatch`), `EP_BENCH_EXPERT_GROUPS=N` pipelines normal
+//! mode over N groups of each rank's experts (`MoeLayerOptions::expert_groups`),
+//! `EP_BENCH_GEMM_GRID=persistent|per-tile|N` sets the grid of its grouped GEMMs
+//! (`MoeLayerOptions::normal_gemm_grid`; N: persistent on N SMs). Normal rows across ranks also time the dispatch
 //! with the shared expert beside it, issued in three orders (one line each after the table).
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
@@ -45,7 +48,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor, D};
 use ep_kernels::cublas_sms::{sms_left, with_sm_count_target};
-use ep_kernels::gemm::GemmTiles;
+use ep_kernels::gemm::{GemmGrid, GemmTiles};
 use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
@@ -128,6 +131,15 @@ fn bench_options() -> MoeLayerOptions {
         two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
         prefill_in_low_latency_chunks: false,
         shared_before_dispatch: std::env::var("EP_BENCH_SHARED_FIRST").as_deref() == Ok("1"),
+        expert_groups: expert_groups(),
+        normal_gemm_grid: match std::env::var("EP_BENCH_GEMM_GRID").as_deref() {
+            Ok("persistent") => Some(GemmGrid::Persistent),
+            Ok("per-tile") => Some(GemmGrid::PerTile),
+            Ok(v) => Some(GemmGrid::PersistentOn(v.parse().expect(
+                "EP_BENCH_GEMM_GRID: persistent, per-tile or a number of SMs",
+            ))),
+            Err(_) => None,
+        },
     }
 }
 
@@ -518,6 +530,13 @@ fn main() -> Result<(), BoxError> {
         },
         if fp8_dispatch() { ", fp8 dispatch" } else { "" }
     )?;
+    if expert_groups() > 1 {
+        writeln!(
+            table,
+            "normal mode pipelined over {} expert groups",
+            expert_groups()
+        )?;
+    }
     writeln!(
         table,
         "{:>6} {:<11} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8}",
@@ -571,10 +590,12 @@ fn main() -> Result<(), BoxError> {
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
                 r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.floor_ms, r.floor_gb, r.dense_ms,
-                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch()
+                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
+                expert_groups(),
+                std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
             )?;
         }
     }
@@ -584,4 +605,12 @@ fn main() -> Result<(), BoxError> {
 /// `EP_BENCH_FP8=1`: normal mode sends fp8 rows (`MoeLayerOptions::fp8_dispatch`).
 fn fp8_dispatch() -> bool {
     std::env::var("EP_BENCH_FP8").as_deref() == Ok("1")
+}
+
+/// `EP_BENCH_EXPERT_GROUPS` (default 1: no pipeline).
+fn expert_groups() -> usize {
+    std::env::var("EP_BENCH_EXPERT_GROUPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
 }

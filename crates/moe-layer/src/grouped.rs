@@ -21,7 +21,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use ep_kernels::expert_order;
 use ep_kernels::gemm::{
-    self, ExtraGroups, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace,
+    self, ExtraGroups, GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace,
 };
 use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
 use half::bf16;
@@ -34,6 +34,25 @@ use crate::shared_groups::SharedGroups;
 #[derive(Debug, Default)]
 pub(crate) struct GroupedState {
     workspace: Mutex<Option<GroupedGemmWorkspace>>,
+    /// The grid of the routed rows' GEMMs (normal mode; the masked ones stay persistent).
+    routed_grid: Mutex<GemmGrid>,
+}
+
+impl GroupedState {
+    /// Sets the grid of the routed rows' GEMMs ([`GemmGrid`]).
+    pub(crate) fn set_routed_grid(&self, grid: GemmGrid) {
+        *self
+            .routed_grid
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = grid;
+    }
+
+    fn routed_grid(&self) -> GemmGrid {
+        *self
+            .routed_grid
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// Whether `experts` run as device grouped GEMMs.
@@ -114,6 +133,10 @@ fn mlp_rows(
     let groups = l + shared.as_ref().map_or(0, |s| s.groups.blocks());
     let mut ws = workspace(experts.grouped_state(), &stream, groups)?;
     let ws = ws.as_mut().expect("created by workspace()");
+    ws.set_grid(match layout {
+        GroupLayout::Contiguous { .. } => experts.grouped_state().routed_grid(),
+        GroupLayout::Masked { .. } => GemmGrid::Persistent,
+    })?;
     let up = GroupedGemmShape {
         groups,
         rows,

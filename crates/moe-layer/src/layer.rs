@@ -30,6 +30,9 @@ pub struct MoeLayer {
     pub(crate) buffer: Arc<Buffer>,
     pub(crate) num_experts: usize,
     pub(crate) options: MoeLayerOptions,
+    /// The routing masks of [`MoeLayerOptions::expert_groups`] (more than one group, more
+    /// than one rank).
+    pub(crate) expert_groups: Option<crate::expert_groups::ExpertGroups>,
     /// Captured decode steps of [`MoeLayer::forward_decode`].
     #[cfg(feature = "cuda")]
     pub(crate) decode_graphs: crate::graph::DecodeGraphs,
@@ -91,6 +94,30 @@ impl MoeLayer {
         if options.expert_alignment == 0 {
             return Err(Error::invalid("expert_alignment", 0, "must be >= 1"));
         }
+        if options.expert_groups == 0 || options.expert_groups > l {
+            return Err(Error::invalid(
+                "expert_groups",
+                options.expert_groups,
+                format!("must be between 1 and the experts per rank ({l})"),
+            ));
+        }
+        if options.expert_groups > 1 && options.two_batch_overlap {
+            return Err(Error::invalid(
+                "expert_groups",
+                options.expert_groups,
+                "must be 1 with two_batch_overlap (two pipelines of one step)",
+            ));
+        }
+        let expert_groups = if options.expert_groups > 1 && topo.num_ranks > 1 {
+            Some(crate::expert_groups::ExpertGroups::new(
+                options.expert_groups,
+                e,
+                topo.num_ranks,
+                router.weight().device(),
+            )?)
+        } else {
+            None
+        };
         if options.mode != Mode::Normal {
             match buffer.config().low_latency {
                 Some(ll) if ll.max_tokens_per_rank >= options.low_latency_max_tokens
@@ -112,6 +139,18 @@ impl MoeLayer {
             }
         }
         #[cfg(feature = "cuda")]
+        experts
+            .grouped_state()
+            .set_routed_grid(
+                options
+                    .normal_gemm_grid
+                    .unwrap_or(if expert_groups.is_some() {
+                        ep_kernels::gemm::GemmGrid::PerTile
+                    } else {
+                        ep_kernels::gemm::GemmGrid::Persistent
+                    }),
+            );
+        #[cfg(feature = "cuda")]
         let (shared, shared_groups) = match (shared, options.shared_placement) {
             (Some(m), crate::SharedPlacement::Grouped | crate::SharedPlacement::Auto)
                 if crate::shared_groups::SharedGroups::eligible(&m, &experts) =>
@@ -130,6 +169,7 @@ impl MoeLayer {
             buffer,
             num_experts: e,
             options,
+            expert_groups,
             #[cfg(feature = "cuda")]
             decode_graphs: Default::default(),
             #[cfg(feature = "cuda")]

@@ -33,6 +33,7 @@ pub mod config;
 pub mod dense;
 mod empty;
 pub mod error;
+mod expert_groups;
 pub mod experts;
 #[cfg(feature = "cuda")]
 mod graph;
@@ -49,6 +50,7 @@ mod shared_groups;
 mod step;
 
 pub use config::MoeConfig;
+pub use ep_kernels;
 pub use ep_runtime;
 pub use error::{Error, Result};
 pub use experts::Experts;

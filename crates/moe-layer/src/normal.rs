@@ -1,6 +1,6 @@
 //! [`MoeLayer`]'s normal mode (prefill): layout, dispatch, the experts over what arrived,
 //! combine, with the shared experts beside the dispatch; as two micro-batches; and at one rank
-//! without any transfer.
+//! without any transfer (the pipeline over expert groups is in `expert_groups`).
 
 use crate::error::Result;
 use crate::layer::{join_parts, two_micro_batches, MoeLayer};
@@ -27,6 +27,9 @@ impl MoeLayer {
         }
         if self.options.two_batch_overlap {
             return self.routed_normal_two_batches(x, idx, w);
+        }
+        if let Some(groups) = &self.expert_groups {
+            return self.routed_normal_expert_groups(groups, x, idx, w);
         }
         let dev = x.device();
         // By default the dispatch is issued (its kernel grabs its SMs) before the shared experts
@@ -58,7 +61,7 @@ impl MoeLayer {
     /// on CUDA with cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`),
     /// so that the transfer, queued after them on its high-priority stream, finds its SMs free
     /// instead of waiting behind the GEMMs' later waves.
-    fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    pub(crate) fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if let (Some(_), Device::Cuda(dev)) = (&self.shared, x.device()) {
             use ep_kernels::cublas_sms::sms_left;
@@ -78,20 +81,40 @@ impl MoeLayer {
     /// What a normal-mode dispatch of `x` routed by `idx` sends, computed on the compute
     /// stream: the layout and, with [`MoeLayerOptions::fp8_dispatch`], the fp8 rows and scales.
     fn prepare_dispatch(&self, x: &Tensor, idx: &Tensor) -> Result<SendRows> {
-        let layout = self.buffer.get_dispatch_layout(idx, self.num_experts)?;
-        let (x, scales) = if self.options.fp8_dispatch {
+        let (rows, scales) = self.wire_rows(x)?;
+        self.send_rows(idx, &rows, scales.as_ref())
+    }
+
+    /// The rows of `x` as they travel: as they are, or with
+    /// [`MoeLayerOptions::fp8_dispatch`] cast to fp8 with their scales (on the compute stream).
+    pub(crate) fn wire_rows(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        Ok(if self.options.fp8_dispatch {
             let (q, s) = per_token_cast_to_fp8(x, false)?;
             (q, Some(s))
         } else {
             (x.clone(), None)
-        };
-        Ok(SendRows { layout, x, scales })
+        })
+    }
+
+    /// What a dispatch of the wire rows `rows` (and `scales`) routed by `idx` sends: their
+    /// layout, computed on the compute stream.
+    pub(crate) fn send_rows(
+        &self,
+        idx: &Tensor,
+        rows: &Tensor,
+        scales: Option<&Tensor>,
+    ) -> Result<SendRows> {
+        Ok(SendRows {
+            layout: self.buffer.get_dispatch_layout(idx, self.num_experts)?,
+            x: rows.clone(),
+            scales: scales.cloned(),
+        })
     }
 
     /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
     /// after `ready`; returns once it is issued: the host has read the received count, the
     /// rows are not yet in.
-    fn dispatch_normal(
+    pub(crate) fn dispatch_normal(
         &self,
         send: &SendRows,
         idx: &Tensor,
@@ -112,7 +135,7 @@ impl MoeLayer {
 
     /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
     /// compute stream once it is in.
-    fn experts_normal(
+    pub(crate) fn experts_normal(
         &self,
         out: &ep_runtime::DispatchOutput,
         dev: &Device,
@@ -191,7 +214,7 @@ impl MoeLayer {
 
 /// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
 /// with their scales).
-struct SendRows {
+pub(crate) struct SendRows {
     layout: ep_runtime::DispatchLayout,
     x: Tensor,
     scales: Option<Tensor>,

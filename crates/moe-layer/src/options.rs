@@ -76,6 +76,22 @@ pub struct MoeLayerOptions {
     /// against 7.66 at 4096 tokens) and lost 1.3-3.0 ms at 8192 (`docs/benchmarks.md`, "Shared
     /// experts beside the dispatch" and its EP4 section).
     pub shared_before_dispatch: bool,
+    /// Normal mode across ranks as a pipeline over this many groups of each rank's local
+    /// experts (1, the default: off). Group `g + 1`'s dispatch and group `g - 1`'s combine
+    /// travel while group `g`'s grouped GEMMs run, so that only the first dispatch and the
+    /// last combine are left on the critical path. Unlike [`Self::two_batch_overlap`] it reads
+    /// no weight twice and keeps every grouped GEMM's rows per expert; the price is bytes: a
+    /// token whose experts on a rank fall in two groups travels there twice (DeepSeek-V3's
+    /// routing at EP4, 4 of 8 expert groups per token: 1.24 x the rows with 2 groups, which
+    /// are then the router's own groups, 1.82 x with 4). Between 1 and the experts per rank; not with
+    /// `two_batch_overlap`. No effect in low-latency mode or at one rank. Every rank must use
+    /// the same setting (`docs/benchmarks.md`, "Pipelined over expert groups").
+    pub expert_groups: usize,
+    /// The grid of normal mode's grouped GEMMs on CUDA ([`ep_kernels::gemm::GemmGrid`]);
+    /// `None`: [`GemmGrid::PerTile`](ep_kernels::gemm::GemmGrid::PerTile) with more than one
+    /// of [`Self::expert_groups`] across ranks, so that the transfers travelling beside the
+    /// GEMMs take SMs from them only while they run; persistent otherwise.
+    pub normal_gemm_grid: Option<ep_kernels::gemm::GemmGrid>,
 }
 
 impl Default for MoeLayerOptions {
@@ -91,6 +107,8 @@ impl Default for MoeLayerOptions {
             two_batch_overlap: false,
             prefill_in_low_latency_chunks: false,
             shared_before_dispatch: false,
+            expert_groups: 1,
+            normal_gemm_grid: None,
         }
     }
 }

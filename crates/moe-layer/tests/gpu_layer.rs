@@ -55,6 +55,8 @@ fn pair(
         two_batch_overlap: false,
         prefill_in_low_latency_chunks: false,
         shared_before_dispatch: false,
+        expert_groups: 1,
+        normal_gemm_grid: None,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(

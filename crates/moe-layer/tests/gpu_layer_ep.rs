@@ -20,6 +20,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use moe_layer::config::MoeConfig;
+use moe_layer::ep_kernels::gemm::GemmGrid;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, LocalTransport, Reduction, Topology};
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
 
@@ -45,6 +46,10 @@ struct Setup {
     reduction: Reduction,
     tbo: bool,
     shared_first: bool,
+    /// `MoeLayerOptions::expert_groups`.
+    groups: usize,
+    /// `MoeLayerOptions::normal_gemm_grid`.
+    grid: Option<GemmGrid>,
 }
 
 fn build(
@@ -77,6 +82,8 @@ fn build(
         two_batch_overlap: s.tbo,
         prefill_in_low_latency_chunks: false,
         shared_before_dispatch: s.shared_first,
+        expert_groups: s.groups,
+        normal_gemm_grid: s.grid,
     };
     let gpu = MoeLayer::load(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
@@ -225,6 +232,8 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
         Setup {
             name: "bf16-per-expert",
@@ -234,6 +243,8 @@ fn main() {
             reduction: Reduction::PerExpert,
             tbo: false,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
         Setup {
             name: "fp8",
@@ -243,6 +254,8 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
         Setup {
             name: "two-batch-overlap",
@@ -252,6 +265,8 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: true,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
         Setup {
             name: "two-batch-overlap-fp8",
@@ -261,6 +276,8 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: true,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
         Setup {
             name: "shared-before-dispatch",
@@ -270,6 +287,64 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: true,
+            groups: 1,
+            grid: None,
+        },
+        Setup {
+            name: "expert-groups-2",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: false,
+            groups: 2,
+            grid: None,
+        },
+        // Uneven groups (3 of the 8 or 16 local experts), fp8 rows, the shared experts first.
+        Setup {
+            name: "expert-groups-3-fp8-shared-first",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: true,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: true,
+            groups: 3,
+            grid: None,
+        },
+        Setup {
+            name: "expert-groups-4-hot-expert",
+            cfg: cfg(512, 64, 16 * world, 4, (1, 1)),
+            hot: true,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: false,
+            groups: 4,
+            grid: None,
+        },
+        Setup {
+            name: "expert-groups-2-persistent-on-100-sms",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: false,
+            groups: 2,
+            grid: Some(GemmGrid::PersistentOn(100)),
+        },
+        Setup {
+            name: "per-tile-gemm-grid",
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: false,
+            groups: 1,
+            grid: Some(GemmGrid::PerTile),
         },
         Setup {
             name: "hot-expert",
@@ -279,6 +354,8 @@ fn main() {
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: false,
+            groups: 1,
+            grid: None,
         },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
