@@ -519,6 +519,29 @@ fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> Ca
     Ok(())
 }
 
+/// 64 groups of uneven sizes (3000 rows in all, some empty), 256 x 384, 3 groups sampled.
+fn uneven_64_groups(
+    stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
+    rng: &mut StdRng,
+    tiles: GemmTiles,
+) -> CaseResult {
+    let counts = uneven_counts(rng, 64, 3000);
+    let contiguous = GroupLayout::Contiguous { alignment: 1 };
+    gemm_case(
+        stream,
+        ws,
+        rng,
+        &counts,
+        contiguous,
+        0,
+        256,
+        384,
+        tiles,
+        Some(3),
+    )
+}
+
 /// A child process runs a GEMM whose device counts break the layout; the kernel must print
 /// the offending entry and fail the stream (the child exits non-zero).
 fn trap_case(which: &str, needle: &str) -> CaseResult {
@@ -674,19 +697,7 @@ fn main() {
             )
         });
         runner.case(&format!("{t}/contiguous/uneven-64-groups"), |rng| {
-            let counts = uneven_counts(rng, 64, 3000);
-            gemm_case(
-                &stream,
-                &mut ws,
-                rng,
-                &counts,
-                contiguous(1),
-                0,
-                256,
-                384,
-                tiles,
-                Some(3),
-            )
+            uneven_64_groups(&stream, &mut ws, rng, tiles)
         });
     }
     // The launch grids (`GemmGrid`): about one CTA per tile, and persistent on a few SMs (an
@@ -698,19 +709,7 @@ fn main() {
                 &format!("{t}/contiguous/uneven-64-groups/{grid:?}"),
                 |rng| {
                     ws.set_grid(grid)?;
-                    let counts = uneven_counts(rng, 64, 3000);
-                    let r = gemm_case(
-                        &stream,
-                        &mut ws,
-                        rng,
-                        &counts,
-                        contiguous(1),
-                        0,
-                        256,
-                        384,
-                        tiles,
-                        Some(3),
-                    );
+                    let r = uneven_64_groups(&stream, &mut ws, rng, tiles);
                     ws.set_grid(GemmGrid::Persistent)?;
                     r
                 },

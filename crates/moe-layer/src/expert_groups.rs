@@ -1,5 +1,6 @@
-//! Normal mode pipelined over groups of each rank's local experts
-//! ([`MoeLayerOptions::expert_groups`](crate::MoeLayerOptions::expert_groups)).
+//! The expert groups of normal mode's pipeline
+//! ([`MoeLayerOptions::expert_groups`](crate::MoeLayerOptions::expert_groups); the pipeline
+//! itself is `MoeLayer::routed_normal_expert_groups`, in `normal.rs`).
 //!
 //! Each rank's `E / R` local experts are split into `n` runs of consecutive local slots, the
 //! same split on every rank. Group `g`'s step is the normal-mode step of the same tokens with
@@ -18,9 +19,7 @@
 //! whose experts on one rank fall in two groups travels there twice.
 
 use crate::error::Result;
-use crate::layer::MoeLayer;
-use candle_core::{DType, Device, Tensor};
-use ep_runtime::{CombineArgs, EventOverlap};
+use candle_core::{Device, Tensor};
 
 /// The group of global expert `expert` when each rank's `per_rank` local experts are split into
 /// `groups` runs of consecutive local slots whose sizes differ by at most one.
@@ -78,96 +77,10 @@ impl ExpertGroups {
     }
 }
 
-impl MoeLayer {
-    /// Normal mode pipelined over `groups` (see the module comment): dispatch `g + 1` and
-    /// combine `g - 1` travel while group `g`'s experts compute; the shared experts run while
-    /// the first dispatch travels. One host read of a received count per group.
-    pub(crate) fn routed_normal_expert_groups(
-        &self,
-        groups: &ExpertGroups,
-        x: &Tensor,
-        idx: &Tensor,
-        w: &Tensor,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let dev = x.device();
-        let tokens = x.dims()[0] > 0;
-        let (rows, scales) = self.wire_rows(x)?;
-        let mut sends = Vec::with_capacity(groups.len());
-        for g in 0..groups.len() {
-            let idx_g = groups.routing(idx, g)?;
-            let send = self.send_rows(&idx_g, &rows, scales.as_ref())?;
-            sends.push((idx_g, send));
-        }
-        let ready = EventOverlap::record(dev)?;
-        let first = self.options.shared_before_dispatch;
-        let early = if tokens && first {
-            self.shared_beside_transfer(x)?
-        } else {
-            None
-        };
-        let mut out = self.dispatch_normal(&sends[0].1, &sends[0].0, w, &ready)?;
-        let shared = if tokens && !first {
-            self.shared_forward(x)?
-        } else {
-            early
-        };
-        // Every group's received rows and expert outputs stay alive until the compute stream
-        // has waited for the last combine: they are read on the communication stream.
-        let mut kept = Vec::with_capacity(groups.len());
-        for g in 0..groups.len() {
-            let y = self.experts_normal(&out, dev, x.dtype())?;
-            let computed = EventOverlap::record(dev)?;
-            let next = match sends.get(g + 1) {
-                Some((idx_n, send_n)) => Some(self.dispatch_normal(send_n, idx_n, w, &ready)?),
-                None => None,
-            };
-            let combined = self.buffer.combine(
-                &CombineArgs::new(&y, &out.handle)
-                    .previous_event(&computed)
-                    .async_finish(true),
-            )?;
-            kept.push((out, y, combined));
-            match next {
-                Some(n) => out = n,
-                None => break,
-            }
-        }
-        for (_, _, c) in &kept {
-            c.event.compute_wait(dev)?;
-        }
-        let parts: Vec<&Tensor> = kept.iter().map(|(_, _, c)| &c.combined_x).collect();
-        Ok((sum_parts(&parts, tokens)?, shared))
-    }
-}
-
-/// The groups' combined outputs summed: two in their dtype (one rounding of the exact sum),
-/// more in f32, rounded once.
-fn sum_parts(parts: &[&Tensor], tokens: bool) -> Result<Tensor> {
-    let dtype = parts[0].dtype();
-    Ok(match parts {
-        [only] => (*only).clone(),
-        _ if !tokens => parts[0].clone(),
-        [a, b] => (*a + *b)?,
-        _ if dtype == DType::F32 || dtype == DType::F64 => {
-            let mut sum = parts[0].clone();
-            for p in &parts[1..] {
-                sum = (sum + *p)?;
-            }
-            sum
-        }
-        _ => {
-            let mut sum = parts[0].to_dtype(DType::F32)?;
-            for p in &parts[1..] {
-                sum = (sum + p.to_dtype(DType::F32)?)?;
-            }
-            sum.to_dtype(dtype)?
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::DType;
 
     #[test]
     fn groups_split_local_slots_evenly_and_alike_on_every_rank() {

@@ -1,8 +1,10 @@
 //! [`MoeLayer`]'s normal mode (prefill): layout, dispatch, the experts over what arrived,
-//! combine, with the shared experts beside the dispatch; as two micro-batches; and at one rank
-//! without any transfer (the pipeline over expert groups is in `expert_groups`).
+//! combine, with the shared experts beside the dispatch; as two micro-batches; pipelined over
+//! groups of each rank's experts (the groups' routing masks: `expert_groups`); and at one rank
+//! without any transfer.
 
 use crate::error::Result;
+use crate::expert_groups::ExpertGroups;
 use crate::layer::{join_parts, two_micro_batches, MoeLayer};
 use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
@@ -193,6 +195,67 @@ impl MoeLayer {
         Ok((join_parts(comb_a.combined_x, comb_b.combined_x)?, shared))
     }
 
+    /// Normal mode pipelined over `groups` (the `expert_groups` module, `docs/design.md`):
+    /// dispatch `g + 1` and combine `g - 1` travel while group `g`'s experts compute; the shared
+    /// experts run while the first dispatch travels. One host read of a received count per
+    /// group.
+    pub(crate) fn routed_normal_expert_groups(
+        &self,
+        groups: &ExpertGroups,
+        x: &Tensor,
+        idx: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dev = x.device();
+        let tokens = x.dims()[0] > 0;
+        let (rows, scales) = self.wire_rows(x)?;
+        let mut sends = Vec::with_capacity(groups.len());
+        for g in 0..groups.len() {
+            let idx_g = groups.routing(idx, g)?;
+            let send = self.send_rows(&idx_g, &rows, scales.as_ref())?;
+            sends.push((idx_g, send));
+        }
+        let ready = EventOverlap::record(dev)?;
+        let first = self.options.shared_before_dispatch;
+        let early = if tokens && first {
+            self.shared_beside_transfer(x)?
+        } else {
+            None
+        };
+        let mut out = self.dispatch_normal(&sends[0].1, &sends[0].0, w, &ready)?;
+        let shared = if tokens && !first {
+            self.shared_forward(x)?
+        } else {
+            early
+        };
+        // Every group's received rows and expert outputs stay alive until the compute stream
+        // has waited for the last combine: they are read on the communication stream.
+        let mut kept = Vec::with_capacity(groups.len());
+        for g in 0..groups.len() {
+            let y = self.experts_normal(&out, dev, x.dtype())?;
+            let computed = EventOverlap::record(dev)?;
+            let next = match sends.get(g + 1) {
+                Some((idx_n, send_n)) => Some(self.dispatch_normal(send_n, idx_n, w, &ready)?),
+                None => None,
+            };
+            let combined = self.buffer.combine(
+                &CombineArgs::new(&y, &out.handle)
+                    .previous_event(&computed)
+                    .async_finish(true),
+            )?;
+            kept.push((out, y, combined));
+            match next {
+                Some(n) => out = n,
+                None => break,
+            }
+        }
+        for (_, _, c) in &kept {
+            c.event.compute_wait(dev)?;
+        }
+        let parts: Vec<&Tensor> = kept.iter().map(|(_, _, c)| &c.combined_x).collect();
+        Ok((sum_parts(&parts, tokens)?, shared))
+    }
+
     /// Normal mode at one rank: every expert is local and there is nothing to send, so the
     /// routed experts run on this rank's tokens as they are: no layout, dispatch or combine,
     /// and no host synchronisation (the fp8 wire format keeps the buffer's path, so that its
@@ -210,6 +273,31 @@ impl MoeLayer {
         };
         Ok((self.experts.forward_grouped(x, idx, w)?, shared))
     }
+}
+
+/// The groups' combined outputs summed: two in their dtype (one rounding of the exact sum),
+/// more in f32, rounded once.
+fn sum_parts(parts: &[&Tensor], tokens: bool) -> Result<Tensor> {
+    let dtype = parts[0].dtype();
+    Ok(match parts {
+        [only] => (*only).clone(),
+        _ if !tokens => parts[0].clone(),
+        [a, b] => (*a + *b)?,
+        _ if dtype == DType::F32 || dtype == DType::F64 => {
+            let mut sum = parts[0].clone();
+            for p in &parts[1..] {
+                sum = (sum + *p)?;
+            }
+            sum
+        }
+        _ => {
+            let mut sum = parts[0].to_dtype(DType::F32)?;
+            for p in &parts[1..] {
+                sum = (sum + p.to_dtype(DType::F32)?)?;
+            }
+            sum.to_dtype(dtype)?
+        }
+    })
 }
 
 /// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8

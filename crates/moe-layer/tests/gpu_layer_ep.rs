@@ -52,6 +52,24 @@ struct Setup {
     grid: Option<GemmGrid>,
 }
 
+impl Setup {
+    /// The default setup under `name`: 32 experts of a 1024-wide model, bf16 rows, the combine
+    /// per rank, no overlap option.
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            cfg: cfg(1024, 128, 32, 4, (4, 2)),
+            hot: false,
+            fp8: false,
+            reduction: Reduction::PerRank,
+            tbo: false,
+            shared_first: false,
+            groups: 1,
+            grid: None,
+        }
+    }
+}
+
 fn build(
     rank: usize,
     world: usize,
@@ -223,139 +241,60 @@ fn main() {
         return;
     }
     let world = gpus.min(8);
+    let hot = || cfg(512, 64, 16 * world, 4, (1, 1));
     let setups = [
+        Setup::new("bf16"),
         Setup {
-            name: "bf16",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
-            groups: 1,
-            grid: None,
-        },
-        Setup {
-            name: "bf16-per-expert",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
             reduction: Reduction::PerExpert,
-            tbo: false,
-            shared_first: false,
-            groups: 1,
-            grid: None,
+            ..Setup::new("bf16-per-expert")
         },
         Setup {
-            name: "fp8",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
             fp8: true,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
-            groups: 1,
-            grid: None,
+            ..Setup::new("fp8")
         },
         Setup {
-            name: "two-batch-overlap",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
             tbo: true,
-            shared_first: false,
-            groups: 1,
-            grid: None,
+            ..Setup::new("two-batch-overlap")
         },
         Setup {
-            name: "two-batch-overlap-fp8",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
+            tbo: true,
             fp8: true,
-            reduction: Reduction::PerRank,
-            tbo: true,
-            shared_first: false,
-            groups: 1,
-            grid: None,
+            ..Setup::new("two-batch-overlap-fp8")
         },
         Setup {
-            name: "shared-before-dispatch",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
             shared_first: true,
-            groups: 1,
-            grid: None,
+            ..Setup::new("shared-before-dispatch")
         },
         Setup {
-            name: "expert-groups-2",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
             groups: 2,
-            grid: None,
+            ..Setup::new("expert-groups-2")
         },
         // Uneven groups (3 of the 8 or 16 local experts), fp8 rows, the shared experts first.
         Setup {
-            name: "expert-groups-3-fp8-shared-first",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: true,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: true,
             groups: 3,
-            grid: None,
+            fp8: true,
+            shared_first: true,
+            ..Setup::new("expert-groups-3-fp8-shared-first")
         },
         Setup {
-            name: "expert-groups-4-hot-expert",
-            cfg: cfg(512, 64, 16 * world, 4, (1, 1)),
-            hot: true,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
             groups: 4,
-            grid: None,
+            cfg: hot(),
+            hot: true,
+            ..Setup::new("expert-groups-4-hot-expert")
         },
         Setup {
-            name: "expert-groups-2-persistent-on-100-sms",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
             groups: 2,
             grid: Some(GemmGrid::PersistentOn(100)),
+            ..Setup::new("expert-groups-2-persistent-on-100-sms")
         },
         Setup {
-            name: "per-tile-gemm-grid",
-            cfg: cfg(1024, 128, 32, 4, (4, 2)),
-            hot: false,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
-            groups: 1,
             grid: Some(GemmGrid::PerTile),
+            ..Setup::new("per-tile-gemm-grid")
         },
         Setup {
-            name: "hot-expert",
-            cfg: cfg(512, 64, 16 * world, 4, (1, 1)),
+            cfg: hot(),
             hot: true,
-            fp8: false,
-            reduction: Reduction::PerRank,
-            tbo: false,
-            shared_first: false,
-            groups: 1,
-            grid: None,
+            ..Setup::new("hot-expert")
         },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
