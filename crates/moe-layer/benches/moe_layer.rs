@@ -375,7 +375,18 @@ fn bench_tokens(
                 Some(s) => per_token_cast_back(&out.recv_x, s, DType::BF16)?,
                 None => out.recv_x.clone(),
             };
-            Ok(layer.experts().forward_grouped(&rx, ri, rw)?)
+            // As the layer runs them: with the per-tile grid sized by the counts the dispatch
+            // reported.
+            Ok(if layer.normal_gemm_grid() == GemmGrid::PerTile {
+                layer.experts().forward_grouped_counted(
+                    &rx,
+                    ri,
+                    rw,
+                    &out.num_recv_tokens_per_expert,
+                )?
+            } else {
+                layer.experts().forward_grouped(&rx, ri, rw)?
+            })
         };
         row.gemm_ms = part(&mut || {
             experts()?;

@@ -352,6 +352,43 @@ impl Experts {
         topk_idx_local: &Tensor,
         topk_weights: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_grouped_rows(x, topk_idx_local, topk_weights, None)
+    }
+
+    /// [`Experts::forward_grouped`] when the rows each local expert receives are known on the
+    /// host, as a normal-mode dispatch reports them
+    /// (`DispatchOutput::num_recv_tokens_per_expert`, DeepEP's `num_recv_tokens_per_expert_list`):
+    /// the grouped GEMMs are then sized for those rows instead of every (token, slot) pair
+    /// `topk_idx_local` could hold (at EP4 about a third of them), which matters to a grid of
+    /// one CTA per tile ([`ep_kernels::gemm::GemmGrid::PerTile`]). `counts` must be the routing's
+    /// own counts, one per local expert: too few rows for the routing stop the GEMMs on the
+    /// device (a trap naming the group), which a caller must not risk with counts of other
+    /// routing.
+    pub fn forward_grouped_counted(
+        &self,
+        x: &Tensor,
+        topk_idx_local: &Tensor,
+        topk_weights: &Tensor,
+        counts: &[usize],
+    ) -> Result<Tensor> {
+        if counts.len() != self.num_local() {
+            return Err(Error::invalid(
+                "counts",
+                format!("{} counts", counts.len()),
+                format!("must hold one per local expert ({})", self.num_local()),
+            ));
+        }
+        self.forward_grouped_rows(x, topk_idx_local, topk_weights, Some(counts.iter().sum()))
+    }
+
+    /// [`Experts::forward_grouped`] with the rows of the routing when known.
+    fn forward_grouped_rows(
+        &self,
+        x: &Tensor,
+        topk_idx_local: &Tensor,
+        topk_weights: &Tensor,
+        rows: Option<usize>,
+    ) -> Result<Tensor> {
         let (n, k) = self.check_routed(x, topk_idx_local, topk_weights)?;
         if n == 0 {
             return Ok(crate::empty::empty(
@@ -362,9 +399,10 @@ impl Experts {
         }
         #[cfg(feature = "cuda")]
         if self.uses_grouped_gemm() && k > 0 {
-            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights)?;
+            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights, rows)?;
             return Ok(y.to_dtype(x.dtype())?);
         }
+        let _ = rows; // the host path groups the rows it finds
         let y = self.host_grouped_f32(x, topk_idx_local, topk_weights, n, k)?;
         Ok(y.to_dtype(x.dtype())?)
     }
@@ -386,7 +424,7 @@ impl Experts {
         }
         #[cfg(feature = "cuda")]
         if self.uses_grouped_gemm() && k > 0 {
-            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights)?;
+            let y = crate::grouped::forward_routed(self, x, topk_idx_local, topk_weights, None)?;
             return Ok(y.to_dtype(DType::F32)?);
         }
         self.host_grouped_f32(x, topk_idx_local, topk_weights, n, k)

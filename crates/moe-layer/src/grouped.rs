@@ -210,12 +210,14 @@ fn mlp_rows(
     Ok(wrap(y, (rows, h), dev))
 }
 
-/// Normal-mode path of [`Experts::forward_grouped`]: returns `[N, H]` bf16.
+/// Normal-mode path of [`Experts::forward_grouped`]: returns `[N, H]` bf16. `rows`: the
+/// (token, local expert) pairs of the routing when the caller knows them (else every slot's).
 pub(crate) fn forward_routed(
     experts: &Experts,
     x: &Tensor,
     topk_idx: &Tensor,
     topk_weights: &Tensor,
+    rows: Option<usize>,
 ) -> Result<Tensor> {
     let dev = cuda(x.device())?;
     let stream = dev.cuda_stream();
@@ -225,7 +227,9 @@ pub(crate) fn forward_routed(
     let x = x.to_dtype(DType::BF16)?.contiguous()?;
     let idx = topk_idx.to_dtype(DType::I64)?.contiguous()?;
     let w = topk_weights.to_dtype(DType::F32)?.contiguous()?;
-    let rows = expert_order::rows_bound(n, k, l, 1);
+    let bound = expert_order::rows_bound(n, k, l, 1);
+    // Never more than the routing can hold; at least one row (no zero-byte allocation).
+    let rows = rows.map_or(bound, |r| r.clamp(1, bound));
     let mut a = alloc_uninit::<bf16>(&stream, rows * h)?;
     let mut counts = alloc_uninit::<i32>(&stream, l)?;
     let mut fill = alloc_uninit::<i32>(&stream, l)?;

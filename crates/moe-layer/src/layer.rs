@@ -33,6 +33,8 @@ pub struct MoeLayer {
     /// The routing masks of [`MoeLayerOptions::expert_groups`] (more than one group, more
     /// than one rank).
     pub(crate) expert_groups: Option<crate::expert_groups::ExpertGroups>,
+    /// [`MoeLayerOptions::normal_gemm_grid`], resolved.
+    pub(crate) normal_gemm_grid: ep_kernels::gemm::GemmGrid,
     /// Captured decode steps of [`MoeLayer::forward_decode`].
     #[cfg(feature = "cuda")]
     pub(crate) decode_graphs: crate::graph::DecodeGraphs,
@@ -138,18 +140,15 @@ impl MoeLayer {
                 }
             }
         }
+        let normal_gemm_grid = options
+            .normal_gemm_grid
+            .unwrap_or(if expert_groups.is_some() {
+                ep_kernels::gemm::GemmGrid::PerTile
+            } else {
+                ep_kernels::gemm::GemmGrid::Persistent
+            });
         #[cfg(feature = "cuda")]
-        experts
-            .grouped_state()
-            .set_routed_grid(
-                options
-                    .normal_gemm_grid
-                    .unwrap_or(if expert_groups.is_some() {
-                        ep_kernels::gemm::GemmGrid::PerTile
-                    } else {
-                        ep_kernels::gemm::GemmGrid::Persistent
-                    }),
-            );
+        experts.grouped_state().set_routed_grid(normal_gemm_grid);
         #[cfg(feature = "cuda")]
         let (shared, shared_groups) = match (shared, options.shared_placement) {
             (Some(m), crate::SharedPlacement::Grouped | crate::SharedPlacement::Auto)
@@ -170,6 +169,7 @@ impl MoeLayer {
             num_experts: e,
             options,
             expert_groups,
+            normal_gemm_grid,
             #[cfg(feature = "cuda")]
             decode_graphs: Default::default(),
             #[cfg(feature = "cuda")]
@@ -237,6 +237,12 @@ impl MoeLayer {
     /// The options.
     pub fn options(&self) -> &MoeLayerOptions {
         &self.options
+    }
+
+    /// The grid normal mode's grouped GEMMs launch with on CUDA
+    /// ([`MoeLayerOptions::normal_gemm_grid`] or its default).
+    pub fn normal_gemm_grid(&self) -> ep_kernels::gemm::GemmGrid {
+        self.normal_gemm_grid
     }
 
     /// Forward in the layer's default mode. `x: [.., H]`.

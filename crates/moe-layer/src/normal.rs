@@ -153,7 +153,22 @@ impl MoeLayer {
             .recv_topk_weights
             .as_ref()
             .expect("routing was dispatched");
-        self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
+        // A grid of one CTA per tile is sized by the rows the host learned with the count (every
+        // slot's rows would launch about three times the tiles at EP4, as empty CTAs). The
+        // persistent grid keeps the tiles `GemmTiles::Auto` picks for every slot's rows: sized
+        // by the counts it picks narrower ones at 2048 tokens per rank, 0.45-0.5 ms slower on
+        // 4 x H100 and 0.2 ms faster on 4 x H200 (docs/benchmarks.md, "Pipelined over expert
+        // groups").
+        if self.normal_gemm_grid == ep_kernels::gemm::GemmGrid::PerTile {
+            self.experts.forward_grouped_counted(
+                &recv_x,
+                recv_idx,
+                recv_w,
+                &out.num_recv_tokens_per_expert,
+            )
+        } else {
+            self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
+        }
     }
 
     /// Normal mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): dispatch A;
