@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
+use moe_layer::ep_kernels::gemm::GemmGrid;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
 use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions, Step};
 use std::path::Path;
@@ -177,8 +178,8 @@ fn expert_groups_pipeline() {
     );
 }
 
-/// `expert_groups` outside 1..=experts per rank, or with the two-batch overlap, is refused at
-/// load, naming the option.
+/// `expert_groups` outside 1..=experts per rank, or with the two-batch overlap, and a
+/// persistent GEMM grid on no SM are refused at load, naming the option.
 #[test]
 fn expert_groups_out_of_range_is_refused() {
     let errs = on_ranks(2, 2, (8, None), "groups-refused", |buf, cfg, path| {
@@ -197,6 +198,10 @@ fn expert_groups_out_of_range_is_refused() {
                 two_batch_overlap: true,
                 ..Default::default()
             },
+            MoeLayerOptions {
+                normal_gemm_grid: Some(GemmGrid::PersistentOn(0)),
+                ..Default::default()
+            },
         ];
         bad.map(|opts| {
             let opts = MoeLayerOptions {
@@ -208,9 +213,10 @@ fn expert_groups_out_of_range_is_refused() {
                 .to_string()
         })
     });
-    for e in errs.iter().flatten() {
+    for e in errs.iter().flat_map(|r| &r[..3]) {
         assert!(e.contains("expert_groups"), "{e}");
     }
+    assert!(errs[0][3].contains("normal_gemm_grid"), "{}", errs[0][3]);
     assert!(
         errs[0][1].contains("between 1 and the experts per rank (8)"),
         "{}",

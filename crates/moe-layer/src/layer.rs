@@ -140,6 +140,13 @@ impl MoeLayer {
                 }
             }
         }
+        if options.normal_gemm_grid == Some(ep_kernels::gemm::GemmGrid::PersistentOn(0)) {
+            return Err(Error::invalid(
+                "normal_gemm_grid",
+                "PersistentOn(0)",
+                "a persistent grid needs at least one SM",
+            ));
+        }
         let normal_gemm_grid = options
             .normal_gemm_grid
             .unwrap_or(if expert_groups.is_some() {

@@ -63,7 +63,7 @@ impl MoeLayer {
     /// on CUDA with cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`),
     /// so that the transfer, queued after them on its high-priority stream, finds its SMs free
     /// instead of waiting behind the GEMMs' later waves.
-    pub(crate) fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    fn shared_beside_transfer(&self, x: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if let (Some(_), Device::Cuda(dev)) = (&self.shared, x.device()) {
             use ep_kernels::cublas_sms::sms_left;
@@ -89,7 +89,7 @@ impl MoeLayer {
 
     /// The rows of `x` as they travel: as they are, or with
     /// [`MoeLayerOptions::fp8_dispatch`] cast to fp8 with their scales (on the compute stream).
-    pub(crate) fn wire_rows(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    fn wire_rows(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         Ok(if self.options.fp8_dispatch {
             let (q, s) = per_token_cast_to_fp8(x, false)?;
             (q, Some(s))
@@ -100,12 +100,7 @@ impl MoeLayer {
 
     /// What a dispatch of the wire rows `rows` (and `scales`) routed by `idx` sends: their
     /// layout, computed on the compute stream.
-    pub(crate) fn send_rows(
-        &self,
-        idx: &Tensor,
-        rows: &Tensor,
-        scales: Option<&Tensor>,
-    ) -> Result<SendRows> {
+    fn send_rows(&self, idx: &Tensor, rows: &Tensor, scales: Option<&Tensor>) -> Result<SendRows> {
         Ok(SendRows {
             layout: self.buffer.get_dispatch_layout(idx, self.num_experts)?,
             x: rows.clone(),
@@ -116,7 +111,7 @@ impl MoeLayer {
     /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
     /// after `ready`; returns once it is issued: the host has read the received count, the
     /// rows are not yet in.
-    pub(crate) fn dispatch_normal(
+    fn dispatch_normal(
         &self,
         send: &SendRows,
         idx: &Tensor,
@@ -137,7 +132,7 @@ impl MoeLayer {
 
     /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
     /// compute stream once it is in.
-    pub(crate) fn experts_normal(
+    fn experts_normal(
         &self,
         out: &ep_runtime::DispatchOutput,
         dev: &Device,
@@ -214,7 +209,7 @@ impl MoeLayer {
     /// dispatch `g + 1` and combine `g - 1` travel while group `g`'s experts compute; the shared
     /// experts run while the first dispatch travels. One host read of a received count per
     /// group.
-    pub(crate) fn routed_normal_expert_groups(
+    fn routed_normal_expert_groups(
         &self,
         groups: &ExpertGroups,
         x: &Tensor,
@@ -317,7 +312,7 @@ fn sum_parts(parts: &[&Tensor], tokens: bool) -> Result<Tensor> {
 
 /// What a normal-mode dispatch sends: the layout of its routing and its rows (bf16, or fp8
 /// with their scales).
-pub(crate) struct SendRows {
+struct SendRows {
     layout: ep_runtime::DispatchLayout,
     x: Tensor,
     scales: Option<Tensor>,
