@@ -82,10 +82,11 @@ pub struct MoeLayerOptions {
     /// last combine are left on the critical path. Unlike [`Self::two_batch_overlap`] it reads
     /// no weight twice and keeps every grouped GEMM's rows per expert; the price is bytes: a
     /// token whose experts on a rank fall in two groups travels there twice (DeepSeek-V3's
-    /// routing at EP4, 4 of 8 expert groups per token: 1.24 x the rows with 2 groups, which
-    /// are then the router's own groups, 1.82 x with 4). Measured slower than the plain step at
-    /// EP2 and EP4 on 4 x H100 (2 groups: +0.5-0.7 ms at 4096 tokens per rank, 4 groups:
-    /// +3.3 ms): the GEMMs lose more to the transfers beside them than the transfers take.
+    /// routing at EP4, 4 of 8 expert groups per token, simulated on random scores: 1.24 x the
+    /// rows with 2 groups, which are then the router's own groups, 1.82 x with 4). Measured
+    /// slower than the plain step at EP2 and EP4 on 4 x H100 (2 groups: +0.5-0.7 ms at 4096
+    /// tokens per rank, 4 groups: +3.3 ms): the GEMMs lose more to the transfers beside them
+    /// than the transfers take.
     /// Between 1 and the experts per rank; not with `two_batch_overlap`. No effect in
     /// low-latency mode or at one rank. Every rank must use the same setting
     /// (`docs/benchmarks.md`, "Pipelined over expert groups").
