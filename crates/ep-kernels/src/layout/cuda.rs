@@ -6,17 +6,15 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::host::{DispatchLayout, ExpertPlacement};
-use crate::cuda::{assert_params_layout, KernelParams, Kernels};
+use crate::cuda::{assert_params_layout, fill_i32_cuda, KernelParams, Kernels};
 use crate::error::{Error, Result};
 
 /// The cubin of `layout.cu`.
 const FILE: &str = "layout/layout";
-/// Threads per block (`kThreads` in `layout.cu`).
+/// Threads per block (`kThreads` in `layout.cu`): one token each.
 const THREADS: u32 = 256;
-/// Experts counted per expert block (`kExpertsPerBlock`).
-const EXPERTS_PER_BLOCK: usize = 32;
-/// Ranks or nodes owned per rank/node block (`kTargetsPerBlock`).
-const TARGETS_PER_BLOCK: usize = 64;
+/// The most blocks a launch uses (a grid-stride loop covers more tokens).
+const MAX_BLOCKS: usize = 1024;
 
 /// Mirror of `struct LayoutParams` in `layout.cu`.
 #[repr(C)]
@@ -33,15 +31,13 @@ struct LayoutParams {
     num_ranks: i32,
     num_nodes: i32,
     experts_per_rank: i32,
-    num_expert_blocks: i32,
-    num_rank_blocks: i32,
 }
 assert_params_layout!(
     LayoutParams,
-    72;
+    64;
     topk_idx = 0, num_tokens_per_rank = 8, num_tokens_per_node = 16, num_tokens_per_expert = 24,
     is_token_in_rank = 32, num_tokens = 40, num_topk = 44, num_experts = 48, num_ranks = 52,
-    num_nodes = 56, experts_per_rank = 60, num_expert_blocks = 64, num_rank_blocks = 68,
+    num_nodes = 56, experts_per_rank = 60,
 );
 
 // SAFETY: `LayoutParams` is `repr(C)`, plain data, and mirrors `LayoutParams` in layout.cu
@@ -107,7 +103,17 @@ pub fn get_dispatch_layout_cuda(
     num_topk: usize,
     placement: &ExpertPlacement,
 ) -> Result<DeviceDispatchLayout> {
-    let mut out = DeviceDispatchLayout::alloc(stream, num_tokens, placement)?;
+    // SAFETY: the launch below writes every element of these fresh allocations (it zeroes the
+    // counts before adding to them and writes each `is_token_in_rank` byte), and nothing reads
+    // them before; i32 and u8 take any bit pattern.
+    let mut out = unsafe {
+        DeviceDispatchLayout {
+            num_tokens_per_rank: stream.alloc(placement.num_ranks)?,
+            num_tokens_per_node: stream.alloc(placement.num_nodes())?,
+            num_tokens_per_expert: stream.alloc(placement.num_experts)?,
+            is_token_in_rank: stream.alloc(num_tokens * placement.num_ranks)?,
+        }
+    };
     get_dispatch_layout_cuda_into(stream, topk_idx, num_tokens, num_topk, placement, &mut out)?;
     Ok(out)
 }
@@ -150,12 +156,20 @@ pub fn get_dispatch_layout_cuda_into(
         out.is_token_in_rank.len(),
     )?;
 
+    // The kernel adds each block's counts to these.
+    fill_i32_cuda(stream, &mut out.num_tokens_per_rank, 0)?;
+    fill_i32_cuda(stream, &mut out.num_tokens_per_node, 0)?;
+    fill_i32_cuda(stream, &mut out.num_tokens_per_expert, 0)?;
+    if num_tokens == 0 {
+        return Ok(());
+    }
     let kernels = Kernels::for_stream(stream)?;
     let kernel = kernels.kernel(FILE, "get_dispatch_layout")?;
-    let num_expert_blocks = placement.num_experts.div_ceil(EXPERTS_PER_BLOCK);
-    let num_rank_blocks = r.div_ceil(TARGETS_PER_BLOCK);
-    let num_node_blocks = placement.num_nodes().div_ceil(TARGETS_PER_BLOCK);
-    let blocks = num_expert_blocks + num_rank_blocks + num_node_blocks;
+    let blocks = num_tokens.div_ceil(THREADS as usize).min(MAX_BLOCKS);
+    // One shared counter per expert, rank and node.
+    let counters = placement.num_experts + r + placement.num_nodes();
+    let shared = u32::try_from(counters * 4)
+        .map_err(|_| Error::invalid("num_experts", placement.num_experts, "too many counters"))?;
 
     let (topk_ptr, _g0) = topk_idx.device_ptr(stream);
     let (rank_ptr, _g1) = out.num_tokens_per_rank.device_ptr_mut(stream);
@@ -174,13 +188,11 @@ pub fn get_dispatch_layout_cuda_into(
         num_ranks: to_i32("num_ranks", r)?,
         num_nodes: to_i32("num_nodes", placement.num_nodes())?,
         experts_per_rank: to_i32("experts_per_rank", placement.experts_per_rank())?,
-        num_expert_blocks: to_i32("num_expert_blocks", num_expert_blocks)?,
-        num_rank_blocks: to_i32("num_rank_blocks", num_rank_blocks)?,
     };
     let cfg = LaunchConfig {
-        grid_dim: (to_i32("blocks", blocks)? as u32, 1, 1),
+        grid_dim: (blocks as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared,
     };
     // SAFETY: `params` matches the kernel's `LayoutParams`; every pointer comes from a live
     // cudarc slice of at least the checked length (topk: T*K, outputs: R, R/P, E, T*R), whose
