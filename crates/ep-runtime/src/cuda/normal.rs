@@ -169,12 +169,24 @@ impl CudaBuffer {
         // Notify.
         nm.recv_counter.fill(-1);
         nm.expert_counter.fill(-1);
-        let mut rpm = alloc::<i32>(comm, r * r)?;
-        let mut cpm = alloc::<i32>(comm, r * c)?;
+        // Every output whose size does not depend on the received count is allocated here,
+        // while the host would otherwise wait for the notify; the rest between the notify and
+        // the dispatch, where the GPU waits for the host. Outputs that the kernels write in full
+        // are not zeroed: a memset is a host call and a stream operation.
+        let mut rpm = alloc_uninit::<i32>(comm, r * r)?;
+        let mut cpm = alloc_uninit::<i32>(comm, r * c)?;
         let mut send_index = if use_ce {
-            Some(alloc::<i32>(comm, (t * r).max(1))?)
+            Some(alloc_uninit::<i32>(comm, (t * r).max(1))?)
         } else {
             None
+        };
+        // Written by the rings' receivers for every (source, channel).
+        let mut recv_channel_offset = alloc_uninit::<i32>(comm, r * c)?;
+        // Zeroed: the own rank's entries after its last token are not written.
+        let mut send_head = alloc::<i32>(comm, t * r)?;
+        let zero_w = match (k > 0, args.topk_weights) {
+            (true, None) => Some(alloc::<f32>(comm, t * k)?),
+            _ => None,
         };
         {
             let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
@@ -211,16 +223,10 @@ impl CudaBuffer {
             .collect::<Result<Vec<_>>>()?;
         tracing::trace!(rank = me, recv = n, "notify done");
 
-        // Outputs (exact sizes) and dispatch.
-        let mut recv_src_idx = alloc::<i32>(comm, n)?;
-        let mut recv_channel_offset = alloc::<i32>(comm, r * c)?;
-        let mut send_head = alloc::<i32>(comm, t * r)?;
-        let mut recv_idx = alloc::<i64>(comm, n * k)?;
-        let mut recv_w = alloc::<f32>(comm, n * k)?;
-        let zero_w = match (k > 0, args.topk_weights) {
-            (true, None) => Some(alloc::<f32>(comm, t * k)?),
-            _ => None,
-        };
+        // Outputs of the received count (exact sizes; the dispatch writes every row) and dispatch.
+        let mut recv_src_idx = alloc_uninit::<i32>(comm, n)?;
+        let mut recv_idx = alloc_uninit::<i64>(comm, n * k)?;
+        let mut recv_w = alloc_uninit::<f32>(comm, n * k)?;
         let mut recv_rows = RecvRows::default();
         {
             let (x_d, xs_d) = x_tensors(args)?;
