@@ -29,13 +29,17 @@
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
 //! layer's choice), `EP_BENCH_REDUCTION=expert` the low-latency combine per expert
-//! (`MoeLayerOptions::low_latency_reduction`; default per rank), `EP_BENCH_SHARED_FIRST=1`
-//! queues normal mode's shared expert before the dispatch
-//! (`MoeLayerOptions::shared_before_dispatch`), `EP_BENCH_EXPERT_GROUPS=N` pipelines normal
+//! (`MoeLayerOptions::low_latency_reduction`; default per rank), `EP_BENCH_SHARED_FIRST=0|1`
+//! queues normal mode's shared expert after or before the dispatch
+//! (`MoeLayerOptions::shared_before_dispatch`; default after), `EP_BENCH_EXPERT_GROUPS=N` pipelines normal
 //! mode over N groups of each rank's experts (`MoeLayerOptions::expert_groups`),
 //! `EP_BENCH_GEMM_GRID=persistent|per-tile|N` sets the grid of its grouped GEMMs
 //! (`MoeLayerOptions::normal_gemm_grid`; N: persistent on N SMs). Normal rows across ranks also time the dispatch
-//! with the shared expert beside it, issued in three orders (one line each after the table).
+//! with the shared expert beside it, issued in three orders, and the dispatch split: with its
+//! layout computed beforehand, and cached (reusing the handle: no notify, no host read of the
+//! count), with the GB/s each moves (one line each after the table).
+//! `EP_BENCH_NO_EVENT_TRACKING=1` turns off cudarc's per-slice events on each rank's context
+//! before anything is allocated: what their host calls cost the layer (a measurement only).
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
@@ -130,7 +134,11 @@ fn bench_options() -> MoeLayerOptions {
         },
         two_batch_overlap: std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"),
         prefill_in_low_latency_chunks: false,
-        shared_before_dispatch: std::env::var("EP_BENCH_SHARED_FIRST").as_deref() == Ok("1"),
+        shared_before_dispatch: match std::env::var("EP_BENCH_SHARED_FIRST").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => MoeLayerOptions::default().shared_before_dispatch,
+        },
         expert_groups: expert_groups(),
         normal_gemm_grid: match std::env::var("EP_BENCH_GEMM_GRID").as_deref() {
             Ok("persistent") => Some(GemmGrid::Persistent),
@@ -159,6 +167,10 @@ struct Row {
     /// three ways: the dispatch first; the shared expert first; the shared expert first with
     /// cuBLAS targeting the SMs the dispatch leaves.
     overlap_ms: Option<[f64; 3]>,
+    /// Normal mode across ranks: the dispatch with its layout computed beforehand, and again
+    /// reusing the first dispatch's handle (no notify, no host read of the count: the
+    /// transfer and a barrier), with the rows this rank received.
+    dispatch_split: Option<([f64; 2], usize)>,
     floor_ms: f64,
     floor_gb: f64,
     dense_ms: f64,
@@ -366,6 +378,35 @@ fn bench_tokens(
             part(&mut || beside(true, left))?,
         ]);
         let out = dispatch(&x)?;
+        let layout = buf.get_dispatch_layout(idx, E)?;
+        let (q, s) = send(&x)?;
+        let with_layout = || {
+            let args = DispatchArgs::new(&q).topk(idx, w).layout(&layout);
+            match &s {
+                Some(s) => args.x_scales(s),
+                None => args,
+            }
+        };
+        let cached = || {
+            let args = DispatchArgs::new(&q).cached(&out.handle);
+            match &s {
+                Some(s) => args.x_scales(s),
+                None => args,
+            }
+        };
+        row.dispatch_split = Some((
+            [
+                part(&mut || {
+                    buf.dispatch(&with_layout())?;
+                    Ok(())
+                })?,
+                part(&mut || {
+                    buf.dispatch(&cached())?;
+                    Ok(())
+                })?,
+            ],
+            out.recv_x.dims()[0],
+        ));
         let (ri, rw) = (
             out.recv_topk_idx.as_ref().ok_or("no routing")?,
             out.recv_topk_weights.as_ref().ok_or("no weights")?,
@@ -441,6 +482,13 @@ fn run_rank(
 ) -> Result<Vec<Row>, BoxError> {
     let dev = Device::new_cuda(rank)?;
     let stream = stream_of(&dev);
+    if std::env::var("EP_BENCH_NO_EVENT_TRACKING").as_deref() == Ok("1") {
+        // SAFETY: nothing has been allocated on this context yet. Without cudarc's per-slice
+        // events a slice freed on one stream while another still uses it could be reused too
+        // early; the layer orders its streams with its own events (the compute stream waits
+        // for every transfer before a later step), which this measurement relies on.
+        unsafe { stream.context().disable_event_tracking() };
+    }
     let mut bcfg = BufferConfig::default().with_low_latency(LL_MAX, H, E);
     if let Some(sms) = std::env::var("EP_BENCH_SMS")
         .ok()
@@ -595,15 +643,36 @@ fn main() -> Result<(), BoxError> {
             r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.shared_ms
         )?;
     }
+    for (r, ([laid, cached], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?))) {
+        // As DeepEP counts: every received row, fp8 rows with their per-128 f32 scales.
+        let row_bytes = if fp8_dispatch() {
+            H + H / 128 * 4
+        } else {
+            2 * H
+        };
+        let gb = (n * row_bytes) as f64 / 1e9;
+        writeln!(
+            table,
+            "{:>6} dispatch of {n} rows ({gb:.1} GB): with its layout {:.3} ms ({:.0} GB/s), \
+             layout beforehand {laid:.3} ({:.0} GB/s), cached (no notify, no host read) \
+             {cached:.3} ({:.0} GB/s); combine {:.0} GB/s",
+            r.tokens,
+            r.dispatch_ms,
+            gb / r.dispatch_ms * 1e3,
+            gb / laid * 1e3,
+            gb / cached * 1e3,
+            (n * H * 2) as f64 / 1e9 / r.combine_ms * 1e3
+        )?;
+    }
     print!("{table}");
     if let Ok(path) = std::env::var("EP_BENCH_OUT") {
         let mut f = std::fs::File::create(path)?;
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.floor_ms, r.floor_gb, r.dense_ms,
+                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}]", d[0], d[1])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
                 r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
                 expert_groups(),
                 std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
