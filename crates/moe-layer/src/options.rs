@@ -68,13 +68,12 @@ pub struct MoeLayerOptions {
     /// Normal mode across ranks on CUDA: queue the shared experts before the dispatch, with
     /// cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`), so that they
     /// also run while the host waits for the received count, and the transfer, queued after
-    /// them on its high-priority stream, finds its SMs free. Off by default: at EP2 on 2 x H100
-    /// the dispatch and the shared expert together took 0.70-0.77 ms against 0.82-0.89 in the
-    /// default order at 4096 tokens per rank; the whole layer was faster in 5 of 6 pairs of
-    /// runs at 2048 tokens and 3 of 6 at 4096, within a run-to-run spread larger than the gain.
-    /// At EP4 on 4 x H100 the pair was shorter again, but the layer was not (median 7.65 ms
-    /// against 7.66 at 4096 tokens) and lost 1.3-3.0 ms at 8192 (`docs/benchmarks.md`, "Shared
-    /// experts beside the dispatch" and its EP4 section).
+    /// them on its high-priority stream, finds its SMs free. Off by default: the layer is
+    /// faster with it in most runs at 2048 and 4096 tokens per rank (4 x H100, EP4: 8 of 8 and
+    /// 6 of 8 alternating pairs, medians -0.12 and -0.08 ms), but at 8192 some runs lose 1.2-4
+    /// ms (15.0-17.8 against 13.5-13.7 in the same call), as in the fourteenth session's
+    /// (`docs/benchmarks.md`, "Shared experts beside the dispatch" and "The dispatch's
+    /// host-side work").
     pub shared_before_dispatch: bool,
     /// Normal mode across ranks as a pipeline over this many groups of each rank's local
     /// experts (1, the default: off). Group `g + 1`'s dispatch and group `g - 1`'s combine
