@@ -278,6 +278,8 @@ fn main() {
         (513, 9, 1024, 1024, 8, distinct, false),
         (700, 8, 384, 96, 3, distinct, false),
         (4096, 8, 256, 64, 8, distinct, true),
+        // More tokens than the launch's threads (1024 blocks of 256): the grid-stride loop.
+        (300_000, 8, 256, 8, 2, distinct, true),
     ];
     for &(t, k, e, r, p, routing, time_it) in layout_cases {
         let name = format!("layout T={t} K={k} E={e} R={r} P={p} {routing:?}");
