@@ -58,17 +58,22 @@ pub struct DeviceDispatchLayout {
 }
 
 impl DeviceDispatchLayout {
-    /// Allocates (zeroed) outputs for `num_tokens` tokens on `stream`.
+    /// Allocates outputs for `num_tokens` tokens on `stream`, not initialised:
+    /// [`get_dispatch_layout_cuda_into`] writes every element.
     pub fn alloc(
         stream: &Arc<CudaStream>,
         num_tokens: usize,
         placement: &ExpertPlacement,
     ) -> Result<Self> {
-        Ok(Self {
-            num_tokens_per_rank: stream.alloc_zeros(placement.num_ranks)?,
-            num_tokens_per_node: stream.alloc_zeros(placement.num_nodes())?,
-            num_tokens_per_expert: stream.alloc_zeros(placement.num_experts)?,
-            is_token_in_rank: stream.alloc_zeros(num_tokens * placement.num_ranks)?,
+        // SAFETY: fresh allocations of plain integers (any bit pattern is a value), for the
+        // layout launch to overwrite; nothing reads them before it.
+        Ok(unsafe {
+            Self {
+                num_tokens_per_rank: stream.alloc(placement.num_ranks)?,
+                num_tokens_per_node: stream.alloc(placement.num_nodes())?,
+                num_tokens_per_expert: stream.alloc(placement.num_experts)?,
+                is_token_in_rank: stream.alloc(num_tokens * placement.num_ranks)?,
+            }
         })
     }
 
@@ -103,17 +108,7 @@ pub fn get_dispatch_layout_cuda(
     num_topk: usize,
     placement: &ExpertPlacement,
 ) -> Result<DeviceDispatchLayout> {
-    // SAFETY: the launch below writes every element of these fresh allocations (it zeroes the
-    // counts before adding to them and writes each `is_token_in_rank` byte), and nothing reads
-    // them before; i32 and u8 take any bit pattern.
-    let mut out = unsafe {
-        DeviceDispatchLayout {
-            num_tokens_per_rank: stream.alloc(placement.num_ranks)?,
-            num_tokens_per_node: stream.alloc(placement.num_nodes())?,
-            num_tokens_per_expert: stream.alloc(placement.num_experts)?,
-            is_token_in_rank: stream.alloc(num_tokens * placement.num_ranks)?,
-        }
-    };
+    let mut out = DeviceDispatchLayout::alloc(stream, num_tokens, placement)?;
     get_dispatch_layout_cuda_into(stream, topk_idx, num_tokens, num_topk, placement, &mut out)?;
     Ok(out)
 }
