@@ -129,6 +129,20 @@ EP_DEVICE void report_timeout(int* error_info, int kernel, int self_rank, int aw
     }
 }
 
+// A worst-case receive capacity too small (`rank` receives `received` rows, more than
+// `capacity`): record {2, rank, received, capacity}, one 16-byte store like a timeout's.
+EP_DEVICE void report_capacity(int* error_info, int self_rank, int rank, int received, int capacity) {
+    printf("ep-kernels: rank %d: rank %d receives %d rows, more than the %d sized for\n", self_rank,
+           rank, received, capacity);
+    if (error_info != nullptr) {
+        const int4 rec = make_int4(2, rank, received, capacity);
+        asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(error_info),
+                     "r"(rec.x), "r"(rec.y), "r"(rec.z), "r"(rec.w)
+                     : "memory");
+        __threadfence_system();
+    }
+}
+
 // The token range [begin, end) of `channel` when `num_tokens` tokens are split into
 // `num_channels` contiguous channels of ceil(T / C) tokens (host twin: `channel_range`).
 EP_DEVICE void channel_range(int num_tokens, int num_channels, int channel, int* begin, int* end) {

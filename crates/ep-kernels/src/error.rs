@@ -55,6 +55,20 @@ pub enum Error {
         /// The kernel that waited.
         kernel: &'static str,
     },
+    /// A dispatch into worst-case outputs found a rank receiving more rows than they hold;
+    /// every rank stopped before moving anything.
+    #[error(
+        "rank {rank} receives {received} tokens, more than the {capacity} rows of the \
+         worst-case outputs (num_worst_tokens)"
+    )]
+    RecvCapacity {
+        /// The rank that would have overflowed.
+        rank: usize,
+        /// The tokens it receives.
+        received: usize,
+        /// The rows sized for it.
+        capacity: usize,
+    },
 }
 
 impl Error {

@@ -434,6 +434,7 @@ fn run_dispatch(
             num_recv_tokens: n,
             hidden: h,
             num_topk: if case.with_topk { k } else { 0 },
+            worst_case: false,
         },
     )?;
     Ok(recv)
@@ -547,8 +548,8 @@ fn run_rank(
             expert_alignment: case.alignment,
             rank_prefix_matrix: rank_prefix.slice_mut(0..r * r),
             channel_prefix_matrix: channel_prefix.slice_mut(0..r * c),
-            moe_recv_counter: recv_counter,
-            moe_recv_expert_counter: expert_counter,
+            moe_recv_counter: Some(recv_counter),
+            moe_recv_expert_counter: Some(expert_counter),
             send_index: case.ce.map(|_| send_index.slice_mut(0..t * r)),
         },
     )?;

@@ -44,6 +44,20 @@ pub enum Error {
     /// A handle was passed to an op it does not belong to.
     #[error("handle mismatch: {0}")]
     HandleMismatch(String),
+
+    /// A dispatch into worst-case outputs ([`DispatchArgs::num_worst_tokens`]) found a rank
+    /// receiving more tokens than they hold; nothing was moved.
+    ///
+    /// [`DispatchArgs::num_worst_tokens`]: crate::DispatchArgs::num_worst_tokens
+    #[error("rank {rank} receives {received} tokens, more than num_worst_tokens = {capacity}")]
+    RecvCapacity {
+        /// The rank that would have overflowed.
+        rank: usize,
+        /// The tokens it receives.
+        received: usize,
+        /// The worst case given.
+        capacity: usize,
+    },
     /// A peer did not answer in time.
     #[error("timed out after {waited:?} waiting for rank {rank} ({what})")]
     Timeout {

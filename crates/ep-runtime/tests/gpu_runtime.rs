@@ -6,6 +6,7 @@
 //! routings (with `-1` entries, empty ranks, a hot expert, zero tokens), that the CUDA ops give
 //! the host backend's outputs: bit-exact for data movement, rel err <= 1e-2 for combines. A
 //! second launch checks that when one rank never calls the op, the others fail naming it.
+//! Normal mode also with worst-case outputs (`num_worst_tokens`), and with too few of them.
 //! With `nvshmem`, the same over 2 nodes x 2 GPUs and 2 x 1 of this host: the internode
 //! normal mode (an empty node in round 4), the low-latency ops, a buffer without the
 //! internode path, and a missing rank.
@@ -15,8 +16,8 @@ use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use ep_runtime::transport::ONE_HOST_NODES_ENV;
 use ep_runtime::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-    NvlTransfer, Reduction, Store, StoreConfig, Topology,
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchOutput, LowLatencyCombineArgs,
+    LowLatencyDispatchArgs, NvlTransfer, Reduction, Store, StoreConfig, Topology,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -215,6 +216,12 @@ fn child(case: &str) -> i32 {
             run(&format!("normal_round_{round}"), &|c| normal(c, round));
         }
         run("normal_fp8", &normal_fp8);
+        for round in 0..3 {
+            run(&format!("normal_worst_case_round_{round}"), &|c| {
+                normal_worst_case(c, round)
+            });
+        }
+        run("normal_worst_case_overflow", &normal_worst_case_overflow);
         for round in 0..3 {
             run(&format!("low_latency_round_{round}"), &|c| {
                 low_latency(c, round)
@@ -507,6 +514,28 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
     }
 
     // Combine the received rows (with the weights) back.
+    combine_matches(c, &oh, &od)?;
+
+    // Cached dispatch of other data along the same routing.
+    let x2 = (&x * 0.5).map_err(err)?;
+    let x2d = gpu(c, &x2)?;
+    let kh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x2).cached(&oh.handle))
+        .map_err(err)?;
+    let kd = c
+        .cuda
+        .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
+        .map_err(err)?;
+    same("cached recv_x", &kd.recv_x, &kh.recv_x)?;
+    same("cached recv_src_idx", &kd.recv_src_idx, &kh.recv_src_idx)?;
+    Ok(())
+}
+
+/// The combine of each backend's received rows, with their weights, along its handle: the
+/// CUDA buffer's within 1e-2 of the host backend's.
+fn combine_matches(c: &Ctx, oh: &DispatchOutput, od: &DispatchOutput) -> TestResult {
+    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
     let rw_h = pick(&oh.recv_topk_weights, "w")?;
     let rw_d = pick(&od.recv_topk_weights, "w")?;
     let ch = c
@@ -522,9 +551,97 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
         "combined_topk_weights",
         &pick(&cd.combined_topk_weights, "cw")?,
         &pick(&ch.combined_topk_weights, "cw")?,
-    )?;
+    )
+}
 
-    // Cached dispatch of other data along the same routing.
+/// Tokens rank `rank` sends in round `round` of the worst-case tests (rank 0 none in round 2).
+fn worst_case_tokens(rank: usize, round: usize) -> usize {
+    if round == 2 && rank == 0 {
+        0
+    } else {
+        7 + 11 * ((rank + round) % 3)
+    }
+}
+
+/// A dispatch into worst-case outputs (`num_worst_tokens`: every rank's most tokens x ranks;
+/// the pool poisoned first) against the host backend's, bit-exact over all rows: the received
+/// rows first (as the exact dispatch's), then rows from nowhere (source -1, routing -1, weight
+/// 0; their payload is not compared). No counts per expert. Then the combine of all rows, and
+/// a cached dispatch along the handle.
+fn normal_worst_case(c: &Ctx, round: usize) -> TestResult {
+    let e = 8 * c.world;
+    let t = worst_case_tokens(c.rank, round);
+    let most = (0..c.world)
+        .map(|r| worst_case_tokens(r, round))
+        .max()
+        .unwrap_or(0);
+    let worst = most * c.world;
+    let (x, idx, w) = inputs(c, t, round, 3)?;
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+    let exact = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(e))
+        .map_err(err)?;
+    let n = exact.recv_x.dims()[0];
+    let oh = c
+        .cpu
+        .dispatch(
+            &DispatchArgs::new(&x)
+                .topk(&idx, &w)
+                .num_experts(e)
+                .num_worst_tokens(worst),
+        )
+        .map_err(err)?;
+    poison_pool(&c.gpu, 64)?;
+    let od = c
+        .cuda
+        .dispatch(
+            &DispatchArgs::new(&xd)
+                .topk(&idxd, &wd)
+                .num_experts(e)
+                .num_worst_tokens(worst)
+                .async_finish(true),
+        )
+        .map_err(err)?;
+    od.event.wait().map_err(err)?;
+    for (what, o) in [("host", &oh), ("cuda", &od)] {
+        if o.recv_x.dims() != [worst, HIDDEN] || o.handle.num_recv_tokens() != worst {
+            return Err(format!(
+                "{what}: recv_x {:?}, handle rows {}; want [{worst}, {HIDDEN}]",
+                o.recv_x.dims(),
+                o.handle.num_recv_tokens()
+            ));
+        }
+        if !o.num_recv_tokens_per_expert.is_empty() {
+            return Err(format!(
+                "{what}: counts per expert returned with worst-case outputs"
+            ));
+        }
+    }
+    let head = |t: &Tensor| t.narrow(0, 0, n).map_err(err);
+    same("received rows", &head(&od.recv_x)?, &exact.recv_x)?;
+    same("host received rows", &head(&oh.recv_x)?, &exact.recv_x)?;
+    same("recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
+    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
+    same(
+        "recv_topk_idx",
+        &pick(&od.recv_topk_idx, "idx")?,
+        &pick(&oh.recv_topk_idx, "idx")?,
+    )?;
+    same(
+        "recv_topk_weights",
+        &pick(&od.recv_topk_weights, "w")?,
+        &pick(&oh.recv_topk_weights, "w")?,
+    )?;
+    same(
+        "rank_prefix_matrix",
+        od.handle.rank_prefix_matrix(),
+        oh.handle.rank_prefix_matrix(),
+    )?;
+    // Combine all rows back: the rows past the received ones are never read (the GPU's are
+    // poison).
+    combine_matches(c, &oh, &od)?;
+    // Cached dispatch along the worst-case handle: the same shape, the same rows.
     let x2 = (&x * 0.5).map_err(err)?;
     let x2d = gpu(c, &x2)?;
     let kh = c
@@ -535,8 +652,55 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
         .cuda
         .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
         .map_err(err)?;
-    same("cached recv_x", &kd.recv_x, &kh.recv_x)?;
+    if kd.recv_x.dims() != [worst, HIDDEN] {
+        return Err(format!("cached recv_x {:?}", kd.recv_x.dims()));
+    }
+    same("cached rows", &head(&kd.recv_x)?, &head(&kh.recv_x)?)?;
     same("cached recv_src_idx", &kd.recv_src_idx, &kh.recv_src_idx)?;
+    Ok(())
+}
+
+/// Worst-case outputs too small for one rank's count: the host backend refuses on every rank
+/// before any payload moves; the CUDA dispatch moves nothing, and the next op on every rank
+/// reports the same error (rank, count, capacity); the op after it runs as usual.
+fn normal_worst_case_overflow(c: &Ctx) -> TestResult {
+    let e = 8 * c.world;
+    let t = 20;
+    let (x, idx, w) = inputs(c, t, 0, 5)?;
+    let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
+    let args = |x, i, w| {
+        DispatchArgs::new(x)
+            .topk(i, w)
+            .num_experts(e)
+            .num_worst_tokens(3)
+    };
+    let host = match c.cpu.dispatch(&args(&x, &idx, &w)) {
+        Err(e @ ep_runtime::Error::RecvCapacity { .. }) => e.to_string(),
+        Err(e) => return Err(format!("host: {e}, want RecvCapacity")),
+        Ok(_) => return Err("host: a dispatch over its worst case succeeded".into()),
+    };
+    let od = c
+        .cuda
+        .dispatch(&args(&xd, &idxd, &wd).async_finish(true))
+        .map_err(err)?;
+    // The record is written by the kernel: wait for it before the next op reads it.
+    od.event.wait().map_err(err)?;
+    drop(od);
+    let exact = DispatchArgs::new(&xd).topk(&idxd, &wd).num_experts(e);
+    let cuda = match c.cuda.dispatch(&exact) {
+        Err(e @ ep_runtime::Error::RecvCapacity { .. }) => e.to_string(),
+        Err(e) => return Err(format!("cuda: {e}, want RecvCapacity")),
+        Ok(_) => return Err("cuda: the op after an overflowing dispatch succeeded".into()),
+    };
+    if cuda != host {
+        return Err(format!("cuda says `{cuda}`, host `{host}`"));
+    }
+    let oh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x).topk(&idx, &w).num_experts(e))
+        .map_err(err)?;
+    let od = c.cuda.dispatch(&exact).map_err(err)?;
+    same("recv_x after the error", &od.recv_x, &oh.recv_x)?;
     Ok(())
 }
 

@@ -504,3 +504,96 @@ fn a_stuck_rank_times_out_naming_it() {
     let e = res[0].as_ref().unwrap_err();
     assert!(matches!(e, Error::Timeout { rank: 1, .. }), "{e}");
 }
+
+/// Worst-case outputs (`num_worst_tokens`): the exact dispatch's rows first, then rows from
+/// nowhere (zeros, source -1, routing -1, weight 0), no counts per expert; combine and a cached
+/// dispatch along the handle give what the exact ones give. Too small a worst case fails on
+/// every rank, naming the same rank, and the buffer goes on.
+#[test]
+fn worst_case_outputs_pad_the_exact_ones() {
+    let seed = test_seed("worst_case_outputs_pad_the_exact_ones");
+    let (r, k, e, h) = (4usize, 3usize, 8usize, 16usize);
+    let tokens = vec![9usize, 0, 17, 4];
+    let worst = 17 * r;
+    for style in [Style::Random, Style::HotExpert, Style::EmptyRanks] {
+        let inp = Arc::new(inputs(seed, r, &tokens, k, e, h, style));
+        let tok = tokens.clone();
+        let errors = run_ranks(r, r, BufferConfig::default(), move |buf| {
+            let me = buf.topology().rank;
+            let t = tok[me];
+            let x = tensor(inp.x[me].clone(), &[t, h]);
+            let idx = tensor(inp.idx[me].clone(), &[t, k]);
+            let w = tensor(inp.w[me].clone(), &[t, k]);
+            let args = || DispatchArgs::new(&x).topk(&idx, &w).num_experts(e);
+            let exact = buf.dispatch(&args()).unwrap();
+            let out = buf.dispatch(&args().num_worst_tokens(worst)).unwrap();
+            let n = exact.recv_x.dims()[0];
+            assert_eq!(out.recv_x.dims(), [worst, h]);
+            assert_eq!(out.handle.num_recv_tokens(), worst);
+            assert!(out.num_recv_tokens_per_expert.is_empty());
+            let rows = |t: &candle_core::Tensor, a: usize, b: usize| {
+                t.narrow(0, a, b - a)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(rows(&out.recv_x, 0, n), rows(&exact.recv_x, 0, n));
+            assert!(rows(&out.recv_x, n, worst).iter().all(|&v| v == 0.0));
+            let src: Vec<i32> = out.recv_src_idx.to_vec1().unwrap();
+            let ex_src: Vec<i32> = exact.recv_src_idx.to_vec1().unwrap();
+            assert_eq!(&src[..n], &ex_src[..]);
+            assert!(src[n..].iter().all(|&s| s == -1));
+            let ids_of = |o: &ep_runtime::DispatchOutput| -> Vec<i64> {
+                let idx = o.recv_topk_idx.as_ref().unwrap();
+                idx.flatten_all().unwrap().to_vec1().unwrap()
+            };
+            let (ids, ex_ids) = (ids_of(&out), ids_of(&exact));
+            assert_eq!(&ids[..n * k], &ex_ids[..]);
+            assert!(ids[n * k..].iter().all(|&i| i == -1));
+            let ws = rows(out.recv_topk_weights.as_ref().unwrap(), 0, worst);
+            let ex_ws = rows(exact.recv_topk_weights.as_ref().unwrap(), 0, n);
+            assert_eq!(&ws[..n * k], &ex_ws[..]);
+            assert!(ws[n * k..].iter().all(|&v| v == 0.0));
+            // Combine every row back (the padding is not read), and a cached dispatch.
+            let ce = buf
+                .combine(&CombineArgs::new(&exact.recv_x, &exact.handle))
+                .unwrap();
+            let cw = buf
+                .combine(&CombineArgs::new(&out.recv_x, &out.handle))
+                .unwrap();
+            assert_eq!(rows(&cw.combined_x, 0, t), rows(&ce.combined_x, 0, t));
+            let x2 = (&x * 2.0).unwrap();
+            let kw = buf
+                .dispatch(&DispatchArgs::new(&x2).cached(&out.handle))
+                .unwrap();
+            let ke = buf
+                .dispatch(&DispatchArgs::new(&x2).cached(&exact.handle))
+                .unwrap();
+            assert_eq!(kw.recv_x.dims(), [worst, h]);
+            assert_eq!(rows(&kw.recv_x, 0, n), rows(&ke.recv_x, 0, n));
+            assert!(buf
+                .dispatch(
+                    &DispatchArgs::new(&x2)
+                        .cached(&out.handle)
+                        .num_worst_tokens(worst)
+                )
+                .is_err());
+            // Too small: every rank fails, naming the first rank over it.
+            let err = match buf.dispatch(&args().num_worst_tokens(2)) {
+                Err(e @ Error::RecvCapacity { .. }) => e.to_string(),
+                other => panic!("rank {me}: want RecvCapacity, got {other:?}"),
+            };
+            let again = buf.dispatch(&args()).unwrap();
+            assert_eq!(again.recv_x.dims()[0], n);
+            err
+        });
+        assert!(
+            errors.windows(2).all(|p| p[0] == p[1]),
+            "{style:?}: {errors:?}"
+        );
+    }
+}

@@ -160,8 +160,8 @@ pub fn notify_all(
                 expert_alignment: 1,
                 rank_prefix_matrix: h.rank_prefix.as_view_mut(),
                 channel_prefix_matrix: h.channel_prefix.as_view_mut(),
-                moe_recv_counter: &counters[rank].0,
-                moe_recv_expert_counter: &counters[rank].1,
+                moe_recv_counter: Some(&counters[rank].0),
+                moe_recv_expert_counter: Some(&counters[rank].1),
                 send_index: Some(h.send_index.as_view_mut()),
             },
         )?;

@@ -75,6 +75,7 @@ pub fn launch_dispatch(
             num_recv_tokens: n,
             hidden: HIDDEN,
             num_topk: TOPK,
+            worst_case: false,
         },
     )?;
     Ok(())

@@ -85,8 +85,8 @@ struct NotifyParams {
     const uint8_t* is_token_in_rank;   // [T, R]
     int* rank_prefix_matrix;           // [R, R] out
     int* channel_prefix_matrix;        // [R, C] out
-    int* moe_recv_counter;             // mapped [1 + R] out: total, then per source
-    int* moe_recv_expert_counter;      // mapped [L] out
+    int* moe_recv_counter;             // mapped [1 + R] out: total, then per source; or null
+    int* moe_recv_expert_counter;      // mapped [L] out, or null
     int* error_info;                   // [4]
     int* send_index;                   // [T, R] out or null
     uint64_t timeout_ns;
@@ -144,10 +144,12 @@ EP_KERNEL void __launch_bounds__(kNotifyThreads, 1) intranode_notify_dispatch(co
                 n += ep::ld_volatile(ecounts + s * kMaxLocalExperts + le);
             }
             const int a = p.expert_alignment;
-            ep::st_release_sys(p.moe_recv_expert_counter + le, (n + a - 1) / a * a);
+            if (p.moe_recv_expert_counter != nullptr) {
+                ep::st_release_sys(p.moe_recv_expert_counter + le, (n + a - 1) / a * a);
+            }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && p.moe_recv_counter != nullptr) {
             int total = 0;
             for (int i = 0; i < R; ++i) {
                 const int n = ep::ld_volatile(counts + i * kMaxRanks + p.rank);

@@ -154,8 +154,10 @@ struct DispatchParams {
     int num_channels;
     int num_max_send_tokens;
     int num_max_recv_tokens;
+    int num_recv_rows;  // N: rows of the outputs
+    int worst_case;     // N is a capacity every rank shares, not this rank's count
 };
-EP_CHECK_PARAMS_SIZE(DispatchParams, 232);
+EP_CHECK_PARAMS_SIZE(DispatchParams, 240);
 
 namespace {
 
@@ -297,6 +299,40 @@ EP_DEVICE void take_tokens(const DispatchParams& p, int d, int& t, int t_end, in
     }
 }
 
+// Worst-case outputs (`N` rows sized for any routing, the same on every rank): checks every
+// rank's received count (the last row of the prefix matrix, which every rank holds) against N,
+// so that all ranks stop together when one would overflow (block 0 records it), and marks the
+// rows past this rank's count as empty: source -1, routing -1, weight 0 (their payload stays
+// unwritten). Returns false when the dispatch must not run.
+EP_DEVICE bool worst_case_prelude(const DispatchParams& p) {
+    const int R = p.num_ranks;
+    const int* received = p.rank_prefix_matrix + (R - 1) * R;
+    for (int r = 0; r < R; ++r) {
+        const int n = received[r];
+        if (n > p.num_recv_rows) {
+            if (blockIdx.x == 0 && threadIdx.x == 0) {
+                report_capacity(p.error_info, p.rank, r, n, p.num_recv_rows);
+            }
+            return false;
+        }
+    }
+    const int64_t first = received[p.rank];
+    const int64_t rows = p.num_recv_rows - first;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (int64_t i = tid; i < rows; i += stride) {
+        p.recv_src_idx[first + i] = -1;
+    }
+    if (p.recv_topk_idx != nullptr) {
+        const int64_t K = p.num_topk;
+        for (int64_t i = tid; i < rows * K; i += stride) {
+            p.recv_topk_idx[first * K + i] = -1;
+            p.recv_topk_weights[first * K + i] = 0.0f;
+        }
+    }
+    return true;
+}
+
 }  // namespace
 
 // Grid: 2 * C blocks of kDispatchThreads. Block 2c sends channel c, block 2c + 1 receives it.
@@ -306,6 +342,9 @@ EP_DEVICE void take_tokens(const DispatchParams& p, int d, int& t, int t_end, in
 // block: ring group g (kDispatchWarps / (R - 1) warps) takes the g-th other rank's ring, so at
 // R = 4 each ring has 8 receiving warps instead of 6 (EP4 bf16 dispatch 368-371 -> 383-391 GB/s).
 EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const DispatchParams p) {
+    if (p.worst_case != 0 && !worst_case_prelude(p)) {
+        return;  // some rank receives more rows than the capacity: every rank stops here
+    }
     __shared__ int s_value[kMaxRanks][2];
     __shared__ int s_tail[kMaxRanks];
     __shared__ int s_abort[kMaxRanks];

@@ -22,6 +22,15 @@ pub(crate) fn kernel_err(e: ep_kernels::Error, timeout: Duration) -> Error {
             what: format!("device wait in kernel `{kernel}`"),
             waited: timeout,
         },
+        ep_kernels::Error::RecvCapacity {
+            rank,
+            received,
+            capacity,
+        } => Error::RecvCapacity {
+            rank,
+            received,
+            capacity,
+        },
         other => Error::Kernel(other),
     }
 }

@@ -28,6 +28,9 @@ pub(crate) enum CudaHandleData {
         /// `[T, R]` i32: the kernel's send head (index among the channel's tokens sent to that
         /// destination, `-1` = not sent), what combine needs.
         kernel_send_head: Tensor,
+        /// The dispatch wrote worst-case outputs (its rows are a capacity every rank shares):
+        /// cached dispatches along it do the same.
+        worst_case: bool,
     },
     /// Copy-engine path.
     CopyEngine {

@@ -109,10 +109,20 @@ impl CudaBuffer {
         }
     }
 
-    /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch.
+    /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch. With
+    /// `num_worst_tokens` the outputs are allocated for that many rows before the notify and
+    /// the host reads nothing: notify and dispatch are queued back to back (SM rings only).
     pub(crate) fn dispatch_fresh(&self, f: FreshDispatch<'_>) -> Result<DispatchOutput> {
+        let worst = f.args.num_worst_tokens;
         #[cfg(feature = "nvshmem")]
         if let Some(inn) = &self.internode {
+            if worst > 0 {
+                return Err(Error::Unsupported(
+                    "num_worst_tokens across nodes (the internode dispatch sizes its outputs \
+                     from the count the host reads)"
+                        .into(),
+                ));
+            }
             return self.internode_dispatch_fresh(inn, f);
         }
         let nm = self.normal_mode()?;
@@ -155,8 +165,9 @@ impl CudaBuffer {
                 (a, b, c)
             }
         };
-        // The copy-engine path when the NVLink buffer holds this op (and its combine).
-        let use_ce = nm.ce.is_some() && {
+        // The copy-engine path when the NVLink buffer holds this op (and its combine); its
+        // copies are sized on the host, so worst-case outputs take the rings.
+        let use_ce = worst == 0 && nm.ce.is_some() && {
             let bytes = nm.peer_buffers.bytes();
             let (row, sc) = if f.fp8 {
                 (h, h / FP8_GROUP)
@@ -167,8 +178,10 @@ impl CudaBuffer {
                 && t <= ki::CeSlotLayout::combine(bytes, r, h, k).capacity
         };
         // Notify.
-        nm.recv_counter.fill(-1);
-        nm.expert_counter.fill(-1);
+        if worst == 0 {
+            nm.recv_counter.fill(-1);
+            nm.expert_counter.fill(-1);
+        }
         // Every output whose size does not depend on the received count is allocated here,
         // while the host would otherwise wait for the notify; the rest between the notify and
         // the dispatch, where the GPU waits for the host. Outputs that the kernels write in full
@@ -205,23 +218,28 @@ impl CudaBuffer {
                     expert_alignment: args.expert_alignment,
                     rank_prefix_matrix: rpm.slice_mut(0..r * r),
                     channel_prefix_matrix: cpm.slice_mut(0..r * c),
-                    moe_recv_counter: &nm.recv_counter,
-                    moe_recv_expert_counter: &nm.expert_counter,
+                    moe_recv_counter: (worst == 0).then_some(&nm.recv_counter),
+                    moe_recv_expert_counter: (worst == 0).then_some(&nm.expert_counter),
                     send_index: send_index.as_mut().map(|s| s.slice_mut(0..t * r)),
                 },
             )
             .map_err(|e| kernel_err(e, self.timeout))?;
         }
-        let start = Instant::now();
-        let n = self.poll(&nm.recv_counter, 0, start)?;
-        // Written before word 0.
-        let recv_per_source: Vec<usize> = (0..r)
-            .map(|s| nm.recv_counter.get(1 + s).max(0) as usize)
-            .collect();
-        let per_expert = (0..l)
-            .map(|i| self.poll(&nm.expert_counter, i, start))
-            .collect::<Result<Vec<_>>>()?;
-        tracing::trace!(rank = me, recv = n, "notify done");
+        let (n, recv_per_source, per_expert) = if worst > 0 {
+            (worst, Vec::new(), Vec::new())
+        } else {
+            let start = Instant::now();
+            let n = self.poll(&nm.recv_counter, 0, start)?;
+            // Written before word 0.
+            let recv_per_source: Vec<usize> = (0..r)
+                .map(|s| nm.recv_counter.get(1 + s).max(0) as usize)
+                .collect();
+            let per_expert = (0..l)
+                .map(|i| self.poll(&nm.expert_counter, i, start))
+                .collect::<Result<Vec<_>>>()?;
+            tracing::trace!(rank = me, recv = n, "notify done");
+            (n, recv_per_source, per_expert)
+        };
 
         // Outputs of the received count (exact sizes; the dispatch writes every row) and dispatch.
         let mut recv_src_idx = alloc_uninit::<i32>(comm, n)?;
@@ -267,6 +285,7 @@ impl CudaBuffer {
                     recv_channel_offset: recv_channel_offset.slice_mut(0..r * c),
                     send_head: send_head.slice_mut(0..t * r),
                     num_recv_tokens: n,
+                    worst_case: worst > 0,
                 },
             };
             self.launch_dispatch(path, rows)?;
@@ -301,6 +320,7 @@ impl CudaBuffer {
                     CudaHandleData::Rings {
                         recv_channel_offset: wrap(recv_channel_offset, (r, c), dev),
                         kernel_send_head: sh,
+                        worst_case: worst > 0,
                     },
                 )
             }
@@ -380,12 +400,15 @@ impl CudaBuffer {
         self.begin(args.previous_event)?;
         let comm = &self.comm;
         ki::cached_notify_cuda(comm, &nm.peer_buffers).map_err(|e| kernel_err(e, self.timeout))?;
-        let ce = match cd {
+        let (ce, worst_case) = match cd {
             CudaHandleData::CopyEngine {
                 send_index,
                 recv_per_source,
-            } => Some((send_index, recv_per_source, &self.ce_configs()?.0)),
-            CudaHandleData::Rings { .. } => None,
+            } => (
+                Some((send_index, recv_per_source, &self.ce_configs()?.0)),
+                false,
+            ),
+            CudaHandleData::Rings { worst_case, .. } => (None, *worst_case),
             #[cfg(feature = "nvshmem")]
             CudaHandleData::Internode(_) => unreachable!("internode handles returned above"),
         };
@@ -432,6 +455,7 @@ impl CudaBuffer {
                     recv_channel_offset: scratch_off.slice_mut(0..r * c),
                     send_head: scratch_head.slice_mut(0..t * r),
                     num_recv_tokens: n,
+                    worst_case,
                 },
             };
             self.launch_dispatch(path, rows)?;
@@ -490,6 +514,7 @@ impl CudaBuffer {
                 CudaHandleData::Rings {
                     recv_channel_offset,
                     kernel_send_head,
+                    ..
                 } => {
                     let rco = DeviceTensor::new("handle.recv_channel_offset", recv_channel_offset)?;
                     let sh = DeviceTensor::new("handle.send_head", kernel_send_head)?;

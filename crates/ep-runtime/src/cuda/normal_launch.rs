@@ -188,6 +188,8 @@ pub(super) enum DispatchPath<'a> {
         recv_channel_offset: CudaViewMut<'a, i32>,
         send_head: CudaViewMut<'a, i32>,
         num_recv_tokens: usize,
+        /// `num_recv_tokens` is a worst case every rank shares, not this rank's count.
+        worst_case: bool,
     },
 }
 
@@ -257,6 +259,7 @@ impl CudaBuffer {
                 recv_channel_offset,
                 send_head,
                 num_recv_tokens,
+                worst_case,
             } => ki::dispatch_cuda(
                 &self.comm,
                 &nm.peer_buffers,
@@ -276,6 +279,7 @@ impl CudaBuffer {
                     num_recv_tokens,
                     hidden: rows.hidden,
                     num_topk: rows.num_topk,
+                    worst_case,
                 },
             ),
         }

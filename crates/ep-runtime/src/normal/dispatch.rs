@@ -33,6 +33,8 @@ pub struct DispatchArgs<'a> {
     pub previous_event: Option<&'a EventOverlap>,
     /// Return before the work is done; wait on the output's event (GPU buffers).
     pub async_finish: bool,
+    /// Worst-case outputs (0 = exact): see [`DispatchArgs::num_worst_tokens`].
+    pub num_worst_tokens: usize,
 }
 
 impl<'a> DispatchArgs<'a> {
@@ -49,6 +51,7 @@ impl<'a> DispatchArgs<'a> {
             expert_alignment: 1,
             previous_event: None,
             async_finish: false,
+            num_worst_tokens: 0,
         }
     }
 
@@ -100,12 +103,33 @@ impl<'a> DispatchArgs<'a> {
         self.async_finish = async_finish;
         self
     }
+
+    /// Worst-case outputs, as DeepEP's `num_worst_tokens`: the received tensors get
+    /// `num_worst_tokens` rows whatever the routing, so a fresh dispatch on a CUDA buffer
+    /// never waits for the received count on the host (its notify and transfer are queued back
+    /// to back, and the op can be captured in a CUDA graph). Give the same value on every rank,
+    /// at least what any rank receives (at most `num_ranks` x the most tokens a rank sends).
+    ///
+    /// The rows past this rank's count have source `-1`, routing `-1` and weight 0; their
+    /// payload is unspecified (zeros on the host backend). The count per local expert is not
+    /// returned (`num_recv_tokens_per_expert` is empty); the handle's
+    /// [`rank_prefix_matrix`](Handle::rank_prefix_matrix) holds the exact counts on the
+    /// device. When a rank would receive more, no rank moves anything and the dispatch (on
+    /// CUDA buffers the next op, as for a device timeout) fails with
+    /// [`Error::RecvCapacity`]. Combine takes all `num_worst_tokens` rows (only the received
+    /// ones are read); cached dispatches along the handle keep the worst-case shape. One node
+    /// only (SM rings; the copy-engine path sizes its copies on the host).
+    pub fn num_worst_tokens(mut self, num_worst_tokens: usize) -> Self {
+        self.num_worst_tokens = num_worst_tokens;
+        self
+    }
 }
 
 /// What [`Buffer::dispatch`] returns: exactly-sized received tensors and the handle.
 #[derive(Debug, Clone)]
 pub struct DispatchOutput {
-    /// `[N, H]` received tokens, ordered by source rank, then token order.
+    /// `[N, H]` received tokens, ordered by source rank, then token order (`N` =
+    /// [`DispatchArgs::num_worst_tokens`] rows when given).
     pub recv_x: Tensor,
     /// `[N, H / 128]` f32 scales, when `x` was fp8.
     pub recv_x_scales: Option<Tensor>,
@@ -116,7 +140,8 @@ pub struct DispatchOutput {
     /// `[N]` i32 index of each received token on its source rank.
     pub recv_src_idx: Tensor,
     /// Tokens each local expert receives, rounded up to `expert_alignment` (empty in cached
-    /// mode, where the counts are not exchanged).
+    /// mode, where the counts are not exchanged, and with worst-case outputs, where the host
+    /// does not read them).
     pub num_recv_tokens_per_expert: Vec<usize>,
     /// The record of this dispatch, for combine and cached dispatch.
     pub handle: Handle,
@@ -232,7 +257,19 @@ impl Buffer {
                 e.wait()?;
             }
         }
+        if args.num_worst_tokens > i32::MAX as usize {
+            return Err(Error::invalid(
+                "num_worst_tokens",
+                args.num_worst_tokens,
+                format!("must be at most {} (32-bit row offsets)", i32::MAX),
+            ));
+        }
         match args.handle {
+            Some(_) if args.num_worst_tokens > 0 => Err(Error::invalid(
+                "num_worst_tokens",
+                args.num_worst_tokens,
+                "a cached dispatch takes the handle's rows: give it only to the fresh dispatch",
+            )),
             Some(h) => self.dispatch_cached(args, &cx, h),
             None => self.dispatch_fresh(args, &cx),
         }

@@ -119,6 +119,12 @@ impl Buffer {
             &placement,
             args.expert_alignment,
         )?;
+        // Worst-case outputs: every rank holds the whole matrix, so all of them stop here
+        // together when one would receive more (before any payload moves), as on the GPU.
+        let worst = args.num_worst_tokens;
+        if worst > 0 {
+            check_worst_case(&notify.rank_prefix_matrix, r, worst)?;
+        }
         let send_slots = ki::send_slots(
             me,
             &layout.is_token_in_rank,
@@ -188,7 +194,11 @@ impl Buffer {
         let got = self.exchange("dispatch", msgs, None)?;
 
         let recv_counts = super::handle::recv_counts(&notify.rank_prefix_matrix, r, me);
-        let n = notify.num_recv_tokens;
+        let n = if worst > 0 {
+            worst
+        } else {
+            notify.num_recv_tokens
+        };
         let mut rx = Vec::with_capacity(n * row);
         let mut rs = Vec::with_capacity(n * srow);
         let mut rsrc = Vec::with_capacity(n);
@@ -221,6 +231,13 @@ impl Buffer {
                     .map(|c| f32::from_le_bytes(c.try_into().expect("4"))),
             );
         }
+        // Worst-case outputs: the rows past the received ones are zeros, from nowhere, routed
+        // nowhere (no-ops for exact outputs).
+        rx.resize(n * row, 0);
+        rs.resize(n * srow, 0);
+        rsrc.resize(n, -1);
+        rids.resize(n * k, -1);
+        rws.resize(n * k, 0.0);
         let dev = &self.device;
         let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
         let (recv_topk_idx, recv_topk_weights) = if topk.is_some() {
@@ -260,11 +277,15 @@ impl Buffer {
             recv_topk_idx,
             recv_topk_weights,
             recv_src_idx,
-            num_recv_tokens_per_expert: notify
-                .num_recv_tokens_per_expert
-                .iter()
-                .map(|&c| c as usize)
-                .collect(),
+            num_recv_tokens_per_expert: if worst > 0 {
+                Vec::new()
+            } else {
+                notify
+                    .num_recv_tokens_per_expert
+                    .iter()
+                    .map(|&c| c as usize)
+                    .collect()
+            },
             handle,
             event: EventOverlap::complete(),
         })
@@ -323,6 +344,9 @@ impl Buffer {
             rx.extend_from_slice(parts[0]);
             rs.extend_from_slice(parts[1]);
         }
+        // A worst-case handle's rows past the received ones (no-ops for exact ones).
+        rx.resize(n * row, 0);
+        rs.resize(n * srow, 0);
         let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
         Ok(DispatchOutput::cached(
             recv_x,
@@ -418,6 +442,24 @@ impl Buffer {
             },
             event: EventOverlap::complete(),
         })
+    }
+}
+
+/// Checks every rank's received count (the last row of the `[r, r]` prefix matrix) against
+/// the worst case `worst`.
+fn check_worst_case(rank_prefix_matrix: &[i32], r: usize, worst: usize) -> Result<()> {
+    let received = &rank_prefix_matrix[(r - 1) * r..r * r];
+    match received
+        .iter()
+        .enumerate()
+        .find(|&(_, &n)| n as usize > worst)
+    {
+        Some((rank, &n)) => Err(Error::RecvCapacity {
+            rank,
+            received: n as usize,
+            capacity: worst,
+        }),
+        None => Ok(()),
     }
 }
 

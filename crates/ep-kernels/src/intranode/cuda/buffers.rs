@@ -128,11 +128,18 @@ impl PeerBuffers {
     }
 
     /// Turns an error record (read by the host after the op's stream has synchronised) into
-    /// [`Error::PeerTimeout`]; `Ok` if it is clear. `record` is the 4 words at `error_info`:
-    /// `{1 = timeout, awaited rank, kernel id, wait site}`.
+    /// [`Error::PeerTimeout`] or [`Error::RecvCapacity`]; `Ok` if it is clear. `record` is the
+    /// 4 words at `error_info`: `{1 = timeout, awaited rank, kernel id, wait site}` or
+    /// `{2 = capacity, rank, received, capacity}`.
     pub fn check_error(record: &[i32]) -> Result<()> {
+        let count = |v: i32| usize::try_from(v).unwrap_or(usize::MAX);
         match record {
             [0, ..] => Ok(()),
+            [2, rank, received, capacity] => Err(Error::RecvCapacity {
+                rank: count(*rank),
+                received: count(*received),
+                capacity: count(*capacity),
+            }),
             [_, rank, kernel, ..] => Err(Error::PeerTimeout {
                 rank: usize::try_from(*rank).unwrap_or(usize::MAX),
                 kernel: KERNEL_NAMES

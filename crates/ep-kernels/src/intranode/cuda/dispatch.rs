@@ -49,17 +49,19 @@ struct DispatchParams {
     num_channels: i32,
     num_max_send_tokens: i32,
     num_max_recv_tokens: i32,
+    num_recv_rows: i32,
+    worst_case: i32,
 }
 assert_params_layout!(
     DispatchParams,
-    232;
+    240;
     buffer_ptrs = 0, x = 64, x_scales = 72, topk_idx = 80, topk_weights = 88,
     is_token_in_rank = 96, rank_prefix_matrix = 104, channel_prefix_matrix = 112, recv_x = 120,
     recv_x_scales = 128, recv_src_idx = 136, recv_topk_idx = 144, recv_topk_weights = 152,
     recv_channel_offset = 160, send_head = 168, error_info = 176, timeout_ns = 184, rank = 192,
     num_ranks = 196, num_tokens = 200, hidden_int4 = 204, num_scales = 208, num_topk = 212,
     experts_per_rank = 216, num_channels = 220, num_max_send_tokens = 224,
-    num_max_recv_tokens = 228,
+    num_max_recv_tokens = 228, num_recv_rows = 232, worst_case = 236,
 );
 // SAFETY: repr(C) plain data mirroring `DispatchParams` in rings_dispatch.cu.
 unsafe impl KernelParams for DispatchParams {}
@@ -91,12 +93,19 @@ pub struct DispatchArgs<'a> {
     /// Out: `[T, R]` for each token and destination, its index among this channel's tokens
     /// sent to that destination, or `-1` (what combine needs).
     pub send_head: CudaViewMut<'a, i32>,
-    /// Number of tokens `N` this rank receives (from notify or the handle).
+    /// Rows `N` of the outputs: the tokens this rank receives (from notify or the handle), or
+    /// with `worst_case` a capacity for any routing.
     pub num_recv_tokens: usize,
     /// Hidden size `H` (same on every rank: it fixes the ring layout).
     pub hidden: usize,
     /// Top-k `K` (0 without `topk`; same on every rank).
     pub num_topk: usize,
+    /// `num_recv_tokens` is a worst-case capacity, the same on every rank, not this rank's
+    /// count (which the host never read): the kernel checks every rank's count against it
+    /// (when one exceeds it every rank returns before moving anything and records
+    /// [`Error::RecvCapacity`](crate::Error::RecvCapacity)), and marks the rows past this rank's
+    /// count as empty: source `-1`, routing `-1`, weight 0 (their payload is left unwritten).
+    pub worst_case: bool,
 }
 
 /// Launches the dispatch of this rank's tokens on `stream` (after [`notify_dispatch_cuda`](super::notify_dispatch_cuda) or
@@ -174,6 +183,8 @@ pub fn dispatch_cuda(
         num_channels: to_i32("num_channels", c)?,
         num_max_send_tokens: to_i32("num_max_send_tokens", config.num_max_send_tokens)?,
         num_max_recv_tokens: to_i32("num_max_recv_tokens", q)?,
+        num_recv_rows: to_i32("num_recv_tokens", n)?,
+        worst_case: i32::from(args.worst_case),
     };
     let cfg = LaunchConfig {
         grid_dim: (2 * c as u32, 1, 1),
@@ -183,7 +194,8 @@ pub fn dispatch_cuda(
     // SAFETY: `params` matches `DispatchParams`. Every view was checked to hold exactly what
     // the kernel touches for T tokens, N received tokens, H hidden, K top-k, R ranks and C
     // channels (the kernel writes recv rows at offsets from the prefix matrices, which sum to
-    // N when they come from notify on these counts); optional pointers are null exactly when
+    // N when they come from notify on these counts, and with `worst_case` it returns before
+    // writing when they sum to more than N); optional pointers are null exactly when
     // their counts (K, S) are 0; the rings fit in the NVLink buffers (`check_buffer`), which
     // are valid per `PeerBuffers::new`. The guards keep the views ordered on `stream`.
     unsafe { kernel.launch(stream, cfg, params) }

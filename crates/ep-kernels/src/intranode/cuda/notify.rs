@@ -102,10 +102,12 @@ pub struct NotifyArgs<'a> {
     pub channel_prefix_matrix: CudaViewMut<'a, i32>,
     /// Out (host-mapped, set to -1 by the caller before the launch, at least `1 + R` words):
     /// word 0 = tokens received, word `1 + s` = tokens received from source `s` (written
-    /// before word 0).
-    pub moe_recv_counter: &'a HostMappedI32,
-    /// Out (host-mapped, set to -1 by the caller): `[L]` aligned tokens per local expert.
-    pub moe_recv_expert_counter: &'a HostMappedI32,
+    /// before word 0). `None` when the host will not read them (a dispatch into worst-case
+    /// outputs): a late write could otherwise land in a later notify's polled words.
+    pub moe_recv_counter: Option<&'a HostMappedI32>,
+    /// Out (host-mapped, set to -1 by the caller): `[L]` aligned tokens per local expert;
+    /// `None` as `moe_recv_counter`.
+    pub moe_recv_expert_counter: Option<&'a HostMappedI32>,
     /// Out (optional): `[T, R]` index of each token among this rank's tokens sent to each
     /// destination, in token order (`-1` = not sent); the copy-engine path needs it
     /// (`crate::intranode::send_slots` minus the source's block offset).
@@ -156,15 +158,15 @@ pub fn notify_dispatch_cuda(
         args.rank_prefix_matrix.len(),
         args.channel_prefix_matrix.len(),
     )?;
-    check_min_len("moe_recv_counter", 1 + r, args.moe_recv_counter.len())?;
+    if let Some(m) = args.moe_recv_counter {
+        check_min_len("moe_recv_counter", 1 + r, m.len())?;
+    }
     if let Some(si) = &args.send_index {
         Error::check_len("send_index", t * r, si.len())?;
     }
-    check_min_len(
-        "moe_recv_expert_counter",
-        l,
-        args.moe_recv_expert_counter.len(),
-    )?;
+    if let Some(m) = args.moe_recv_expert_counter {
+        check_min_len("moe_recv_expert_counter", l, m.len())?;
+    }
 
     let kernels = Kernels::for_stream(stream)?;
     let kernel = kernels.kernel(FILE, "intranode_notify_dispatch")?;
@@ -187,8 +189,10 @@ pub fn notify_dispatch_cuda(
         is_token_in_rank: itir,
         rank_prefix_matrix: rpm,
         channel_prefix_matrix: cpm,
-        moe_recv_counter: args.moe_recv_counter.device_ptr(),
-        moe_recv_expert_counter: args.moe_recv_expert_counter.device_ptr(),
+        moe_recv_counter: args.moe_recv_counter.map_or(0, HostMappedI32::device_ptr),
+        moe_recv_expert_counter: args
+            .moe_recv_expert_counter
+            .map_or(0, HostMappedI32::device_ptr),
         error_info: buffers.error_info(),
         send_index,
         timeout_ns: buffers.timeout_ns(),
