@@ -326,6 +326,92 @@ fn known_step_runs_no_host_round_of_its_own() {
 }
 
 /// The f32 layer of the checkpoint at `path` over `buf`, with `ll_max` low-latency slots.
+/// Normal mode with worst-case dispatch outputs (`normal_max_tokens_per_rank`: no host read
+/// of the received count), alone, in fp8, with the two-batch overlap and pipelined over expert
+/// groups: equal to the dense layer.
+#[test]
+fn worst_case_dispatch_outputs() {
+    let worst = |base: MoeLayerOptions| MoeLayerOptions {
+        normal_max_tokens_per_rank: Some(24),
+        ..base
+    };
+    let plain = worst(MoeLayerOptions::default());
+    run_with(2, 2, DType::F32, false, 1e-5, plain);
+    run_with(4, 4, DType::F32, false, 1e-5, plain);
+    run_with(4, 2, DType::BF16, false, 2e-2, plain);
+    run_with(4, 4, DType::F32, true, 8e-2, plain);
+    run_with(
+        4,
+        4,
+        DType::F32,
+        false,
+        1e-5,
+        worst(MoeLayerOptions {
+            two_batch_overlap: true,
+            ..Default::default()
+        }),
+    );
+    run_with(
+        4,
+        4,
+        DType::F32,
+        false,
+        1e-5,
+        worst(MoeLayerOptions {
+            expert_groups: 2,
+            ..Default::default()
+        }),
+    );
+}
+
+/// `normal_max_tokens_per_rank`: 0 and a buffer across nodes are refused at load; a normal step
+/// over the bound is refused before any op (every rank over it: no collective is left
+/// waiting), and the layer goes on.
+#[test]
+fn worst_case_bound_is_enforced() {
+    let errs = on_ranks(2, 2, (8, None), "worst-refused", |buf, cfg, path| {
+        let buf = Arc::new(buf);
+        let load = |bound| {
+            let opts = MoeLayerOptions {
+                low_latency_max_tokens: 8,
+                normal_max_tokens_per_rank: Some(bound),
+                ..Default::default()
+            };
+            MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts)
+        };
+        let zero = load(0).unwrap_err().to_string();
+        let layer = load(16).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (20, cfg.hidden_size), &Device::Cpu).unwrap();
+        let over = layer
+            .forward_with_mode(&x, Mode::Normal)
+            .unwrap_err()
+            .to_string();
+        let ok = layer.forward_with_mode(&x.narrow(0, 0, 16).unwrap(), Mode::Normal);
+        assert!(ok.is_ok(), "{ok:?}");
+        [zero, over]
+    });
+    for [zero, over] in errs {
+        assert!(zero.contains("normal_max_tokens_per_rank"), "{zero}");
+        assert!(
+            over.contains("normal_max_tokens_per_rank = 16") && over.contains("20 tokens"),
+            "{over}"
+        );
+    }
+    let nodes = on_ranks(4, 2, (8, Some(32)), "worst-nodes", |buf, cfg, path| {
+        let opts = MoeLayerOptions {
+            low_latency_max_tokens: 8,
+            normal_max_tokens_per_rank: Some(16),
+            ..Default::default()
+        };
+        MoeLayer::load(var_builder(path, DType::F32), cfg, Arc::new(buf), opts)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in nodes {
+        assert!(e.contains("one node only"), "{e}");
+    }
+}
+
 fn f32_layer(buf: Arc<Buffer>, cfg: &MoeConfig, path: &Path, ll_max: usize) -> MoeLayer {
     let opts = MoeLayerOptions {
         low_latency_max_tokens: ll_max,

@@ -140,6 +140,23 @@ impl MoeLayer {
                 }
             }
         }
+        match options.normal_max_tokens_per_rank {
+            Some(0) => {
+                return Err(Error::invalid(
+                    "normal_max_tokens_per_rank",
+                    "Some(0)",
+                    "must be at least 1 (None: exact outputs)",
+                ))
+            }
+            Some(m) if buffer.normal_mode_max_tokens().is_some() => {
+                return Err(Error::invalid(
+                    "normal_max_tokens_per_rank",
+                    m,
+                    "worst-case outputs are one node only (this buffer spans nodes)",
+                ))
+            }
+            _ => {}
+        }
         if options.normal_gemm_grid == Some(ep_kernels::gemm::GemmGrid::PersistentOn(0)) {
             return Err(Error::invalid(
                 "normal_gemm_grid",
@@ -342,6 +359,17 @@ impl MoeLayer {
             }
             (m, most) => (m, most),
         };
+        if let Some(max) = self.options.normal_max_tokens_per_rank {
+            if mode != Mode::LowLatency && !self.prefill_in_low_latency_chunks() && t > max {
+                return Err(Error::invalid(
+                    "x",
+                    format!("{t} tokens"),
+                    format!(
+                        "normal mode takes at most normal_max_tokens_per_rank = {max} tokens per rank"
+                    ),
+                ));
+            }
+        }
         if mode == Mode::LowLatency && t > self.options.low_latency_max_tokens {
             return Err(Error::invalid(
                 "x",

@@ -55,7 +55,7 @@ pub use ep_runtime;
 pub use error::{Error, Result};
 pub use experts::Experts;
 #[cfg(feature = "cuda")]
-pub use graph::DecodeGraph;
+pub use graph::{DecodeGraph, StepGraph};
 pub use layer::MoeLayer;
 pub use mlp::{GateUpLayout, Mlp};
 pub use options::{MoeLayerOptions, SharedPlacement};

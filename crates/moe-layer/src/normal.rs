@@ -109,8 +109,9 @@ impl MoeLayer {
     }
 
     /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
-    /// after `ready`; returns once it is issued: the host has read the received count, the
-    /// rows are not yet in.
+    /// after `ready`; returns once it is issued: the host has read the received count (or,
+    /// with `normal_max_tokens_per_rank`, sized the outputs for the worst case), the rows are
+    /// not yet in.
     fn dispatch_normal(
         &self,
         send: &SendRows,
@@ -124,6 +125,9 @@ impl MoeLayer {
             .expert_alignment(self.options.expert_alignment)
             .previous_event(ready)
             .async_finish(true);
+        if let Some(max) = self.options.normal_max_tokens_per_rank {
+            args = args.num_worst_tokens(max * self.buffer.topology().num_ranks);
+        }
         if let Some(s) = &send.scales {
             args = args.x_scales(s);
         }
@@ -154,7 +158,9 @@ impl MoeLayer {
         // by the counts it picks narrower ones at 2048 tokens per rank, 0.45-0.5 ms slower on
         // 4 x H100 and 0.2 ms faster on 4 x H200 (docs/benchmarks.md, "Pipelined over expert
         // groups").
-        if self.normal_gemm_grid == ep_kernels::gemm::GemmGrid::PerTile {
+        // Worst-case outputs come without counts: a per-tile grid is then sized for every slot.
+        let counted = !out.num_recv_tokens_per_expert.is_empty();
+        if self.normal_gemm_grid == ep_kernels::gemm::GemmGrid::PerTile && counted {
             self.experts.forward_grouped_counted(
                 &recv_x,
                 recv_idx,

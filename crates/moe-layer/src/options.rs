@@ -98,6 +98,15 @@ pub struct MoeLayerOptions {
     /// measured 3.5 % faster than persistent at EP2 and 4096 tokens per rank on 4 x H200 and
     /// 5 % slower at EP4 4096 and 8192.
     pub normal_gemm_grid: Option<ep_kernels::gemm::GemmGrid>,
+    /// Normal mode across ranks with worst-case outputs (DeepEP's `num_worst_tokens`): a bound
+    /// on the tokens any rank sends in one normal-mode step, the same on every rank. With it,
+    /// each dispatch sizes what it receives for `num_ranks` x this many rows instead of reading
+    /// the received count on the host, so the host never waits for the GPU inside the step
+    /// (it queues the shared experts, the GEMMs and the combine at once, and can run ahead to
+    /// the next layer); a per-tile GEMM grid ([`Self::normal_gemm_grid`]) is then sized for
+    /// every (token, slot) pair, not by the counts. A step with more tokens on this rank is refused before any kernel.
+    /// One node only. `None` (the default): exact outputs and one host read per dispatch.
+    pub normal_max_tokens_per_rank: Option<usize>,
 }
 
 impl Default for MoeLayerOptions {
@@ -115,6 +124,7 @@ impl Default for MoeLayerOptions {
             shared_before_dispatch: false,
             expert_groups: 1,
             normal_gemm_grid: None,
+            normal_max_tokens_per_rank: None,
         }
     }
 }

@@ -57,6 +57,7 @@ fn pair(
         shared_before_dispatch: false,
         expert_groups: 1,
         normal_gemm_grid: None,
+        normal_max_tokens_per_rank: None,
     };
     let gbuf = Arc::new(Buffer::single(&dev, bcfg.clone())?);
     let gpu = MoeLayer::load(

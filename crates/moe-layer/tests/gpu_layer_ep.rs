@@ -8,7 +8,8 @@
 //! without tokens, a hot expert, fp8 dispatch), low-latency mode with the combine per rank (the
 //! default) and per expert, `Mode::Auto` with different token counts per rank, and a decode
 //! step captured as a CUDA graph on every rank and replayed on fresh inputs (equal to eager
-//! runs within 1e-3); all again with the two-batch overlap.
+//! runs within 1e-3), and a normal step likewise (refused without worst-case outputs); all again with the two-batch overlap, the expert-group pipeline, and
+//! worst-case dispatch outputs (`normal_max_tokens_per_rank`).
 //!
 //! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing
 //! and says so. A first argument filters cases by name.
@@ -22,7 +23,7 @@ use candle_nn::VarBuilder;
 use moe_layer::config::MoeConfig;
 use moe_layer::ep_kernels::gemm::GemmGrid;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, LocalTransport, Reduction, Topology};
-use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement};
+use moe_layer::{Mode, MoeLayer, MoeLayerOptions, SharedPlacement, StepGraph};
 
 mod gpu_common;
 use gpu_common::{cfg, on_device, rel, weights, R};
@@ -50,6 +51,8 @@ struct Setup {
     groups: usize,
     /// `MoeLayerOptions::normal_gemm_grid`.
     grid: Option<GemmGrid>,
+    /// `MoeLayerOptions::normal_max_tokens_per_rank`.
+    worst: Option<usize>,
 }
 
 impl Setup {
@@ -66,6 +69,7 @@ impl Setup {
             shared_first: false,
             groups: 1,
             grid: None,
+            worst: None,
         }
     }
 }
@@ -102,6 +106,7 @@ fn build(
         shared_before_dispatch: s.shared_first,
         expert_groups: s.groups,
         normal_gemm_grid: s.grid,
+        normal_max_tokens_per_rank: s.worst,
     };
     let gpu = MoeLayer::load(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
@@ -161,11 +166,37 @@ fn forward_case(r: &Rank, t: usize, mode: Mode) -> R<String> {
 /// A decode step captured on every rank at once, replayed on fresh inputs.
 fn graph_case(r: &Rank, t: usize, steps: usize) -> R<String> {
     let g = r.gpu.capture_decode(t, DType::BF16)?;
+    let done = replays(r, &g, Mode::LowLatency, steps)?;
+    r.gpu.buffer().low_latency_check()?;
+    Ok(done)
+}
+
+/// A normal step captured on every rank at once and replayed on fresh inputs (equal to eager
+/// runs within 1e-3 and to the reference), with worst-case dispatch outputs; refused on every
+/// rank, naming the option, without them.
+fn prefill_graph_case(r: &Rank, t: usize, steps: usize) -> R<String> {
+    if r.gpu.options().normal_max_tokens_per_rank.is_none() {
+        return match r.gpu.capture_prefill(t, DType::BF16) {
+            Err(e) if e.to_string().contains("normal_max_tokens_per_rank") => {
+                Ok("refused without worst-case outputs".into())
+            }
+            Err(e) => Err(format!("refused with `{e}`").into()),
+            Ok(_) => Err("captured a normal step that reads its count on the host".into()),
+        };
+    }
+    let g = r.gpu.capture_prefill(t, DType::BF16)?;
+    replays(r, &g, Mode::Normal, steps)
+}
+
+/// Replays the captured step `g` on `steps` fresh inputs, each against an eager step in `mode`
+/// (within 1e-3) and the reference (1e-2).
+fn replays(r: &Rank, g: &StepGraph<'_>, mode: Mode, steps: usize) -> R<String> {
+    let t = g.input().dims()[0];
     let mut last = 0.0;
     for step in 0..steps {
         let x = tokens(r, t, 1.0 + step as f32 * 0.1)?;
         let replayed = g.replay(&x)?;
-        let eager = r.gpu.forward_with_mode(&x, Mode::LowLatency)?;
+        let eager = r.gpu.forward_with_mode(&x, mode)?;
         let (all, worst) = rel(&replayed, &eager)?;
         if all > 1e-3 || worst > 1e-3 {
             return Err(format!(
@@ -179,7 +210,6 @@ fn graph_case(r: &Rank, t: usize, steps: usize) -> R<String> {
         }
         last = refd;
     }
-    r.gpu.buffer().low_latency_check()?;
     Ok(format!("{steps} replays, last vs reference {last:.1e}"))
 }
 
@@ -227,6 +257,10 @@ fn cases(world: usize) -> Vec<Case> {
     add(
         "decode-graph/T=8".into(),
         Box::new(|r, _| graph_case(r, 8, 4)),
+    );
+    add(
+        "prefill-graph/T=300".into(),
+        Box::new(|r, _| prefill_graph_case(r, 300, 3)),
     );
     v
 }
@@ -295,6 +329,27 @@ fn main() {
             cfg: hot(),
             hot: true,
             ..Setup::new("hot-expert")
+        },
+        // Worst-case outputs (no host read of the count), bound by the largest normal step
+        // of the cases (1200 tokens).
+        Setup {
+            worst: Some(1200),
+            ..Setup::new("worst-case-outputs")
+        },
+        Setup {
+            worst: Some(1200),
+            fp8: true,
+            grid: Some(GemmGrid::PerTile),
+            cfg: hot(),
+            hot: true,
+            ..Setup::new("worst-case-outputs-fp8-per-tile-hot-expert")
+        },
+        Setup {
+            worst: Some(1200),
+            groups: 2,
+            tbo: false,
+            shared_first: true,
+            ..Setup::new("worst-case-outputs-expert-groups-2-shared-first")
         },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
