@@ -275,6 +275,24 @@ fn main() -> Result<(), BoxError> {
         topk_ids: uniform(&mut rng, 2048, 256),
         tokens: 2048,
     });
+    // The layer's shapes across ranks: a rank's 128 experts at EP2 and 64 at EP4 with 4096
+    // tokens per rank (about 256 and 512 rows per expert), where `GemmTiles::Auto`, deciding
+    // from the permute's bound (every received row's slots), picks `Wide` at EP2 and `WideM`
+    // at EP4.
+    cases.push(Case {
+        name: "contiguous 128 uniform (EP2 4096, ~256 rows each)".into(),
+        experts: 128,
+        layout: contiguous,
+        topk_ids: uniform(&mut rng, 4096, 128),
+        tokens: 4096,
+    });
+    cases.push(Case {
+        name: "contiguous 64 uniform (EP4 4096, ~512 rows each)".into(),
+        experts: 64,
+        layout: contiguous,
+        topk_ids: uniform(&mut rng, 4096, 64),
+        tokens: 4096,
+    });
     cases.push(Case {
         name: "masked 256, one token (8 x 1, m_max 128)".into(),
         experts: 256,

@@ -36,8 +36,15 @@
 //! `EP_BENCH_GEMM_GRID=persistent|per-tile|N` sets the grid of its grouped GEMMs
 //! (`MoeLayerOptions::normal_gemm_grid`; N: persistent on N SMs). Normal rows across ranks also time the dispatch
 //! with the shared expert beside it, issued in three orders, and the dispatch split: with its
-//! layout computed beforehand, and cached (reusing the handle: no notify, no host read of the
-//! count), with the GB/s each moves (one line each after the table).
+//! layout computed beforehand, cached (reusing the handle: no notify, no host read of the
+//! count), and into worst-case outputs (layout beforehand, notify, no host read; SM rings),
+//! with the GB/s each moves (one line each after the table).
+//! `EP_BENCH_NVL=rings|copy-engine` picks normal mode's NVLink transfer
+//! (`BufferConfig::with_nvl_transfer`; default: copy engines at 2 ranks, rings above).
+//! `EP_BENCH_WORST=N` gives normal mode worst-case outputs for at most N tokens per rank
+//! (`MoeLayerOptions::normal_max_tokens_per_rank`: no host read of the received count; N must
+//! cover every token count run), and times normal steps also as captured graphs
+//! (`MoeLayer::capture_prefill`).
 //! `EP_BENCH_NO_EVENT_TRACKING=1` turns off cudarc's per-slice events on each rank's context
 //! before anything is allocated: what their host calls cost the layer (a measurement only).
 //!
@@ -57,7 +64,7 @@ use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
 use moe_layer::ep_runtime::graph::capture;
 use moe_layer::ep_runtime::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, EventOverlap, LocalTransport,
-    LowLatencyCombineArgs, LowLatencyDispatchArgs, Reduction, Topology,
+    LowLatencyCombineArgs, LowLatencyDispatchArgs, NvlTransfer, Reduction, Topology,
 };
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
@@ -148,6 +155,10 @@ fn bench_options() -> MoeLayerOptions {
             ))),
             Err(_) => None,
         },
+        normal_max_tokens_per_rank: std::env::var("EP_BENCH_WORST").ok().map(|v| {
+            v.parse()
+                .expect("EP_BENCH_WORST: the most tokens a rank sends in a normal step")
+        }),
     }
 }
 
@@ -170,7 +181,7 @@ struct Row {
     /// Normal mode across ranks: the dispatch with its layout computed beforehand, and again
     /// reusing the first dispatch's handle (no notify, no host read of the count: the
     /// transfer and a barrier), with the rows this rank received.
-    dispatch_split: Option<([f64; 2], usize)>,
+    dispatch_split: Option<([f64; 3], usize)>,
     floor_ms: f64,
     floor_gb: f64,
     dense_ms: f64,
@@ -251,8 +262,16 @@ fn bench_tokens(
         layer.forward_with_mode(&x, mode)?;
         Ok(())
     })?;
-    if mode == Mode::LowLatency {
-        let g = layer.capture_decode(t, DType::BF16)?;
+    // Decode steps, and prefill steps with worst-case dispatch outputs (no host read), also
+    // as captured graphs.
+    let graph = if mode == Mode::LowLatency {
+        Some(layer.capture_decode(t, DType::BF16)?)
+    } else if layer.options().normal_max_tokens_per_rank.is_some() {
+        Some(layer.capture_prefill(t, DType::BF16)?)
+    } else {
+        None
+    };
+    if let Some(g) = graph {
         g.input().slice_set(&x, 0, 0)?;
         row.graph_ms = Some(time_ms(&stream, iters, &mut || {
             g.replay_in_place()?;
@@ -404,6 +423,11 @@ fn bench_tokens(
                     buf.dispatch(&cached())?;
                     Ok(())
                 })?,
+                part(&mut || {
+                    let worst = with_layout().num_worst_tokens(buf.topology().num_ranks * t);
+                    buf.dispatch(&worst)?;
+                    Ok(())
+                })?,
             ],
             out.recv_x.dims()[0],
         ));
@@ -495,6 +519,12 @@ fn run_rank(
         .and_then(|v| v.parse().ok())
     {
         bcfg.config.num_sms = sms;
+    }
+    match std::env::var("EP_BENCH_NVL").as_deref() {
+        Ok("rings") => bcfg = bcfg.with_nvl_transfer(NvlTransfer::SmRings),
+        Ok("copy-engine") => bcfg = bcfg.with_nvl_transfer(NvlTransfer::CopyEngine),
+        Ok(v) => return Err(format!("EP_BENCH_NVL={v}: rings or copy-engine").into()),
+        Err(_) => {}
     }
     let buffer = Arc::new(Buffer::new(
         Arc::new(transport),
@@ -643,7 +673,8 @@ fn main() -> Result<(), BoxError> {
             r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.shared_ms
         )?;
     }
-    for (r, ([laid, cached], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?))) {
+    for (r, ([laid, cached, worst], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?)))
+    {
         // As DeepEP counts: every received row, fp8 rows with their per-128 f32 scales.
         let row_bytes = if fp8_dispatch() {
             H + H / 128 * 4
@@ -655,12 +686,14 @@ fn main() -> Result<(), BoxError> {
             table,
             "{:>6} dispatch of {n} rows ({gb:.1} GB): with its layout {:.3} ms ({:.0} GB/s), \
              layout beforehand {laid:.3} ({:.0} GB/s), cached (no notify, no host read) \
-             {cached:.3} ({:.0} GB/s); combine {:.0} GB/s",
+             {cached:.3} ({:.0} GB/s), worst-case outputs (layout beforehand, no host read, \
+             rings) {worst:.3} ({:.0} GB/s); combine {:.0} GB/s",
             r.tokens,
             r.dispatch_ms,
             gb / r.dispatch_ms * 1e3,
             gb / laid * 1e3,
             gb / cached * 1e3,
+            gb / worst * 1e3,
             (n * H * 2) as f64 / 1e9 / r.combine_ms * 1e3
         )?;
     }
@@ -672,7 +705,7 @@ fn main() -> Result<(), BoxError> {
                 f,
                 "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}]", d[0], d[1])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
+                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
                 r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
                 expert_groups(),
                 std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
