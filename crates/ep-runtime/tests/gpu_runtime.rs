@@ -478,29 +478,13 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
     };
     od.event.wait().map_err(err)?;
     same("recv_x", &od.recv_x, &oh.recv_x)?;
-    same("recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
-    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
-    same(
-        "recv_topk_idx",
-        &pick(&od.recv_topk_idx, "idx")?,
-        &pick(&oh.recv_topk_idx, "idx")?,
-    )?;
-    same(
-        "recv_topk_weights",
-        &pick(&od.recv_topk_weights, "w")?,
-        &pick(&oh.recv_topk_weights, "w")?,
-    )?;
+    routing_matches(&od, &oh)?;
     if od.num_recv_tokens_per_expert != oh.num_recv_tokens_per_expert {
         return Err(format!(
             "num_recv_tokens_per_expert {:?} (cuda) vs {:?} (host)",
             od.num_recv_tokens_per_expert, oh.num_recv_tokens_per_expert
         ));
     }
-    same(
-        "rank_prefix_matrix",
-        od.handle.rank_prefix_matrix(),
-        oh.handle.rank_prefix_matrix(),
-    )?;
     if c.nodes > 1 {
         // Across nodes the handle's send head is the row in the destination's recv_x, as the
         // host backend's (one node: the ring kernels' own index), and there is one channel.
@@ -532,10 +516,35 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
     Ok(())
 }
 
+/// An optional output that must be there.
+fn pick(o: &Option<Tensor>, what: &str) -> std::result::Result<Tensor, String> {
+    o.clone().ok_or_else(|| format!("{what} missing"))
+}
+
+/// The received routing of a CUDA dispatch `od` bit-exact to the host backend's `oh`: source
+/// indices, local expert ids, weights, and the handle's prefix matrix.
+fn routing_matches(od: &DispatchOutput, oh: &DispatchOutput) -> TestResult {
+    same("recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
+    same(
+        "recv_topk_idx",
+        &pick(&od.recv_topk_idx, "idx")?,
+        &pick(&oh.recv_topk_idx, "idx")?,
+    )?;
+    same(
+        "recv_topk_weights",
+        &pick(&od.recv_topk_weights, "w")?,
+        &pick(&oh.recv_topk_weights, "w")?,
+    )?;
+    same(
+        "rank_prefix_matrix",
+        od.handle.rank_prefix_matrix(),
+        oh.handle.rank_prefix_matrix(),
+    )
+}
+
 /// The combine of each backend's received rows, with their weights, along its handle: the
 /// CUDA buffer's within 1e-2 of the host backend's.
 fn combine_matches(c: &Ctx, oh: &DispatchOutput, od: &DispatchOutput) -> TestResult {
-    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
     let rw_h = pick(&oh.recv_topk_weights, "w")?;
     let rw_d = pick(&od.recv_topk_weights, "w")?;
     let ch = c
@@ -621,23 +630,7 @@ fn normal_worst_case(c: &Ctx, round: usize) -> TestResult {
     let head = |t: &Tensor| t.narrow(0, 0, n).map_err(err);
     same("received rows", &head(&od.recv_x)?, &exact.recv_x)?;
     same("host received rows", &head(&oh.recv_x)?, &exact.recv_x)?;
-    same("recv_src_idx", &od.recv_src_idx, &oh.recv_src_idx)?;
-    let pick = |o: &Option<Tensor>, n: &str| o.clone().ok_or_else(|| format!("{n} missing"));
-    same(
-        "recv_topk_idx",
-        &pick(&od.recv_topk_idx, "idx")?,
-        &pick(&oh.recv_topk_idx, "idx")?,
-    )?;
-    same(
-        "recv_topk_weights",
-        &pick(&od.recv_topk_weights, "w")?,
-        &pick(&oh.recv_topk_weights, "w")?,
-    )?;
-    same(
-        "rank_prefix_matrix",
-        od.handle.rank_prefix_matrix(),
-        oh.handle.rank_prefix_matrix(),
-    )?;
+    routing_matches(&od, &oh)?;
     // Combine all rows back: the rows past the received ones are never read (the GPU's are
     // poison).
     combine_matches(c, &oh, &od)?;
