@@ -501,16 +501,7 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
     combine_matches(c, &oh, &od)?;
 
     // Cached dispatch of other data along the same routing.
-    let x2 = (&x * 0.5).map_err(err)?;
-    let x2d = gpu(c, &x2)?;
-    let kh = c
-        .cpu
-        .dispatch(&DispatchArgs::new(&x2).cached(&oh.handle))
-        .map_err(err)?;
-    let kd = c
-        .cuda
-        .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
-        .map_err(err)?;
+    let (kh, kd) = cached_pair(c, &x, &oh, &od)?;
     same("cached recv_x", &kd.recv_x, &kh.recv_x)?;
     same("cached recv_src_idx", &kd.recv_src_idx, &kh.recv_src_idx)?;
     Ok(())
@@ -540,6 +531,26 @@ fn routing_matches(od: &DispatchOutput, oh: &DispatchOutput) -> TestResult {
         od.handle.rank_prefix_matrix(),
         oh.handle.rank_prefix_matrix(),
     )
+}
+
+/// A cached dispatch of `x / 2` along each backend's handle: `(host, cuda)`.
+fn cached_pair(
+    c: &Ctx,
+    x: &Tensor,
+    oh: &DispatchOutput,
+    od: &DispatchOutput,
+) -> std::result::Result<(DispatchOutput, DispatchOutput), String> {
+    let x2 = (x * 0.5).map_err(err)?;
+    let x2d = gpu(c, &x2)?;
+    let kh = c
+        .cpu
+        .dispatch(&DispatchArgs::new(&x2).cached(&oh.handle))
+        .map_err(err)?;
+    let kd = c
+        .cuda
+        .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
+        .map_err(err)?;
+    Ok((kh, kd))
 }
 
 /// The combine of each backend's received rows, with their weights, along its handle: the
@@ -635,16 +646,7 @@ fn normal_worst_case(c: &Ctx, round: usize) -> TestResult {
     // poison).
     combine_matches(c, &oh, &od)?;
     // Cached dispatch along the worst-case handle: the same shape, the same rows.
-    let x2 = (&x * 0.5).map_err(err)?;
-    let x2d = gpu(c, &x2)?;
-    let kh = c
-        .cpu
-        .dispatch(&DispatchArgs::new(&x2).cached(&oh.handle))
-        .map_err(err)?;
-    let kd = c
-        .cuda
-        .dispatch(&DispatchArgs::new(&x2d).cached(&od.handle))
-        .map_err(err)?;
+    let (kh, kd) = cached_pair(c, &x, &oh, &od)?;
     if kd.recv_x.dims() != [worst, HIDDEN] {
         return Err(format!("cached recv_x {:?}", kd.recv_x.dims()));
     }
