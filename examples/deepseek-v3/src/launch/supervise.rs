@@ -93,20 +93,32 @@ fn failure_of(status: &std::io::Result<ExitStatus>) -> Option<(String, i32)> {
     }
 }
 
-/// A rank not yet reaped that has already been killed by a signal (checked without reaping
-/// it), if any: when a rank exits with an error, a peer killed by a signal at about the same
-/// time is the likelier cause (its exit may simply not have been reported yet).
+/// How long a rank's error exit waits for a peer's death by a signal to show: a killed process
+/// closes its sockets (which is what makes its peers fail) before it becomes a zombie, so on a
+/// busy machine its peer's exit can be reported first.
+const SIGNALLED_PEER_WAIT: Duration = Duration::from_millis(500);
+
+/// A rank not yet reaped that has been killed by a signal (checked without reaping it, for up
+/// to [`SIGNALLED_PEER_WAIT`]), if any: when a rank exits with an error, a peer killed by a
+/// signal at about the same time is the likelier cause (its death may simply not show yet).
 fn signalled_peer(ranks: &[Rank], reaped: &[bool]) -> Option<usize> {
-    ranks.iter().zip(reaped).position(|(r, done)| {
-        !done
-            && matches!(
-                waitid(
-                    Id::Pid(Pid::from_raw(r.child.id() as i32)),
-                    WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG,
-                ),
-                Ok(WaitStatus::Signaled(..))
-            )
-    })
+    let start = Instant::now();
+    loop {
+        let found = ranks.iter().zip(reaped).position(|(r, done)| {
+            !done
+                && matches!(
+                    waitid(
+                        Id::Pid(Pid::from_raw(r.child.id() as i32)),
+                        WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG,
+                    ),
+                    Ok(WaitStatus::Signaled(..))
+                )
+        });
+        if found.is_some() || start.elapsed() >= SIGNALLED_PEER_WAIT {
+            return found;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The last line rank `r` wrote to stderr, once its pump has read everything (up to a second).
