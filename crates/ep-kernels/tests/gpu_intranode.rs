@@ -47,6 +47,8 @@ struct Case {
     num_experts: usize,
     fp8: bool,
     with_topk: bool,
+    /// Combine with a `[T, H]` bias per rank (the sum starts from it).
+    bias: bool,
     cached: bool,
     routing: Routing,
     alignment: usize,
@@ -79,6 +81,8 @@ struct RankData {
     recv_topk_idx: Vec<i64>,
     recv_topk_weights: Vec<f32>,
     combine_x: Vec<bf16>,
+    /// `[T, H]` combine bias (empty without one).
+    bias: Vec<bf16>,
     combined: Vec<bf16>,
     combined_weights: Vec<f32>,
 }
@@ -194,6 +198,13 @@ fn build(rng: &mut StdRng, case: &Case) -> Result<Vec<RankData>, BoxError> {
             recv_topk_idx: vec![],
             recv_topk_weights: vec![],
             combine_x: vec![],
+            bias: if case.bias {
+                (0..t * h)
+                    .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
+                    .collect()
+            } else {
+                vec![]
+            },
             combined: vec![],
             combined_weights: vec![],
         });
@@ -289,7 +300,8 @@ fn build(rng: &mut StdRng, case: &Case) -> Result<Vec<RankData>, BoxError> {
     for (s, slots) in slots_all.iter().enumerate() {
         let t = case.tokens[s];
         let xs: Vec<&[bf16]> = data.iter().map(|d| d.combine_x.as_slice()).collect();
-        let combined = intranode::combine(slots, t, h, &xs)?;
+        let bias = case.bias.then_some(data[s].bias.as_slice());
+        let combined = intranode::combine(slots, t, h, &xs, bias)?;
         let mut weights = vec![0f32; t * k];
         for tok in 0..t {
             for (d, dd) in data.iter().enumerate() {
@@ -601,6 +613,7 @@ fn run_rank(
     };
     // Combine: return this rank's combine rows and (if any) the received weights.
     let combine_x = upload(stream, &d.combine_x, bf16::ZERO)?;
+    let bias = upload(stream, &d.bias, bf16::ZERO)?;
     let mut combined = poisoned::<bf16>(stream, t * h)?;
     let mut combined_w = poisoned::<f32>(stream, t * k)?;
     cached_notify_cuda(stream, &node.peers[rank])?;
@@ -616,6 +629,7 @@ fn run_rank(
                 rank_prefix_matrix: rank_prefix.slice(0..r * r),
                 send_index: send_index.slice(0..t * r),
                 recv_per_source: &per_source,
+                bias: case.bias.then(|| bias.slice(0..t * h)),
                 combined_x: combined.slice_mut(0..t * h),
                 combined_topk_weights: if case.with_topk {
                     Some(combined_w.slice_mut(0..t * k))
@@ -637,6 +651,7 @@ fn run_rank(
                 rank_prefix_matrix: rank_prefix.slice(0..r * r),
                 recv_channel_offset: recv.channel_offset.slice(0..r * c),
                 send_head: recv.send_head.slice(0..t * r),
+                bias: case.bias.then(|| bias.slice(0..t * h)),
                 combined_x: combined.slice_mut(0..t * h),
                 combined_topk_weights: if case.with_topk {
                     Some(combined_w.slice_mut(0..t * k))
@@ -808,6 +823,7 @@ fn base_case(r: usize) -> Case {
         num_experts: 32,
         fp8: false,
         with_topk: true,
+        bias: false,
         cached: false,
         routing: Routing::Random,
         alignment: 4,
@@ -879,6 +895,18 @@ fn main() {
         c.with_topk = false;
         c.cached = true;
         cases.push(("no-topk".into(), c));
+        // A combine bias (the layer's shared experts' output), with and without weights.
+        let mut c = base_case(r);
+        c.bias = true;
+        c.cached = true;
+        c.tokens = (0..r).map(|i| 211 + 37 * i).collect();
+        cases.push(("bias".into(), c));
+        let mut c = base_case(r);
+        c.bias = true;
+        c.with_topk = false;
+        c.hidden = 7168;
+        c.num_experts = 256;
+        cases.push(("bias-deepseek-shape-no-topk".into(), c));
         // Rings much smaller than a channel's tokens: many wrap-arounds, tiny chunks.
         let mut c = base_case(r);
         c.tokens = vec![1000; r];

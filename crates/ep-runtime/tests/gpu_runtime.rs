@@ -498,7 +498,7 @@ fn normal(c: &Ctx, round: usize) -> TestResult {
     }
 
     // Combine the received rows (with the weights) back.
-    combine_matches(c, &oh, &od)?;
+    combine_matches(c, &x, &oh, &od)?;
 
     // Cached dispatch of other data along the same routing.
     let (kh, kd) = cached_pair(c, &x, &oh, &od)?;
@@ -554,8 +554,9 @@ fn cached_pair(
 }
 
 /// The combine of each backend's received rows, with their weights, along its handle: the
-/// CUDA buffer's within 1e-2 of the host backend's.
-fn combine_matches(c: &Ctx, oh: &DispatchOutput, od: &DispatchOutput) -> TestResult {
+/// CUDA buffer's within 1e-2 of the host backend's; then again with a bias (`-x / 2`, `x`
+/// this rank's `[T, H]` tokens), whose sums start from it.
+fn combine_matches(c: &Ctx, x: &Tensor, oh: &DispatchOutput, od: &DispatchOutput) -> TestResult {
     let rw_h = pick(&oh.recv_topk_weights, "w")?;
     let rw_d = pick(&od.recv_topk_weights, "w")?;
     let ch = c
@@ -571,7 +572,23 @@ fn combine_matches(c: &Ctx, oh: &DispatchOutput, od: &DispatchOutput) -> TestRes
         "combined_topk_weights",
         &pick(&cd.combined_topk_weights, "cw")?,
         &pick(&ch.combined_topk_weights, "cw")?,
-    )
+    )?;
+    // A collective: a rank without tokens combines without a bias (a bias is local).
+    let bias = (x * -0.5).map_err(err)?;
+    let bias_d = if x.dims()[0] > 0 {
+        Some(gpu(c, &bias)?)
+    } else {
+        None
+    };
+    let mut args_h = CombineArgs::new(&oh.recv_x, &oh.handle);
+    let mut args_d = CombineArgs::new(&od.recv_x, &od.handle);
+    if let Some(b) = &bias_d {
+        args_h = args_h.bias(&bias);
+        args_d = args_d.bias(b);
+    }
+    let bh = c.cpu.combine(&args_h).map_err(err)?;
+    let bd = c.cuda.combine(&args_d).map_err(err)?;
+    close("combined_x with a bias", &bd.combined_x, &bh.combined_x)
 }
 
 /// Tokens rank `rank` sends in round `round` of the worst-case tests (rank 0 none in round 2).
@@ -644,7 +661,7 @@ fn normal_worst_case(c: &Ctx, round: usize) -> TestResult {
     routing_matches(&od, &oh)?;
     // Combine all rows back: the rows past the received ones are never read (the GPU's are
     // poison).
-    combine_matches(c, &oh, &od)?;
+    combine_matches(c, &x, &oh, &od)?;
     // Cached dispatch along the worst-case handle: the same shape, the same rows.
     let (kh, kd) = cached_pair(c, &x, &oh, &od)?;
     if kd.recv_x.dims() != [worst, HIDDEN] {

@@ -250,6 +250,22 @@ fn identity_experts_round_trip_exactly_in_bf16() {
                 .unwrap();
             let back = buf.combine(&CombineArgs::new(&y, &out.handle)).unwrap();
             let got: Vec<bf16> = back.combined_x.flatten_all().unwrap().to_vec1().unwrap();
+            // With the tokens themselves as the bias, the sums start from them.
+            let biased = buf
+                .combine(&CombineArgs::new(&y, &out.handle).bias(&x))
+                .unwrap();
+            let got_b: Vec<bf16> = biased.combined_x.flatten_all().unwrap().to_vec1().unwrap();
+            // A bias of another shape or dtype is refused before anything moves, naming it.
+            let wrong_shape = tensor(vec![0f32; (t + 1) * h], &[t + 1, h])
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let wrong_dtype = tensor(xs.clone(), &[t, h]);
+            for bad in [&wrong_shape, &wrong_dtype] {
+                let e = buf
+                    .combine(&CombineArgs::new(&y, &out.handle).bias(bad))
+                    .unwrap_err();
+                assert!(e.to_string().contains("bias"), "{e}");
+            }
             for ti in 0..t {
                 let sw: f32 = (0..k)
                     .filter(|&kk| idx[ti * k + kk] >= 0)
@@ -258,6 +274,12 @@ fn identity_experts_round_trip_exactly_in_bf16() {
                 for c in 0..h {
                     let want = bf16::from_f32(xs[ti * h + c] * sw);
                     assert_eq!(got[ti * h + c], want, "rank {me} token {ti} channel {c}");
+                    let want_b = bf16::from_f32(xs[ti * h + c] * (sw + 1.0));
+                    assert_eq!(
+                        got_b[ti * h + c],
+                        want_b,
+                        "bias: rank {me} token {ti} channel {c}"
+                    );
                 }
             }
         });

@@ -17,7 +17,9 @@ impl MoeLayer {
     /// compute stream, then the shared experts on the compute stream while the dispatch runs
     /// on the (high-priority) communication stream (it waits only for the layout's event); the
     /// host waits once, for the received-token count; the expert GEMMs wait for the dispatch's
-    /// event; the combine waits for the GEMMs' event, and the compute stream for the combine.
+    /// event; the combine waits for the GEMMs' event and adds the shared experts' output to
+    /// its sums (its bias), and the compute stream waits for the combine. The shared output is
+    /// then returned as `None` (already in the sum).
     pub(crate) fn routed_normal(
         &self,
         x: &Tensor,
@@ -53,9 +55,15 @@ impl MoeLayer {
         };
         let y = self.experts_normal(&out, dev, x.dtype())?;
         let computed = EventOverlap::record(dev)?;
-        let combined = self
-            .buffer
-            .combine(&CombineArgs::new(&y, &out.handle).previous_event(&computed))?;
+        // The shared experts' output joins the combine's sums as its bias (DeepEP's `bias`):
+        // no separate add after the combine, one rounding of the token's whole sum.
+        let bias = shared.as_ref().filter(|s| s.dtype() == y.dtype());
+        let mut args = CombineArgs::new(&y, &out.handle).previous_event(&computed);
+        if let Some(b) = bias {
+            args = args.bias(b);
+        }
+        let combined = self.buffer.combine(&args)?;
+        let shared = if bias.is_some() { None } else { shared };
         Ok((combined.combined_x, shared))
     }
 

@@ -60,8 +60,9 @@ struct CombineRecvParams {
     int hidden;
     int num_topk;
     int off_w;
+    const __nv_bfloat16* bias;   // [T, H] added to every combined row, or null
 };
-EP_CHECK_PARAMS_SIZE(CombineRecvParams, 176);
+EP_CHECK_PARAMS_SIZE(CombineRecvParams, 184);
 
 // acc[0..8) += the 8 bf16 of `v`.
 EP_DEVICE void add_bf16x8(float* acc, int4 v) {
@@ -219,8 +220,15 @@ EP_KERNEL void __launch_bounds__(kCombineThreads) internode_combine_recv(Combine
     for (int t = blockIdx.x * warps + ep::warp_id(); t < p.num_tokens; t += gridDim.x * warps) {
         const int* ks = p.node_send_index + static_cast<size_t>(t) * N;
         auto* out = reinterpret_cast<int4*>(p.combined_x + static_cast<size_t>(t) * p.hidden);
+        const auto* bias = p.bias != nullptr
+                               ? reinterpret_cast<const int4*>(p.bias + static_cast<size_t>(t) * p.hidden)
+                               : nullptr;
         for (int v = lane; v < p.hidden / 8; v += ep::kWarpSize) {
+            // The sum starts from the bias (zero without one), then adds the nodes' rows.
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (bias != nullptr) {
+                add_bf16x8(acc, ep::ld_nc_no_alloc(bias + v));
+            }
             for (int n = 0; n < N; ++n) {
                 const int k = ks[n];
                 if (k >= 0) {

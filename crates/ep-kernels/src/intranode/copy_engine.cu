@@ -253,8 +253,9 @@ struct CeReduceParams {
     int first_chunk_rows;
     int max_chunk_rows;
     int pad;
+    const int4* bias;               // [T, row_int4] bf16 added to every combined row, or null
 };
-EP_CHECK_PARAMS_SIZE(CeReduceParams, 176);
+EP_CHECK_PARAMS_SIZE(CeReduceParams, 184);
 
 // Blocks [0, nblocks) of kCeThreads; one warp per token, tokens in order over the blocks. kR
 // bounds the ranks (R <= kR); each lane keeps kR * kU = 8 row loads in flight (kU = 8 / kR
@@ -326,10 +327,16 @@ __device__ void ce_reduce(const CeReduceParams& p, int block, int nblocks) {
                 if (i >= p.row_int4) {
                     break;
                 }
+                // The sum starts from the bias (zero without one), then adds the ranks' rows.
+                int4 b = make_int4(0, 0, 0, 0);
+                if (p.bias != nullptr) {
+                    b = ep::ld_nc_no_alloc(p.bias + static_cast<int64_t>(t) * p.row_int4 + i);
+                }
+                const __nv_bfloat16* bh = reinterpret_cast<const __nv_bfloat16*>(&b);
                 float acc[8];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    acc[j] = 0.0f;
+                    acc[j] = ep::bf16_to_f32(bh[j]);
                 }
 #pragma unroll
                 for (int d = 0; d < kR; ++d) {
@@ -632,7 +639,7 @@ struct CeCombineParams {
     int reduce_blocks;  // blocks [0, reduce_blocks) reduce, the rest push
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeCombineParams, 376);
+EP_CHECK_PARAMS_SIZE(CeCombineParams, 384);
 
 // Grid: reduce_blocks + any number of push blocks (none when the copy engines serve every
 // home), all of kCeThreads and resident at once: the reduce waits for every peer's pushes,

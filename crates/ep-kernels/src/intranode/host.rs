@@ -180,11 +180,15 @@ pub fn localize_topk(
 /// The combine reduction for one token: the f32 sum, in rank order, of the rows the ranks
 /// holding it return, rounded to bf16. `rows` yields those rows in rank order.
 pub fn combine_token<'a>(
+    bias: Option<&[bf16]>,
     rows: impl Iterator<Item = &'a [bf16]>,
     out: &mut [bf16],
     acc: &mut [f32],
 ) {
-    acc.iter_mut().for_each(|a| *a = 0.0);
+    match bias {
+        Some(b) => acc.iter_mut().zip(b).for_each(|(a, v)| *a = v.to_f32()),
+        None => acc.iter_mut().for_each(|a| *a = 0.0),
+    }
     for row in rows {
         for (a, v) in acc.iter_mut().zip(row) {
             *a += v.to_f32();
@@ -195,17 +199,22 @@ pub fn combine_token<'a>(
     }
 }
 
-/// The combine of a whole rank: `out[t] = bf16(sum over ranks r with a slot, in rank order,
-/// of f32(x_r[slot[t, r]]))`, where `x_r` is rank `r`'s combine input `[N_r, H]` and `slots`
-/// is this rank's [`send_slots`] output.
+/// The combine of a whole rank: `out[t] = bf16(f32(bias[t]) + sum over ranks r with a slot,
+/// in rank order, of f32(x_r[slot[t, r]]))` (no bias: the sum from zero), where `x_r` is rank
+/// `r`'s combine input `[N_r, H]`, `slots` is this rank's [`send_slots`] output and `bias` is
+/// `[num_tokens, H]`.
 pub fn combine(
     slots: &[i32],
     num_tokens: usize,
     hidden: usize,
     x_per_rank: &[&[bf16]],
+    bias: Option<&[bf16]>,
 ) -> Result<Vec<bf16>> {
     let r = x_per_rank.len();
     Error::check_len("slots", num_tokens * r, slots.len())?;
+    if let Some(b) = bias {
+        Error::check_len("bias", num_tokens * hidden, b.len())?;
+    }
     let mut out = vec![bf16::ZERO; num_tokens * hidden];
     let mut acc = vec![0f32; hidden];
     for t in 0..num_tokens {
@@ -213,7 +222,8 @@ pub fn combine(
             let s = slots[t * r + d];
             (s >= 0).then(|| &x_per_rank[d][s as usize * hidden..(s as usize + 1) * hidden])
         });
-        combine_token(rows, &mut out[t * hidden..(t + 1) * hidden], &mut acc);
+        let b = bias.map(|b| &b[t * hidden..(t + 1) * hidden]);
+        combine_token(b, rows, &mut out[t * hidden..(t + 1) * hidden], &mut acc);
     }
     Ok(out)
 }

@@ -33,8 +33,9 @@ struct CombineParams {
     int num_max_send_tokens;
     int num_max_recv_tokens;
     int pad;
+    const int4* bias;                 // [T, hidden_int4] bf16 added to every combined row, or null
 };
-EP_CHECK_PARAMS_SIZE(CombineParams, 176);
+EP_CHECK_PARAMS_SIZE(CombineParams, 184);
 
 namespace {
 
@@ -87,13 +88,23 @@ __device__ void combine_home(const CombineParams& p, int c, int* s_abort) {
                 // kHomeUnroll vectors per lane at a time, up to 4 rows each in flight, summed in
                 // rank order.
                 constexpr int kBatch = kR < 4 ? kR : 4;
+                const int4* bias_row = p.bias != nullptr ? p.bias + static_cast<int64_t>(t) * hi : nullptr;
                 for (int i0 = lane; i0 < hi; i0 += ep::kWarpSize * kHomeUnroll) {
+                    // The sum starts from the bias (zero without one), then adds the ranks' rows.
                     float acc[kHomeUnroll][8];
 #pragma unroll
                     for (int u = 0; u < kHomeUnroll; ++u) {
+                        const int i = i0 + u * ep::kWarpSize;
+                        int4 b = make_int4(0, 0, 0, 0);
+                        if (bias_row != nullptr && i < hi) {
+                            b = ep::ld_nc_no_alloc(bias_row + i);
+                        }
+                        const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            acc[u][e] = 0.0f;
+                        for (int e = 0; e < 4; ++e) {
+                            const float2 f = __bfloat1622float2(bh[e]);
+                            acc[u][2 * e] = f.x;
+                            acc[u][2 * e + 1] = f.y;
                         }
                     }
 #pragma unroll

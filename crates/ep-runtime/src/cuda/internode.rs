@@ -335,6 +335,10 @@ impl CudaBuffer {
             let fm = DeviceTensor::new("handle.fwd_mask", &ih.fwd_mask)?;
             let dest = DeviceTensor::new("handle.dest", &ih.dest)?;
             let nsi = DeviceTensor::new("handle.node_send_index", &ih.node_send_index)?;
+            let bias_d = args
+                .bias
+                .map(|b| DeviceTensor::new("bias", b))
+                .transpose()?;
             kn::combine_cuda(
                 comm,
                 &inn.buf,
@@ -346,6 +350,10 @@ impl CudaBuffer {
                     fwd_mask: fm.view::<u8>()?,
                     dest: dest.view::<i32>()?,
                     node_send_index: nsi.view::<i32>()?,
+                    bias: bias_d
+                        .as_ref()
+                        .map(|b| b.view::<half::bf16>())
+                        .transpose()?,
                     combined_x: combined.slice_mut(0..t * h),
                     combined_topk_weights: if k > 0 {
                         Some(combined_w.slice_mut(0..t * k))

@@ -502,6 +502,14 @@ impl CudaBuffer {
                 .topk_weights
                 .map(|w| DeviceTensor::new("topk_weights", w))
                 .transpose()?;
+            let bias_d = args
+                .bias
+                .map(|b| DeviceTensor::new("bias", b))
+                .transpose()?;
+            let bias = bias_d
+                .as_ref()
+                .map(|b| b.view::<half::bf16>())
+                .transpose()?;
             let rpm =
                 DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
             let topk_weights = w_d.as_ref().map(|w| w.view::<f32>()).transpose()?;
@@ -528,6 +536,7 @@ impl CudaBuffer {
                             rank_prefix_matrix: rpm.view::<i32>()?,
                             recv_channel_offset: rco.view::<i32>()?,
                             send_head: sh.view::<i32>()?,
+                            bias,
                             combined_x: combined.slice_mut(0..t * h),
                             combined_topk_weights,
                             num_recv_tokens: n,
@@ -553,6 +562,7 @@ impl CudaBuffer {
                             rank_prefix_matrix: rpm.view::<i32>()?,
                             send_index: si.view::<i32>()?,
                             recv_per_source,
+                            bias,
                             combined_x: combined.slice_mut(0..t * h),
                             combined_topk_weights,
                             hidden: h,

@@ -17,6 +17,10 @@ pub struct CombineArgs<'a> {
     pub handle: &'a Handle,
     /// `[N, K]` f32 weights to sum back as well (e.g. the dispatch's `recv_topk_weights`).
     pub topk_weights: Option<&'a Tensor>,
+    /// `[T, H]` in `x`'s dtype, added to every combined row (DeepEP's `bias`): each token's
+    /// f32 sum starts from its bias row, so a layer's shared experts' output joins the routed
+    /// sum without a separate add (and with one rounding instead of two).
+    pub bias: Option<&'a Tensor>,
     /// Work to wait for before starting (GPU buffers).
     pub previous_event: Option<&'a crate::event::EventOverlap>,
     /// Return before the work is done (GPU buffers).
@@ -30,6 +34,7 @@ impl<'a> CombineArgs<'a> {
             x,
             handle,
             topk_weights: None,
+            bias: None,
             previous_event: None,
             async_finish: false,
         }
@@ -38,6 +43,13 @@ impl<'a> CombineArgs<'a> {
     /// Also sums these `[N, K]` weights back to the home ranks.
     pub fn topk_weights(mut self, w: &'a Tensor) -> Self {
         self.topk_weights = Some(w);
+        self
+    }
+
+    /// Adds this `[T, H]` tensor (in `x`'s dtype) to every combined row: the sums start from
+    /// it.
+    pub fn bias(mut self, bias: &'a Tensor) -> Self {
+        self.bias = Some(bias);
         self
     }
 
@@ -57,8 +69,9 @@ impl<'a> CombineArgs<'a> {
 /// What [`Buffer::combine`] returns.
 #[derive(Debug, Clone)]
 pub struct CombineOutput {
-    /// `[T, H]`: for every token, the f32 sum in rank order of the rows the ranks holding it
-    /// sent back, in `x`'s dtype. Tokens sent nowhere are zero.
+    /// `[T, H]`: for every token, the f32 sum of its bias row (if any) and, in rank order, the
+    /// rows the ranks holding it sent back, in `x`'s dtype. Tokens sent nowhere are zero (or
+    /// their bias).
     pub combined_x: Tensor,
     /// `[T, K]` f32 sums of the weights, when `topk_weights` was given.
     pub combined_topk_weights: Option<Tensor>,
@@ -68,7 +81,8 @@ pub struct CombineOutput {
 
 impl Buffer {
     /// Normal-mode combine: sends each received token's row back to its home rank, which sums
-    /// the rows of every rank holding that token (in rank order, in f32).
+    /// the rows of every rank holding that token (in rank order, in f32, starting from the
+    /// token's `bias` row when one is given).
     pub fn combine(&self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
         let h = args.handle;
         self.check_handle(h)?;
@@ -82,6 +96,17 @@ impl Buffer {
             "bf16, f16 or f32",
         )?;
         let hidden = args.x.dims2()?.1;
+        if let Some(b) = args.bias {
+            self.check_device("bias", b)?;
+            check_shape("bias", b, &[Some(hi.num_tokens), Some(hidden)])?;
+            if b.dtype() != args.x.dtype() {
+                return Err(crate::error::Error::DType {
+                    arg: "bias",
+                    expected: "x's dtype",
+                    got: b.dtype(),
+                });
+            }
+        }
         let k = match args.topk_weights {
             Some(w) => {
                 self.check_device("topk_weights", w)?;

@@ -394,7 +394,11 @@ impl Buffer {
             .collect();
         let got = self.exchange("combine", msgs, None)?;
 
-        let mut acc = vec![0f32; t * hidden];
+        // The sums start from the bias rows (zero without a bias).
+        let mut acc = match args.bias {
+            Some(b) => b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            None => vec![0f32; t * hidden],
+        };
         let kk = k.unwrap_or(0);
         let mut wacc = vec![0f32; t * kk];
         for (d, m) in got.into_iter().enumerate() {

@@ -74,12 +74,13 @@ struct CombineRecvParams {
     hidden: i32,
     num_topk: i32,
     off_w: i32,
+    bias: CUdeviceptr,
 }
 assert_params_layout!(
     CombineRecvParams,
-    176;
+    184;
     b = 0, seq = 128, node_send_index = 136, combined_x = 144, combined_w = 152,
-    num_tokens = 160, hidden = 164, num_topk = 168, off_w = 172,
+    num_tokens = 160, hidden = 164, num_topk = 168, off_w = 172, bias = 176,
 );
 // SAFETY: repr(C) plain data mirroring `CombineRecvParams`.
 unsafe impl KernelParams for CombineRecvParams {}
@@ -102,7 +103,9 @@ pub struct InternodeCombineArgs<'a> {
     pub dest: CudaView<'a, i32>,
     /// `[T, N]` the dispatch's per-node send index.
     pub node_send_index: CudaView<'a, i32>,
-    /// Out: `[T, hidden]`.
+    /// Optional `[T, hidden]` added to every combined row: the f32 sum starts from it.
+    pub bias: Option<CudaView<'a, half::bf16>>,
+    /// Out: `[T, hidden]`: the f32 sum of the bias (if any) and the returned rows.
     pub combined_x: CudaViewMut<'a, half::bf16>,
     /// Out: `[T, K]` (with `topk_weights`).
     pub combined_topk_weights: Option<CudaViewMut<'a, f32>>,
@@ -145,6 +148,9 @@ pub fn combine_cuda(
     Error::check_len("dest", p * n_nodes * mt, args.dest.len())?;
     Error::check_len("node_send_index", t * n_nodes, args.node_send_index.len())?;
     Error::check_len("combined_x", t * h, args.combined_x.len())?;
+    if let Some(b) = &args.bias {
+        Error::check_len("bias", t * h, b.len())?;
+    }
     let mut guards = Vec::new();
     let (w, cw) = match (&args.topk_weights, &args.combined_topk_weights) {
         (Some(w), Some(cw)) => {
@@ -174,8 +180,17 @@ pub fn combine_cuda(
     let (nsi, gn) = args.node_send_index.device_ptr(stream);
     let (out, gc) = args.combined_x.device_ptr(stream);
     guards.extend([gx, go, gb, gf, gd, gn, gc]);
+    let bias = match &args.bias {
+        Some(b) => {
+            let (ptr, g) = b.device_ptr(stream);
+            guards.push(g);
+            ptr
+        }
+        None => 0,
+    };
     check_align("x", x, 16)?;
     check_align("combined_x", out, 16)?;
+    check_align("bias", bias, 16)?;
 
     let seq = notify_cuda(stream, buffer, None)?;
     let kernels = Kernels::for_stream(stream)?;
@@ -240,8 +255,10 @@ pub fn combine_cuda(
         hidden: i32_of(h),
         num_topk: i32_of(k),
         off_w: i32_of(off_w),
+        bias,
     };
-    // SAFETY: `recv_params` matches `CombineRecvParams`; the outputs hold T rows (checked)
+    // SAFETY: `recv_params` matches `CombineRecvParams`; the outputs and the bias hold T rows
+    // (checked)
     // and every send index is below M, inside the receive region.
     unsafe {
         recv.launch(

@@ -41,15 +41,16 @@ struct CombineParams {
     num_max_send_tokens: i32,
     num_max_recv_tokens: i32,
     pad: i32,
+    bias: CUdeviceptr,
 }
 assert_params_layout!(
     CombineParams,
-    176;
+    184;
     buffer_ptrs = 0, x = 64, topk_weights = 72, rank_prefix_matrix = 80, recv_channel_offset = 88,
     send_head = 96, combined_x = 104, combined_topk_weights = 112, error_info = 120,
     timeout_ns = 128, rank = 136, num_ranks = 140, num_tokens = 144, num_recv_tokens = 148,
     hidden_int4 = 152, num_topk = 156, num_channels = 160, num_max_send_tokens = 164,
-    num_max_recv_tokens = 168, pad = 172,
+    num_max_recv_tokens = 168, pad = 172, bias = 176,
 );
 // SAFETY: repr(C) plain data mirroring `CombineParams` in rings_combine.cu.
 unsafe impl KernelParams for CombineParams {}
@@ -68,7 +69,10 @@ pub struct CombineArgs<'a> {
     pub recv_channel_offset: CudaView<'a, i32>,
     /// `[T, R]` from the dispatch (`send_head`).
     pub send_head: CudaView<'a, i32>,
-    /// Out: `[T, H]` bf16, the f32 sum in rank order of the rows returned for each token.
+    /// Optional `[T, H]` bf16 added to every combined row: the f32 sum starts from it.
+    pub bias: Option<CudaView<'a, half::bf16>>,
+    /// Out: `[T, H]` bf16, the f32 sum of the bias (if any) and, in rank order, the rows
+    /// returned for each token.
     pub combined_x: CudaViewMut<'a, half::bf16>,
     /// Out: `[T, K]` sums of the returned weights (required iff `topk_weights` is given).
     pub combined_topk_weights: Option<CudaViewMut<'a, f32>>,
@@ -114,6 +118,9 @@ pub fn combine_cuda(
     let num_recv = args.num_recv_tokens;
     Error::check_len("x", num_recv * h, args.x.len())?;
     Error::check_len("combined_x", t * h, args.combined_x.len())?;
+    if let Some(b) = &args.bias {
+        Error::check_len("bias", t * h, b.len())?;
+    }
     Error::check_len("rank_prefix_matrix", r * r, args.rank_prefix_matrix.len())?;
     Error::check_len("recv_channel_offset", r * c, args.recv_channel_offset.len())?;
     let k = args.num_topk;
@@ -137,6 +144,9 @@ pub fn combine_cuda(
     let (cx, _g4) = args.combined_x.device_ptr(stream);
     check_align("x", x_ptr, 16)?;
     check_align("combined_x", cx, 16)?;
+    let bias = args.bias.as_ref().map(|b| b.device_ptr(stream));
+    let bias_ptr = bias.as_ref().map_or(0, |(p, _)| *p);
+    check_align("bias", bias_ptr, 16)?;
     let params = CombineParams {
         buffer_ptrs: buffers.ptrs(),
         x: x_ptr,
@@ -158,6 +168,7 @@ pub fn combine_cuda(
         num_max_send_tokens: to_i32("num_max_send_tokens", config.num_max_send_tokens)?,
         num_max_recv_tokens: to_i32("num_max_recv_tokens", q)?,
         pad: 0,
+        bias: bias_ptr,
     };
     let cfg = LaunchConfig {
         grid_dim: (2 * c as u32, 1, 1),
@@ -166,7 +177,7 @@ pub fn combine_cuda(
     };
     // SAFETY: `params` matches `CombineParams`; the views hold exactly what the kernel touches
     // (x: N*H read at rows given by recv_channel_offset / rank_prefix_matrix from the same
-    // dispatch, which lie in [0, N); outputs T*H and T*K); the rings fit the NVLink buffers
+    // dispatch, which lie in [0, N); bias T*H read; outputs T*H and T*K); the rings fit the NVLink buffers
     // (`check_buffer`), valid per `PeerBuffers::new`; guards keep the views ordered.
     unsafe { kernel.launch(stream, cfg, params) }
 }

@@ -27,7 +27,10 @@ pub struct CeCombineArgs<'a> {
     pub send_index: CudaView<'a, i32>,
     /// Rows of `x` from each source (its home): the dispatch's `recv_per_source`.
     pub recv_per_source: &'a [usize],
-    /// Out: `[T, H]` bf16, the f32 sum in rank order of the rows returned for each token.
+    /// Optional `[T, H]` bf16 added to every combined row: the f32 sum starts from it.
+    pub bias: Option<CudaView<'a, half::bf16>>,
+    /// Out: `[T, H]` bf16, the f32 sum of the bias (if any) and, in rank order, the rows
+    /// returned for each token.
     pub combined_x: CudaViewMut<'a, half::bf16>,
     /// Out: `[T, K]` sums of the returned weights (required iff `topk_weights` is given).
     pub combined_topk_weights: Option<CudaViewMut<'a, f32>>,
@@ -63,6 +66,9 @@ pub fn ce_combine_cuda(
     }
     Error::check_len("x", n * h, args.x.len())?;
     Error::check_len("combined_x", t * h, args.combined_x.len())?;
+    if let Some(b) = &args.bias {
+        Error::check_len("bias", t * h, b.len())?;
+    }
     let k = args.num_topk;
     let weights = combine_weights_ptrs(
         stream,
@@ -78,6 +84,9 @@ pub fn ce_combine_cuda(
     let (cx, _gcx) = args.combined_x.device_ptr(stream);
     check_align("x", x_ptr, 16)?;
     check_align("combined_x", cx, 16)?;
+    let bias = args.bias.as_ref().map(|b| b.device_ptr(stream));
+    let bias_ptr = bias.as_ref().map_or(0, |(p, _)| *p);
+    check_align("bias", bias_ptr, 16)?;
     let kernels = Kernels::for_stream(stream)?;
     let fused = kernels.kernel(FILE, "intranode_ce_combine")?;
     // Homes served by the copy streams, and whether the SM push blocks serve any.
@@ -107,6 +116,7 @@ pub fn ce_combine_cuda(
         first_chunk_rows: to_i32("first_chunk_rows", config.first_chunk_rows)?,
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         pad: 0,
+        bias: bias_ptr,
     };
     let row_bytes = 2 * h;
     let mut push = CeSmPushParams {
@@ -183,7 +193,7 @@ pub fn ce_combine_cuda(
     // Reduce blocks, then (when some home is not served by copy engines) the SM push blocks.
     // SAFETY: `CeCombineParams` is the params type of `intranode_ce_combine`. Reduce: x
     // holds N rows (the own block lies in [0, N)), send_index T*R and the prefixes R*R from the
-    // dispatch of these rows; the outputs T*H and T*K; slots of `lay.capacity >= T` rows fit
+    // dispatch of these rows; the bias T*H (read); the outputs T*H and T*K; slots of `lay.capacity >= T` rows fit
     // the buffers; it reads a peer's slot rows only after that peer's flag for their chunk.
     // Push: for each home s with rows[s] = m > 0 it reads rows [row_begin[s], + m) of x (the
     // per-source counts sum to N) and their weights, and writes rows [0, m) of slot `me` in

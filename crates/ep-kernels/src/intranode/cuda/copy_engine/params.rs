@@ -94,14 +94,17 @@ pub(super) struct CeReduceParams {
     pub(super) first_chunk_rows: i32,
     pub(super) max_chunk_rows: i32,
     pub(super) pad: i32,
+    /// `[T, H]` bf16 added to every combined row, or 0.
+    pub(super) bias: CUdeviceptr,
 }
 assert_params_layout!(
     CeReduceParams,
-    176;
+    184;
     buffer_ptrs = 0, x = 64, topk_weights = 72, send_index = 80, rank_prefix_matrix = 88,
     combined_x = 96, combined_topk_weights = 104, error_info = 112, timeout_ns = 120,
     slot_bytes = 128, off_weights = 136, rank = 144, num_ranks = 148, num_tokens = 152,
     row_int4 = 156, num_topk = 160, first_chunk_rows = 164, max_chunk_rows = 168, pad = 172,
+    bias = 176,
 );
 
 /// Mirror of `CeSmPushParams` in copy_engine.cu.
@@ -200,8 +203,8 @@ unsafe impl KernelParams for CeDispatchParams {}
 pub(super) type CeCombineParams = CeFusedParams<CeReduceParams, CeSmPushParams>;
 assert_params_layout!(
     CeCombineParams,
-    376;
-    main = 0, copies = 176, main_blocks = 368, pad = 372,
+    384;
+    main = 0, copies = 184, main_blocks = 376, pad = 380,
 );
 // SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine.cu.
 unsafe impl KernelParams for CeCombineParams {}
