@@ -13,7 +13,10 @@
 //! grouped GEMMs, combine, shared experts) times each part alone with events on the same
 //! inputs (decode parts each captured as a graph: GPU time without launch overhead); their sum
 //! against the layer's time shows what the overlap hides. Times are medians
-//! of `EP_BENCH_ITERS` (default 10) event-timed runs after warm-up.
+//! of `EP_BENCH_ITERS` (default 10) event-timed runs after warm-up, each from a synchronised
+//! device; normal steps and their compute parts are also timed back to back (`EP_BENCH_ITERS`
+//! steps, one synchronisation: how a model runs its layers, the ranks kept in step by their
+//! collectives instead of each step starting from the host's wake-up on every rank).
 //!
 //! One GPU by default; `EP_BENCH_RANKS=N` runs N ranks as threads over GPUs 0..N (NVLink
 //! buffers, experts split evenly), and rank 0 reports: its floor counts the bytes of its own
@@ -100,6 +103,28 @@ fn time_ms(
     Ok(t[t.len() / 2])
 }
 
+/// Milliseconds per call of `f` run `iters` times back to back on `stream` with one
+/// synchronisation at the end (after two warm-up calls), as a model runs its layers: the host
+/// enqueues ahead and, across ranks, the steps stay in step through their collectives instead
+/// of each one starting from a synchronised, idle GPU.
+fn time_b2b_ms(
+    stream: &Arc<CudaStream>,
+    iters: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    for _ in 0..2 {
+        f()?;
+    }
+    stream.synchronize()?;
+    let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    for _ in 0..iters.max(1) {
+        f()?;
+    }
+    let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    b.synchronize()?;
+    Ok(f64::from(a.elapsed_ms(&b)?) / iters.max(1) as f64)
+}
+
 /// Median milliseconds of one replay of `f` captured as a CUDA graph: the GPU time of the work
 /// without the host's launch overhead.
 fn graph_ms(
@@ -169,6 +194,9 @@ struct Row {
     mode: &'static str,
     layer_ms: f64,
     graph_ms: Option<f64>,
+    /// Back to back (`time_b2b_ms`): the layer, its captured graph, and the compute parts
+    /// (router, grouped GEMMs, shared experts) in normal mode.
+    b2b: Option<BackToBack>,
     router_ms: f64,
     dispatch_ms: f64,
     gemm_ms: f64,
@@ -195,6 +223,29 @@ impl Row {
     }
 
     /// The layer's time beyond its compute parts measured alone.
+    fn exposed_ms(&self) -> f64 {
+        self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
+    }
+}
+
+/// A row's times per step with the steps run back to back.
+#[derive(Debug, Default, Clone, Copy)]
+struct BackToBack {
+    layer_ms: f64,
+    graph_ms: Option<f64>,
+    router_ms: f64,
+    gemm_ms: f64,
+    shared_ms: f64,
+}
+
+impl BackToBack {
+    /// The better of the eager and the captured layer.
+    fn best_ms(&self) -> f64 {
+        self.graph_ms
+            .map_or(self.layer_ms, |g| g.min(self.layer_ms))
+    }
+
+    /// The layer's time beyond its compute parts, all back to back.
     fn exposed_ms(&self) -> f64 {
         self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
     }
@@ -271,12 +322,24 @@ fn bench_tokens(
     } else {
         None
     };
+    // Normal steps also back to back, as a model's layers run (`time_b2b_ms`).
+    let mut b2b = (mode == Mode::Normal).then(BackToBack::default);
+    if let Some(b) = b2b.as_mut() {
+        b.layer_ms = time_b2b_ms(&stream, iters, &mut || {
+            layer.forward_with_mode(&x, mode)?;
+            Ok(())
+        })?;
+    }
     if let Some(g) = graph {
         g.input().slice_set(&x, 0, 0)?;
-        row.graph_ms = Some(time_ms(&stream, iters, &mut || {
+        let mut replay = || -> Result<(), BoxError> {
             g.replay_in_place()?;
             Ok(())
-        })?);
+        };
+        row.graph_ms = Some(time_ms(&stream, iters, &mut replay)?);
+        if let Some(b) = b2b.as_mut() {
+            b.graph_ms = Some(time_b2b_ms(&stream, iters, &mut replay)?);
+        }
     }
     // The split, each part alone on the same inputs (decode parts as captured graphs, so that
     // they show GPU time, not the host's launch overhead; prefill parts eagerly).
@@ -291,18 +354,24 @@ fn bench_tokens(
             time_ms(&stream, iters, f)
         }
     };
-    row.router_ms = part(&mut || {
+    let mut route = || -> Result<(), BoxError> {
         layer.router().forward(&x)?;
         Ok(())
-    })?;
+    };
+    row.router_ms = part(&mut route)?;
+    let mut run_shared = || -> Result<(), BoxError> {
+        shared.forward(&x)?;
+        Ok(())
+    };
+    if let Some(b) = b2b.as_mut() {
+        b.router_ms = time_b2b_ms(&stream, iters, &mut route)?;
+        b.shared_ms = time_b2b_ms(&stream, iters, &mut run_shared)?;
+    }
     // With the shared expert inside the low-latency grouped GEMMs, its time is in "GEMMs".
     row.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm(t) {
         0.0
     } else {
-        part(&mut || {
-            shared.forward(&x)?;
-            Ok(())
-        })?
+        part(&mut run_shared)?
     };
     if mode == Mode::LowLatency {
         // As the layer dispatches and combines (per rank: the weights travel with the tokens).
@@ -332,10 +401,14 @@ fn bench_tokens(
     } else if buf.topology().num_ranks == 1 {
         // The layer runs the routed experts on its tokens as they are (`MoeLayer`'s one-rank
         // normal mode): no layout, dispatch or combine.
-        row.gemm_ms = part(&mut || {
+        let mut run_experts = || -> Result<(), BoxError> {
             layer.experts().forward_grouped(&x, idx, w)?;
             Ok(())
-        })?;
+        };
+        row.gemm_ms = part(&mut run_experts)?;
+        if let Some(b) = b2b.as_mut() {
+            b.gemm_ms = time_b2b_ms(&stream, iters, &mut run_experts)?;
+        }
     } else {
         // As the layer sends: bf16 rows, or fp8 rows and scales cast on the compute stream
         // (counted in the dispatch) and cast back before the GEMMs (counted in them).
@@ -453,16 +526,21 @@ fn bench_tokens(
                 layer.experts().forward_grouped(&rx, ri, rw)?
             })
         };
-        row.gemm_ms = part(&mut || {
+        let mut run_experts = || -> Result<(), BoxError> {
             experts()?;
             Ok(())
-        })?;
+        };
+        row.gemm_ms = part(&mut run_experts)?;
+        if let Some(b) = b2b.as_mut() {
+            b.gemm_ms = time_b2b_ms(&stream, iters, &mut run_experts)?;
+        }
         let y = experts()?;
         row.combine_ms = part(&mut || {
             buf.combine(&CombineArgs::new(&y, &out.handle))?;
             Ok(())
         })?;
     }
+    row.b2b = b2b;
     // Floors: bytes over the copy bandwidth, and dense cuBLAS on the same FLOPs.
     let chosen: Vec<i64> = idx.flatten_all()?.to_vec1()?;
     let mut used = vec![false; E];
@@ -665,6 +743,20 @@ fn main() -> Result<(), BoxError> {
             100.0 * r.exposed_ms() / best
         )?;
     }
+    for (r, b) in rows.iter().filter_map(|r| Some((r, r.b2b?))) {
+        writeln!(
+            table,
+            "{:>6} back to back ({iters} steps, one synchronisation): layer {:.3} ms, graph {}, \
+             router {:.3}, gemms {:.3}, shared {:.3}: exposed {:.1}%",
+            r.tokens,
+            b.layer_ms,
+            b.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
+            b.router_ms,
+            b.gemm_ms,
+            b.shared_ms,
+            100.0 * b.exposed_ms() / b.best_ms()
+        )?;
+    }
     for (r, o) in rows.iter().filter_map(|r| Some((r, r.overlap_ms?))) {
         writeln!(
             table,
@@ -703,10 +795,10 @@ fn main() -> Result<(), BoxError> {
         for r in &rows {
             writeln!(
                 f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
+                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"b2b\": {}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
                 r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
                 r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
-                r.exposed_ms(), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
+                r.exposed_ms(), r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms())), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
                 expert_groups(),
                 std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
             )?;

@@ -165,6 +165,7 @@ def main():
     per_cat = defaultdict(list)
     per_stream = defaultdict(list)
     totals = []
+    compute_busy = []
     for j, step in enumerate(all_steps):
         gpu_ops = [r for r in step if r["kind"] != "driver"]
         t0 = gpu_ops[0]["start"]
@@ -189,6 +190,7 @@ def main():
             per_cat[c].append((busy(iv) / 1e3, (first - t0) / 1e3, (last - t0) / 1e3))
         for s, iv in streams.items():
             per_stream[s].append(busy(iv) / 1e3)
+        compute_busy.append(max(busy(iv) for iv in streams.values()) / 1e3)
     if not all_steps:
         print("no steps found")
         return
@@ -203,6 +205,14 @@ def main():
     print(f"{'stream':<14} {'busy us':>8}")
     for s, v in sorted(per_stream.items()):
         print(f"{s:<14} {statistics.median(v):8.1f}")
+    # The compute stream (the busiest) idle within its step: the time it waited for the
+    # communication stream or the host, i.e. what was exposed on this rank's critical path.
+    idle = [t - b for t, b in zip(totals, compute_busy)]
+    print(
+        f"compute stream idle: median {statistics.median(idle):.1f} us"
+        f" ({100 * statistics.median(i / t for i, t in zip(idle, totals)):.1f} % of the step;"
+        f" min {min(idle):.1f}, max {max(idle):.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -86,3 +86,19 @@ pub fn alloc_uninit<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Resu
     // pattern is a value, and the contents are only read after kernels wrote them.
     Ok(unsafe { stream.alloc::<T>(len.max(1)) }?)
 }
+
+/// Hands `slice` (allocated on another stream) to `stream`: later stream-ordered work on the
+/// slice itself (cudarc's copies of it, its free when dropped) then runs on `stream`. A
+/// synchronous op's outputs are written on the communication stream but read on candle's, and
+/// inside a captured graph (no event tracking) a copy queued on the communication stream would
+/// not wait for the replay. The caller guarantees that `stream` already waits for every use
+/// queued so far (a synchronous op's finish does).
+pub(crate) fn hand_to<T>(slice: CudaSlice<T>, stream: &Arc<CudaStream>) -> CudaSlice<T> {
+    let len = slice.len();
+    let ptr = slice.leak();
+    // SAFETY: `ptr` is a live allocation of `len` elements of `T` that `leak` released without
+    // freeing (after making its old stream wait for its tracked uses); the new slice is its only
+    // owner, and `stream` is ordered after every queued use (the caller's guarantee), so its
+    // stream-ordered free on `stream` comes after them.
+    unsafe { stream.upgrade_device_ptr(ptr, len) }
+}
