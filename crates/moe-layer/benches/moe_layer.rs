@@ -54,8 +54,6 @@
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
 
-use std::fmt::Write as _;
-use std::io::Write as _;
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
@@ -72,7 +70,9 @@ use moe_layer::ep_runtime::{
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
 mod layer_common;
+mod moe_layer_report;
 use layer_common::{build_layer, randn_bf16, BoxError, E, H, I, K, LL_MAX};
+use moe_layer_report::{BackToBack, Row};
 
 fn stream_of(dev: &Device) -> Arc<CudaStream> {
     match dev {
@@ -187,74 +187,11 @@ fn bench_options() -> MoeLayerOptions {
     }
 }
 
-/// One row of the report.
-#[derive(Debug, Default, Clone)]
-struct Row {
-    tokens: usize,
-    mode: &'static str,
-    layer_ms: f64,
-    graph_ms: Option<f64>,
-    /// Back to back (`time_b2b_ms`): the layer, its captured graph, and the compute parts
-    /// (router, grouped GEMMs, shared experts) in normal mode.
-    b2b: Option<BackToBack>,
-    router_ms: f64,
-    dispatch_ms: f64,
-    gemm_ms: f64,
-    combine_ms: f64,
-    shared_ms: f64,
-    /// Normal mode across ranks: the dispatch with the shared expert beside it, issued in
-    /// three ways: the dispatch first; the shared expert first; the shared expert first with
-    /// cuBLAS targeting the SMs the dispatch leaves.
-    overlap_ms: Option<[f64; 3]>,
-    /// Normal mode across ranks: the dispatch with its layout computed beforehand, and again
-    /// reusing the first dispatch's handle (no notify, no host read of the count: the
-    /// transfer and a barrier), with the rows this rank received.
-    dispatch_split: Option<([f64; 3], usize)>,
-    floor_ms: f64,
-    floor_gb: f64,
-    dense_ms: f64,
-}
-
-impl Row {
-    /// The better of the eager and the captured layer.
-    fn best_ms(&self) -> f64 {
-        self.graph_ms
-            .map_or(self.layer_ms, |g| g.min(self.layer_ms))
-    }
-
-    /// The layer's time beyond its compute parts measured alone.
-    fn exposed_ms(&self) -> f64 {
-        self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
-    }
-}
-
-/// A row's times per step with the steps run back to back.
-#[derive(Debug, Default, Clone, Copy)]
-struct BackToBack {
-    layer_ms: f64,
-    graph_ms: Option<f64>,
-    router_ms: f64,
-    gemm_ms: f64,
-    shared_ms: f64,
-}
-
-impl BackToBack {
-    /// The better of the eager and the captured layer.
-    fn best_ms(&self) -> f64 {
-        self.graph_ms
-            .map_or(self.layer_ms, |g| g.min(self.layer_ms))
-    }
-
-    /// The layer's time beyond its compute parts, all back to back.
-    fn exposed_ms(&self) -> f64 {
-        self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
-    }
-}
-
 /// What the rank threads share: each rank's experts chosen by its tokens, for the floors.
 struct Exchange {
     barrier: Barrier,
     used: Mutex<Vec<Vec<bool>>>,
+    compute: Mutex<Vec<[f64; 2]>>,
 }
 
 impl Exchange {
@@ -262,7 +199,24 @@ impl Exchange {
         Self {
             barrier: Barrier::new(world),
             used: Mutex::new(vec![Vec::new(); world]),
+            compute: Mutex::new(vec![[0.0; 2]; world]),
         }
+    }
+
+    /// Publishes this rank's compute parts (router + grouped GEMMs + shared experts, timed
+    /// each way) and returns the largest over ranks: the compute on the step's critical path,
+    /// which runs through the busiest rank (a collective of the rank threads).
+    fn busiest(&self, rank: usize, mine: [f64; 2]) -> [f64; 2] {
+        self.compute.lock().expect("exchange")[rank] = mine;
+        self.barrier.wait();
+        let most = self
+            .compute
+            .lock()
+            .expect("exchange")
+            .iter()
+            .fold([0.0f64; 2], |acc, c| [acc[0].max(c[0]), acc[1].max(c[1])]);
+        self.barrier.wait();
+        most
     }
 
     /// Publishes `mine` (experts chosen by this rank's tokens) and returns the union over
@@ -541,6 +495,17 @@ fn bench_tokens(
         })?;
     }
     row.b2b = b2b;
+    let [busiest, busiest_b2b] = exchange.busiest(
+        buf.topology().rank,
+        [
+            row.router_ms + row.gemm_ms + row.shared_ms,
+            b2b.map_or(0.0, |b| b.router_ms + b.gemm_ms + b.shared_ms),
+        ],
+    );
+    row.busiest_compute_ms = busiest;
+    if let Some(b) = row.b2b.as_mut() {
+        b.busiest_compute_ms = busiest_b2b;
+    }
     // Floors: bytes over the copy bandwidth, and dense cuBLAS on the same FLOPs.
     let chosen: Vec<i64> = idx.flatten_all()?.to_vec1()?;
     let mut used = vec![false; E];
@@ -686,125 +651,7 @@ fn main() -> Result<(), BoxError> {
         }
     }
     let rows = rows.ok_or("rank 0 reported nothing")?;
-    let mut table = String::new();
-    writeln!(
-        table,
-        "\nMoeLayer, DeepSeek-V3 shapes, {world} rank(s){}{}; times in ms",
-        if std::env::var("EP_BENCH_TBO").as_deref() == Ok("1") {
-            ", two-batch overlap"
-        } else {
-            ""
-        },
-        if fp8_dispatch() { ", fp8 dispatch" } else { "" }
-    )?;
-    if expert_groups() > 1 {
-        writeln!(
-            table,
-            "normal mode pipelined over {} expert groups",
-            expert_groups()
-        )?;
-    }
-    writeln!(
-        table,
-        "{:>6} {:<11} {:>8} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8}",
-        "tokens",
-        "mode",
-        "layer",
-        "graph",
-        "router",
-        "dispatch",
-        "gemms",
-        "combine",
-        "shared",
-        "floor",
-        "dense",
-        "x floor",
-        "x dense",
-        "exposed"
-    )?;
-    for r in &rows {
-        let best = r.best_ms();
-        writeln!(
-            table,
-            "{:>6} {:<11} {:>8.3} {:>8} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>8.3} {:>8.2} {:>9.2} {:>7.1}%",
-            r.tokens,
-            r.mode,
-            r.layer_ms,
-            r.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
-            r.router_ms,
-            r.dispatch_ms,
-            r.gemm_ms,
-            r.combine_ms,
-            r.shared_ms,
-            r.floor_ms,
-            r.dense_ms,
-            best / r.floor_ms,
-            best / r.dense_ms,
-            100.0 * r.exposed_ms() / best
-        )?;
-    }
-    for (r, b) in rows.iter().filter_map(|r| Some((r, r.b2b?))) {
-        writeln!(
-            table,
-            "{:>6} back to back ({iters} steps, one synchronisation): layer {:.3} ms, graph {}, \
-             router {:.3}, gemms {:.3}, shared {:.3}: exposed {:.1}%",
-            r.tokens,
-            b.layer_ms,
-            b.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
-            b.router_ms,
-            b.gemm_ms,
-            b.shared_ms,
-            100.0 * b.exposed_ms() / b.best_ms()
-        )?;
-    }
-    for (r, o) in rows.iter().filter_map(|r| Some((r, r.overlap_ms?))) {
-        writeln!(
-            table,
-            "{:>6} dispatch beside the shared expert: dispatch first {:.3} ms, shared first {:.3}, \
-             shared first with cuBLAS on the SMs the dispatch leaves {:.3} (alone: {:.3} + {:.3})",
-            r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.shared_ms
-        )?;
-    }
-    for (r, ([laid, cached, worst], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?)))
-    {
-        // As DeepEP counts: every received row, fp8 rows with their per-128 f32 scales.
-        let row_bytes = if fp8_dispatch() {
-            H + H / 128 * 4
-        } else {
-            2 * H
-        };
-        let gb = (n * row_bytes) as f64 / 1e9;
-        writeln!(
-            table,
-            "{:>6} dispatch of {n} rows ({gb:.1} GB): with its layout {:.3} ms ({:.0} GB/s), \
-             layout beforehand {laid:.3} ({:.0} GB/s), cached (no notify, no host read) \
-             {cached:.3} ({:.0} GB/s), worst-case outputs (layout beforehand, no host read, \
-             rings) {worst:.3} ({:.0} GB/s); combine {:.0} GB/s",
-            r.tokens,
-            r.dispatch_ms,
-            gb / r.dispatch_ms * 1e3,
-            gb / laid * 1e3,
-            gb / cached * 1e3,
-            gb / worst * 1e3,
-            (n * H * 2) as f64 / 1e9 / r.combine_ms * 1e3
-        )?;
-    }
-    print!("{table}");
-    if let Ok(path) = std::env::var("EP_BENCH_OUT") {
-        let mut f = std::fs::File::create(path)?;
-        for r in &rows {
-            writeln!(
-                f,
-                "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"b2b\": {}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
-                r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
-                r.exposed_ms(), r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms())), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
-                expert_groups(),
-                std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
-            )?;
-        }
-    }
-    Ok(())
+    moe_layer_report::report(&rows, world, iters)
 }
 
 /// `EP_BENCH_FP8=1`: normal mode sends fp8 rows (`MoeLayerOptions::fp8_dispatch`).
