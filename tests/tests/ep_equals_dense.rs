@@ -365,8 +365,9 @@ fn worst_case_dispatch_outputs() {
 }
 
 /// `normal_max_tokens_per_rank`: 0 and a buffer across nodes are refused at load; a normal step
-/// over the bound is refused before any op (every rank over it: no collective is left
-/// waiting), and the layer goes on.
+/// over the bound is refused before any op when the busiest rank is not known (every rank over
+/// it: no collective is left waiting), and the layer goes on; with the busiest rank known
+/// (`forward_step`, `Mode::Auto`) a step over the bound runs with exact outputs.
 #[test]
 fn worst_case_bound_is_enforced() {
     let errs = on_ranks(2, 2, (8, None), "worst-refused", |buf, cfg, path| {
@@ -379,6 +380,13 @@ fn worst_case_bound_is_enforced() {
             };
             MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts)
         };
+        let load_plain = || {
+            let opts = MoeLayerOptions {
+                low_latency_max_tokens: 8,
+                ..Default::default()
+            };
+            MoeLayer::load(var_builder(path, DType::F32), cfg, buf.clone(), opts).unwrap()
+        };
         let zero = load(0).unwrap_err().to_string();
         let layer = load(16).unwrap();
         let x = Tensor::randn(0f32, 1.0, (20, cfg.hidden_size), &Device::Cpu).unwrap();
@@ -388,6 +396,26 @@ fn worst_case_bound_is_enforced() {
             .to_string();
         let ok = layer.forward_with_mode(&x.narrow(0, 0, 16).unwrap(), Mode::Normal);
         assert!(ok.is_ok(), "{ok:?}");
+        // With the step's busiest rank known, a step over the bound runs with exact outputs on
+        // every rank (here rank 0 brings 20 tokens and rank 1 12), one within it with
+        // worst-case outputs; both equal the layer without the bound.
+        let exact = load_plain();
+        let me = buf.topology().rank;
+        for t in [if me == 0 { 20 } else { 12 }, 16] {
+            let xt = x.narrow(0, 0, t).unwrap();
+            let most = if t == 16 { 16 } else { 20 };
+            let got = layer
+                .forward_step(&xt, Step::new(Mode::Normal, most))
+                .unwrap();
+            let want = exact
+                .forward_step(&xt, Step::new(Mode::Normal, most))
+                .unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-6, "rank {me}, {t} tokens (most {most}): rel err {e}");
+            let auto = layer.forward_with_mode(&xt, Mode::Auto).unwrap();
+            let e = rel_err(&auto, &want);
+            assert!(e < 1e-6, "rank {me}, {t} tokens, Mode::Auto: rel err {e}");
+        }
         [zero, over]
     });
     for [zero, over] in errs {

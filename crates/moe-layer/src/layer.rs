@@ -359,17 +359,7 @@ impl MoeLayer {
             }
             (m, most) => (m, most),
         };
-        if let Some(max) = self.options.normal_max_tokens_per_rank {
-            if mode != Mode::LowLatency && !self.prefill_in_low_latency_chunks() && t > max {
-                return Err(Error::invalid(
-                    "x",
-                    format!("{t} tokens"),
-                    format!(
-                        "normal mode takes at most normal_max_tokens_per_rank = {max} tokens per rank"
-                    ),
-                ));
-            }
-        }
+        let worst = self.worst_case_tokens(mode, t, most)?;
         if mode == Mode::LowLatency && t > self.options.low_latency_max_tokens {
             return Err(Error::invalid(
                 "x",
@@ -407,9 +397,10 @@ impl MoeLayer {
                     (&x2, &topk_idx, &topk_weights),
                     most,
                     cap,
-                    Self::routed_normal,
+                    // Across nodes: no worst-case outputs (refused at load).
+                    |l, x, i, w| l.routed_normal(x, i, w, None),
                 )?,
-                None => self.routed_normal(&x2, &topk_idx, &topk_weights)?,
+                None => self.routed_normal(&x2, &topk_idx, &topk_weights, worst)?,
             },
         };
         if t == 0 {
@@ -422,6 +413,37 @@ impl MoeLayer {
     /// normal mode).
     pub fn prefill_in_low_latency_chunks(&self) -> bool {
         self.options.prefill_in_low_latency_chunks || !self.buffer.has_normal_mode()
+    }
+
+    /// The worst-case received rows of this step's dispatches
+    /// ([`MoeLayerOptions::normal_max_tokens_per_rank`]), or `None` for exact outputs: a
+    /// normal step whose busiest rank (`most`, when known) fits the bound takes it on every
+    /// rank, one over it takes exact outputs on every rank; without `most`, this rank's `t`
+    /// over the bound is refused (the other ranks could not know).
+    fn worst_case_tokens(
+        &self,
+        mode: Mode,
+        t: usize,
+        most: Option<usize>,
+    ) -> Result<Option<usize>> {
+        let Some(max) = self.options.normal_max_tokens_per_rank else {
+            return Ok(None);
+        };
+        if mode == Mode::LowLatency || self.prefill_in_low_latency_chunks() {
+            return Ok(None);
+        }
+        match most {
+            Some(m) => Ok((m <= max).then_some(max)),
+            None if t <= max => Ok(Some(max)),
+            None => Err(Error::invalid(
+                "x",
+                format!("{t} tokens"),
+                format!(
+                    "normal mode takes at most normal_max_tokens_per_rank = {max} tokens per rank \
+                     (forward_step or Mode::Auto run larger steps with exact outputs)"
+                ),
+            )),
+        }
     }
 
     /// A normal-mode step as ops `op` (low-latency ops, or normal ops of a buffer whose normal

@@ -20,20 +20,25 @@ impl MoeLayer {
     /// event; the combine waits for the GEMMs' event and adds the shared experts' output to
     /// its sums (its bias), and the compute stream waits for the combine. The shared output is
     /// then returned as `None` (already in the sum).
+    ///
+    /// `worst`: the dispatches' worst-case rows per rank
+    /// ([`crate::MoeLayerOptions::normal_max_tokens_per_rank`], decided for the whole step), or
+    /// `None` for exact outputs.
     pub(crate) fn routed_normal(
         &self,
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
+        worst: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         if self.buffer.topology().num_ranks == 1 && !self.options.fp8_dispatch {
             return self.routed_local(x, idx, w);
         }
         if self.options.two_batch_overlap {
-            return self.routed_normal_two_batches(x, idx, w);
+            return self.routed_normal_two_batches(x, idx, w, worst);
         }
         if let Some(groups) = &self.expert_groups {
-            return self.routed_normal_expert_groups(groups, x, idx, w);
+            return self.routed_normal_expert_groups(groups, x, idx, w, worst);
         }
         let dev = x.device();
         // By default the dispatch is issued (its kernel grabs its SMs) before the shared experts
@@ -47,7 +52,7 @@ impl MoeLayer {
         } else {
             None
         };
-        let out = self.dispatch_normal(&send, idx, w, &ready)?;
+        let out = self.dispatch_normal(&send, idx, w, &ready, worst)?;
         let shared = if tokens && !first {
             self.shared_forward(x)?
         } else {
@@ -117,15 +122,15 @@ impl MoeLayer {
     }
 
     /// The normal-mode dispatch of `send` routed by `idx`, `w` on the communication stream
-    /// after `ready`; returns once it is issued: the host has read the received count (or,
-    /// with `normal_max_tokens_per_rank`, sized the outputs for the worst case), the rows are
-    /// not yet in.
+    /// after `ready`; returns once it is issued: the host has read the received count (or, with
+    /// `worst`, sized the outputs for that many rows from every rank), the rows are not yet in.
     fn dispatch_normal(
         &self,
         send: &SendRows,
         idx: &Tensor,
         w: &Tensor,
         ready: &EventOverlap,
+        worst: Option<usize>,
     ) -> Result<ep_runtime::DispatchOutput> {
         let mut args = DispatchArgs::new(&send.x)
             .topk(idx, w)
@@ -133,7 +138,7 @@ impl MoeLayer {
             .expert_alignment(self.options.expert_alignment)
             .previous_event(ready)
             .async_finish(true);
-        if let Some(max) = self.options.normal_max_tokens_per_rank {
+        if let Some(max) = worst {
             args = args.num_worst_tokens(max * self.buffer.topology().num_ranks);
         }
         if let Some(s) = &send.scales {
@@ -189,6 +194,7 @@ impl MoeLayer {
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
+        worst: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dev = x.device();
         let t = x.dims()[0];
@@ -201,10 +207,10 @@ impl MoeLayer {
         } else {
             self.shared_forward(x)?
         };
-        let out_a = self.dispatch_normal(&send_a, &ia, &wa, &ready)?;
+        let out_a = self.dispatch_normal(&send_a, &ia, &wa, &ready, worst)?;
         let ya = self.experts_normal(&out_a, dev, x.dtype())?;
         let computed_a = EventOverlap::record(dev)?;
-        let out_b = self.dispatch_normal(&send_b, &ib, &wb, &ready)?;
+        let out_b = self.dispatch_normal(&send_b, &ib, &wb, &ready, worst)?;
         let comb_a = self.buffer.combine(
             &CombineArgs::new(&ya, &out_a.handle)
                 .previous_event(&computed_a)
@@ -229,6 +235,7 @@ impl MoeLayer {
         x: &Tensor,
         idx: &Tensor,
         w: &Tensor,
+        worst: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dev = x.device();
         let tokens = x.dims()[0] > 0;
@@ -246,7 +253,7 @@ impl MoeLayer {
         } else {
             None
         };
-        let mut out = self.dispatch_normal(&sends[0].1, &sends[0].0, w, &ready)?;
+        let mut out = self.dispatch_normal(&sends[0].1, &sends[0].0, w, &ready, worst)?;
         let shared = if tokens && !first {
             self.shared_forward(x)?
         } else {
@@ -259,7 +266,9 @@ impl MoeLayer {
             let y = self.experts_normal(&out, dev, x.dtype())?;
             let computed = EventOverlap::record(dev)?;
             let next = match sends.get(g + 1) {
-                Some((idx_n, send_n)) => Some(self.dispatch_normal(send_n, idx_n, w, &ready)?),
+                Some((idx_n, send_n)) => {
+                    Some(self.dispatch_normal(send_n, idx_n, w, &ready, worst)?)
+                }
                 None => None,
             };
             let combined = self.buffer.combine(

@@ -99,6 +99,12 @@ pub struct ModelArgs {
     /// Send dispatched activations in FP8.
     #[arg(long)]
     pub fp8_dispatch: bool,
+    /// Size every prefill dispatch's outputs exactly, reading the received count on the host,
+    /// instead of for --max-prefill-tokens on every rank (worst-case outputs, with the shared
+    /// experts queued first: no host wait inside a step; a step over the bound, a long prompt
+    /// alone, runs exactly anyway). Worst-case outputs are for one node of GPUs.
+    #[arg(long)]
+    pub exact_prefill_outputs: bool,
     /// Seconds any rank may wait for another before failing.
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
@@ -204,10 +210,17 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     let dist = Dist::init(info, &device, buffer_cfg)?;
     // `..Default::default()` keeps this working when the options grow new fields.
     #[allow(clippy::needless_update)]
+    // Worst-case prefill outputs with the shared experts first: what left the least of the
+    // transfers exposed at 4 ranks (docs/benchmarks.md); one node only.
+    let worst_case = !args.exact_prefill_outputs
+        && info.world_size > 1
+        && dist.buffer.normal_mode_max_tokens().is_none();
     let options = moe_layer::MoeLayerOptions {
         mode: moe_layer::Mode::Auto,
         low_latency_max_tokens: args.max_batch,
         fp8_dispatch: args.fp8_dispatch,
+        normal_max_tokens_per_rank: worst_case.then_some(args.max_prefill_tokens),
+        shared_before_dispatch: worst_case,
         ..Default::default()
     };
     let opts = LoadOptions {
