@@ -72,7 +72,7 @@ use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 mod layer_common;
 mod moe_layer_report;
 use layer_common::{build_layer, randn_bf16, BoxError, E, H, I, K, LL_MAX};
-use moe_layer_report::{BackToBack, Row};
+use moe_layer_report::{Row, StepTimes};
 
 fn stream_of(dev: &Device) -> Arc<CudaStream> {
     match dev {
@@ -263,7 +263,7 @@ fn bench_tokens(
         },
         ..Default::default()
     };
-    row.layer_ms = time_ms(&stream, iters, &mut || {
+    row.step.layer_ms = time_ms(&stream, iters, &mut || {
         layer.forward_with_mode(&x, mode)?;
         Ok(())
     })?;
@@ -277,7 +277,7 @@ fn bench_tokens(
         None
     };
     // Normal steps also back to back, as a model's layers run (`time_b2b_ms`).
-    let mut b2b = (mode == Mode::Normal).then(BackToBack::default);
+    let mut b2b = (mode == Mode::Normal).then(StepTimes::default);
     if let Some(b) = b2b.as_mut() {
         b.layer_ms = time_b2b_ms(&stream, iters, &mut || {
             layer.forward_with_mode(&x, mode)?;
@@ -290,7 +290,7 @@ fn bench_tokens(
             g.replay_in_place()?;
             Ok(())
         };
-        row.graph_ms = Some(time_ms(&stream, iters, &mut replay)?);
+        row.step.graph_ms = Some(time_ms(&stream, iters, &mut replay)?);
         if let Some(b) = b2b.as_mut() {
             b.graph_ms = Some(time_b2b_ms(&stream, iters, &mut replay)?);
         }
@@ -312,7 +312,7 @@ fn bench_tokens(
         layer.router().forward(&x)?;
         Ok(())
     };
-    row.router_ms = part(&mut route)?;
+    row.step.router_ms = part(&mut route)?;
     let mut run_shared = || -> Result<(), BoxError> {
         shared.forward(&x)?;
         Ok(())
@@ -322,7 +322,7 @@ fn bench_tokens(
         b.shared_ms = time_b2b_ms(&stream, iters, &mut run_shared)?;
     }
     // With the shared expert inside the low-latency grouped GEMMs, its time is in "GEMMs".
-    row.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm(t) {
+    row.step.shared_ms = if mode == Mode::LowLatency && layer.shared_in_grouped_gemm(t) {
         0.0
     } else {
         part(&mut run_shared)?
@@ -339,7 +339,7 @@ fn bench_tokens(
             Ok(())
         })?;
         let out = buf.low_latency_dispatch(&args)?;
-        row.gemm_ms = part(&mut || {
+        row.step.gemm_ms = part(&mut || {
             layer.low_latency_experts(&out.recv_x, &out.recv_count, &x)?;
             Ok(())
         })?;
@@ -359,7 +359,7 @@ fn bench_tokens(
             layer.experts().forward_grouped(&x, idx, w)?;
             Ok(())
         };
-        row.gemm_ms = part(&mut run_experts)?;
+        row.step.gemm_ms = part(&mut run_experts)?;
         if let Some(b) = b2b.as_mut() {
             b.gemm_ms = time_b2b_ms(&stream, iters, &mut run_experts)?;
         }
@@ -484,7 +484,7 @@ fn bench_tokens(
             experts()?;
             Ok(())
         };
-        row.gemm_ms = part(&mut run_experts)?;
+        row.step.gemm_ms = part(&mut run_experts)?;
         if let Some(b) = b2b.as_mut() {
             b.gemm_ms = time_b2b_ms(&stream, iters, &mut run_experts)?;
         }
@@ -498,11 +498,11 @@ fn bench_tokens(
     let [busiest, busiest_b2b] = exchange.busiest(
         buf.topology().rank,
         [
-            row.router_ms + row.gemm_ms + row.shared_ms,
+            row.step.router_ms + row.step.gemm_ms + row.step.shared_ms,
             b2b.map_or(0.0, |b| b.router_ms + b.gemm_ms + b.shared_ms),
         ],
     );
-    row.busiest_compute_ms = busiest;
+    row.step.busiest_compute_ms = busiest;
     if let Some(b) = row.b2b.as_mut() {
         b.busiest_compute_ms = busiest_b2b;
     }
@@ -596,8 +596,9 @@ fn run_rank(
         if rank == 0 {
             println!(
                 "T={t}: layer {:.3} ms{} (floor {:.3} ms, dense {:.3} ms)",
-                row.layer_ms,
-                row.graph_ms
+                row.step.layer_ms,
+                row.step
+                    .graph_ms
                     .map_or(String::new(), |g| format!(", graph {g:.3} ms")),
                 row.floor_ms,
                 row.dense_ms

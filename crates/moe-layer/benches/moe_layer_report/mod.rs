@@ -12,18 +12,13 @@ use crate::{expert_groups, fp8_dispatch};
 pub(crate) struct Row {
     pub(crate) tokens: usize,
     pub(crate) mode: &'static str,
-    pub(crate) layer_ms: f64,
-    pub(crate) graph_ms: Option<f64>,
+    /// One step at a time, each from a synchronised device (`time_ms`).
+    pub(crate) step: StepTimes,
     /// Back to back (`time_b2b_ms`): the layer, its captured graph, and the compute parts
     /// (router, grouped GEMMs, shared experts) in normal mode.
-    pub(crate) b2b: Option<BackToBack>,
-    pub(crate) router_ms: f64,
-    /// The largest router + GEMMs + shared experts over ranks.
-    pub(crate) busiest_compute_ms: f64,
+    pub(crate) b2b: Option<StepTimes>,
     pub(crate) dispatch_ms: f64,
-    pub(crate) gemm_ms: f64,
     pub(crate) combine_ms: f64,
-    pub(crate) shared_ms: f64,
     /// Normal mode across ranks: the dispatch with the shared expert beside it, issued in
     /// three ways: the dispatch first; the shared expert first; the shared expert first with
     /// cuBLAS targeting the SMs the dispatch leaves.
@@ -37,7 +32,19 @@ pub(crate) struct Row {
     pub(crate) dense_ms: f64,
 }
 
-impl Row {
+/// A layer step's times, eager and captured, and its compute parts measured alone the same way.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct StepTimes {
+    pub(crate) layer_ms: f64,
+    pub(crate) graph_ms: Option<f64>,
+    pub(crate) router_ms: f64,
+    pub(crate) gemm_ms: f64,
+    pub(crate) shared_ms: f64,
+    /// The largest router + GEMMs + shared experts over ranks.
+    pub(crate) busiest_compute_ms: f64,
+}
+
+impl StepTimes {
     /// The better of the eager and the captured layer.
     pub(crate) fn best_ms(&self) -> f64 {
         self.graph_ms
@@ -51,36 +58,6 @@ impl Row {
 
     /// The layer's time beyond the busiest rank's compute parts (the step's critical path runs
     /// through it: the others wait for its rows in the combine).
-    pub(crate) fn exposed_busiest_ms(&self) -> f64 {
-        self.best_ms() - self.busiest_compute_ms
-    }
-}
-
-/// A row's times per step with the steps run back to back.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct BackToBack {
-    pub(crate) layer_ms: f64,
-    pub(crate) graph_ms: Option<f64>,
-    pub(crate) router_ms: f64,
-    pub(crate) gemm_ms: f64,
-    pub(crate) shared_ms: f64,
-    /// The largest router + GEMMs + shared experts over ranks, back to back.
-    pub(crate) busiest_compute_ms: f64,
-}
-
-impl BackToBack {
-    /// The better of the eager and the captured layer.
-    pub(crate) fn best_ms(&self) -> f64 {
-        self.graph_ms
-            .map_or(self.layer_ms, |g| g.min(self.layer_ms))
-    }
-
-    /// The layer's time beyond its compute parts, all back to back.
-    pub(crate) fn exposed_ms(&self) -> f64 {
-        self.best_ms() - (self.router_ms + self.gemm_ms + self.shared_ms)
-    }
-
-    /// The layer's time beyond the busiest rank's compute parts, all back to back.
     pub(crate) fn exposed_busiest_ms(&self) -> f64 {
         self.best_ms() - self.busiest_compute_ms
     }
@@ -126,24 +103,24 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
         "exposed"
     )?;
     for r in rows {
-        let best = r.best_ms();
+        let best = r.step.best_ms();
         writeln!(
             table,
             "{:>6} {:<11} {:>8.3} {:>8} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>7.3} {:>8.3} {:>8.3} {:>8.2} {:>9.2} {:>7.1}%",
             r.tokens,
             r.mode,
-            r.layer_ms,
-            r.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
-            r.router_ms,
+            r.step.layer_ms,
+            r.step.graph_ms.map_or("-".to_string(), |g| format!("{g:.3}")),
+            r.step.router_ms,
             r.dispatch_ms,
-            r.gemm_ms,
+            r.step.gemm_ms,
             r.combine_ms,
-            r.shared_ms,
+            r.step.shared_ms,
             r.floor_ms,
             r.dense_ms,
             best / r.floor_ms,
             best / r.dense_ms,
-            100.0 * r.exposed_ms() / best
+            100.0 * r.step.exposed_ms() / best
         )?;
     }
     if world > 1 {
@@ -152,8 +129,8 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
                 table,
                 "{:>6} exposed beyond the busiest rank's compute parts ({:.3} ms): {:.1}%",
                 r.tokens,
-                r.busiest_compute_ms,
-                100.0 * r.exposed_busiest_ms() / r.best_ms()
+                r.step.busiest_compute_ms,
+                100.0 * r.step.exposed_busiest_ms() / r.step.best_ms()
             )?;
         }
     }
@@ -179,7 +156,7 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
             table,
             "{:>6} dispatch beside the shared expert: dispatch first {:.3} ms, shared first {:.3}, \
              shared first with cuBLAS on the SMs the dispatch leaves {:.3} (alone: {:.3} + {:.3})",
-            r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.shared_ms
+            r.tokens, o[0], o[1], o[2], r.dispatch_ms, r.step.shared_ms
         )?;
     }
     for (r, ([laid, cached, worst], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?)))
@@ -213,9 +190,9 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
             writeln!(
                 f,
                 "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}, \"b2b\": {}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
-                r.tokens, r.mode, r.layer_ms, r.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
-                r.router_ms, r.dispatch_ms, r.gemm_ms, r.combine_ms, r.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
-                r.exposed_ms(), r.busiest_compute_ms, r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms(), b.busiest_compute_ms)), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
+                r.tokens, r.mode, r.step.layer_ms, r.step.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
+                r.step.router_ms, r.dispatch_ms, r.step.gemm_ms, r.combine_ms, r.step.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
+                r.step.exposed_ms(), r.step.busiest_compute_ms, r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms(), b.busiest_compute_ms)), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
                 expert_groups(),
                 std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
             )?;
