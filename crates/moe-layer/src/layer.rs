@@ -20,8 +20,9 @@ type RoutedOp = fn(&MoeLayer, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Opti
 /// Each rank holds the router, its `E / R` routed experts and the shared experts. `forward`
 /// routes this rank's tokens, dispatches them to the ranks holding their experts, runs each
 /// local expert once over the tokens it received (grouped GEMM), combines the weighted
-/// outputs back on the tokens' home ranks and adds the shared experts' output. In
-/// low-latency mode the shared experts run while the routed tokens travel (receive hook).
+/// outputs back on the tokens' home ranks and adds the shared experts' output (in normal mode
+/// inside the combine's sums, as its bias). In low-latency mode the shared experts run while
+/// the routed tokens travel (receive hook).
 #[derive(Debug)]
 pub struct MoeLayer {
     pub(crate) router: Router,
