@@ -81,24 +81,43 @@ fn stream_of(dev: &Device) -> Arc<CudaStream> {
     }
 }
 
+/// Two warm-up calls of `f`, then a synchronisation of `stream`.
+fn warm_up(
+    stream: &Arc<CudaStream>,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<(), BoxError> {
+    for _ in 0..2 {
+        f()?;
+    }
+    stream.synchronize()?;
+    Ok(())
+}
+
+/// Milliseconds between events on `stream` around `calls` calls of `f`, waited for.
+fn elapsed_ms(
+    stream: &Arc<CudaStream>,
+    calls: usize,
+    f: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    for _ in 0..calls {
+        f()?;
+    }
+    let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    b.synchronize()?;
+    Ok(f64::from(a.elapsed_ms(&b)?))
+}
+
 /// Median milliseconds of `f` on `stream` (event-timed, after two warm-up calls).
 fn time_ms(
     stream: &Arc<CudaStream>,
     iters: usize,
     f: &mut dyn FnMut() -> Result<(), BoxError>,
 ) -> Result<f64, BoxError> {
-    for _ in 0..2 {
-        f()?;
-    }
-    stream.synchronize()?;
-    let mut t = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
-        let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        f()?;
-        let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        b.synchronize()?;
-        t.push(f64::from(a.elapsed_ms(&b)?));
-    }
+    warm_up(stream, f)?;
+    let mut t = (0..iters.max(1))
+        .map(|_| elapsed_ms(stream, 1, f))
+        .collect::<Result<Vec<_>, _>>()?;
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
 }
@@ -112,17 +131,8 @@ fn time_b2b_ms(
     iters: usize,
     f: &mut dyn FnMut() -> Result<(), BoxError>,
 ) -> Result<f64, BoxError> {
-    for _ in 0..2 {
-        f()?;
-    }
-    stream.synchronize()?;
-    let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    for _ in 0..iters.max(1) {
-        f()?;
-    }
-    let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    b.synchronize()?;
-    Ok(f64::from(a.elapsed_ms(&b)?) / iters.max(1) as f64)
+    warm_up(stream, f)?;
+    Ok(elapsed_ms(stream, iters.max(1), f)? / iters.max(1) as f64)
 }
 
 /// Median milliseconds of one replay of `f` captured as a CUDA graph: the GPU time of the work
