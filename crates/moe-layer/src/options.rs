@@ -109,8 +109,9 @@ pub struct MoeLayerOptions {
     /// bound runs with exact outputs on every rank instead (the same choice everywhere); with
     /// an explicit `Mode::Normal` a step with more tokens on this rank is refused before any
     /// kernel. Measured with [`Self::shared_before_dispatch`] on 4 x H100 at 4096 tokens per
-    /// rank: 7.5-9.8 % of the step left exposed, against 12-17 % with exact outputs
-    /// (`docs/benchmarks.md`, "Worst-case outputs with the shared experts first").
+    /// rank, steps back to back: 6.9-9.1 % of the step left exposed beyond the busiest rank's
+    /// compute, against 11.4-14.3 % with exact outputs (`docs/benchmarks.md`, "Worst-case
+    /// outputs with the shared experts first").
     /// One node only. `None` (the default): exact outputs and one host read per dispatch.
     pub normal_max_tokens_per_rank: Option<usize>,
 }
