@@ -116,12 +116,9 @@ EP_DEVICE int* ce_count(char* base, int peer, int chunk) {
            peer * kCeMaxChunks + chunk;
 }
 
-// Records a timeout (one 16-byte store, so a record is never torn) and prints it.
-EP_DEVICE void report_timeout(int* error_info, int kernel, int self_rank, int awaited, int site) {
-    printf("ep-kernels: rank %d kernel %d timed out waiting for rank %d (site %d, block %d)\n",
-           self_rank, kernel, awaited, site, static_cast<int>(blockIdx.x));
+// Stores an error record in one 16-byte store (so a record is never torn), visible system-wide.
+EP_DEVICE void store_error_record(int* error_info, int4 rec) {
     if (error_info != nullptr) {
-        const int4 rec = make_int4(1, awaited, kernel, site);
         asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(error_info),
                      "r"(rec.x), "r"(rec.y), "r"(rec.z), "r"(rec.w)
                      : "memory");
@@ -129,18 +126,19 @@ EP_DEVICE void report_timeout(int* error_info, int kernel, int self_rank, int aw
     }
 }
 
+// Records a timeout ({1, awaited, kernel, site}) and prints it.
+EP_DEVICE void report_timeout(int* error_info, int kernel, int self_rank, int awaited, int site) {
+    printf("ep-kernels: rank %d kernel %d timed out waiting for rank %d (site %d, block %d)\n",
+           self_rank, kernel, awaited, site, static_cast<int>(blockIdx.x));
+    store_error_record(error_info, make_int4(1, awaited, kernel, site));
+}
+
 // A worst-case receive capacity too small (`rank` receives `received` rows, more than
-// `capacity`): record {2, rank, received, capacity}, one 16-byte store like a timeout's.
+// `capacity`): records {2, rank, received, capacity}, as a timeout is recorded.
 EP_DEVICE void report_capacity(int* error_info, int self_rank, int rank, int received, int capacity) {
     printf("ep-kernels: rank %d: rank %d receives %d rows, more than the %d sized for\n", self_rank,
            rank, received, capacity);
-    if (error_info != nullptr) {
-        const int4 rec = make_int4(2, rank, received, capacity);
-        asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(error_info),
-                     "r"(rec.x), "r"(rec.y), "r"(rec.z), "r"(rec.w)
-                     : "memory");
-        __threadfence_system();
-    }
+    store_error_record(error_info, make_int4(2, rank, received, capacity));
 }
 
 // The token range [begin, end) of `channel` when `num_tokens` tokens are split into
