@@ -22,6 +22,8 @@
 //   [17408, 18432)      copy-engine path flags: int32 [kMaxRanks][kCeMaxChunks] (see
 //                       `intranode/copy_engine.cu`); [18432, 19456) its chunk counters, same
 //                       shape. Reset with the channel counters.
+//   [19456, 19468)      copy-engine dispatch: the pack's three work queues (int32 each, items
+//                       taken so far; see `ce_pack`). Reset with the channel counters.
 //   [20480, 53248)      notify counts: int32[kMaxRanks][kMaxRanks] tokens per destination rank
 //                       written by each source (row = source), then
 //                       int32[kMaxRanks][kMaxLocalExperts] tokens per local expert (row = source).
@@ -115,6 +117,13 @@ EP_DEVICE int* ce_count(char* base, int peer, int chunk) {
     return reinterpret_cast<int*>(base + kCeFlagOffset) + kMaxRanks * kCeMaxChunks +
            peer * kCeMaxChunks + chunk;
 }
+
+// Work queue `q` (0: rows fetched from this rank, 1: NVLink pushes, 2: own rows) of the
+// copy-engine pack.
+constexpr size_t kCeWorkOffset = kCeFlagOffset + 2 * sizeof(int) * kMaxRanks * kCeMaxChunks;
+static_assert(kCeWorkOffset + 3 * sizeof(int) <= kNotifyOffset, "pack work queues");
+
+EP_DEVICE int* ce_work(char* base, int q) { return reinterpret_cast<int*>(base + kCeWorkOffset) + q; }
 
 // Stores an error record in one 16-byte store (so a record is never torn), visible system-wide.
 EP_DEVICE void store_error_record(int* error_info, int4 rec) {

@@ -949,6 +949,8 @@ fn main() {
                 sm_blocks: 2,
                 dispatch_push: true,
                 own_rows_last: false,
+                pack_local_warps: 8,
+                pack_local_blocks: 0,
                 copy_lanes: 1,
                 local_copy_out: false,
             },
@@ -966,6 +968,19 @@ fn main() {
             },
         );
         cases.push(("ce-one-pass-one-lane".into(), c));
+        // The pack's work queues: every warp starting on the pushes, or on the local stores.
+        for (name, pack_local_blocks, pack_local_warps, fp8) in [
+            ("ce-pack-all-warps-push-first", 0, 0, false),
+            ("ce-pack-all-warps-local-first", 0, 24, true),
+            ("ce-pack-local-blocks", 3, 2, false),
+        ] {
+            let ce = CeConfig {
+                pack_local_blocks,
+                pack_local_warps,
+                ..CeConfig::dispatch_for(r, 24)
+            };
+            cases.push((name.into(), ce_case(r, 1700, fp8, ce)));
+        }
         // Pushed rows copied out by the local copy engines (every peer pushed: none by
         // engines, and the default split).
         for (name, copy_engine_peers, fp8) in [
@@ -1006,6 +1021,8 @@ fn main() {
             sm_blocks: 3,
             dispatch_push: false,
             own_rows_last: true,
+            pack_local_warps: 3,
+            pack_local_blocks: 0,
             copy_lanes: 2,
             local_copy_out: false,
         });

@@ -18,7 +18,9 @@
 //! `ce_combine_cuda`, swept over SMs and chunk sizes; `chunk` = first chunk rows, `ring` =
 //! largest chunk rows in its rows). `EP_BENCH_PATH=ring|ce` limits the run to one of them.
 //! `EP_BENCH_CE_SPLITS="ce:sms:blocks:push,..."` (e.g. `1:22:2:1`) and
-//! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists.
+//! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists;
+//! `EP_BENCH_CE_LOCAL="0:4,4:0"` times each dispatch with those
+//! `pack_local_blocks:pack_local_warps`.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
 //! `EP_BENCH_DISPATCH_CHUNKS` / `EP_BENCH_COMBINE_CHUNKS` / `EP_BENCH_RINGS` (comma lists) set the

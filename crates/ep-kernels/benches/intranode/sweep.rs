@@ -90,8 +90,9 @@ fn list_from_env(name: &str) -> Option<Vec<usize>> {
     (!v.is_empty()).then_some(v)
 }
 
-/// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS` and
-/// `EP_BENCH_CE_VARIANTS` replace its lists); returns one row per (split, chunks, variant, op).
+/// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS`,
+/// `EP_BENCH_CE_VARIANTS` and `EP_BENCH_CE_LOCAL` replace its lists); returns one row per
+/// (split, chunks, variant, op).
 #[allow(clippy::too_many_arguments)]
 pub fn copy_engine(
     node: &Node,
@@ -169,9 +170,25 @@ pub fn copy_engine(
             vec![(d.own_rows_last, d.copy_lanes, d.local_copy_out)]
         }
     };
+    // Each variant with every "pack_local_blocks:pack_local_warps" of `EP_BENCH_CE_LOCAL`.
+    let local: Vec<(usize, usize)> = match env_tuples("EP_BENCH_CE_LOCAL", 2)? {
+        Some(v) => v.iter().map(|t| (t[0], t[1])).collect(),
+        None => {
+            let d = CeConfig::dispatch_for(r, 24);
+            vec![(d.pack_local_blocks, d.pack_local_warps)]
+        }
+    };
+    let variants: Vec<(bool, usize, bool, (usize, usize))> = variants
+        .iter()
+        .flat_map(|&(a, b, c)| local.iter().map(move |&l| (a, b, c, l)))
+        .collect();
     for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
         for &(first, max) in &ce_chunks {
-            for (vi, &(own_rows_last, copy_lanes, local_copy_out)) in variants.iter().enumerate() {
+            for (
+                vi,
+                &(own_rows_last, copy_lanes, local_copy_out, (pack_local_blocks, pack_local_warps)),
+            ) in variants.iter().enumerate()
+            {
                 let ce = CeConfig {
                     num_sms,
                     first_chunk_rows: first,
@@ -180,10 +197,12 @@ pub fn copy_engine(
                     sm_blocks,
                     dispatch_push,
                     own_rows_last,
+                    pack_local_warps,
+                    pack_local_blocks,
                     copy_lanes,
                     local_copy_out,
                 };
-                // Combine does not depend on the variant: timed once.
+                // Combine does not depend on the dispatch variant: timed once.
                 let ops: &[Op] = if vi == 0 {
                     &[Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine]
                 } else {
@@ -213,10 +232,12 @@ pub fn copy_engine(
                         } else {
                             " pull"
                         },
-                        if own_rows_last || op == Op::CeCombine {
-                            ""
+                        if op == Op::CeCombine {
+                            String::new()
+                        } else if own_rows_last {
+                            format!(" local{pack_local_blocks}:{pack_local_warps}")
                         } else {
-                            " one-pass"
+                            " one-pass".to_string()
                         },
                         if op == Op::CeCombine {
                             String::new()

@@ -81,13 +81,15 @@ struct CePackParams {
     int first_chunk_rows;
     int max_chunk_rows;
     int sm_push_mask;  // bit d: peer d's rows go straight into slot [rank] of d's buffer
-    int own_rows_last;  // 1: the peers' rows first (all tokens), then this rank's own rows
-    int reserved;
+    int own_rows_last;  // 1: the peers' rows before this rank's own rows, from the work queues
+    int local_warps;    // warps per block that start on the local stores (see `ce_pack`)
+    int local_blocks;   // blocks [0, local_blocks) start on the local stores with every warp
+    int pad;
 };
-EP_CHECK_PARAMS_SIZE(CePackParams, 240);
+EP_CHECK_PARAMS_SIZE(CePackParams, 248);
 
-// Blocks [0, nblocks) of kCeThreads; warp w of them takes work items w, w + W, ... (token order
-// within each pass, so early chunks complete first).
+// Blocks [0, nblocks) of kCeThreads; each warp stores one token's rows per work item, items in
+// token order within each pass (so early chunks complete first; see the work items below).
 __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     const int R = p.num_ranks, K = p.num_topk, S = p.num_scales, L = p.experts_per_rank;
     const int lane = ep::lane_id();
@@ -109,17 +111,61 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
     }
     const int own_base = p.rank > 0 ? p.rank_prefix_matrix[(p.rank - 1) * R + p.rank] : 0;
 
-    // Pass 0 stores the rows for the peers (and, unless `own_rows_last`, this rank's own rows);
-    // pass 1 this rank's own rows. Own rows last: the peers' chunks, which the copy engines and
-    // SM copies wait for, complete sooner, at the cost of reading x twice.
-    // Work item i is token i % T of pass i / T.
-    const int passes = p.own_rows_last ? 2 : 1;
+    // Work items are (pass, token); a pass is the set of destinations whose rows it stores.
+    // One pass over the tokens stores every destination's row (`own_rows_last == 0`, each row
+    // read once, items handed out statically). Otherwise the items come from three queues in
+    // this rank's header, one token at a time in token order, so that the chunks complete in
+    // order whatever the warps' speeds (handed out statically, the slowest warps held the first
+    // chunks back by two rounds, measured on a timeline):
+    //   queue 0: the rows of the peers that fetch them from this rank's slots (the copy
+    //            engines' peers), which the copy engines wait for;
+    //   queue 1: the rows pushed over NVLink into the peers' slots;
+    //   queue 2: this rank's own rows, which nobody waits for.
+    // Warps of the local role (blocks [0, local_blocks), and warps [0, local_warps) of the
+    // others) take queues 0, 1, 2 in turn, the others 1, 0, 2: each moves to its next queue once
+    // the current one is empty.
+    const uint32_t all = (1u << R) - 1u;
+    const uint32_t own_mask = 1u << p.rank;
+    const uint32_t push_mask = static_cast<uint32_t>(p.sm_push_mask) & all & ~own_mask;
+    const uint32_t local_mask = all & ~own_mask & ~push_mask;
     const int T = p.num_tokens;
-    for (int i = block * (kCeThreads / ep::kWarpSize) + ep::warp_id(); i < passes * T; i += warps) {
-        const int pass = i / T;
-        const int t = i - pass * T;
-        // Destinations of this pass (bit d).
-        const uint32_t pass_mask = passes == 1 ? 0xffu : (pass == 0 ? 0xffu & ~(1u << p.rank) : 1u << p.rank);
+    const bool queued = p.own_rows_last != 0;
+    const bool local_role = block < p.local_blocks || ep::warp_id() < p.local_warps;
+    // This warp's queue order, two bits per queue.
+    const int order = local_role ? (0 | 1 << 2 | 2 << 4) : (1 | 0 << 2 | 2 << 4);
+    int qi = 0;
+    int next_static = block * (kCeThreads / ep::kWarpSize) + ep::warp_id();
+    for (;;) {
+        uint32_t pass_mask;
+        int t;
+        if (!queued) {
+            if (next_static >= T) {
+                break;
+            }
+            t = next_static;
+            next_static += warps;
+            pass_mask = all;
+        } else {
+            if (qi == 3) {
+                break;
+            }
+            const int q = (order >> (2 * qi)) & 3;
+            pass_mask = q == 0 ? local_mask : (q == 1 ? push_mask : own_mask);
+            if (pass_mask == 0) {
+                ++qi;
+                continue;
+            }
+            int item = 0;
+            if (lane == 0) {
+                item = atomicAdd(ce_work(my_buf, q), 1);
+            }
+            item = __shfl_sync(ep::kFullMask, item, 0);
+            if (item >= T) {
+                ++qi;
+                continue;
+            }
+            t = item;
+        }
         const int my_idx = lane < R ? p.send_index[static_cast<int64_t>(t) * R + lane] : -1;
         int idx[kMaxRanks];
 #pragma unroll
@@ -200,7 +246,7 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
         // reader acquires (the PTX model's cumulativity; docs/design.md, normal mode through
         // the copy engines).
         __syncwarp();
-        if (pass == 0 && lane < R && lane != p.rank && my_idx >= 0) {
+        if (lane < R && lane != p.rank && ((pass_mask >> lane) & 1u) && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
             const int done = ep::atomic_add_release_gpu(ce_count(my_buf, lane, c.index), 1) + 1;
             if (done == c.end - c.begin) {
@@ -619,7 +665,7 @@ struct CeDispatchParams {
     int pack_blocks;  // blocks [0, pack_blocks) pack, the rest pull
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeDispatchParams, 512);
+EP_CHECK_PARAMS_SIZE(CeDispatchParams, 520);
 
 // Grid: pack_blocks + any number of pull blocks (none when no peer sends rows), all of
 // kCeThreads and resident at once (the pull waits only for peers' packs).

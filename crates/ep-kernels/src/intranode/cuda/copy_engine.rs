@@ -25,7 +25,7 @@ mod params;
 mod streams;
 
 pub use combine::{ce_combine_cuda, CeCombineArgs};
-pub use config::{CeConfig, MAX_COPY_LANES};
+pub use config::{CeConfig, MAX_COPY_LANES, PACK_LOCAL_WARPS};
 pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use streams::CopyStreams;
 

@@ -27,11 +27,21 @@ pub struct CeConfig {
     /// the rows straight into the peer's buffer over NVLink (stores need no round trip) and the
     /// peer's SM blocks copy them out locally, instead of the peer pulling them over NVLink.
     pub dispatch_push: bool,
-    /// Dispatch: the pack first stores every token's rows for the peers, then (a second pass
-    /// over the tokens, reading `x` again) this rank's own rows, so the peers' chunks, which
-    /// the copy engines and SM copies wait for, complete sooner. `false`: one pass, each row
-    /// read once and stored to every destination.
+    /// Dispatch: the pack stores the rows of the peers before this rank's own rows, taking
+    /// its work in token order from three queues: the rows the peers fetch from this rank's
+    /// buffer (the copy engines wait for these), the rows pushed over NVLink, and this rank's
+    /// own rows (reading `x` once per queue), so the peers' chunks complete sooner and in order.
+    /// `false`: one pass, each row read once and stored to every destination, tokens handed out
+    /// to the warps statically.
     pub own_rows_last: bool,
+    /// Dispatch, with `own_rows_last`: warps of each pack block (of [`PACK_WARPS`]) in the
+    /// local role, which take the rows the peers fetch first, then the pushes, then the own
+    /// rows; the other warps take the pushes first. Without pushed peers every warp starts on
+    /// the local queue.
+    pub pack_local_warps: usize,
+    /// Dispatch, with `own_rows_last`: pack blocks whose warps are all in the local role (see
+    /// `pack_local_warps`), so that the local stores do not share an SM with NVLink pushes.
+    pub pack_local_blocks: usize,
     /// Dispatch: copy streams per copy-engine peer (1 to [`MAX_COPY_LANES`]). Chunks take
     /// them in turn, so that a chunk's wait and copy set-up overlap the previous chunk's copy.
     /// Combine always uses one per home (its weights copy and chunk flags stay in order).
@@ -42,6 +52,12 @@ pub struct CeConfig {
     /// metadata; the SMs saved can pack (and push) instead.
     pub local_copy_out: bool,
 }
+
+/// Default [`CeConfig::pack_local_warps`].
+pub const PACK_LOCAL_WARPS: usize = 4;
+
+/// Warps of a pack block ([`CeConfig::pack_local_warps`] is at most this).
+pub const PACK_WARPS: usize = 24;
 
 /// Most copy streams per peer ([`CeConfig::copy_lanes`]).
 pub const MAX_COPY_LANES: usize = 2;
@@ -65,12 +81,12 @@ impl CeConfig {
     }
 
     /// Dispatch split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer, the
-    /// own rows packed last and two copy streams per copy-engine peer. Two ranks: all but 2 SMs
-    /// pack and 2 pull the metadata, chunks of 768 rows doubling to 4096. More ranks: two
-    /// thirds of the SMs pack (pushing the rows of the SM peers into their buffers), the
-    /// receiver's copy engines copy the pushed rows out (`local_copy_out`) and the other third
-    /// moves the metadata, chunks of 1024 doubling to 4096. Both measured best in their sweeps
-    /// (`docs/benchmarks.md`, normal mode).
+    /// own rows packed last, 4 local-role warps per pack block and two copy streams per
+    /// copy-engine peer. Two ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 768
+    /// rows doubling to 4096. More ranks: five sixths of the SMs pack (pushing the rows of the
+    /// SM peers into their buffers), the receiver's copy engines copy the pushed rows out
+    /// (`local_copy_out`) and the other sixth moves the metadata, chunks of 768 doubling to
+    /// 4096. Both measured best in their sweeps (`docs/benchmarks.md`, normal mode).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -82,18 +98,22 @@ impl CeConfig {
                 sm_blocks: 2,
                 dispatch_push: true,
                 own_rows_last: true,
+                pack_local_warps: PACK_LOCAL_WARPS,
+                pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
             }
         } else {
             Self {
-                num_sms: sms - sms / 3,
-                first_chunk_rows: 1024,
+                num_sms: sms - sms / 6,
+                first_chunk_rows: 768,
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
-                sm_blocks: (sms / 3).max(1),
+                sm_blocks: (sms / 6).max(1),
                 dispatch_push: true,
                 own_rows_last: true,
+                pack_local_warps: PACK_LOCAL_WARPS,
+                pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: true,
             }
@@ -115,6 +135,8 @@ impl CeConfig {
                 sm_blocks: 1,
                 dispatch_push: true,
                 own_rows_last: true,
+                pack_local_warps: PACK_LOCAL_WARPS,
+                pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
             }
@@ -127,14 +149,17 @@ impl CeConfig {
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
                 own_rows_last: true,
+                pack_local_warps: PACK_LOCAL_WARPS,
+                pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
             }
         }
     }
 
-    /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024` and
-    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`.
+    /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024`,
+    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`, `pack_local_warps <= 24` and
+    /// `pack_local_blocks <= num_sms`.
     pub fn validate(&self) -> Result<()> {
         if self.num_sms == 0 || self.num_sms > 1024 {
             return Err(Error::invalid(
@@ -162,6 +187,20 @@ impl CeConfig {
                 "copy_lanes",
                 self.copy_lanes,
                 format!("must be in [1, {MAX_COPY_LANES}]"),
+            ));
+        }
+        if self.pack_local_warps > PACK_WARPS {
+            return Err(Error::invalid(
+                "pack_local_warps",
+                self.pack_local_warps,
+                format!("must be <= {PACK_WARPS} (warps of a pack block)"),
+            ));
+        }
+        if self.pack_local_blocks > self.num_sms {
+            return Err(Error::invalid(
+                "pack_local_blocks",
+                self.pack_local_blocks,
+                format!("must be <= num_sms = {}", self.num_sms),
             ));
         }
         if self.max_chunk_rows > 1 << 24 {

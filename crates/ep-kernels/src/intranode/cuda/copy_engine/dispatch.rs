@@ -101,7 +101,9 @@ pub fn ce_dispatch_cuda(
         max_chunk_rows: to_i32("max_chunk_rows", config.max_chunk_rows)?,
         sm_push_mask: 0,
         own_rows_last: i32::from(config.own_rows_last),
-        reserved: 0,
+        local_warps: to_i32("pack_local_warps", config.pack_local_warps)?,
+        local_blocks: to_i32("pack_local_blocks", config.pack_local_blocks)?,
+        pad: 0,
     };
     // The copy streams of the sources served by copy engines start after the outputs exist
     // and notify reset the flags.

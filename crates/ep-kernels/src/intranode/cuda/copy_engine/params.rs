@@ -39,18 +39,20 @@ pub(super) struct CePackParams {
     pub(super) max_chunk_rows: i32,
     pub(super) sm_push_mask: i32,
     pub(super) own_rows_last: i32,
-    pub(super) reserved: i32,
+    pub(super) local_warps: i32,
+    pub(super) local_blocks: i32,
+    pub(super) pad: i32,
 }
 assert_params_layout!(
     CePackParams,
-    240;
+    248;
     buffer_ptrs = 0, x = 64, x_scales = 72, topk_idx = 80, topk_weights = 88, send_index = 96,
     rank_prefix_matrix = 104, recv_x = 112, recv_x_scales = 120, recv_src_idx = 128,
     recv_topk_idx = 136, recv_topk_weights = 144, slot_bytes = 152, off_scales = 160,
     off_src = 168, off_topk_idx = 176, off_topk_weights = 184, rank = 192, num_ranks = 196,
     num_tokens = 200, row_int4 = 204, num_scales = 208, num_topk = 212, experts_per_rank = 216,
     first_chunk_rows = 220, max_chunk_rows = 224, sm_push_mask = 228, own_rows_last = 232,
-    reserved = 236,
+    local_warps = 236, local_blocks = 240, pad = 244,
 );
 
 /// Mirror of `CeWaitParams` in copy_engine.cu.
@@ -193,8 +195,8 @@ pub(super) struct CeFusedParams<M, C> {
 pub(super) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
 assert_params_layout!(
     CeDispatchParams,
-    512;
-    main = 0, copies = 240, main_blocks = 504, pad = 508,
+    520;
+    main = 0, copies = 248, main_blocks = 512, pad = 516,
 );
 // SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine.cu.
 unsafe impl KernelParams for CeDispatchParams {}
