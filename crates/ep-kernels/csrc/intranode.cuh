@@ -1,6 +1,6 @@
 // The NVLink buffer of the intranode (normal-mode) kernels: its layout, the addressing helpers,
 // the kernel and wait-site ids of error records, and the timeout report. Shared by
-// `src/intranode/notify.cu`, `src/intranode/rings_{dispatch,combine}.cu` and `src/intranode/copy_engine.cu`;
+// `src/intranode/notify.cu`, `src/intranode/rings_{dispatch,combine}.cu` and `src/intranode/copy_engine_{dispatch,combine}.cu`;
 // launchers: `src/intranode/cuda/`.
 //
 // ---------------------------------------------------------------------------------------------
@@ -20,10 +20,10 @@
 //                                        (c, me) that lives in *dst's* buffer (written by dst).
 //                       Reset to zero by notify_dispatch / cached_notify (between two barriers).
 //   [17408, 18432)      copy-engine path flags: int32 [kMaxRanks][kCeMaxChunks] (see
-//                       `intranode/copy_engine.cu`); [18432, 19456) its chunk counters, same
+//                       `intranode/copy_engine.cuh`); [18432, 19456) its chunk counters, same
 //                       shape. Reset with the channel counters.
-//   [19456, 19468)      copy-engine dispatch: the pack's three work queues (int32 each, items
-//                       taken so far; see `ce_pack`). Reset with the channel counters.
+//   [19456, 19468)      copy-engine path: three work queues (int32 each, items taken so far;
+//                       see `ce_pack` and `ce_combine_roles`). Reset with the channel counters.
 //   [20480, 53248)      notify counts: int32[kMaxRanks][kMaxRanks] tokens per destination rank
 //                       written by each source (row = source), then
 //                       int32[kMaxRanks][kMaxLocalExperts] tokens per local expert (row = source).
@@ -38,7 +38,7 @@
 //                       ring_bytes is the larger of the two for the op (see `RingLayout` in
 //                       `intranode/rings.cuh` and `buffer_size_hint` in the launchers).
 //                       The copy-engine path uses the same region as per-peer slots (see
-//                       `intranode/copy_engine.cu`).
+//                       `intranode/copy_engine.cuh`).
 //
 // Timeouts: every device-side wait gives up after `timeout_ns` (0 = never) of no progress, on
 // the `%globaltimer` clock. The waiter then writes an error record {1, awaited rank, kernel id,
@@ -65,7 +65,7 @@ constexpr size_t kCounterArrayBytes = sizeof(int) * kMaxChannels * kMaxRanks;  /
 constexpr size_t kNotifyOffset = 20480;
 constexpr size_t kRingBase = 65536;
 static_assert(kCounterOffset + 4 * kCounterArrayBytes <= kNotifyOffset, "counter region");
-// Copy-engine path (`intranode/copy_engine.cu`): flags and chunk counters, reset with the
+// Copy-engine path (`intranode/copy_engine.cuh`): flags and chunk counters, reset with the
 // channel counters.
 constexpr size_t kCeFlagOffset = kCounterOffset + 4 * kCounterArrayBytes;
 constexpr int kCeMaxChunks = 32;
@@ -118,8 +118,9 @@ EP_DEVICE int* ce_count(char* base, int peer, int chunk) {
            peer * kCeMaxChunks + chunk;
 }
 
-// Work queue `q` (0: rows fetched from this rank, 1: NVLink pushes, 2: own rows) of the
-// copy-engine pack.
+// Work queue `q` of the copy-engine path: the dispatch's pack takes 0 (rows fetched from this
+// rank), 1 (NVLink pushes) and 2 (own rows); the combine with both roles per block takes 0
+// (tokens to reduce) and 1 (rows to push).
 constexpr size_t kCeWorkOffset = kCeFlagOffset + 2 * sizeof(int) * kMaxRanks * kCeMaxChunks;
 static_assert(kCeWorkOffset + 3 * sizeof(int) <= kNotifyOffset, "pack work queues");
 

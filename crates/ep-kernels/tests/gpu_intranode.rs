@@ -953,6 +953,7 @@ fn main() {
                 pack_local_blocks: 0,
                 copy_lanes: 1,
                 local_copy_out: false,
+                combine_push_warps: 12,
             },
         );
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
@@ -968,6 +969,22 @@ fn main() {
             },
         );
         cases.push(("ce-one-pass-one-lane".into(), c));
+        // The combine with both roles in every block: one copy-engine home, none, and chunks of
+        // a few rows (many push items per chunk boundary).
+        for (name, copy_engine_peers, first, max) in [
+            ("ce-combine-roles", 1, 256, 1024),
+            ("ce-combine-roles-all-sm", 0, 768, 4096),
+            ("ce-combine-roles-tiny-chunks", 1, 3, 20),
+        ] {
+            let ce = CeConfig {
+                copy_engine_peers,
+                first_chunk_rows: first,
+                max_chunk_rows: max,
+                combine_push_warps: 16,
+                ..CeConfig::combine_for(r, 24)
+            };
+            cases.push((name.into(), ce_case(r, 1600, false, ce)));
+        }
         // The pack's work queues: every warp starting on the pushes, or on the local stores.
         for (name, pack_local_blocks, pack_local_warps, fp8) in [
             ("ce-pack-all-warps-push-first", 0, 0, false),
@@ -1025,6 +1042,7 @@ fn main() {
             pack_local_blocks: 0,
             copy_lanes: 2,
             local_copy_out: false,
+            combine_push_warps: 0,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

@@ -136,8 +136,9 @@ pub struct BufferConfig {
 /// How a CUDA buffer's normal mode moves bytes between the GPUs of a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NvlTransfer {
-    /// Copy engines for 2 ranks, SM rings for more (what measured fastest on H200s, see
-    /// `docs/benchmarks.md`).
+    /// Copy engines for 2 ranks, SM rings for more (what measured fastest for the layer, see
+    /// `docs/benchmarks.md`: at 4 ranks the copy-engine path moves more bytes per second in
+    /// `bench_intranode`, but the layer's steps measured no faster with it).
     #[default]
     Auto,
     /// SM kernels stream rows through per-(channel, peer) rings (DeepEP's design).

@@ -20,7 +20,8 @@
 //! `EP_BENCH_CE_SPLITS="ce:sms:blocks:push,..."` (e.g. `1:22:2:1`) and
 //! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists;
 //! `EP_BENCH_CE_LOCAL="0:4,4:0"` times each dispatch with those
-//! `pack_local_blocks:pack_local_warps`.
+//! `pack_local_blocks:pack_local_warps`; `EP_BENCH_CE_COMBINE_PUSH_WARPS="0,16"` times each
+//! combine with those `combine_push_warps`.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
 //! `EP_BENCH_DISPATCH_CHUNKS` / `EP_BENCH_COMBINE_CHUNKS` / `EP_BENCH_RINGS` (comma lists) set the

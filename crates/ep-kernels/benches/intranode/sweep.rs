@@ -91,8 +91,8 @@ fn list_from_env(name: &str) -> Option<Vec<usize>> {
 }
 
 /// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS`,
-/// `EP_BENCH_CE_VARIANTS` and `EP_BENCH_CE_LOCAL` replace its lists); returns one row per
-/// (split, chunks, variant, op).
+/// `EP_BENCH_CE_VARIANTS`, `EP_BENCH_CE_LOCAL` and `EP_BENCH_CE_COMBINE_PUSH_WARPS` replace its
+/// lists); returns one row per (split, chunks, variant, op).
 #[allow(clippy::too_many_arguments)]
 pub fn copy_engine(
     node: &Node,
@@ -182,6 +182,8 @@ pub fn copy_engine(
         .iter()
         .flat_map(|&(a, b, c)| local.iter().map(move |&l| (a, b, c, l)))
         .collect();
+    let push_warps = list_from_env("EP_BENCH_CE_COMBINE_PUSH_WARPS")
+        .unwrap_or(vec![CeConfig::combine_for(r, 24).combine_push_warps]);
     for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
         for &(first, max) in &ce_chunks {
             for (
@@ -201,14 +203,19 @@ pub fn copy_engine(
                     pack_local_blocks,
                     copy_lanes,
                     local_copy_out,
+                    combine_push_warps: 0,
                 };
-                // Combine does not depend on the dispatch variant: timed once.
-                let ops: &[Op] = if vi == 0 {
-                    &[Op::CeDispatchBf16, Op::CeDispatchFp8, Op::CeCombine]
-                } else {
-                    &[Op::CeDispatchBf16, Op::CeDispatchFp8]
-                };
-                for &op in ops {
+                // Combine does not depend on the dispatch variant: timed once, with each
+                // `combine_push_warps` of `EP_BENCH_CE_COMBINE_PUSH_WARPS`.
+                let mut ops = vec![(Op::CeDispatchBf16, 0), (Op::CeDispatchFp8, 0)];
+                if vi == 0 {
+                    ops.extend(push_warps.iter().map(|&w| (Op::CeCombine, w)));
+                }
+                for (op, combine_push_warps) in ops {
+                    let ce = CeConfig {
+                        combine_push_warps,
+                        ..ce
+                    };
                     let ms = time_op(
                         node,
                         states,
@@ -233,7 +240,11 @@ pub fn copy_engine(
                             " pull"
                         },
                         if op == Op::CeCombine {
-                            String::new()
+                            if combine_push_warps > 0 {
+                                format!(" roles{combine_push_warps}")
+                            } else {
+                                String::new()
+                            }
                         } else if own_rows_last {
                             format!(" local{pack_local_blocks}:{pack_local_warps}")
                         } else {

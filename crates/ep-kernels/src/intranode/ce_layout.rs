@@ -11,7 +11,7 @@ pub const CE_SLOT_BASE: usize = 65536;
 pub const CE_MAX_CHUNKS: usize = 32;
 
 /// The chunks of a block of `m` rows, as `(begin, end)` row ranges (mirrors `ce_chunk` in
-/// `copy_engine.cu`: sizes `first, 2 first, ...` up to `cap = max(max_rows, ceil(m / 16))`, with
+/// `copy_engine.cuh`: sizes `first, 2 first, ...` up to `cap = max(max_rows, ceil(m / 16))`, with
 /// `first` raised to `cap / 256`).
 pub fn chunk_bounds(m: usize, first_rows: usize, max_rows: usize) -> Vec<(usize, usize)> {
     let cap = max_rows.max(m.div_ceil(16));

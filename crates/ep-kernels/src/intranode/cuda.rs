@@ -22,7 +22,7 @@
 //! - `payload`: the rows, scales and routing a dispatch moves ([`Payload`], [`TopK`], ...);
 //! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu`, `rings_dispatch.cu` and `rings_combine.cu`;
 //! - `checks`: the argument checks these launchers share;
-//! - `copy_engine`: the copy-engine path (`copy_engine.cu`).
+//! - `copy_engine`: the copy-engine path (`copy_engine_dispatch.cu`, `copy_engine_combine.cu`).
 
 mod buffers;
 mod checks;
@@ -39,7 +39,7 @@ pub use combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
 pub use config::{buffer_size_hint, Config, MAX_CHANNELS};
 pub use copy_engine::{
     ce_combine_cuda, ce_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CopyStreams,
-    MAX_COPY_LANES, PACK_LOCAL_WARPS,
+    COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS,
 };
 pub use dispatch::{dispatch_cuda, DispatchArgs};
 pub use notify::{cached_notify_cuda, notify_dispatch_cuda, NotifyArgs};

@@ -7,8 +7,10 @@
 //! - [`host`]: the host twins;
 //! - [`ce_layout`]: the copy-engine path's chunks and slots (host-side geometry);
 //! - `cuda` (feature `cuda`): the typed launchers of the kernels in `notify.cu` (count
-//!   exchange), `rings_dispatch.cu` / `rings_combine.cu` (SM-ring dispatch and combine, shared pieces in `rings.cuh`) and `copy_engine.cu` (the
-//!   copy-engine path), whose NVLink buffer layout is `csrc/intranode.cuh`.
+//!   exchange), `rings_dispatch.cu` / `rings_combine.cu` (SM-ring dispatch and combine, shared
+//!   pieces in `rings.cuh`) and `copy_engine_dispatch.cu` / `copy_engine_combine.cu` (the
+//!   copy-engine path, shared pieces in `copy_engine.cuh`), whose NVLink buffer layout is
+//!   `csrc/intranode.cuh`.
 
 pub mod ce_layout;
 pub mod host;

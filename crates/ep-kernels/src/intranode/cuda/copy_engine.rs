@@ -2,7 +2,9 @@
 //! the NVLink bytes move by the GPUs' copy engines (`cuMemcpyDtoDAsync` between NVLink buffers
 //! and tensors) for `copy_engine_peers` peers and by SM warps for the others (the copy engines
 //! of one GPU do not scale past one peer). Kernels: `intranode_ce_dispatch` (pack + SM pulls),
-//! `intranode_ce_wait`, `intranode_ce_combine` (reduce + SM pushes) in `copy_engine.cu`; the
+//! `intranode_ce_wait`, `intranode_ce_combine` (reduce + SM pushes; `intranode_ce_combine_roles`
+//! with both roles in every block) in `copy_engine_dispatch.cu` / `copy_engine_combine.cu`
+//! (shared pieces in `copy_engine.cuh`); the
 //! protocol is described there and in `docs/design.md`.
 //!
 //! One op on every rank of a node, each rank on its own stream (plus its [`CopyStreams`]):
@@ -25,7 +27,7 @@ mod params;
 mod streams;
 
 pub use combine::{ce_combine_cuda, CeCombineArgs};
-pub use config::{CeConfig, MAX_COPY_LANES, PACK_LOCAL_WARPS};
+pub use config::{CeConfig, COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS};
 pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use streams::CopyStreams;
 
@@ -40,8 +42,9 @@ use params::CeFusedParams;
 
 const _: () = assert!(CE_SLOT_BASE == RING_BASE);
 
-/// The cubin of `copy_engine.cu`.
-const FILE: &str = "intranode/copy_engine";
+/// The cubins of `copy_engine_dispatch.cu` and `copy_engine_combine.cu`.
+const DISPATCH_FILE: &str = "intranode/copy_engine_dispatch";
+const COMBINE_FILE: &str = "intranode/copy_engine_combine";
 /// Threads of the pack and reduce kernel blocks (`kCeThreads`).
 const CE_THREADS: u32 = 768;
 
@@ -63,11 +66,32 @@ fn op_sizes(
     Ok((r, buffers.rank(), t, recv_per_source.iter().sum()))
 }
 
+/// The blocks of a fused kernel (`launch_fused`).
+struct FusedGrid {
+    /// Blocks running `main` (pack or reduce): `CeConfig::num_sms`.
+    main_blocks: usize,
+    /// Blocks running `copies` (SM pull or push) after them: `CeConfig::sm_blocks` when some
+    /// peer's rows or metadata move by SM copies, else 0.
+    copy_blocks: usize,
+    /// Combine only: > 0 gives every block both roles, its first `role_warps` warps copying
+    /// before they join `main` (`CeConfig::combine_push_warps`).
+    role_warps: usize,
+}
+
+impl FusedGrid {
+    fn new(config: &CeConfig, sm_copies: bool, role_warps: usize) -> Self {
+        Self {
+            main_blocks: config.num_sms,
+            copy_blocks: if sm_copies { config.sm_blocks } else { 0 },
+            role_warps,
+        }
+    }
+}
+
 /// Launches a fused kernel on `stream` unless it has nothing to do (no own tokens, `t == 0`,
-/// and no SM copies): `config.num_sms` blocks running `main` (pack or reduce), then, when
-/// `sm_copies` (some peer's rows or metadata move by SM copies), `config.sm_blocks` blocks
-/// running `copies` (SM pull or push), in one kernel so that they run side by side, all of
-/// [`CE_THREADS`] threads.
+/// and no SM copies): `grid.main_blocks` blocks running `main` (pack or reduce), then
+/// `grid.copy_blocks` running `copies` (SM pull or push), in one kernel so that they run side
+/// by side, all of [`CE_THREADS`] threads.
 ///
 /// # Safety
 ///
@@ -76,27 +100,25 @@ fn op_sizes(
 unsafe fn launch_fused<M, C>(
     stream: &CudaStream,
     kernel: &Kernel,
-    config: &CeConfig,
+    grid: FusedGrid,
     t: usize,
-    sm_copies: bool,
     main: M,
     copies: C,
 ) -> Result<()>
 where
     CeFusedParams<M, C>: KernelParams,
 {
-    if t > 0 || sm_copies {
-        let copy_blocks = if sm_copies { config.sm_blocks } else { 0 };
+    if t > 0 || grid.copy_blocks > 0 {
         let cfg = LaunchConfig {
-            grid_dim: ((config.num_sms + copy_blocks) as u32, 1, 1),
+            grid_dim: ((grid.main_blocks + grid.copy_blocks) as u32, 1, 1),
             block_dim: (CE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let fp = CeFusedParams {
             main,
             copies,
-            main_blocks: to_i32("num_sms", config.num_sms)?,
-            pad: 0,
+            main_blocks: to_i32("num_sms", grid.main_blocks)?,
+            role_warps: to_i32("combine_push_warps", grid.role_warps)?,
         };
         // SAFETY: `fp` is `kernel`'s params type and points only into memory that holds what
         // the kernel touches (this function's contract).

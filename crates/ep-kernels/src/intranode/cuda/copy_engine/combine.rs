@@ -6,7 +6,10 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
 
 use super::params::{flag_offset, CeReduceParams, CeSmPushParams};
 use super::streams::{copy, fork, join};
-use super::{check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FILE};
+use super::{
+    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
+    COMBINE_FILE,
+};
 use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
 use crate::intranode::cuda::payload::combine_weights_ptrs;
@@ -88,7 +91,15 @@ pub fn ce_combine_cuda(
     let bias_ptr = bias.as_ref().map_or(0, |(p, _)| *p);
     check_align("bias", bias_ptr, 16)?;
     let kernels = Kernels::for_stream(stream)?;
-    let fused = kernels.kernel(FILE, "intranode_ce_combine")?;
+    // Reduce blocks beside push blocks, or every block with both roles.
+    let fused = kernels.kernel(
+        COMBINE_FILE,
+        if config.combine_push_warps > 0 {
+            "intranode_ce_combine_roles"
+        } else {
+            "intranode_ce_combine"
+        },
+    )?;
     // Homes served by the copy streams, and whether the SM push blocks serve any.
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
     let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
@@ -199,6 +210,15 @@ pub fn ce_combine_cuda(
     // per-source counts sum to N) and their weights, and writes rows [0, m) of slot `me` in
     // s's buffer (capacity >= m, checked), free since cached notify's barrier, which `stream`
     // follows; it counts chunks in this rank's own header and flags them in the home's.
-    unsafe { launch_fused(stream, &fused, config, t, any_sm, params, push) }?;
+    unsafe {
+        launch_fused(
+            stream,
+            &fused,
+            FusedGrid::new(config, any_sm, config.combine_push_warps),
+            t,
+            params,
+            push,
+        )
+    }?;
     join(stream, copies, streams(), 1)
 }

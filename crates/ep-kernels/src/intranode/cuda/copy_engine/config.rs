@@ -51,12 +51,21 @@ pub struct CeConfig {
     /// the source's copy streams) instead of by the SM copy blocks, which then move only the
     /// metadata; the SMs saved can pack (and push) instead.
     pub local_copy_out: bool,
+    /// Combine: 0 = `num_sms` blocks reduce beside `sm_blocks` blocks pushing to the homes
+    /// the copy engines do not serve. `n > 0` = every block (`num_sms + sm_blocks`) has both
+    /// roles: its first `n` warps (of [`PACK_WARPS`]) push rows from a work queue in chunk
+    /// order, then reduce; the others reduce tokens from a work queue in token order.
+    pub combine_push_warps: usize,
 }
 
 /// Default [`CeConfig::pack_local_warps`].
 pub const PACK_LOCAL_WARPS: usize = 4;
 
-/// Warps of a pack block ([`CeConfig::pack_local_warps`] is at most this).
+/// Default [`CeConfig::combine_push_warps`] beyond 2 ranks.
+pub const COMBINE_PUSH_WARPS: usize = 5;
+
+/// Warps of a block of the copy-engine kernels ([`CeConfig::pack_local_warps`] and
+/// [`CeConfig::combine_push_warps`] are at most this).
 pub const PACK_WARPS: usize = 24;
 
 /// Most copy streams per peer ([`CeConfig::copy_lanes`]).
@@ -102,6 +111,7 @@ impl CeConfig {
                 pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
+                combine_push_warps: 0,
             }
         } else {
             Self {
@@ -116,14 +126,16 @@ impl CeConfig {
                 pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: true,
+                combine_push_warps: 0,
             }
         }
     }
 
     /// Combine split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
     /// ranks: every SM reduces (the copy engines push everything), chunks of 1024 rows doubling
-    /// to 4096. More ranks: two thirds reduce and one third push to the peers beyond the copy
-    /// engines' one, chunks of 256 doubling to 1024 (`docs/benchmarks.md`, normal mode).
+    /// to 4096. More ranks: every block has both roles, [`COMBINE_PUSH_WARPS`] warps pushing to
+    /// the peers beyond the copy engines' one before they reduce, chunks of 768 doubling to
+    /// 4096 (`docs/benchmarks.md`, normal mode).
     pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -139,12 +151,13 @@ impl CeConfig {
                 pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
+                combine_push_warps: 0,
             }
         } else {
             Self {
                 num_sms: sms - sms / 3,
-                first_chunk_rows: 256,
-                max_chunk_rows: 1024,
+                first_chunk_rows: 768,
+                max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
@@ -153,13 +166,14 @@ impl CeConfig {
                 pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
+                combine_push_warps: COMBINE_PUSH_WARPS,
             }
         }
     }
 
     /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024`,
-    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`, `pack_local_warps <= 24` and
-    /// `pack_local_blocks <= num_sms`.
+    /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`, `pack_local_warps <= 24`,
+    /// `combine_push_warps <= 24` and `pack_local_blocks <= num_sms`.
     pub fn validate(&self) -> Result<()> {
         if self.num_sms == 0 || self.num_sms > 1024 {
             return Err(Error::invalid(
@@ -194,6 +208,13 @@ impl CeConfig {
                 "pack_local_warps",
                 self.pack_local_warps,
                 format!("must be <= {PACK_WARPS} (warps of a pack block)"),
+            ));
+        }
+        if self.combine_push_warps > PACK_WARPS {
+            return Err(Error::invalid(
+                "combine_push_warps",
+                self.combine_push_warps,
+                format!("must be <= {PACK_WARPS} (warps of a block)"),
             ));
         }
         if self.pack_local_blocks > self.num_sms {

@@ -5,7 +5,10 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig}
 
 use super::params::{flag_offset, CePackParams, CeSmPullParams, CeWaitParams};
 use super::streams::{copy, fork, join};
-use super::{check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FILE};
+use super::{
+    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
+    DISPATCH_FILE,
+};
 use crate::cuda::Kernels;
 use crate::error::{Error, Result};
 use crate::intranode::cuda::checks::args_payload_ptrs;
@@ -69,8 +72,8 @@ pub fn ce_dispatch_cuda(
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
     payload.check_row_align()?;
     let kernels = Kernels::for_stream(stream)?;
-    let fused = kernels.kernel(FILE, "intranode_ce_dispatch")?;
-    let wait = kernels.kernel(FILE, "intranode_ce_wait")?;
+    let fused = kernels.kernel(DISPATCH_FILE, "intranode_ce_dispatch")?;
+    let wait = kernels.kernel(DISPATCH_FILE, "intranode_ce_wait")?;
     let (rsi, _g0) = args.recv_src_idx.device_ptr(stream);
     let mut params = CePackParams {
         buffer_ptrs: buffers.ptrs(),
@@ -176,7 +179,16 @@ pub fn ce_dispatch_cuda(
     // `PeerBuffers::new`. Pull: for each source s with rows[s] = m > 0 it reads rows [0, m)
     // of slot `me` in s's buffer (capacity >= m, checked) only after the flag of their chunk,
     // and writes receive rows [row_begin[s], + m), inside the N-row outputs.
-    unsafe { launch_fused(stream, &fused, config, t, any_peer, params, pull) }?;
+    unsafe {
+        launch_fused(
+            stream,
+            &fused,
+            FusedGrid::new(config, any_peer, 0),
+            t,
+            params,
+            pull,
+        )
+    }?;
     // The copy-engine sources' chunks, each pulled once its flag is up (or, for sources that
     // pushed them, copied out of this rank's own buffer). Launched after the kernel: a wait
     // kernel that shares a hardware queue with it must not hold it back.

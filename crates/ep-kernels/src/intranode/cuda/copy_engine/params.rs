@@ -1,4 +1,5 @@
-//! Mirrors of the copy-engine kernels' params structs (`copy_engine.cu`), and where the
+//! Mirrors of the copy-engine kernels' params structs (`copy_engine_dispatch.cu`,
+//! `copy_engine_combine.cu`), and where the
 //! kernels' flags lie in an NVLink buffer.
 
 use cudarc::driver::sys::CUdeviceptr;
@@ -7,7 +8,7 @@ use super::super::MAX_NVL_RANKS;
 use crate::cuda::{assert_params_layout, KernelParams};
 use crate::intranode::CE_MAX_CHUNKS;
 
-/// Mirror of `CePackParams` in copy_engine.cu.
+/// Mirror of `CePackParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CePackParams {
@@ -55,7 +56,7 @@ assert_params_layout!(
     local_warps = 236, local_blocks = 240, pad = 244,
 );
 
-/// Mirror of `CeWaitParams` in copy_engine.cu.
+/// Mirror of `CeWaitParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CeWaitParams {
@@ -70,10 +71,10 @@ assert_params_layout!(
     32;
     flag = 0, error_info = 8, timeout_ns = 16, rank = 24, awaited = 28,
 );
-// SAFETY: repr(C) plain data mirroring `CeWaitParams` in copy_engine.cu.
+// SAFETY: repr(C) plain data mirroring `CeWaitParams` in copy_engine_dispatch.cu.
 unsafe impl KernelParams for CeWaitParams {}
 
-/// Mirror of `CeReduceParams` in copy_engine.cu.
+/// Mirror of `CeReduceParams` in copy_engine_combine.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CeReduceParams {
@@ -109,7 +110,7 @@ assert_params_layout!(
     bias = 176,
 );
 
-/// Mirror of `CeSmPushParams` in copy_engine.cu.
+/// Mirror of `CeSmPushParams` in copy_engine_combine.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CeSmPushParams {
@@ -136,7 +137,7 @@ assert_params_layout!(
     first_chunk_rows = 176, max_chunk_rows = 180, pad = 184,
 );
 
-/// Mirror of `CeSmPullParams` in copy_engine.cu.
+/// Mirror of `CeSmPullParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CeSmPullParams {
@@ -176,7 +177,7 @@ assert_params_layout!(
     first_chunk_rows = 244, max_chunk_rows = 248, sm_rows_mask = 252, local_mask = 256, pad = 260,
 );
 
-/// Mirror of `CeDispatchParams` and `CeCombineParams` in copy_engine.cu, the params of a fused
+/// Mirror of `CeDispatchParams` and `CeCombineParams` in copy_engine_combine.cu, the params of a fused
 /// kernel: `main_blocks` pack (dispatch) or reduce (combine) blocks, then SM copy blocks (pull
 /// or push).
 #[repr(C)]
@@ -188,27 +189,29 @@ pub(super) struct CeFusedParams<M, C> {
     pub(super) copies: C,
     /// `pack_blocks` or `reduce_blocks`.
     pub(super) main_blocks: i32,
-    pub(super) pad: i32,
+    /// Dispatch: `pad` (0). Combine: `push_warps` (> 0: every block's first `push_warps` warps
+    /// push, then reduce, and the others reduce).
+    pub(super) role_warps: i32,
 }
 
-/// Mirror of `CeDispatchParams` in copy_engine.cu: pack blocks, then SM pull blocks.
+/// Mirror of `CeDispatchParams` in copy_engine_dispatch.cu: pack blocks, then SM pull blocks.
 pub(super) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
 assert_params_layout!(
     CeDispatchParams,
     520;
-    main = 0, copies = 248, main_blocks = 512, pad = 516,
+    main = 0, copies = 248, main_blocks = 512, role_warps = 516,
 );
-// SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine.cu.
+// SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine_dispatch.cu.
 unsafe impl KernelParams for CeDispatchParams {}
 
-/// Mirror of `CeCombineParams` in copy_engine.cu: reduce blocks, then SM push blocks.
+/// Mirror of `CeCombineParams` in copy_engine_combine.cu: reduce blocks, then SM push blocks.
 pub(super) type CeCombineParams = CeFusedParams<CeReduceParams, CeSmPushParams>;
 assert_params_layout!(
     CeCombineParams,
     384;
-    main = 0, copies = 184, main_blocks = 376, pad = 380,
+    main = 0, copies = 184, main_blocks = 376, role_warps = 380,
 );
-// SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine.cu.
+// SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine_combine.cu.
 unsafe impl KernelParams for CeCombineParams {}
 
 /// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in `csrc/intranode.cuh`).
