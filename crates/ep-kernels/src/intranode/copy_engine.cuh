@@ -91,6 +91,17 @@ EP_DEVICE void warp_share_copy(T* dst, const T* src, int64_t n, int gw, int warp
     }
 }
 
+// Counts `n` finished rows (or warps) into `count` (gpu-scope release); the call that brings it
+// to `target` publishes the chunk: a system fence, then `flag` set with a system-scope release.
+// The caller orders its stores before the call (warp barrier, and a system fence for NVLink
+// stores it wants covered without the cumulativity argument).
+EP_DEVICE void ce_count_and_publish(int* count, int n, int target, int* flag) {
+    if (ep::atomic_add_release_gpu(count, n) + n == target) {
+        ep::fence_acq_rel_sys();
+        ep::st_release_sys(flag, 1);
+    }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------

@@ -224,11 +224,8 @@ __device__ void ce_sm_push(const CeSmPushParams& p, int block, int nblocks) {
             ep::fence_acq_rel_sys();
             __syncwarp();
             if (lane == 0) {
-                const int done = ep::atomic_add_release_gpu(ce_count(my_buf, d, c), 1) + 1;
-                if (done == warps) {
-                    ep::fence_acq_rel_sys();
-                    ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, d), p.rank, c), 1);
-                }
+                ce_count_and_publish(ce_count(my_buf, d, c), 1, warps,
+                                     ce_flag(buf(p.buffer_ptrs, d), p.rank, c));
             }
         }
         if (!any) {
@@ -309,11 +306,8 @@ __device__ void ce_push_items(const CeSmPushParams& p) {
         ep::fence_acq_rel_sys();
         __syncwarp();
         if (lane == 0) {
-            const int done = ep::atomic_add_release_gpu(ce_count(my_buf, d, ch.index), rows) + rows;
-            if (done == ch.end - ch.begin) {
-                ep::fence_acq_rel_sys();
-                ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, d), p.rank, ch.index), 1);
-            }
+            ce_count_and_publish(ce_count(my_buf, d, ch.index), rows, ch.end - ch.begin,
+                                 ce_flag(buf(p.buffer_ptrs, d), p.rank, ch.index));
         }
     }
 }

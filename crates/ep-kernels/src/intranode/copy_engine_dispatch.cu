@@ -200,11 +200,8 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
         __syncwarp();
         if (lane < R && lane != p.rank && ((pass_mask >> lane) & 1u) && my_idx >= 0) {
             const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
-            const int done = ep::atomic_add_release_gpu(ce_count(my_buf, lane, c.index), 1) + 1;
-            if (done == c.end - c.begin) {
-                ep::fence_acq_rel_sys();
-                ep::st_release_sys(ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index), 1);
-            }
+            ce_count_and_publish(ce_count(my_buf, lane, c.index), 1, c.end - c.begin,
+                                 ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index));
         }
     }
 }
