@@ -954,6 +954,7 @@ fn main() {
                 copy_lanes: 1,
                 local_copy_out: false,
                 combine_push_warps: 12,
+                combine_ce_tail_chunks: 2,
             },
         );
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
@@ -981,6 +982,24 @@ fn main() {
                 first_chunk_rows: first,
                 max_chunk_rows: max,
                 combine_push_warps: 16,
+                ..CeConfig::combine_for(r, 24)
+            };
+            cases.push((name.into(), ce_case(r, 1600, false, ce)));
+        }
+        // The copy engines also pushing the SM homes' last chunks: with both roles, with
+        // separate push blocks, without a copy-engine home, and every chunk of every home.
+        for (name, copy_engine_peers, push_warps, tail, first, max) in [
+            ("ce-combine-tail1", 1, 5, 1, 768, 4096),
+            ("ce-combine-tail2-separate", 1, 0, 2, 64, 256),
+            ("ce-combine-tail-no-ce-home", 0, 5, 1, 256, 1024),
+            ("ce-combine-tail-all-chunks", 1, 5, 32, 100, 300),
+        ] {
+            let ce = CeConfig {
+                copy_engine_peers,
+                first_chunk_rows: first,
+                max_chunk_rows: max,
+                combine_push_warps: push_warps,
+                combine_ce_tail_chunks: tail,
                 ..CeConfig::combine_for(r, 24)
             };
             cases.push((name.into(), ce_case(r, 1600, false, ce)));
@@ -1043,6 +1062,7 @@ fn main() {
             copy_lanes: 2,
             local_copy_out: false,
             combine_push_warps: 0,
+            combine_ce_tail_chunks: 3,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

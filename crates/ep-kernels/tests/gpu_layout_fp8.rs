@@ -252,6 +252,34 @@ fn main() {
         }
     };
 
+    // Every kernel of every cubin is loaded when the context's cache is created, so that no
+    // op's launch is a kernel's first load (which may wait for the running kernels).
+    runner.case("kernels: every entry point loaded up front", |_| {
+        let kernels = ep_kernels::cuda::Kernels::for_stream(&stream)?;
+        let mut total = 0;
+        for file in ep_kernels::cuda::cubin_names() {
+            let names = ep_kernels::cuda::cubin_entry_points(file)?;
+            if names.is_empty() || names.iter().any(|n| n == "vprintf") {
+                return Err(format!("{file}: entry points {names:?}").into());
+            }
+            for name in names {
+                if !kernels.kernel(file, &name)?.is_loaded()? {
+                    return Err(format!("{file}: `{name}` not loaded").into());
+                }
+                total += 1;
+            }
+        }
+        let combine = ep_kernels::cuda::cubin_entry_points("intranode/copy_engine_combine")?;
+        if combine != ["intranode_ce_combine", "intranode_ce_combine_roles"] {
+            return Err(format!("copy_engine_combine: {combine:?}").into());
+        }
+        if ep_kernels::cuda::cubin_entry_points("no/such").is_ok() {
+            return Err("an unknown cubin must be an error".into());
+        }
+        println!("  {total} kernels loaded");
+        Ok(())
+    });
+
     let distinct = Routing::Distinct { p_masked: 0.1 };
     // (T, K, E, R, P, routing, time it)
     let layout_cases: &[(usize, usize, usize, usize, usize, Routing, bool)] = &[

@@ -21,9 +21,11 @@
 //! `EP_BENCH_CE_CHUNKS="first:largest,..."` replace the copy-engine sweep's lists;
 //! `EP_BENCH_CE_LOCAL="0:4,4:0"` times each dispatch with those
 //! `pack_local_blocks:pack_local_warps`; `EP_BENCH_CE_COMBINE_PUSH_WARPS="0,16"` times each
-//! combine with those `combine_push_warps`.
+//! combine with those `combine_push_warps`; `EP_BENCH_CE_TAIL="0,1"` with those
+//! `combine_ce_tail_chunks`.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
+//! `EP_BENCH_ITERS` sets the timed iterations of every op (10 quick, else 20);
 //! `EP_BENCH_DISPATCH_CHUNKS` / `EP_BENCH_COMBINE_CHUNKS` / `EP_BENCH_RINGS` (comma lists) set the
 //! rings' chunks and sizes.
 //! Run (GPU machine): `bench_intranode` (built by `scripts/gpu/package.sh`), or here
@@ -70,7 +72,8 @@ fn main() -> Result<(), BoxError> {
     )?;
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let mut states = setup(&node, &mut rng)?;
-    let (warmup, iters) = (3, if quick { 10 } else { 20 });
+    let warmup = 3;
+    let iters = env_usize("EP_BENCH_ITERS").unwrap_or(if quick { 10 } else { 20 });
     println!(
         "intranode bench: EP{r}, {TOKENS} tokens/rank, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}; recv tokens per rank {:?}",
         states.iter().map(|s| s.num_recv).collect::<Vec<_>>()

@@ -91,8 +91,8 @@ fn list_from_env(name: &str) -> Option<Vec<usize>> {
 }
 
 /// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS`,
-/// `EP_BENCH_CE_VARIANTS`, `EP_BENCH_CE_LOCAL` and `EP_BENCH_CE_COMBINE_PUSH_WARPS` replace its
-/// lists); returns one row per (split, chunks, variant, op).
+/// `EP_BENCH_CE_VARIANTS`, `EP_BENCH_CE_LOCAL`, `EP_BENCH_CE_COMBINE_PUSH_WARPS` and
+/// `EP_BENCH_CE_TAIL` replace its lists); returns one row per (split, chunks, variant, op).
 #[allow(clippy::too_many_arguments)]
 pub fn copy_engine(
     node: &Node,
@@ -184,6 +184,12 @@ pub fn copy_engine(
         .collect();
     let push_warps = list_from_env("EP_BENCH_CE_COMBINE_PUSH_WARPS")
         .unwrap_or(vec![CeConfig::combine_for(r, 24).combine_push_warps]);
+    let tails = list_from_env("EP_BENCH_CE_TAIL")
+        .unwrap_or(vec![CeConfig::combine_for(r, 24).combine_ce_tail_chunks]);
+    let combine_variants: Vec<(usize, usize)> = push_warps
+        .iter()
+        .flat_map(|&w| tails.iter().map(move |&t| (w, t)))
+        .collect();
     for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
         for &(first, max) in &ce_chunks {
             for (
@@ -204,16 +210,19 @@ pub fn copy_engine(
                     copy_lanes,
                     local_copy_out,
                     combine_push_warps: 0,
+                    combine_ce_tail_chunks: 0,
                 };
                 // Combine does not depend on the dispatch variant: timed once, with each
-                // `combine_push_warps` of `EP_BENCH_CE_COMBINE_PUSH_WARPS`.
-                let mut ops = vec![(Op::CeDispatchBf16, 0), (Op::CeDispatchFp8, 0)];
+                // `combine_push_warps` of `EP_BENCH_CE_COMBINE_PUSH_WARPS` and each
+                // `combine_ce_tail_chunks` of `EP_BENCH_CE_TAIL`.
+                let mut ops = vec![(Op::CeDispatchBf16, (0, 0)), (Op::CeDispatchFp8, (0, 0))];
                 if vi == 0 {
-                    ops.extend(push_warps.iter().map(|&w| (Op::CeCombine, w)));
+                    ops.extend(combine_variants.iter().map(|&v| (Op::CeCombine, v)));
                 }
-                for (op, combine_push_warps) in ops {
+                for (op, (combine_push_warps, combine_ce_tail_chunks)) in ops {
                     let ce = CeConfig {
                         combine_push_warps,
+                        combine_ce_tail_chunks,
                         ..ce
                     };
                     let ms = time_op(
@@ -240,11 +249,19 @@ pub fn copy_engine(
                             " pull"
                         },
                         if op == Op::CeCombine {
-                            if combine_push_warps > 0 {
-                                format!(" roles{combine_push_warps}")
-                            } else {
-                                String::new()
-                            }
+                            format!(
+                                "{}{}",
+                                if combine_push_warps > 0 {
+                                    format!(" roles{combine_push_warps}")
+                                } else {
+                                    String::new()
+                                },
+                                if combine_ce_tail_chunks > 0 {
+                                    format!(" tail{combine_ce_tail_chunks}")
+                                } else {
+                                    String::new()
+                                }
+                            )
                         } else if own_rows_last {
                             format!(" local{pack_local_blocks}:{pack_local_warps}")
                         } else {

@@ -8,6 +8,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::device_props::DeviceProps;
 use super::embedded::CUBINS;
+use super::entry_points::entry_points_of;
 use super::launch::Kernel;
 use crate::error::{Error, Result};
 
@@ -19,12 +20,25 @@ pub fn cubin(file: &str) -> Option<&'static [u8]> {
     CUBINS.iter().find(|(k, _)| *k == file).map(|(_, b)| *b)
 }
 
+/// The kernels (`extern "C" __global__` functions) of the embedded cubin `file`, sorted, read
+/// from its ELF symbols.
+pub fn cubin_entry_points(file: &str) -> Result<Vec<String>> {
+    let bytes = cubin(file).ok_or_else(|| {
+        Error::invalid(
+            "file",
+            format!("{file:?}"),
+            format!("must name an embedded cubin: one of {:?}", cubin_names()),
+        )
+    })?;
+    entry_points_of(file, bytes)
+}
+
 /// The names of every embedded cubin, sorted.
 pub fn cubin_names() -> Vec<&'static str> {
     CUBINS.iter().map(|(k, _)| *k).collect()
 }
 
-/// Modules and functions of one CUDA context, loaded on first use.
+/// Modules and functions of one CUDA context, all loaded when the cache is created.
 ///
 /// Obtain it with [`Kernels::get`] (or [`Kernels::for_stream`]); it is shared by every user of
 /// the same context and keeps that context alive.
@@ -54,13 +68,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Kernels {
-    /// The cache of `ctx`, created (device properties queried, device checked) on first call.
+    /// The cache of `ctx`, created on first call: device properties queried, device checked,
+    /// and every kernel of every embedded cubin loaded (see [`Kernels::load_all`]).
     ///
     /// Fails if the device is not compute capability 9.0 (the cubins are `sm_90a` only).
     pub fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
         let key = ctx.cu_ctx() as usize;
-        let mut reg = registry();
-        if let Some((_, k)) = reg.iter().find(|(k, _)| *k == key) {
+        if let Some((_, k)) = registry().iter().find(|(k, _)| *k == key) {
             return Ok(k.clone());
         }
         let props = DeviceProps::query(ctx)?;
@@ -81,8 +95,30 @@ impl Kernels {
             modules: Mutex::new(HashMap::new()),
             kernels: Mutex::new(HashMap::new()),
         });
+        // Outside the registry's lock: the ranks' threads load their contexts side by side
+        // (two threads of one context may both load; the later keeps the first's cache).
+        kernels.load_all()?;
+        let mut reg = registry();
+        if let Some((_, k)) = reg.iter().find(|(k, _)| *k == key) {
+            return Ok(k.clone());
+        }
         reg.push((key, kernels.clone()));
         Ok(kernels)
+    }
+
+    /// Loads every kernel of every embedded cubin into this context (`cuModuleGetFunction`,
+    /// then `cuFuncLoad`), before the context's first op. Under lazy module loading (CUDA's
+    /// default) the first load of a kernel may wait for the kernels running on the device; a
+    /// rank whose host thread waits there in the middle of an op, while its running kernel
+    /// waits for a peer, stalls that peer too (docs/design.md, "Every kernel is loaded up
+    /// front").
+    fn load_all(&self) -> Result<()> {
+        for (file, bytes) in CUBINS {
+            for name in entry_points_of(file, bytes)? {
+                self.kernel(file, &name)?.load()?;
+            }
+        }
+        Ok(())
     }
 
     /// The cache of `stream`'s context.

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
+use cudarc::driver::sys::{CUdeviceptr, CUfunctionLoadingState, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -86,6 +86,25 @@ impl Kernel {
     /// The underlying cudarc function (for occupancy queries and attributes).
     pub fn function(&self) -> &CudaFunction {
         &self.function
+    }
+
+    /// Loads the function into its context now (`cuFuncLoad`; a no-op once loaded), so that no
+    /// launch is the one that loads it under lazy module loading.
+    pub fn load(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the function handle belongs to a module of `self.ctx`, which `self.function`
+        // keeps loaded; cuFuncLoad only loads the function.
+        unsafe { cudarc::driver::sys::cuFuncLoad(self.function.cu_function()) }.result()?;
+        Ok(())
+    }
+
+    /// Whether the function is loaded into its context (`cuFuncIsLoaded`).
+    pub fn is_loaded(&self) -> Result<bool> {
+        let mut state = CUfunctionLoadingState::CU_FUNCTION_LOADING_STATE_UNLOADED;
+        // SAFETY: as in `load`; the driver writes the loading state into `state`.
+        unsafe { cudarc::driver::sys::cuFuncIsLoaded(&mut state, self.function.cu_function()) }
+            .result()?;
+        Ok(state == CUfunctionLoadingState::CU_FUNCTION_LOADING_STATE_LOADED)
     }
 
     /// Properties of the device this kernel is loaded on.

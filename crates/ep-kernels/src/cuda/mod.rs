@@ -5,10 +5,10 @@
 //! `"fp8/fp8"`, ...). At run time:
 //!
 //! - [`Kernels::get`] returns the cache of one CUDA context (created once per context, kept
-//!   for the life of the process unless [`Kernels::evict`]ed): device properties and the
-//!   modules loaded so far;
-//! - [`Kernels::kernel`]`(file, name)` loads the file's module on first use and returns a
-//!   [`Kernel`] (cached);
+//!   for the life of the process unless [`Kernels::evict`]ed): device properties and every
+//!   kernel of every cubin, loaded when the cache is created (their names come from the
+//!   cubins' ELF symbols, `entry_points`), so that no op waits for a kernel's first load;
+//! - [`Kernels::kernel`]`(file, name)` returns a [`Kernel`] (cached);
 //! - [`Kernel::launch`] launches it with ONE `#[repr(C)]` parameter struct passed by value
 //!   (see [`KernelParams`]), checking the launch shape and raising the dynamic shared-memory
 //!   limit when a launch needs more than the default 48 KiB.
@@ -20,11 +20,12 @@
 //! and call [`Kernel::launch`] in one `unsafe` block.
 
 mod device_props;
+mod entry_points;
 mod kernels;
 mod launch;
 
 pub use device_props::DeviceProps;
-pub use kernels::{cubin, cubin_names, Kernels};
+pub use kernels::{cubin, cubin_entry_points, cubin_names, Kernels};
 pub(crate) use launch::assert_params_layout;
 pub use launch::{
     check_align, fill_bytes_cuda, fill_i32_cuda, grid_for, new_comm_stream, retain_pool_memory,

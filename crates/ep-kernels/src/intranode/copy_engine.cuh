@@ -51,6 +51,11 @@ EP_DEVICE CeChunk ce_chunk(int m, int idx, int first_rows, int max_rows) {
     return CeChunk{j, begin, min(begin + size, m)};
 }
 
+// Chunks of a block of `m` rows (`ce_chunk`'s schedule): 0 for an empty block.
+EP_DEVICE int ce_num_chunks(int m, int first_rows, int max_rows) {
+    return m > 0 ? ce_chunk(m, m - 1, first_rows, max_rows).index + 1 : 0;
+}
+
 constexpr int kCeThreads = 768;
 constexpr int kCePackUnroll = 7;
 

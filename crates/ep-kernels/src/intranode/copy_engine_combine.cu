@@ -187,9 +187,15 @@ struct CeSmPushParams {
     int num_topk;
     int first_chunk_rows;
     int max_chunk_rows;
-    int pad[2];
+    int ce_tail_chunks;  // the last chunks of each home that the copy engines push instead
+    int pad;
 };
 EP_CHECK_PARAMS_SIZE(CeSmPushParams, 192);
+
+// Chunks the SM warps push to home `d`: all of its block but the last `ce_tail_chunks`.
+EP_DEVICE int ce_sm_chunks(const CeSmPushParams& p, int d) {
+    return max(0, ce_num_chunks(p.rows[d], p.first_chunk_rows, p.max_chunk_rows) - p.ce_tail_chunks);
+}
 
 // Blocks [0, nblocks) of kCeThreads.
 __device__ void ce_sm_push(const CeSmPushParams& p, int block, int nblocks) {
@@ -205,7 +211,7 @@ __device__ void ce_sm_push(const CeSmPushParams& p, int block, int nblocks) {
         for (int k = 1; k < p.num_ranks; ++k) {
             const int d = (p.rank + k) % p.num_ranks;
             const CeChunk ch = ce_chunk_at(p.rows[d], c, p.first_chunk_rows, p.max_chunk_rows);
-            if (ch.begin >= ch.end) {
+            if (ch.begin >= ch.end || c >= ce_sm_chunks(p, d)) {
                 continue;
             }
             any = true;
@@ -271,7 +277,7 @@ __device__ void ce_push_items(const CeSmPushParams& p) {
             for (int k = 1; k < p.num_ranks; ++k) {
                 const int h = (p.rank + k) % p.num_ranks;
                 const CeChunk hc = ce_chunk_at(p.rows[h], c, p.first_chunk_rows, p.max_chunk_rows);
-                if (hc.begin >= hc.end) {
+                if (hc.begin >= hc.end || c >= ce_sm_chunks(p, h)) {
                     continue;
                 }
                 any = true;

@@ -27,7 +27,9 @@ mod params;
 mod streams;
 
 pub use combine::{ce_combine_cuda, CeCombineArgs};
-pub use config::{CeConfig, COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS};
+pub use config::{
+    CeConfig, COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS,
+};
 pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use streams::CopyStreams;
 

@@ -104,7 +104,12 @@ pub fn ce_combine_cuda(
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
     let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
     let any_sm = peers().any(by_sm);
-    let streams = || peers().filter(move |&s| !by_sm(s));
+    // The last chunks of the SM homes go on one copy stream, after the copy engines' homes:
+    // the first copy-engine home's stream, else the first SM home's.
+    let tail_stream = (config.combine_ce_tail_chunks > 0 && any_sm)
+        .then(|| peers().find(|&s| !by_sm(s)).or_else(|| peers().find(|&s| by_sm(s))))
+        .flatten();
+    let streams = || peers().filter(move |&s| !by_sm(s) || Some(s) == tail_stream);
     // One copy stream per home: the weights copy and every chunk's flag stay in order.
     fork(stream, copies, streams(), 1)?;
     let params = CeReduceParams {
@@ -129,7 +134,6 @@ pub fn ce_combine_cuda(
         pad: 0,
         bias: bias_ptr,
     };
-    let row_bytes = 2 * h;
     let mut push = CeSmPushParams {
         buffer_ptrs: buffers.ptrs(),
         x: x_ptr,
@@ -144,61 +148,58 @@ pub fn ce_combine_cuda(
         num_topk: params.num_topk,
         first_chunk_rows: params.first_chunk_rows,
         max_chunk_rows: params.max_chunk_rows,
-        pad: [0; 2],
+        ce_tail_chunks: to_i32("combine_ce_tail_chunks", config.combine_ce_tail_chunks)?,
+        pad: 0,
     };
-    let mut prefix = 0usize;
-    for s in 0..r {
+    // First row of x returned to each home.
+    let row0: Vec<usize> = args
+        .recv_per_source
+        .iter()
+        .scan(0, |acc, &m| {
+            *acc += m;
+            Some(*acc - m)
+        })
+        .collect();
+    let chunks = |m: usize| chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows);
+    let pusher = HomePusher {
+        buffers,
+        me,
+        slot_bytes: lay.slot_bytes,
+        off_weights: lay.off_topk_weights,
+        x: x_ptr,
+        weights: weights.topk_weights,
+        row_bytes: 2 * h,
+        k,
+    };
+    for s in peers() {
         let m = args.recv_per_source[s];
-        let src_row0 = prefix;
-        prefix += m;
-        if s == me || m == 0 {
-            continue;
-        }
         if by_sm(s) {
-            push.row_begin[s] = to_i32("recv_per_source", src_row0)?;
+            push.row_begin[s] = to_i32("recv_per_source", row0[s])?;
             push.rows[s] = to_i32("recv_per_source", m)?;
             continue;
         }
         let cs = copies.get(s, 0)?;
-        let slot = buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64;
-        if k > 0 {
-            // SAFETY: m*K weights from row `src_row0` of topk_weights (N rows) into the home's
-            // slot (capacity >= m); the home reads them after the first flag below.
-            unsafe {
-                copy(
-                    cs,
-                    slot + lay.off_topk_weights as u64,
-                    weights.topk_weights + (src_row0 * k * 4) as u64,
-                    m * k * 4,
-                )
-            }?;
+        for (j, &(b, e)) in chunks(m).iter().enumerate() {
+            pusher.chunk(cs, s, row0[s], j, b, e)?;
         }
-        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
-            .into_iter()
-            .enumerate()
-        {
-            // SAFETY: rows [src_row0 + b, src_row0 + e) of x (N rows) into rows [b, e) of the
-            // home's slot; the home's previous use of its slot ended before cached notify's
-            // barrier, which this stream follows.
-            unsafe {
-                copy(
-                    cs,
-                    slot + (b * row_bytes) as u64,
-                    x_ptr + ((src_row0 + b) * row_bytes) as u64,
-                    (e - b) * row_bytes,
-                )
-            }?;
-            // SAFETY: a 4-byte write into the home's header (flag [me][j]; the buffers are
-            // valid per `PeerBuffers::new`); the default flags fence the copies before it.
-            unsafe {
-                sys::cuStreamWriteValue32_v2(
-                    cs.cu_stream(),
-                    buffers.ptr(s) + flag_offset(me, j),
-                    1,
-                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                )
+    }
+    // The SM homes' last chunks, chunk by chunk in the order of the push kernel's homes
+    // (me + 1, me + 2, ...).
+    if let Some(ts) = tail_stream {
+        let cs = copies.get(ts, 0)?;
+        let tails: Vec<(usize, Vec<(usize, usize)>)> = (1..r)
+            .map(|i| (me + i) % r)
+            .filter(|&s| by_sm(s) && args.recv_per_source[s] > 0)
+            .map(|s| (s, chunks(args.recv_per_source[s])))
+            .collect();
+        let depth = config.combine_ce_tail_chunks;
+        for t in (0..depth).rev() {
+            for (s, c) in &tails {
+                if let Some(j) = c.len().checked_sub(t + 1) {
+                    let (b, e) = c[j];
+                    pusher.chunk(cs, *s, row0[*s], j, b, e)?;
+                }
             }
-            .result()?;
         }
     }
     // Reduce blocks, then (when some home is not served by copy engines) the SM push blocks.
@@ -221,4 +222,71 @@ pub fn ce_combine_cuda(
         )
     }?;
     join(stream, copies, streams(), 1)
+}
+
+/// Pushes chunks of this rank's combine input to a home by copy engine, each followed by its
+/// flag.
+struct HomePusher<'a> {
+    buffers: &'a PeerBuffers,
+    me: usize,
+    slot_bytes: usize,
+    off_weights: usize,
+    x: u64,
+    /// `[N, K]` weights (0 without them).
+    weights: u64,
+    row_bytes: usize,
+    k: usize,
+}
+
+impl HomePusher<'_> {
+    /// Copies rows [b, e) of home `s`'s block (rows `row0 + b ..` of x) and their weights
+    /// into slot `me` of `s`'s buffer on `cs`, then writes flag [me][j] in `s`'s header.
+    fn chunk(
+        &self,
+        cs: &CudaStream,
+        s: usize,
+        row0: usize,
+        j: usize,
+        b: usize,
+        e: usize,
+    ) -> Result<()> {
+        let slot = self.buffers.ptr(s) + (RING_BASE + self.me * self.slot_bytes) as u64;
+        if self.k > 0 {
+            let w = self.k * 4;
+            // SAFETY: the weights of rows [row0 + b, row0 + e) of topk_weights (N rows) into
+            // rows [b, e) of the home's slot weights (capacity >= its block, checked by the
+            // caller); the home reads them after this chunk's flag below.
+            unsafe {
+                copy(
+                    cs,
+                    slot + (self.off_weights + b * w) as u64,
+                    self.weights + ((row0 + b) * w) as u64,
+                    (e - b) * w,
+                )
+            }?;
+        }
+        // SAFETY: rows [row0 + b, row0 + e) of x (N rows) into rows [b, e) of the home's slot;
+        // the home's previous use of its slot ended before cached notify's barrier, which this
+        // stream follows.
+        unsafe {
+            copy(
+                cs,
+                slot + (b * self.row_bytes) as u64,
+                self.x + ((row0 + b) * self.row_bytes) as u64,
+                (e - b) * self.row_bytes,
+            )
+        }?;
+        // SAFETY: a 4-byte write into the home's header (flag [me][j]; the buffers are valid
+        // per `PeerBuffers::new`); the default flags fence the copies before it.
+        unsafe {
+            sys::cuStreamWriteValue32_v2(
+                cs.cu_stream(),
+                self.buffers.ptr(s) + flag_offset(self.me, j),
+                1,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        }
+        .result()?;
+        Ok(())
+    }
 }

@@ -2,6 +2,7 @@
 //! SMs and SM copies, and its tuned defaults (measurements: `docs/benchmarks.md`).
 
 use crate::error::{Error, Result};
+use crate::intranode::CE_MAX_CHUNKS;
 
 /// Launch configuration of the copy-engine path.
 ///
@@ -54,18 +55,25 @@ pub struct CeConfig {
     /// Combine: 0 = `num_sms` blocks reduce beside `sm_blocks` blocks pushing to the homes
     /// the copy engines do not serve. `n > 0` = every block (`num_sms + sm_blocks`) has both
     /// roles: its first `n` warps (of [`PACK_WARPS`]) push rows from a work queue in chunk
-    /// order, then reduce; the others reduce tokens from a work queue in token order. Measured
-    /// 10 % faster at 4 ranks, but one run timed out (ranks waiting for chunk flags of peers
-    /// that had finished), not explained yet: opt-in, not a default.
+    /// order, then reduce; the others reduce tokens from a work queue in token order (the
+    /// default beyond 2 ranks, see [`CeConfig::combine_for`]).
     pub combine_push_warps: usize,
+    /// Combine: the last `n` chunks of each home the SM warps serve move by the copy engines
+    /// instead, on one copy stream after the copy engines' own homes (chunk by chunk, each
+    /// followed by its flag), so that the copy engines, done early with their homes, keep
+    /// carrying bytes while the SMs push. 0: the SMs push every chunk of their homes.
+    pub combine_ce_tail_chunks: usize,
 }
 
 /// Default [`CeConfig::pack_local_warps`].
 pub const PACK_LOCAL_WARPS: usize = 4;
 
 /// The best [`CeConfig::combine_push_warps`] measured at 4 ranks (with chunks of 768 doubling
-/// to 4096); not a default yet (see [`CeConfig::combine_for`]).
+/// to 4096); the default beyond 2 ranks (see [`CeConfig::combine_for`]).
 pub const COMBINE_PUSH_WARPS: usize = 5;
+
+/// The [`CeConfig::combine_ce_tail_chunks`] of the combine beyond 2 ranks.
+pub const COMBINE_CE_TAIL_CHUNKS: usize = 1;
 
 /// Warps of a block of the copy-engine kernels ([`CeConfig::pack_local_warps`] and
 /// [`CeConfig::combine_push_warps`] are at most this).
@@ -115,6 +123,7 @@ impl CeConfig {
                 copy_lanes: 2,
                 local_copy_out: false,
                 combine_push_warps: 0,
+                combine_ce_tail_chunks: 0,
             }
         } else {
             Self {
@@ -130,17 +139,17 @@ impl CeConfig {
                 copy_lanes: 2,
                 local_copy_out: true,
                 combine_push_warps: 0,
+                combine_ce_tail_chunks: 0,
             }
         }
     }
 
     /// Combine split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
     /// ranks: every SM reduces (the copy engines push everything), chunks of 1024 rows doubling
-    /// to 4096. More ranks: two thirds reduce and one third push to the peers beyond the copy
-    /// engines' one, chunks of 768 doubling to 4096 (`docs/benchmarks.md`, normal mode). Both
-    /// roles in every block ([`CeConfig::combine_push_warps`] = [`COMBINE_PUSH_WARPS`])
-    /// measured 10 % faster at 4 ranks but timed out once, unexplained, so it is not the
-    /// default yet.
+    /// to 4096. More ranks: every block both pushes to the peers beyond the copy engines' one
+    /// ([`CeConfig::combine_push_warps`] = [`COMBINE_PUSH_WARPS`] warps) and reduces, chunks of
+    /// 768 doubling to 4096 (`docs/benchmarks.md`, normal mode); `combine_push_warps = 0` gives
+    /// separate blocks, two thirds reducing and one third pushing.
     pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -157,6 +166,7 @@ impl CeConfig {
                 copy_lanes: 2,
                 local_copy_out: false,
                 combine_push_warps: 0,
+                combine_ce_tail_chunks: 0,
             }
         } else {
             Self {
@@ -171,14 +181,16 @@ impl CeConfig {
                 pack_local_blocks: 0,
                 copy_lanes: 2,
                 local_copy_out: false,
-                combine_push_warps: 0,
+                combine_push_warps: COMBINE_PUSH_WARPS,
+                combine_ce_tail_chunks: COMBINE_CE_TAIL_CHUNKS,
             }
         }
     }
 
     /// Checks `1 <= num_sms <= 1024`, `1 <= sm_blocks <= 1024`,
     /// `1 <= first_chunk_rows <= max_chunk_rows <= 2^24`, `pack_local_warps <= 24`,
-    /// `combine_push_warps <= 24` and `pack_local_blocks <= num_sms`.
+    /// `combine_push_warps <= 24`, `pack_local_blocks <= num_sms` and
+    /// `combine_ce_tail_chunks <= 32`.
     pub fn validate(&self) -> Result<()> {
         if self.num_sms == 0 || self.num_sms > 1024 {
             return Err(Error::invalid(
@@ -227,6 +239,13 @@ impl CeConfig {
                 "pack_local_blocks",
                 self.pack_local_blocks,
                 format!("must be <= num_sms = {}", self.num_sms),
+            ));
+        }
+        if self.combine_ce_tail_chunks > CE_MAX_CHUNKS {
+            return Err(Error::invalid(
+                "combine_ce_tail_chunks",
+                self.combine_ce_tail_chunks,
+                format!("must be <= {CE_MAX_CHUNKS} (chunks of a block)"),
             ));
         }
         if self.max_chunk_rows > 1 << 24 {
