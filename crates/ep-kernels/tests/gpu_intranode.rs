@@ -955,6 +955,7 @@ fn main() {
                 local_copy_out: false,
                 combine_push_warps: 12,
                 combine_ce_tail_chunks: 2,
+                serial_copy_engines: false,
             },
         );
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
@@ -1003,6 +1004,22 @@ fn main() {
                 ..CeConfig::combine_for(r, 24)
             };
             cases.push((name.into(), ce_case(r, 1600, false, ce)));
+        }
+        // Several copy-engine peers on one set of copy streams, chunk by chunk: every peer, and
+        // two with the combine's tail chunks of the SM homes on the same stream.
+        for (name, copy_engine_peers, tail) in [
+            ("ce-serial-all-engines", r - 1, 0),
+            ("ce-serial-two-engines-tail", 2.min(r - 1), 1),
+        ] {
+            let ce = CeConfig {
+                copy_engine_peers,
+                serial_copy_engines: true,
+                combine_ce_tail_chunks: tail,
+                first_chunk_rows: 128,
+                max_chunk_rows: 512,
+                ..CeConfig::combine_for(r, 24)
+            };
+            cases.push((name.into(), ce_case(r, 1500, false, ce)));
         }
         // The pack's work queues: every warp starting on the pushes, or on the local stores.
         for (name, pack_local_blocks, pack_local_warps, fp8) in [
@@ -1063,6 +1080,7 @@ fn main() {
             local_copy_out: false,
             combine_push_warps: 0,
             combine_ce_tail_chunks: 3,
+            serial_copy_engines: true,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

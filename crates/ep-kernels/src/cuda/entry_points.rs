@@ -14,7 +14,11 @@ const STO_CUDA_ENTRY: u8 = 0x10;
 /// `file`: its defined, global function symbols marked as CUDA entry points.
 pub(crate) fn entry_points_of(file: &str, bytes: &[u8]) -> Result<Vec<String>> {
     let elf = ElfFile64::<Endianness>::parse(bytes).map_err(|e| {
-        Error::invalid("cubin", format!("{file:?}"), format!("must be an ELF64 cubin ({e})"))
+        Error::invalid(
+            "cubin",
+            format!("{file:?}"),
+            format!("must be an ELF64 cubin ({e})"),
+        )
     })?;
     let mut names = Vec::new();
     for sym in elf.symbols() {

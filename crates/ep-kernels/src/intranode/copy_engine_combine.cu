@@ -187,14 +187,14 @@ struct CeSmPushParams {
     int num_topk;
     int first_chunk_rows;
     int max_chunk_rows;
-    int ce_tail_chunks;  // the last chunks of each home that the copy engines push instead
+    int combine_ce_tail_chunks;  // the last chunks of each home that the copy engines push instead
     int pad;
 };
 EP_CHECK_PARAMS_SIZE(CeSmPushParams, 192);
 
-// Chunks the SM warps push to home `d`: all of its block but the last `ce_tail_chunks`.
+// Chunks the SM warps push to home `d`: all of its block but the last `combine_ce_tail_chunks`.
 EP_DEVICE int ce_sm_chunks(const CeSmPushParams& p, int d) {
-    return max(0, ce_num_chunks(p.rows[d], p.first_chunk_rows, p.max_chunk_rows) - p.ce_tail_chunks);
+    return max(0, ce_num_chunks(p.rows[d], p.first_chunk_rows, p.max_chunk_rows) - p.combine_ce_tail_chunks);
 }
 
 // Blocks [0, nblocks) of kCeThreads.

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
 use super::params::{flag_offset, CeReduceParams, CeSmPushParams};
 use super::streams::{copy, fork, join};
 use super::{
-    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
-    COMBINE_FILE,
+    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, ChunkQueues, CopyStreams,
+    FusedGrid, COMBINE_FILE,
 };
 use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
@@ -107,7 +107,11 @@ pub fn ce_combine_cuda(
     // The last chunks of the SM homes go on one copy stream, after the copy engines' homes:
     // the first copy-engine home's stream, else the first SM home's.
     let tail_stream = (config.combine_ce_tail_chunks > 0 && any_sm)
-        .then(|| peers().find(|&s| !by_sm(s)).or_else(|| peers().find(|&s| by_sm(s))))
+        .then(|| {
+            peers()
+                .find(|&s| !by_sm(s))
+                .or_else(|| peers().find(|&s| by_sm(s)))
+        })
         .flatten();
     let streams = || peers().filter(move |&s| !by_sm(s) || Some(s) == tail_stream);
     // One copy stream per home: the weights copy and every chunk's flag stay in order.
@@ -148,7 +152,7 @@ pub fn ce_combine_cuda(
         num_topk: params.num_topk,
         first_chunk_rows: params.first_chunk_rows,
         max_chunk_rows: params.max_chunk_rows,
-        ce_tail_chunks: to_i32("combine_ce_tail_chunks", config.combine_ce_tail_chunks)?,
+        combine_ce_tail_chunks: to_i32("combine_ce_tail_chunks", config.combine_ce_tail_chunks)?,
         pad: 0,
     };
     // First row of x returned to each home.
@@ -171,35 +175,52 @@ pub fn ce_combine_cuda(
         row_bytes: 2 * h,
         k,
     };
-    for s in peers() {
+    // Per copy stream (keyed by its home), the chunks it pushes as (chunk, order, home):
+    // every chunk of its copy-engine home and, on the tail stream, the last chunks of the SM
+    // homes (in the push kernel's home order, me + 1, me + 2, ...); pushed chunk by chunk, so
+    // that every home's chunk j lands before any home's chunk j + 1.
+    // With `serial_copy_engines` every copy-engine home's chunks go on the first one's stream.
+    let mut queues: ChunkQueues = Vec::new();
+    for (order, s) in (1..r).map(|i| (me + i) % r).enumerate() {
         let m = args.recv_per_source[s];
+        if m == 0 {
+            continue;
+        }
         if by_sm(s) {
             push.row_begin[s] = to_i32("recv_per_source", row0[s])?;
             push.rows[s] = to_i32("recv_per_source", m)?;
             continue;
         }
-        let cs = copies.get(s, 0)?;
-        for (j, &(b, e)) in chunks(m).iter().enumerate() {
-            pusher.chunk(cs, s, row0[s], j, b, e)?;
+        let items = (0..chunks(m).len()).map(|j| (j, order, s));
+        match queues.first_mut() {
+            Some((_, q)) if config.serial_copy_engines => q.extend(items),
+            _ => queues.push((s, items.collect())),
         }
     }
-    // The SM homes' last chunks, chunk by chunk in the order of the push kernel's homes
-    // (me + 1, me + 2, ...).
     if let Some(ts) = tail_stream {
-        let cs = copies.get(ts, 0)?;
-        let tails: Vec<(usize, Vec<(usize, usize)>)> = (1..r)
-            .map(|i| (me + i) % r)
-            .filter(|&s| by_sm(s) && args.recv_per_source[s] > 0)
-            .map(|s| (s, chunks(args.recv_per_source[s])))
-            .collect();
-        let depth = config.combine_ce_tail_chunks;
-        for t in (0..depth).rev() {
-            for (s, c) in &tails {
-                if let Some(j) = c.len().checked_sub(t + 1) {
-                    let (b, e) = c[j];
-                    pusher.chunk(cs, *s, row0[*s], j, b, e)?;
-                }
+        let mut tails = Vec::new();
+        for (order, s) in (1..r).map(|i| (me + i) % r).enumerate() {
+            let m = args.recv_per_source[s];
+            if by_sm(s) && m > 0 {
+                let n = chunks(m).len();
+                let first = n.saturating_sub(config.combine_ce_tail_chunks);
+                tails.extend((first..n).map(|j| (j, order, s)));
             }
+        }
+        match queues
+            .iter_mut()
+            .find(|(_, q)| q.iter().any(|&(_, _, h)| h == ts))
+        {
+            Some((_, q)) => q.extend(tails),
+            None => queues.push((ts, tails)),
+        }
+    }
+    for (home, mut q) in queues {
+        q.sort_unstable();
+        let cs = copies.get(home, 0)?;
+        for (j, _, s) in q {
+            let (b, e) = chunks(args.recv_per_source[s])[j];
+            pusher.chunk(cs, s, row0[s], j, b, e)?;
         }
     }
     // Reduce blocks, then (when some home is not served by copy engines) the SM push blocks.

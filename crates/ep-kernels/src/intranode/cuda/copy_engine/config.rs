@@ -59,10 +59,17 @@ pub struct CeConfig {
     /// default beyond 2 ranks, see [`CeConfig::combine_for`]).
     pub combine_push_warps: usize,
     /// Combine: the last `n` chunks of each home the SM warps serve move by the copy engines
-    /// instead, on one copy stream after the copy engines' own homes (chunk by chunk, each
-    /// followed by its flag), so that the copy engines, done early with their homes, keep
-    /// carrying bytes while the SMs push. 0: the SMs push every chunk of their homes.
+    /// instead, on the copy-engine home's stream (the first one's), chunk by chunk with that
+    /// home's own chunks (every home's chunk j before any home's chunk j + 1), each followed by
+    /// its flag: the copy engines keep carrying bytes while the SMs push. 0: the SMs push every
+    /// chunk of their homes. (The dispatch has no counterpart: pulling the SM peers' last
+    /// chunks by copy engines measured slower, `docs/benchmarks.md`.)
     pub combine_ce_tail_chunks: usize,
+    /// The copy-engine peers' chunks share one peer's copy streams, chunk by chunk (every
+    /// peer's chunk j before any peer's chunk j + 1), instead of each peer having its own:
+    /// one copy at a time instead of copies to (or from) several peers at once, which do not
+    /// add up. Matters only with more than one copy-engine peer.
+    pub serial_copy_engines: bool,
 }
 
 /// Default [`CeConfig::pack_local_warps`].
@@ -72,8 +79,9 @@ pub const PACK_LOCAL_WARPS: usize = 4;
 /// to 4096); the default beyond 2 ranks (see [`CeConfig::combine_for`]).
 pub const COMBINE_PUSH_WARPS: usize = 5;
 
-/// The [`CeConfig::combine_ce_tail_chunks`] of the combine beyond 2 ranks.
-pub const COMBINE_CE_TAIL_CHUNKS: usize = 1;
+/// The [`CeConfig::combine_ce_tail_chunks`] of the combine beyond 2 ranks (3 chunks per home at
+/// 4096 tokens: the SMs push the first).
+pub const COMBINE_CE_TAIL_CHUNKS: usize = 2;
 
 /// Warps of a block of the copy-engine kernels ([`CeConfig::pack_local_warps`] and
 /// [`CeConfig::combine_push_warps`] are at most this).
@@ -124,6 +132,7 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
+                serial_copy_engines: false,
             }
         } else {
             Self {
@@ -140,6 +149,7 @@ impl CeConfig {
                 local_copy_out: true,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
+                serial_copy_engines: false,
             }
         }
     }
@@ -147,9 +157,10 @@ impl CeConfig {
     /// Combine split of `sms` SMs (at least 3) for `num_ranks` ranks, one copy-engine peer. Two
     /// ranks: every SM reduces (the copy engines push everything), chunks of 1024 rows doubling
     /// to 4096. More ranks: every block both pushes to the peers beyond the copy engines' one
-    /// ([`CeConfig::combine_push_warps`] = [`COMBINE_PUSH_WARPS`] warps) and reduces, chunks of
-    /// 768 doubling to 4096 (`docs/benchmarks.md`, normal mode); `combine_push_warps = 0` gives
-    /// separate blocks, two thirds reducing and one third pushing.
+    /// ([`CeConfig::combine_push_warps`] = [`COMBINE_PUSH_WARPS`] warps) and reduces, the copy
+    /// engines also push those peers' last [`COMBINE_CE_TAIL_CHUNKS`] chunks, chunks of 1024 doubling
+    /// to 4096 (`docs/benchmarks.md`, normal mode); `combine_push_warps = 0` gives separate
+    /// blocks, two thirds reducing and one third pushing.
     pub fn combine_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -167,11 +178,12 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
+                serial_copy_engines: false,
             }
         } else {
             Self {
                 num_sms: sms - sms / 3,
-                first_chunk_rows: 768,
+                first_chunk_rows: 1024,
                 max_chunk_rows: 4096,
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
@@ -183,6 +195,7 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: COMBINE_PUSH_WARPS,
                 combine_ce_tail_chunks: COMBINE_CE_TAIL_CHUNKS,
+                serial_copy_engines: false,
             }
         }
     }

@@ -127,7 +127,7 @@ pub(super) struct CeSmPushParams {
     pub(super) num_topk: i32,
     pub(super) first_chunk_rows: i32,
     pub(super) max_chunk_rows: i32,
-    pub(super) ce_tail_chunks: i32,
+    pub(super) combine_ce_tail_chunks: i32,
     pub(super) pad: i32,
 }
 assert_params_layout!(
@@ -135,7 +135,7 @@ assert_params_layout!(
     192;
     buffer_ptrs = 0, x = 64, topk_weights = 72, slot_bytes = 80, off_weights = 88, row_begin = 96,
     rows = 128, rank = 160, num_ranks = 164, row_int4 = 168, num_topk = 172,
-    first_chunk_rows = 176, max_chunk_rows = 180, ce_tail_chunks = 184, pad = 188,
+    first_chunk_rows = 176, max_chunk_rows = 180, combine_ce_tail_chunks = 184, pad = 188,
 );
 
 /// Mirror of `CeSmPullParams` in copy_engine_dispatch.cu.
