@@ -16,7 +16,9 @@
 //   * combine: each rank's copy streams push its rows for home s (a contiguous block of its
 //     combine input) into slot [rank] of s's buffer, chunk by chunk, each followed by a stream
 //     write of flag [rank][chunk] in the home's header; the reduce (`ce_reduce`) on the home
-//     polls those flags in its own memory and sums the rows in rank order.
+//     polls those flags in its own memory and sums the rows in rank order. The copy-engine
+//     home's stream also pushes the last `combine_ce_tail_chunks` chunks of the SM homes
+//     (next section), interleaved chunk by chunk with its own home's.
 //
 // Slots start at kRingBase: slot d at kRingBase + d * slot_bytes (offsets in the params).
 // Chunk c of a block of m rows: see `ce_chunk`, mirrored by `chunk_bounds` in
