@@ -23,14 +23,18 @@ pub fn cubin(file: &str) -> Option<&'static [u8]> {
 /// The kernels (`extern "C" __global__` functions) of the embedded cubin `file`, sorted, read
 /// from its ELF symbols.
 pub fn cubin_entry_points(file: &str) -> Result<Vec<String>> {
-    let bytes = cubin(file).ok_or_else(|| {
+    entry_points_of(file, embedded_cubin(file)?)
+}
+
+/// The embedded cubin of `file`, or an error naming the embedded ones.
+fn embedded_cubin(file: &str) -> Result<&'static [u8]> {
+    cubin(file).ok_or_else(|| {
         Error::invalid(
             "file",
             format!("{file:?}"),
             format!("must name an embedded cubin: one of {:?}", cubin_names()),
         )
-    })?;
-    entry_points_of(file, bytes)
+    })
 }
 
 /// The names of every embedded cubin, sorted.
@@ -146,19 +150,13 @@ impl Kernels {
         &self.props
     }
 
-    /// The module of the embedded cubin `file`, loaded on first use.
+    /// The module of the embedded cubin `file` (loaded with the cache, see [`Kernels::get`]).
     pub fn module(&self, file: &str) -> Result<Arc<CudaModule>> {
         let mut modules = lock(&self.modules);
         if let Some(m) = modules.get(file) {
             return Ok(m.clone());
         }
-        let bytes = cubin(file).ok_or_else(|| {
-            Error::invalid(
-                "file",
-                format!("{file:?}"),
-                format!("must name an embedded cubin: one of {:?}", cubin_names()),
-            )
-        })?;
+        let bytes = embedded_cubin(file)?;
         let module = self.ctx.load_module(Ptx::from_binary(bytes.to_vec()))?;
         modules.insert(file.to_owned(), module.clone());
         Ok(module)
