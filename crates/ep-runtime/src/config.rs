@@ -144,9 +144,9 @@ pub enum NvlTransfer {
     /// SM kernels stream rows through per-(channel, peer) rings (DeepEP's design).
     SmRings,
     /// Contiguous per-peer blocks: the GPUs' copy engines move one peer's (the partner at
-    /// distance `R/2`), SM warps streaming whole chunks move the others', and the SMs that pack
-    /// and reduce touch only local memory; when the NVLink buffer holds the op, SM rings
-    /// otherwise. The `num_sms` of [`BufferConfig::config`] is split between packing or
+    /// distance `R/2`), SM warps streaming whole chunks move the others' (in the combine the
+    /// copy engines also push the others' last chunks), and the SMs that pack and reduce touch
+    /// only local memory; when the NVLink buffer holds the op, SM rings otherwise. The `num_sms` of [`BufferConfig::config`] is split between packing or
     /// reducing and the SM copies (`CeConfig::dispatch_for` / `combine_for` in `ep-kernels`).
     CopyEngine,
 }
