@@ -104,8 +104,8 @@ pub fn ce_combine_cuda(
     let peers = || (0..r).filter(move |&s| s != me && args.recv_per_source[s] > 0);
     let by_sm = |s: usize| !copy_engine_peer(me, s, r, config.copy_engine_peers);
     let any_sm = peers().any(by_sm);
-    // The last chunks of the SM homes go on one copy stream, after the copy engines' homes:
-    // the first copy-engine home's stream, else the first SM home's.
+    // The last chunks of the SM homes go on one copy stream, chunk by chunk with the
+    // copy-engine home's own: the first copy-engine home's stream, else the first SM home's.
     let tail_stream = (config.combine_ce_tail_chunks > 0 && any_sm)
         .then(|| {
             peers()
@@ -114,7 +114,7 @@ pub fn ce_combine_cuda(
         })
         .flatten();
     let streams = || peers().filter(move |&s| !by_sm(s) || Some(s) == tail_stream);
-    // One copy stream per home: the weights copy and every chunk's flag stay in order.
+    // One copy stream per home: every chunk's copies and then its flag, in order.
     fork(stream, copies, streams(), 1)?;
     let params = CeReduceParams {
         buffer_ptrs: buffers.ptrs(),
