@@ -955,7 +955,6 @@ fn main() {
                 local_copy_out: false,
                 combine_push_warps: 12,
                 combine_ce_tail_chunks: 2,
-                serial_copy_engines: false,
             },
         );
         cases.push(("ce-tiny-chunks-one-pass".into(), c));
@@ -1005,15 +1004,14 @@ fn main() {
             };
             cases.push((name.into(), ce_case(r, 1600, false, ce)));
         }
-        // Several copy-engine peers on one set of copy streams, chunk by chunk: every peer, and
-        // two with the combine's tail chunks of the SM homes on the same stream.
+        // Every peer by copy engines (no SM home: no tail stream), and two copy-engine homes
+        // with the SM homes' tail chunks on the first one's stream.
         for (name, copy_engine_peers, tail) in [
-            ("ce-serial-all-engines", r - 1, 0),
-            ("ce-serial-two-engines-tail", 2.min(r - 1), 1),
+            ("ce-combine-all-engines-tail", r - 1, 1),
+            ("ce-combine-two-engines-tail", 2.min(r - 1), 1),
         ] {
             let ce = CeConfig {
                 copy_engine_peers,
-                serial_copy_engines: true,
                 combine_ce_tail_chunks: tail,
                 first_chunk_rows: 128,
                 max_chunk_rows: 512,
@@ -1080,7 +1078,6 @@ fn main() {
             local_copy_out: false,
             combine_push_warps: 0,
             combine_ce_tail_chunks: 3,
-            serial_copy_engines: true,
         });
         cases.push(("ce-one-row-chunks".into(), c));
         for (name, case) in cases {

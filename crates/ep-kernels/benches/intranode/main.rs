@@ -22,8 +22,7 @@
 //! `EP_BENCH_CE_LOCAL="0:4,4:0"` times each dispatch with those
 //! `pack_local_blocks:pack_local_warps`; `EP_BENCH_CE_COMBINE_PUSH_WARPS="0,16"` times each
 //! combine with those `combine_push_warps`; `EP_BENCH_CE_TAIL="0,1"` with those
-//! `combine_ce_tail_chunks`; `EP_BENCH_CE_SERIAL="0,1"` each split without and with
-//! `serial_copy_engines` (its label `ceNs`).
+//! `combine_ce_tail_chunks`.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
 //! `EP_BENCH_ITERS` sets the timed iterations of every op (10 quick, else 20);

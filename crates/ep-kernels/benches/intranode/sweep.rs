@@ -190,13 +190,7 @@ pub fn copy_engine(
         .iter()
         .flat_map(|&w| tails.iter().map(move |&t| (w, t)))
         .collect();
-    // `EP_BENCH_CE_SERIAL="0,1"`: each split also with `serial_copy_engines`.
-    let serials = list_from_env("EP_BENCH_CE_SERIAL").unwrap_or(vec![0]);
-    let splits: Vec<(usize, usize, usize, bool, bool)> = splits
-        .iter()
-        .flat_map(|&(a, b, c, d)| serials.iter().map(move |&e| (a, b, c, d, e != 0)))
-        .collect();
-    for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push, serial_copy_engines) in &splits {
+    for &(copy_engine_peers, num_sms, sm_blocks, dispatch_push) in &splits {
         for &(first, max) in &ce_chunks {
             for (
                 vi,
@@ -217,7 +211,6 @@ pub fn copy_engine(
                     local_copy_out,
                     combine_push_warps: 0,
                     combine_ce_tail_chunks: 0,
-                    serial_copy_engines,
                 };
                 // Combine does not depend on the dispatch variant: timed once, with each
                 // `combine_push_warps` of `EP_BENCH_CE_COMBINE_PUSH_WARPS` and each
@@ -248,8 +241,7 @@ pub fn copy_engine(
                     let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
                     let total = num_sms + if sm_used { sm_blocks } else { 0 };
                     let split = format!(
-                        "ce{copy_engine_peers}{}+{num_sms}+{}{}{}{}{}",
-                        if serial_copy_engines { "s" } else { "" },
+                        "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}",
                         if sm_used { sm_blocks } else { 0 },
                         if dispatch_push || op == Op::CeCombine {
                             ""

@@ -113,9 +113,8 @@ impl Kernels {
     /// Loads every kernel of every embedded cubin into this context (`cuModuleGetFunction`,
     /// then `cuFuncLoad`), before the context's first op. Under lazy module loading (CUDA's
     /// default) the first load of a kernel may wait for the kernels running on the device; a
-    /// rank whose host thread waits there in the middle of an op, while its running kernel
-    /// waits for a peer, stalls that peer too (docs/design.md, "Every kernel is loaded up
-    /// front").
+    /// rank whose host thread waited there in the middle of an op, while its running kernel
+    /// waits for a peer, would stall that peer too (docs/design.md, "Loading kernels").
     fn load_all(&self) -> Result<()> {
         for (file, bytes) in CUBINS {
             for name in entry_points_of(file, bytes)? {

@@ -90,13 +90,6 @@ impl FusedGrid {
     }
 }
 
-/// A chunk a copy stream moves: (chunk index, position of its peer in the rotated peer order,
-/// peer). Sorted, a stream's items go chunk by chunk.
-type ChunkItem = (usize, usize, usize);
-
-/// The chunks of each set of copy streams, keyed by the peer whose streams carry them.
-type ChunkQueues = Vec<(usize, Vec<ChunkItem>)>;
-
 /// Launches a fused kernel on `stream` unless it has nothing to do (no own tokens, `t == 0`,
 /// and no SM copies): `grid.main_blocks` blocks running `main` (pack or reduce), then
 /// `grid.copy_blocks` running `copies` (SM pull or push), in one kernel so that they run side

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
 use super::params::{flag_offset, CeReduceParams, CeSmPushParams};
 use super::streams::{copy, fork, join};
 use super::{
-    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, ChunkQueues, CopyStreams,
-    FusedGrid, COMBINE_FILE,
+    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
+    COMBINE_FILE,
 };
 use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
@@ -164,7 +164,13 @@ pub fn ce_combine_cuda(
             Some(*acc - m)
         })
         .collect();
-    let chunks = |m: usize| chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows);
+    // Each home's chunks, computed once (none for this rank's own block).
+    let bounds: Vec<Vec<(usize, usize)>> = (0..r)
+        .map(|s| {
+            let m = if s == me { 0 } else { args.recv_per_source[s] };
+            chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
+        })
+        .collect();
     let pusher = HomePusher {
         buffers,
         me,
@@ -175,52 +181,47 @@ pub fn ce_combine_cuda(
         row_bytes: 2 * h,
         k,
     };
-    // Per copy stream (keyed by its home), the chunks it pushes as (chunk, order, home):
-    // every chunk of its copy-engine home and, on the tail stream, the last chunks of the SM
-    // homes (in the push kernel's home order, me + 1, me + 2, ...); pushed chunk by chunk, so
-    // that every home's chunk j lands before any home's chunk j + 1.
-    // With `serial_copy_engines` every copy-engine home's chunks go on the first one's stream.
-    let mut queues: ChunkQueues = Vec::new();
+    // Per copy stream (keyed by its home), the chunks it pushes: every chunk of its
+    // copy-engine home and, on `tail_stream`, the SM homes' last `combine_ce_tail_chunks`
+    // chunks; pushed chunk by chunk (every home's chunk j before any home's chunk j + 1), homes
+    // in the push kernel's order me + 1, me + 2, ...
+    let mut queues: Vec<(usize, Vec<ChunkItem>)> = Vec::new();
+    let mut add = |stream_home: usize, items: &mut dyn Iterator<Item = ChunkItem>| match queues
+        .iter_mut()
+        .find(|(h, _)| *h == stream_home)
+    {
+        Some((_, q)) => q.extend(items),
+        None => queues.push((stream_home, items.collect())),
+    };
     for (order, s) in (1..r).map(|i| (me + i) % r).enumerate() {
-        let m = args.recv_per_source[s];
-        if m == 0 {
+        let n = bounds[s].len();
+        if n == 0 {
             continue;
         }
         if by_sm(s) {
             push.row_begin[s] = to_i32("recv_per_source", row0[s])?;
-            push.rows[s] = to_i32("recv_per_source", m)?;
-            continue;
-        }
-        let items = (0..chunks(m).len()).map(|j| (j, order, s));
-        match queues.first_mut() {
-            Some((_, q)) if config.serial_copy_engines => q.extend(items),
-            _ => queues.push((s, items.collect())),
-        }
-    }
-    if let Some(ts) = tail_stream {
-        let mut tails = Vec::new();
-        for (order, s) in (1..r).map(|i| (me + i) % r).enumerate() {
-            let m = args.recv_per_source[s];
-            if by_sm(s) && m > 0 {
-                let n = chunks(m).len();
+            push.rows[s] = to_i32("recv_per_source", args.recv_per_source[s])?;
+            if let Some(ts) = tail_stream {
                 let first = n.saturating_sub(config.combine_ce_tail_chunks);
-                tails.extend((first..n).map(|j| (j, order, s)));
+                add(ts, &mut (first..n).map(|j| (j, order, s)));
             }
-        }
-        match queues
-            .iter_mut()
-            .find(|(_, q)| q.iter().any(|&(_, _, h)| h == ts))
-        {
-            Some((_, q)) => q.extend(tails),
-            None => queues.push((ts, tails)),
+        } else {
+            add(s, &mut (0..n).map(|j| (j, order, s)));
         }
     }
-    for (home, mut q) in queues {
+    for (stream_home, mut q) in queues {
         q.sort_unstable();
-        let cs = copies.get(home, 0)?;
+        let cs = copies.get(stream_home, 0)?;
+        // Each home's weights go once, from its first chunk on this stream to the end of its
+        // block, before that chunk's flag.
+        let mut weights_sent = 0u32;
         for (j, _, s) in q {
-            let (b, e) = chunks(args.recv_per_source[s])[j];
-            pusher.chunk(cs, s, row0[s], j, b, e)?;
+            let (b, e) = bounds[s][j];
+            if weights_sent & (1 << s) == 0 {
+                weights_sent |= 1 << s;
+                pusher.weights(cs, s, row0[s], b, args.recv_per_source[s])?;
+            }
+            pusher.rows(cs, s, row0[s], j, b, e)?;
         }
     }
     // Reduce blocks, then (when some home is not served by copy engines) the SM push blocks.
@@ -245,8 +246,12 @@ pub fn ce_combine_cuda(
     join(stream, copies, streams(), 1)
 }
 
-/// Pushes chunks of this rank's combine input to a home by copy engine, each followed by its
-/// flag.
+/// A chunk a copy stream pushes: (chunk index, position of its home in the push order, home).
+/// Sorted, a stream's chunks go chunk by chunk.
+type ChunkItem = (usize, usize, usize);
+
+/// Pushes chunks of this rank's combine input (and their weights) to a home by copy engine,
+/// each chunk followed by its flag.
 struct HomePusher<'a> {
     buffers: &'a PeerBuffers,
     me: usize,
@@ -260,9 +265,35 @@ struct HomePusher<'a> {
 }
 
 impl HomePusher<'_> {
-    /// Copies rows [b, e) of home `s`'s block (rows `row0 + b ..` of x) and their weights
-    /// into slot `me` of `s`'s buffer on `cs`, then writes flag [me][j] in `s`'s header.
-    fn chunk(
+    /// Slot `me` of home `s`'s buffer.
+    fn slot(&self, s: usize) -> u64 {
+        self.buffers.ptr(s) + (RING_BASE + self.me * self.slot_bytes) as u64
+    }
+
+    /// Copies the weights of rows [b, m) of home `s`'s block (rows `row0 + b ..` of x) into the
+    /// home's slot on `cs` (nothing without weights); the flags of those rows' chunks follow on
+    /// the same stream.
+    fn weights(&self, cs: &CudaStream, s: usize, row0: usize, b: usize, m: usize) -> Result<()> {
+        if self.k == 0 {
+            return Ok(());
+        }
+        let w = self.k * 4;
+        // SAFETY: the weights of rows [row0 + b, row0 + m) of topk_weights (N rows) into rows
+        // [b, m) of the home's slot weights (capacity >= its block of m rows, checked by the
+        // caller); the home reads them only after a later flag of this stream.
+        unsafe {
+            copy(
+                cs,
+                self.slot(s) + (self.off_weights + b * w) as u64,
+                self.weights + ((row0 + b) * w) as u64,
+                (m - b) * w,
+            )
+        }
+    }
+
+    /// Copies rows [b, e) of home `s`'s block (rows `row0 + b ..` of x) into slot `me` of
+    /// `s`'s buffer on `cs`, then writes flag [me][j] in `s`'s header.
+    fn rows(
         &self,
         cs: &CudaStream,
         s: usize,
@@ -271,28 +302,13 @@ impl HomePusher<'_> {
         b: usize,
         e: usize,
     ) -> Result<()> {
-        let slot = self.buffers.ptr(s) + (RING_BASE + self.me * self.slot_bytes) as u64;
-        if self.k > 0 {
-            let w = self.k * 4;
-            // SAFETY: the weights of rows [row0 + b, row0 + e) of topk_weights (N rows) into
-            // rows [b, e) of the home's slot weights (capacity >= its block, checked by the
-            // caller); the home reads them after this chunk's flag below.
-            unsafe {
-                copy(
-                    cs,
-                    slot + (self.off_weights + b * w) as u64,
-                    self.weights + ((row0 + b) * w) as u64,
-                    (e - b) * w,
-                )
-            }?;
-        }
         // SAFETY: rows [row0 + b, row0 + e) of x (N rows) into rows [b, e) of the home's slot;
         // the home's previous use of its slot ended before cached notify's barrier, which this
         // stream follows.
         unsafe {
             copy(
                 cs,
-                slot + (b * self.row_bytes) as u64,
+                self.slot(s) + (b * self.row_bytes) as u64,
                 self.x + ((row0 + b) * self.row_bytes) as u64,
                 (e - b) * self.row_bytes,
             )

@@ -65,11 +65,6 @@ pub struct CeConfig {
     /// chunk of their homes. (The dispatch has no counterpart: pulling the SM peers' last
     /// chunks by copy engines measured slower, `docs/benchmarks.md`.)
     pub combine_ce_tail_chunks: usize,
-    /// The copy-engine peers' chunks share one peer's copy streams, chunk by chunk (every
-    /// peer's chunk j before any peer's chunk j + 1), instead of each peer having its own:
-    /// one copy at a time instead of copies to (or from) several peers at once, which do not
-    /// add up. Matters only with more than one copy-engine peer.
-    pub serial_copy_engines: bool,
 }
 
 /// Default [`CeConfig::pack_local_warps`].
@@ -132,7 +127,6 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
-                serial_copy_engines: false,
             }
         } else {
             Self {
@@ -149,7 +143,6 @@ impl CeConfig {
                 local_copy_out: true,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
-                serial_copy_engines: false,
             }
         }
     }
@@ -178,7 +171,6 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
-                serial_copy_engines: false,
             }
         } else {
             Self {
@@ -195,7 +187,6 @@ impl CeConfig {
                 local_copy_out: false,
                 combine_push_warps: COMBINE_PUSH_WARPS,
                 combine_ce_tail_chunks: COMBINE_CE_TAIL_CHUNKS,
-                serial_copy_engines: false,
             }
         }
     }

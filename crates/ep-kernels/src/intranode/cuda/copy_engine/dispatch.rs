@@ -6,8 +6,8 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig}
 use super::params::{flag_offset, CePackParams, CeSmPullParams, CeWaitParams};
 use super::streams::{copy, fork, join};
 use super::{
-    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, ChunkQueues, CopyStreams,
-    FusedGrid, DISPATCH_FILE,
+    check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
+    DISPATCH_FILE,
 };
 use crate::cuda::Kernels;
 use crate::error::{Error, Result};
@@ -122,13 +122,6 @@ pub fn ce_dispatch_cuda(
     };
     // Sources whose pushed rows this GPU's copy engines copy out of its own buffer.
     let copied_out = move |s: usize| config.local_copy_out && pushed(s);
-    let chunks = |s: usize| {
-        chunk_bounds(
-            args.recv_per_source[s],
-            config.first_chunk_rows,
-            config.max_chunk_rows,
-        )
-    };
     let streams = || peers().filter(move |&s| by_engine(s) || copied_out(s));
     for s in (0..r).filter(|&s| pushed(s)) {
         params.sm_push_mask |= 1 << s;
@@ -199,37 +192,19 @@ pub fn ce_dispatch_cuda(
     // The copy-engine sources' chunks, each pulled once its flag is up (or, for sources that
     // pushed them, copied out of this rank's own buffer). Launched after the kernel: a wait
     // kernel that shares a hardware queue with it must not hold it back.
-    // Per copy-stream set (keyed by its peer), the chunks it moves as (chunk, order, source):
-    // a source's chunks on its own set, or with `serial_copy_engines` every copy-engine
-    // source's chunks on the first one's, chunk by chunk (sources in the order me - 1,
-    // me - 2, ...); chunks take a set's lanes in turn.
-    let mut queues: ChunkQueues = Vec::new();
-    let first_engine = peers().find(|&s| by_engine(s));
-    for (order, s) in (1..r).map(|i| (me + r - i) % r).enumerate() {
-        if args.recv_per_source[s] == 0 || !(by_engine(s) || copied_out(s)) {
-            continue;
-        }
-        let home = match first_engine {
-            Some(h) if config.serial_copy_engines && by_engine(s) => h,
-            _ => s,
+    for s in streams() {
+        let m = args.recv_per_source[s];
+        let dst_row0 = row_begin[s];
+        let slot = if copied_out(s) {
+            buffers.ptr(me) + (RING_BASE + s * lay.slot_bytes) as u64
+        } else {
+            buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64
         };
-        let items = (0..chunks(s).len()).map(|j| (j, order, s));
-        match queues.iter_mut().find(|(h, _)| *h == home) {
-            Some((_, q)) => q.extend(items),
-            None => queues.push((home, items.collect())),
-        }
-    }
-    for (home, mut q) in queues {
-        q.sort_unstable();
-        for (i, (j, _, s)) in q.into_iter().enumerate() {
-            let dst_row0 = row_begin[s];
-            let slot = if copied_out(s) {
-                buffers.ptr(me) + (RING_BASE + s * lay.slot_bytes) as u64
-            } else {
-                buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64
-            };
-            let (b, e) = chunks(s)[j];
-            let cs = copies.get(home, i % config.copy_lanes)?;
+        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
+            .into_iter()
+            .enumerate()
+        {
+            let cs = copies.get(s, j % config.copy_lanes)?;
             let wp = CeWaitParams {
                 flag: buffers.ptr(me) + flag_offset(s, j),
                 error_info: buffers.error_info(),
