@@ -945,6 +945,8 @@ fn main() {
                 num_sms: 3,
                 first_chunk_rows: 5,
                 max_chunk_rows: 40,
+                push_first_chunk_rows: 3,
+                push_max_chunk_rows: 9,
                 copy_engine_peers: 1,
                 sm_blocks: 2,
                 dispatch_push: true,
@@ -1019,6 +1021,22 @@ fn main() {
             };
             cases.push((name.into(), ce_case(r, 1500, false, ce)));
         }
+        // The pushed blocks in chunks of their own: small fixed ones (the defaults otherwise,
+        // bf16 and fp8), tiny doubling ones, and copied out by SMs.
+        for (name, push_first, push_max, fp8, local_copy_out) in [
+            ("ce-push-chunks-256", 256, 256, false, true),
+            ("ce-push-chunks-128-fp8", 128, 128, true, true),
+            ("ce-push-chunks-tiny", 2, 11, false, true),
+            ("ce-push-chunks-sm-copy-out", 64, 200, false, false),
+        ] {
+            let ce = CeConfig {
+                push_first_chunk_rows: push_first,
+                push_max_chunk_rows: push_max,
+                local_copy_out,
+                ..CeConfig::dispatch_for(r, 24)
+            };
+            cases.push((name.into(), ce_case(r, 1700, fp8, ce)));
+        }
         // The pack's work queues: every warp starting on the pushes, or on the local stores.
         for (name, pack_local_blocks, pack_local_warps, fp8) in [
             ("ce-pack-all-warps-push-first", 0, 0, false),
@@ -1068,6 +1086,8 @@ fn main() {
             num_sms: 1,
             first_chunk_rows: 1,
             max_chunk_rows: 1,
+            push_first_chunk_rows: 0,
+            push_max_chunk_rows: 0,
             copy_engine_peers: 1,
             sm_blocks: 3,
             dispatch_push: false,
@@ -1097,6 +1117,25 @@ fn main() {
             match m.poll_nonneg(0, Duration::from_millis(20), 3) {
                 Err(Error::PeerTimeout { rank: 3, .. }) => Ok(()),
                 other => Err(format!("expected PeerTimeout for rank 3, got {other:?}").into()),
+            }
+        });
+        // The pushed blocks' chunking is checked like the general one.
+        runner.case(&format!("r{r}/ce-push-chunks-checked"), |_| {
+            let ce = CeConfig {
+                push_first_chunk_rows: 600,
+                push_max_chunk_rows: 512,
+                ..CeConfig::dispatch_for(4, 24)
+            };
+            match ce.validate() {
+                Err(Error::InvalidArgument {
+                    arg: "push_first_chunk_rows",
+                    value,
+                    ..
+                }) if value == "600" => Ok(()),
+                other => Err(format!(
+                    "expected InvalidArgument for push_first_chunk_rows = 600, got {other:?}"
+                )
+                .into()),
             }
         });
     }

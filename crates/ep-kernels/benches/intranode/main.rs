@@ -22,7 +22,8 @@
 //! `EP_BENCH_CE_LOCAL="0:4,4:0"` times each dispatch with those
 //! `pack_local_blocks:pack_local_warps`; `EP_BENCH_CE_COMBINE_PUSH_WARPS="0,16"` times each
 //! combine with those `combine_push_warps`; `EP_BENCH_CE_TAIL="0,1"` with those
-//! `combine_ce_tail_chunks`.
+//! `combine_ce_tail_chunks`; `EP_BENCH_CE_PUSH_CHUNKS="0:0,256:256"` each dispatch with those
+//! `push_first_chunk_rows:push_max_chunk_rows`.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
 //! `EP_BENCH_ITERS` sets the timed iterations of every op (10 quick, else 20);

@@ -90,6 +90,10 @@ fn list_from_env(name: &str) -> Option<Vec<usize>> {
     (!v.is_empty()).then_some(v)
 }
 
+/// A copy-engine dispatch variant: `own_rows_last`, `copy_lanes`, `local_copy_out`,
+/// `(pack_local_blocks, pack_local_warps)`, `(push_first_chunk_rows, push_max_chunk_rows)`.
+type DispatchVariant = (bool, usize, bool, (usize, usize), Option<(usize, usize)>);
+
 /// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS`,
 /// `EP_BENCH_CE_VARIANTS`, `EP_BENCH_CE_LOCAL`, `EP_BENCH_CE_COMBINE_PUSH_WARPS` and
 /// `EP_BENCH_CE_TAIL` replace its lists); returns one row per (split, chunks, variant, op).
@@ -178,9 +182,17 @@ pub fn copy_engine(
             vec![(d.pack_local_blocks, d.pack_local_warps)]
         }
     };
-    let variants: Vec<(bool, usize, bool, (usize, usize))> = variants
+    // ... and with every "first:largest" chunking of the pushed blocks of
+    // `EP_BENCH_CE_PUSH_CHUNKS` (0:0 = the general chunking; default: `dispatch_for`'s for
+    // bf16 and `dispatch_fp8_for`'s for fp8, marked `None` here).
+    let push_chunks: Vec<Option<(usize, usize)>> = match env_tuples("EP_BENCH_CE_PUSH_CHUNKS", 2)? {
+        Some(v) => v.iter().map(|t| Some((t[0], t[1]))).collect(),
+        None => vec![None],
+    };
+    let variants: Vec<DispatchVariant> = variants
         .iter()
         .flat_map(|&(a, b, c)| local.iter().map(move |&l| (a, b, c, l)))
+        .flat_map(|(a, b, c, l)| push_chunks.iter().map(move |&pc| (a, b, c, l, pc)))
         .collect();
     let push_warps = list_from_env("EP_BENCH_CE_COMBINE_PUSH_WARPS")
         .unwrap_or(vec![CeConfig::combine_for(r, 24).combine_push_warps]);
@@ -194,13 +206,21 @@ pub fn copy_engine(
         for &(first, max) in &ce_chunks {
             for (
                 vi,
-                &(own_rows_last, copy_lanes, local_copy_out, (pack_local_blocks, pack_local_warps)),
+                &(
+                    own_rows_last,
+                    copy_lanes,
+                    local_copy_out,
+                    (pack_local_blocks, pack_local_warps),
+                    push_chunks,
+                ),
             ) in variants.iter().enumerate()
             {
                 let ce = CeConfig {
                     num_sms,
                     first_chunk_rows: first,
                     max_chunk_rows: max,
+                    push_first_chunk_rows: 0,
+                    push_max_chunk_rows: 0,
                     copy_engine_peers,
                     sm_blocks,
                     dispatch_push,
@@ -220,9 +240,20 @@ pub fn copy_engine(
                     ops.extend(combine_variants.iter().map(|&v| (Op::CeCombine, v)));
                 }
                 for (op, (combine_push_warps, combine_ce_tail_chunks)) in ops {
+                    let (push_first_chunk_rows, push_max_chunk_rows) =
+                        push_chunks.unwrap_or_else(|| {
+                            let d = if op == Op::CeDispatchFp8 {
+                                CeConfig::dispatch_fp8_for(r, 24)
+                            } else {
+                                CeConfig::dispatch_for(r, 24)
+                            };
+                            (d.push_first_chunk_rows, d.push_max_chunk_rows)
+                        });
                     let ce = CeConfig {
                         combine_push_warps,
                         combine_ce_tail_chunks,
+                        push_first_chunk_rows,
+                        push_max_chunk_rows,
                         ..ce
                     };
                     let ms = time_op(
@@ -241,7 +272,7 @@ pub fn copy_engine(
                     let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
                     let total = num_sms + if sm_used { sm_blocks } else { 0 };
                     let split = format!(
-                        "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}",
+                        "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}{}",
                         if sm_used { sm_blocks } else { 0 },
                         if dispatch_push || op == Op::CeCombine {
                             ""
@@ -276,6 +307,11 @@ pub fn copy_engine(
                             " ce-out"
                         } else {
                             ""
+                        },
+                        if push_first_chunk_rows + push_max_chunk_rows > 0 && op != Op::CeCombine {
+                            format!(" push-chunks{push_first_chunk_rows}:{push_max_chunk_rows}")
+                        } else {
+                            String::new()
                         }
                     );
                     let row = make_row(op, total, first, max, &ms, states, split);

@@ -36,9 +36,11 @@ struct CePackParams {
     int own_rows_last;  // 1: the peers' rows before this rank's own rows, from the work queues
     int local_warps;    // warps per block that start on the local stores (see `ce_pack`)
     int local_blocks;   // blocks [0, local_blocks) start on the local stores with every warp
+    int push_first_chunk_rows;  // chunking of the blocks pushed over NVLink (sm_push_mask)
+    int push_max_chunk_rows;
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CePackParams, 248);
+EP_CHECK_PARAMS_SIZE(CePackParams, 256);
 
 // Blocks [0, nblocks) of kCeThreads; each warp stores one token's rows per work item, items in
 // token order within each pass (so early chunks complete first; see the work items below).
@@ -199,7 +201,9 @@ __device__ void ce_pack(const CePackParams& p, int block, int nblocks) {
         // the copy engines).
         __syncwarp();
         if (lane < R && lane != p.rank && ((pass_mask >> lane) & 1u) && my_idx >= 0) {
-            const CeChunk c = ce_chunk(m_lane, my_idx, p.first_chunk_rows, p.max_chunk_rows);
+            const bool pushed = (p.sm_push_mask >> lane) & 1;
+            const CeChunk c = ce_chunk(m_lane, my_idx, pushed ? p.push_first_chunk_rows : p.first_chunk_rows,
+                                       pushed ? p.push_max_chunk_rows : p.max_chunk_rows);
             ce_count_and_publish(ce_count(my_buf, lane, c.index), 1, c.end - c.begin,
                                  ce_flag(buf(p.buffer_ptrs, lane), p.rank, c.index));
         }
@@ -253,9 +257,11 @@ struct CeSmPullParams {
     int max_chunk_rows;
     int sm_rows_mask;  // bit s: rows of source s move here (else only its metadata)
     int local_mask;    // bit s: source s pushed its rows into slot [s] of this rank's buffer
+    int push_first_chunk_rows;  // chunking of the blocks of the sources in local_mask
+    int push_max_chunk_rows;
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeSmPullParams, 264);
+EP_CHECK_PARAMS_SIZE(CeSmPullParams, 272);
 
 // Blocks [0, nblocks) of kCeThreads. Copies every source's metadata (src index,
 // localised routing, scales) and the rows of the sources in `sm_rows_mask` (the others' rows
@@ -274,7 +280,9 @@ __device__ void ce_sm_pull(const CeSmPullParams& p, int block, int nblocks) {
         // by one receiver, instead of several pulling from the same GPU while others idle.
         for (int k = 1; k < p.num_ranks; ++k) {
             const int s = (p.rank + p.num_ranks - k) % p.num_ranks;
-            const CeChunk ch = ce_chunk_at(p.rows[s], c, p.first_chunk_rows, p.max_chunk_rows);
+            const bool pushed = (p.local_mask >> s) & 1;
+            const CeChunk ch = ce_chunk_at(p.rows[s], c, pushed ? p.push_first_chunk_rows : p.first_chunk_rows,
+                                           pushed ? p.push_max_chunk_rows : p.max_chunk_rows);
             if (ch.begin >= ch.end) {
                 continue;
             }
@@ -337,7 +345,7 @@ struct CeDispatchParams {
     int pack_blocks;  // blocks [0, pack_blocks) pack, the rest pull
     int pad;
 };
-EP_CHECK_PARAMS_SIZE(CeDispatchParams, 520);
+EP_CHECK_PARAMS_SIZE(CeDispatchParams, 536);
 
 // Grid: pack_blocks + any number of pull blocks (none when no peer sends rows), all of
 // kCeThreads and resident at once (the pull waits only for peers' packs).

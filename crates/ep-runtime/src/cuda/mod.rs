@@ -50,6 +50,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use ep_kernels::intranode as ki;
 use ep_kernels::memory::DeviceMemory;
 use memory::{PeerMap, PeerRecord};
+use normal_launch::CeConfigs;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -91,9 +92,9 @@ pub(crate) struct NormalCuda {
     kcombine: ki::Config,
     /// The kernels' view of the node's NVLink buffers.
     peer_buffers: ki::PeerBuffers,
-    /// Copy-engine path: its dispatch and combine launch configurations (`None`: SM rings
-    /// only) and one copy stream per peer.
-    ce: Option<(ki::CeConfig, ki::CeConfig)>,
+    /// Copy-engine path: its launch configurations (`None`: SM rings only) and one copy
+    /// stream per peer.
+    ce: Option<CeConfigs>,
     copies: ki::CopyStreams,
     /// Peers' NVLink buffers mapped into this context (dropped before `nvl`).
     _nvl_peers: PeerMap,
@@ -359,12 +360,10 @@ impl NormalCuda {
             kdispatch,
             kcombine,
             peer_buffers,
-            ce: cfg.nvl_transfer.uses_copy_engine(topo.num_ranks).then(|| {
-                (
-                    ki::CeConfig::dispatch_for(topo.num_ranks, c.num_sms),
-                    ki::CeConfig::combine_for(topo.num_ranks, c.num_sms),
-                )
-            }),
+            ce: cfg
+                .nvl_transfer
+                .uses_copy_engine(topo.num_ranks)
+                .then(|| CeConfigs::new(topo.num_ranks, c.num_sms)),
             copies: ki::CopyStreams::new(ctx, topo.num_ranks)?,
             _nvl_peers: nvl_peers,
             nvl,

@@ -272,8 +272,8 @@ impl CudaBuffer {
                 num_topk: k,
             };
             let path = match (&nm.ce, &send_index) {
-                (Some((ce, _)), Some(si)) => DispatchPath::CopyEngine {
-                    config: ce,
+                (Some(ce), Some(si)) => DispatchPath::CopyEngine {
+                    config: ce.dispatch(f.fp8),
                     send_index: si.slice(0..t * r),
                     rank_prefix_matrix: rpm.slice(0..r * r),
                     recv_per_source: &recv_per_source,
@@ -405,7 +405,11 @@ impl CudaBuffer {
                 send_index,
                 recv_per_source,
             } => (
-                Some((send_index, recv_per_source, &self.ce_configs()?.0)),
+                Some((
+                    send_index,
+                    recv_per_source,
+                    self.ce_configs()?.dispatch(fp8),
+                )),
                 false,
             ),
             CudaHandleData::Rings { worst_case, .. } => (None, *worst_case),
@@ -549,7 +553,7 @@ impl CudaBuffer {
                     send_index,
                     recv_per_source,
                 } => {
-                    let (_, ce) = self.ce_configs()?;
+                    let ce = &self.ce_configs()?.combine;
                     let si = DeviceTensor::new("handle.send_index", send_index)?;
                     ki::ce_combine_cuda(
                         comm,

@@ -206,10 +206,41 @@ pub(super) struct DispatchRows<'a> {
     pub(super) num_topk: usize,
 }
 
+/// The copy-engine path's launch configurations (`ki::CeConfig`'s tuned defaults).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CeConfigs {
+    /// Dispatch of bf16 rows.
+    dispatch: ki::CeConfig,
+    /// Dispatch of fp8 rows (the pushed blocks keep the general chunking).
+    dispatch_fp8: ki::CeConfig,
+    /// Combine.
+    pub(super) combine: ki::CeConfig,
+}
+
+impl CeConfigs {
+    /// The defaults for `num_ranks` ranks and `num_sms` SMs.
+    pub(super) fn new(num_ranks: usize, num_sms: usize) -> Self {
+        Self {
+            dispatch: ki::CeConfig::dispatch_for(num_ranks, num_sms),
+            dispatch_fp8: ki::CeConfig::dispatch_fp8_for(num_ranks, num_sms),
+            combine: ki::CeConfig::combine_for(num_ranks, num_sms),
+        }
+    }
+
+    /// The dispatch's configuration for fp8 or bf16 rows.
+    pub(super) fn dispatch(&self, fp8: bool) -> &ki::CeConfig {
+        if fp8 {
+            &self.dispatch_fp8
+        } else {
+            &self.dispatch
+        }
+    }
+}
+
 impl CudaBuffer {
-    /// The copy-engine configs `(dispatch, combine)`, or the error for a handle of a
-    /// copy-engine dispatch when this buffer has the copy-engine path off.
-    pub(super) fn ce_configs(&self) -> Result<&(ki::CeConfig, ki::CeConfig)> {
+    /// The copy-engine configs, or the error for a handle of a copy-engine dispatch when this
+    /// buffer has the copy-engine path off.
+    pub(super) fn ce_configs(&self) -> Result<&CeConfigs> {
         let nm = self.normal_mode()?;
         nm.ce.as_ref().ok_or_else(|| {
             Error::invalid(

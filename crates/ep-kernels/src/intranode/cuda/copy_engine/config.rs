@@ -17,6 +17,12 @@ pub struct CeConfig {
     pub first_chunk_rows: usize,
     /// Largest chunk (raised to `ceil(m / 16)` for blocks of `m` rows).
     pub max_chunk_rows: usize,
+    /// Dispatch: `first_chunk_rows` of the blocks pushed over NVLink (`dispatch_push`), which
+    /// the receiver copies out of its own buffer chunk by chunk; 0 = `first_chunk_rows`. Small
+    /// chunks are copied out while their rows are still in the receiver's L2 cache.
+    pub push_first_chunk_rows: usize,
+    /// Dispatch: `max_chunk_rows` of the pushed blocks; 0 = `max_chunk_rows`.
+    pub push_max_chunk_rows: usize,
     /// Peers served by the copy engines (see [`copy_engine_peer`](crate::intranode::copy_engine_peer)); SM warps serve the rest.
     pub copy_engine_peers: usize,
     /// Blocks (SMs) of SM copies, run as extra blocks of the pack (dispatch) or reduce
@@ -78,6 +84,11 @@ pub const COMBINE_PUSH_WARPS: usize = 5;
 /// 4096 tokens: the SMs push the first).
 pub const COMBINE_CE_TAIL_CHUNKS: usize = 2;
 
+/// The chunks of the dispatch's pushed blocks beyond 2 ranks (bf16; see
+/// [`CeConfig::push_first_chunk_rows`]): 512 rows of 14 KiB are copied out of the receiver's
+/// buffer while still in its L2 cache.
+pub const PUSH_CHUNK_ROWS: usize = 512;
+
 /// Warps of a block of the copy-engine kernels ([`CeConfig::pack_local_warps`] and
 /// [`CeConfig::combine_push_warps`] are at most this).
 pub const PACK_WARPS: usize = 24;
@@ -93,6 +104,20 @@ impl Default for CeConfig {
 }
 
 impl CeConfig {
+    /// The chunking of the dispatch's pushed blocks: (`push_first_chunk_rows`,
+    /// `push_max_chunk_rows`), each 0 meaning the general one.
+    pub fn push_chunks(&self) -> (usize, usize) {
+        let first = match self.push_first_chunk_rows {
+            0 => self.first_chunk_rows,
+            n => n,
+        };
+        let max = match self.push_max_chunk_rows {
+            0 => self.max_chunk_rows,
+            n => n,
+        };
+        (first, max)
+    }
+
     /// Dispatch defaults for 2 ranks and 24 SMs ([`CeConfig::dispatch_for`]).
     pub fn dispatch_default() -> Self {
         Self::dispatch_for(2, 24)
@@ -108,8 +133,10 @@ impl CeConfig {
     /// copy-engine peer. Two ranks: all but 2 SMs pack and 2 pull the metadata, chunks of 768
     /// rows doubling to 4096. More ranks: five sixths of the SMs pack (pushing the rows of the
     /// SM peers into their buffers), the receiver's copy engines copy the pushed rows out
-    /// (`local_copy_out`) and the other sixth moves the metadata, chunks of 768 doubling to
-    /// 4096. Both measured best in their sweeps (`docs/benchmarks.md`, normal mode).
+    /// (`local_copy_out`) in chunks of [`PUSH_CHUNK_ROWS`] rows, and the other sixth moves the
+    /// metadata, chunks of 768 doubling to 4096. Both measured best in their sweeps
+    /// (`docs/benchmarks.md`, normal mode); tuned on bf16 rows (fp8:
+    /// [`CeConfig::dispatch_fp8_for`]).
     pub fn dispatch_for(num_ranks: usize, sms: usize) -> Self {
         let sms = sms.max(3);
         if num_ranks <= 2 {
@@ -117,6 +144,8 @@ impl CeConfig {
                 num_sms: sms - 2,
                 first_chunk_rows: 768,
                 max_chunk_rows: 4096,
+                push_first_chunk_rows: 0,
+                push_max_chunk_rows: 0,
                 copy_engine_peers: 1,
                 sm_blocks: 2,
                 dispatch_push: true,
@@ -133,6 +162,8 @@ impl CeConfig {
                 num_sms: sms - sms / 6,
                 first_chunk_rows: 768,
                 max_chunk_rows: 4096,
+                push_first_chunk_rows: PUSH_CHUNK_ROWS,
+                push_max_chunk_rows: PUSH_CHUNK_ROWS,
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 6).max(1),
                 dispatch_push: true,
@@ -144,6 +175,19 @@ impl CeConfig {
                 combine_push_warps: 0,
                 combine_ce_tail_chunks: 0,
             }
+        }
+    }
+
+    /// [`CeConfig::dispatch_for`] for fp8 payloads: the pushed blocks keep the general
+    /// chunking. Rows half as wide leave less for small chunks to save (their copy-out's bytes)
+    /// than the chunks' set-up costs: at 4 ranks, fixed chunks of 512 rows took the fp8
+    /// dispatch from 346 to 312 GB/s while they took bf16 from 398-402 to 411-412
+    /// (`docs/benchmarks.md`, normal mode).
+    pub fn dispatch_fp8_for(num_ranks: usize, sms: usize) -> Self {
+        Self {
+            push_first_chunk_rows: 0,
+            push_max_chunk_rows: 0,
+            ..Self::dispatch_for(num_ranks, sms)
         }
     }
 
@@ -161,6 +205,8 @@ impl CeConfig {
                 num_sms: sms,
                 first_chunk_rows: 1024,
                 max_chunk_rows: 4096,
+                push_first_chunk_rows: 0,
+                push_max_chunk_rows: 0,
                 copy_engine_peers: 1,
                 sm_blocks: 1,
                 dispatch_push: true,
@@ -177,6 +223,8 @@ impl CeConfig {
                 num_sms: sms - sms / 3,
                 first_chunk_rows: 1024,
                 max_chunk_rows: 4096,
+                push_first_chunk_rows: 0,
+                push_max_chunk_rows: 0,
                 copy_engine_peers: 1,
                 sm_blocks: (sms / 3).max(1),
                 dispatch_push: true,
@@ -215,6 +263,14 @@ impl CeConfig {
                 "first_chunk_rows",
                 self.first_chunk_rows,
                 format!("must be in [1, max_chunk_rows = {}]", self.max_chunk_rows),
+            ));
+        }
+        let (push_first, push_max) = self.push_chunks();
+        if push_first > push_max || push_max > 1 << 24 {
+            return Err(Error::invalid(
+                "push_first_chunk_rows",
+                push_first,
+                format!("must be <= push_max_chunk_rows = {push_max} <= 2^24 (0 = the general chunking)"),
             ));
         }
         if self.copy_lanes == 0 || self.copy_lanes > MAX_COPY_LANES {

@@ -71,6 +71,7 @@ pub fn ce_dispatch_cuda(
     let payload = args_payload_ptrs!(stream, shape, args, t, n, r)?;
     Error::check_len("recv_src_idx", n, args.recv_src_idx.len())?;
     payload.check_row_align()?;
+    let (push_first, push_max) = config.push_chunks();
     let kernels = Kernels::for_stream(stream)?;
     let fused = kernels.kernel(DISPATCH_FILE, "intranode_ce_dispatch")?;
     let wait = kernels.kernel(DISPATCH_FILE, "intranode_ce_wait")?;
@@ -106,6 +107,8 @@ pub fn ce_dispatch_cuda(
         own_rows_last: i32::from(config.own_rows_last),
         local_warps: to_i32("pack_local_warps", config.pack_local_warps)?,
         local_blocks: to_i32("pack_local_blocks", config.pack_local_blocks)?,
+        push_first_chunk_rows: to_i32("push_first_chunk_rows", push_first)?,
+        push_max_chunk_rows: to_i32("push_max_chunk_rows", push_max)?,
         pad: 0,
     };
     // The copy streams of the sources served by copy engines start after the outputs exist
@@ -154,6 +157,8 @@ pub fn ce_dispatch_cuda(
         max_chunk_rows: params.max_chunk_rows,
         sm_rows_mask: 0,
         local_mask: params.sm_push_mask,
+        push_first_chunk_rows: params.push_first_chunk_rows,
+        push_max_chunk_rows: params.push_max_chunk_rows,
         pad: 0,
     };
     // Receive row ranges per source (source-major order).
@@ -200,10 +205,12 @@ pub fn ce_dispatch_cuda(
         } else {
             buffers.ptr(s) + (RING_BASE + me * lay.slot_bytes) as u64
         };
-        for (j, (b, e)) in chunk_bounds(m, config.first_chunk_rows, config.max_chunk_rows)
-            .into_iter()
-            .enumerate()
-        {
+        let (first, max) = if pushed(s) {
+            (push_first, push_max)
+        } else {
+            (config.first_chunk_rows, config.max_chunk_rows)
+        };
+        for (j, (b, e)) in chunk_bounds(m, first, max).into_iter().enumerate() {
             let cs = copies.get(s, j % config.copy_lanes)?;
             let wp = CeWaitParams {
                 flag: buffers.ptr(me) + flag_offset(s, j),

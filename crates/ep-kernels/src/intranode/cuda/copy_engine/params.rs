@@ -42,18 +42,21 @@ pub(super) struct CePackParams {
     pub(super) own_rows_last: i32,
     pub(super) local_warps: i32,
     pub(super) local_blocks: i32,
+    pub(super) push_first_chunk_rows: i32,
+    pub(super) push_max_chunk_rows: i32,
     pub(super) pad: i32,
 }
 assert_params_layout!(
     CePackParams,
-    248;
+    256;
     buffer_ptrs = 0, x = 64, x_scales = 72, topk_idx = 80, topk_weights = 88, send_index = 96,
     rank_prefix_matrix = 104, recv_x = 112, recv_x_scales = 120, recv_src_idx = 128,
     recv_topk_idx = 136, recv_topk_weights = 144, slot_bytes = 152, off_scales = 160,
     off_src = 168, off_topk_idx = 176, off_topk_weights = 184, rank = 192, num_ranks = 196,
     num_tokens = 200, row_int4 = 204, num_scales = 208, num_topk = 212, experts_per_rank = 216,
     first_chunk_rows = 220, max_chunk_rows = 224, sm_push_mask = 228, own_rows_last = 232,
-    local_warps = 236, local_blocks = 240, pad = 244,
+    local_warps = 236, local_blocks = 240, push_first_chunk_rows = 244, push_max_chunk_rows = 248,
+    pad = 252,
 );
 
 /// Mirror of `CeWaitParams` in copy_engine_dispatch.cu.
@@ -166,16 +169,19 @@ pub(super) struct CeSmPullParams {
     pub(super) max_chunk_rows: i32,
     pub(super) sm_rows_mask: i32,
     pub(super) local_mask: i32,
+    pub(super) push_first_chunk_rows: i32,
+    pub(super) push_max_chunk_rows: i32,
     pub(super) pad: i32,
 }
 assert_params_layout!(
     CeSmPullParams,
-    264;
+    272;
     buffer_ptrs = 0, recv_x = 64, recv_x_scales = 72, recv_src_idx = 80, recv_topk_idx = 88,
     recv_topk_weights = 96, error_info = 104, timeout_ns = 112, slot_bytes = 120, off_scales = 128,
     off_src = 136, off_topk_idx = 144, off_topk_weights = 152, row_begin = 160, rows = 192,
     rank = 224, num_ranks = 228, row_int4 = 232, num_scales = 236, num_topk = 240,
-    first_chunk_rows = 244, max_chunk_rows = 248, sm_rows_mask = 252, local_mask = 256, pad = 260,
+    first_chunk_rows = 244, max_chunk_rows = 248, sm_rows_mask = 252, local_mask = 256,
+    push_first_chunk_rows = 260, push_max_chunk_rows = 264, pad = 268,
 );
 
 /// Mirror of `CeDispatchParams` and `CeCombineParams` in copy_engine_combine.cu, the params of a fused
@@ -199,8 +205,8 @@ pub(super) struct CeFusedParams<M, C> {
 pub(super) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
 assert_params_layout!(
     CeDispatchParams,
-    520;
-    main = 0, copies = 248, main_blocks = 512, role_warps = 516,
+    536;
+    main = 0, copies = 256, main_blocks = 528, role_warps = 532,
 );
 // SAFETY: repr(C) plain data mirroring `CeDispatchParams` in copy_engine_dispatch.cu.
 unsafe impl KernelParams for CeDispatchParams {}
