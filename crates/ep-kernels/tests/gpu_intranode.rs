@@ -1021,6 +1021,11 @@ fn main() {
             };
             cases.push((name.into(), ce_case(r, 1500, false, ce)));
         }
+        // The fp8 dispatch's own defaults (whole local blocks, a quarter of the SMs pulling).
+        cases.push((
+            "ce-fp8-defaults".into(),
+            ce_case(r, 1700, true, CeConfig::dispatch_fp8_for(r, 24)),
+        ));
         // The pushed blocks in chunks of their own: small fixed ones (the defaults otherwise,
         // bf16 and fp8), tiny doubling ones, and copied out by SMs.
         for (name, push_first, push_max, fp8, local_copy_out) in [

@@ -23,7 +23,9 @@
 //! `pack_local_blocks:pack_local_warps`; `EP_BENCH_CE_COMBINE_PUSH_WARPS="0,16"` times each
 //! combine with those `combine_push_warps`; `EP_BENCH_CE_TAIL="0,1"` with those
 //! `combine_ce_tail_chunks`; `EP_BENCH_CE_PUSH_CHUNKS="0:0,256:256"` each dispatch with those
-//! `push_first_chunk_rows:push_max_chunk_rows`.
+//! `push_first_chunk_rows:push_max_chunk_rows`. `EP_BENCH_CE_DEFAULTS=1` times only the
+//! copy-engine defaults a user gets at 24 SMs (`CeConfig::dispatch_for`, `dispatch_fp8_for`,
+//! `combine_for`), one row per op.
 //!
 //! Writes JSON to `$EP_BENCH_OUT` if set. `EP_BENCH_QUICK=1` runs a short sweep;
 //! `EP_BENCH_ITERS` sets the timed iterations of every op (10 quick, else 20);

@@ -97,6 +97,8 @@ type DispatchVariant = (bool, usize, bool, (usize, usize), Option<(usize, usize)
 /// The copy-engine sweep on `r` ranks (`EP_BENCH_CE_SPLITS`, `EP_BENCH_CE_CHUNKS`,
 /// `EP_BENCH_CE_VARIANTS`, `EP_BENCH_CE_LOCAL`, `EP_BENCH_CE_COMBINE_PUSH_WARPS` and
 /// `EP_BENCH_CE_TAIL` replace its lists); returns one row per (split, chunks, variant, op).
+/// `EP_BENCH_CE_DEFAULTS=1`: one row per op with exactly `CeConfig::dispatch_for`,
+/// `dispatch_fp8_for` and `combine_for` at 24 SMs instead.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_engine(
     node: &Node,
@@ -110,6 +112,50 @@ pub fn copy_engine(
     let mut rows: Vec<Row> = Vec::new();
     let notify_cfg = Config::new(24, 1, 1)?;
     let mut handles = notify_all(node, states, &notify_cfg)?;
+    if env_usize("EP_BENCH_CE_DEFAULTS").unwrap_or(0) != 0 {
+        // Exactly the defaults a user gets at 24 SMs, one row per op.
+        for (op, ce) in [
+            (Op::CeDispatchBf16, CeConfig::dispatch_for(r, 24)),
+            (Op::CeDispatchFp8, CeConfig::dispatch_fp8_for(r, 24)),
+            (Op::CeCombine, CeConfig::combine_for(r, 24)),
+        ] {
+            let ms = time_op(
+                node,
+                states,
+                &mut handles,
+                op,
+                &notify_cfg,
+                &notify_cfg,
+                (copies, &ce),
+                warmup,
+                iters,
+            )?;
+            let split = format!(
+                "defaults ce{}+{}+{} local{}:{} push-chunks{}:{}",
+                ce.copy_engine_peers,
+                ce.num_sms,
+                ce.sm_blocks,
+                ce.pack_local_blocks,
+                ce.pack_local_warps,
+                ce.push_first_chunk_rows,
+                ce.push_max_chunk_rows
+            );
+            // As below: a combine whose every home is served by copy engines has no SM blocks.
+            let sm_used = op != Op::CeCombine || ce.copy_engine_peers < r - 1;
+            let total = ce.num_sms + if sm_used { ce.sm_blocks } else { 0 };
+            let row = make_row(
+                op,
+                total,
+                ce.first_chunk_rows,
+                ce.max_chunk_rows,
+                &ms,
+                states,
+                split,
+            );
+            rows.push(row);
+        }
+        return Ok(rows);
+    }
     // (copy-engine peers, pack/reduce SMs, SM-copy blocks, dispatch push): SMs in all = the
     // middle two.
     let splits: Vec<(usize, usize, usize, bool)> = if quick {

@@ -22,7 +22,8 @@
 //
 // Slots start at kRingBase: slot d at kRingBase + d * slot_bytes (offsets in the params).
 // Chunk c of a block of m rows: see `ce_chunk`, mirrored by `chunk_bounds` in
-// src/intranode/ce_layout.rs.
+// src/intranode/ce_layout.rs. The dispatch's pushed blocks (between SM peers) have a chunking
+// of their own (`push_first_chunk_rows` / `push_max_chunk_rows` in the params).
 // ---------------------------------------------------------------------------------------------
 
 #pragma once

@@ -39,7 +39,8 @@ pub use combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
 pub use config::{buffer_size_hint, Config, MAX_CHANNELS};
 pub use copy_engine::{
     ce_combine_cuda, ce_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CopyStreams,
-    COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
+    COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, FP8_PACK_LOCAL_BLOCKS, MAX_COPY_LANES,
+    PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
 };
 pub use dispatch::{dispatch_cuda, DispatchArgs};
 pub use notify::{cached_notify_cuda, notify_dispatch_cuda, NotifyArgs};

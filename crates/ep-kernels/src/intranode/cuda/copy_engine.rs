@@ -28,8 +28,8 @@ mod streams;
 
 pub use combine::{ce_combine_cuda, CeCombineArgs};
 pub use config::{
-    CeConfig, COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, MAX_COPY_LANES, PACK_LOCAL_WARPS,
-    PUSH_CHUNK_ROWS,
+    CeConfig, COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, FP8_PACK_LOCAL_BLOCKS, MAX_COPY_LANES,
+    PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
 };
 pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use streams::CopyStreams;

@@ -89,6 +89,10 @@ pub const COMBINE_CE_TAIL_CHUNKS: usize = 2;
 /// buffer while still in its L2 cache.
 pub const PUSH_CHUNK_ROWS: usize = 512;
 
+/// [`CeConfig::pack_local_blocks`] of the fp8 dispatch beyond 2 ranks
+/// ([`CeConfig::dispatch_fp8_for`]).
+pub const FP8_PACK_LOCAL_BLOCKS: usize = 2;
+
 /// Warps of a block of the copy-engine kernels ([`CeConfig::pack_local_warps`] and
 /// [`CeConfig::combine_push_warps`] are at most this).
 pub const PACK_WARPS: usize = 24;
@@ -178,16 +182,32 @@ impl CeConfig {
         }
     }
 
-    /// [`CeConfig::dispatch_for`] for fp8 payloads: the pushed blocks keep the general
-    /// chunking. Rows half as wide leave less for small chunks to save (their copy-out's bytes)
-    /// than the chunks' set-up costs: at 4 ranks, fixed chunks of 512 rows took the fp8
-    /// dispatch from 346 to 312 GB/s while they took bf16 from 398-402 to 411-412
-    /// (`docs/benchmarks.md`, normal mode).
+    /// [`CeConfig::dispatch_for`] for fp8 payloads. The pushed blocks keep the general
+    /// chunking: rows half as wide leave less for small chunks to save (their copy-out's bytes)
+    /// than the chunks' set-up costs (at 4 ranks, fixed chunks of 512 rows took the fp8
+    /// dispatch from 346 to 312 GB/s while they took bf16 from 398-402 to 411-412). Beyond 2
+    /// ranks a quarter of the SMs move the metadata and two pack blocks are wholly in the local
+    /// role, as the fetched rows are the fp8 dispatch's longest path (at 24 SMs: 350-352
+    /// against 343-346 for the bf16 split; `docs/benchmarks.md`, normal mode).
     pub fn dispatch_fp8_for(num_ranks: usize, sms: usize) -> Self {
+        let d = Self::dispatch_for(num_ranks, sms);
+        if num_ranks <= 2 {
+            return Self {
+                push_first_chunk_rows: 0,
+                push_max_chunk_rows: 0,
+                ..d
+            };
+        }
+        let sms = sms.max(3);
+        let sm_blocks = (sms / 4).max(1);
+        let num_sms = sms - sm_blocks;
         Self {
+            num_sms,
+            sm_blocks,
+            pack_local_blocks: FP8_PACK_LOCAL_BLOCKS.min(num_sms / 2),
             push_first_chunk_rows: 0,
             push_max_chunk_rows: 0,
-            ..Self::dispatch_for(num_ranks, sms)
+            ..d
         }
     }
 
