@@ -90,6 +90,16 @@ fn list_from_env(name: &str) -> Option<Vec<usize>> {
     (!v.is_empty()).then_some(v)
 }
 
+/// SM-copy blocks `op` launches with `ce` on `r` ranks: the combine launches them only when
+/// some home is not served by copy engines; the dispatch always does (metadata).
+fn sm_blocks_used(op: Op, ce: &CeConfig, r: usize) -> usize {
+    if op != Op::CeCombine || ce.copy_engine_peers < r - 1 {
+        ce.sm_blocks
+    } else {
+        0
+    }
+}
+
 /// A copy-engine dispatch variant: `own_rows_last`, `copy_lanes`, `local_copy_out`,
 /// `(pack_local_blocks, pack_local_warps)`, `(push_first_chunk_rows, push_max_chunk_rows)`.
 type DispatchVariant = (bool, usize, bool, (usize, usize), Option<(usize, usize)>);
@@ -140,9 +150,7 @@ pub fn copy_engine(
                 ce.push_first_chunk_rows,
                 ce.push_max_chunk_rows
             );
-            // As below: a combine whose every home is served by copy engines has no SM blocks.
-            let sm_used = op != Op::CeCombine || ce.copy_engine_peers < r - 1;
-            let total = ce.num_sms + if sm_used { ce.sm_blocks } else { 0 };
+            let total = ce.num_sms + sm_blocks_used(op, &ce, r);
             let row = make_row(
                 op,
                 total,
@@ -313,13 +321,10 @@ pub fn copy_engine(
                         warmup,
                         iters,
                     )?;
-                    // Combine launches the SM-copy kernel only when some home is not served by
-                    // copy engines; dispatch always does (metadata).
-                    let sm_used = op != Op::CeCombine || copy_engine_peers < r - 1;
-                    let total = num_sms + if sm_used { sm_blocks } else { 0 };
+                    let used = sm_blocks_used(op, &ce, r);
+                    let total = num_sms + used;
                     let split = format!(
-                        "ce{copy_engine_peers}+{num_sms}+{}{}{}{}{}{}",
-                        if sm_used { sm_blocks } else { 0 },
+                        "ce{copy_engine_peers}+{num_sms}+{used}{}{}{}{}{}",
                         if dispatch_push || op == Op::CeCombine {
                             ""
                         } else {
