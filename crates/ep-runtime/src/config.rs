@@ -147,7 +147,8 @@ pub enum NvlTransfer {
     /// distance `R/2`), SM warps streaming whole chunks move the others' (in the combine the
     /// copy engines also push the others' last chunks), and the SMs that pack and reduce touch
     /// only local memory; when the NVLink buffer holds the op, SM rings otherwise. The `num_sms` of [`BufferConfig::config`] is split between packing or
-    /// reducing and the SM copies (`CeConfig::dispatch_for` / `combine_for` in `ep-kernels`).
+    /// reducing and the SM copies (`CeConfig::dispatch_for`, `dispatch_fp8_for` for fp8 rows,
+    /// and `combine_for` in `ep-kernels`).
     CopyEngine,
 }
 
