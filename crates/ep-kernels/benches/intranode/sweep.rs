@@ -122,6 +122,20 @@ pub fn copy_engine(
     let mut rows: Vec<Row> = Vec::new();
     let notify_cfg = Config::new(24, 1, 1)?;
     let mut handles = notify_all(node, states, &notify_cfg)?;
+    // Per-rank median milliseconds of `op` with `ce`.
+    let time_ce = |states: &mut [RankState], handles: &mut [_], op: Op, ce: &CeConfig| {
+        time_op(
+            node,
+            states,
+            handles,
+            op,
+            &notify_cfg,
+            &notify_cfg,
+            (copies, ce),
+            warmup,
+            iters,
+        )
+    };
     if env_usize("EP_BENCH_CE_DEFAULTS").unwrap_or(0) != 0 {
         // Exactly the defaults a user gets at 24 SMs, one row per op.
         for (op, ce) in [
@@ -129,17 +143,7 @@ pub fn copy_engine(
             (Op::CeDispatchFp8, CeConfig::dispatch_fp8_for(r, 24)),
             (Op::CeCombine, CeConfig::combine_for(r, 24)),
         ] {
-            let ms = time_op(
-                node,
-                states,
-                &mut handles,
-                op,
-                &notify_cfg,
-                &notify_cfg,
-                (copies, &ce),
-                warmup,
-                iters,
-            )?;
+            let ms = time_ce(states, &mut handles, op, &ce)?;
             let split = format!(
                 "defaults ce{}+{}+{} local{}:{} push-chunks{}:{}",
                 ce.copy_engine_peers,
@@ -310,17 +314,7 @@ pub fn copy_engine(
                         push_max_chunk_rows,
                         ..ce
                     };
-                    let ms = time_op(
-                        node,
-                        states,
-                        &mut handles,
-                        op,
-                        &notify_cfg,
-                        &notify_cfg,
-                        (copies, &ce),
-                        warmup,
-                        iters,
-                    )?;
+                    let ms = time_ce(states, &mut handles, op, &ce)?;
                     let used = sm_blocks_used(op, &ce, r);
                     let total = num_sms + used;
                     let split = format!(

@@ -192,11 +192,8 @@ impl CeConfig {
     pub fn dispatch_fp8_for(num_ranks: usize, sms: usize) -> Self {
         let d = Self::dispatch_for(num_ranks, sms);
         if num_ranks <= 2 {
-            return Self {
-                push_first_chunk_rows: 0,
-                push_max_chunk_rows: 0,
-                ..d
-            };
+            // No pushed blocks there, and the same split.
+            return d;
         }
         let sms = sms.max(3);
         let sm_blocks = (sms / 4).max(1);
