@@ -304,11 +304,18 @@ impl Ctx<'_> {
         let log_path = self.out_dir.join(format!("{stem}.{ext}.log"));
         let text = fs::read_to_string(&source.path)
             .map_err(|e| format!("cannot read {}: {e}", source.path.display()))?;
-        // What the source may include beside the shared headers: every .cu / .cuh / .h of its
-        // own folder (e.g. `low_latency/protocol.cuh`, or `combine.cu` for `combine_nvshmem.cu`).
+        // What the source may include beside the shared headers: every .cuh / .h of its own
+        // folder (e.g. `low_latency/protocol.cuh`), and for an NVSHMEM source the .cu files too
+        // (`combine.cu` for `combine_nvshmem.cu`). Other kernels of the folder are not part of
+        // the key, so that editing one does not rebuild its neighbours.
         let mut siblings = String::new();
+        let sibling_exts: &[&str] = if source.uses_nvshmem {
+            &["cu", "cuh", "h"]
+        } else {
+            &["cuh", "h"]
+        };
         if let Some(dir) = source.path.parent() {
-            for file in list_files(dir, &["cu", "cuh", "h"])? {
+            for file in list_files(dir, sibling_exts)? {
                 if file.parent() == Some(dir) {
                     siblings.push_str(
                         &fs::read_to_string(&file)

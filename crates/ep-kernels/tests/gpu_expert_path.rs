@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, compare_bits, device, poisoned, CaseResult, Runner};
+use common::{compare, compare_bits, device, poisoned, CaseResult, Poison, Runner};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaStream;
 use ep_kernels::expert_order::{self, rows_bound};
@@ -398,6 +398,72 @@ fn order_case(
     Ok(())
 }
 
+/// The fp8 rows of a dispatch in expert-major order: the e4m3 rows through `permute_cuda`, their
+/// scales through `scatter_cuda` at the same positions; every placed row and scale row must be
+/// its token's, bit for bit, and rows no slot lands on keep their poison.
+fn fp8_order_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    n: usize,
+    k: usize,
+    num_local: usize,
+    hidden: usize,
+) -> CaseResult {
+    let idx = random_local_idx(rng, n, k, num_local, 0.3, false);
+    let xq: Vec<float8::F8E4M3> = (0..n * hidden)
+        .map(|_| float8::F8E4M3::from_f32(rng.random_range(-400.0f32..400.0)))
+        .collect();
+    let groups = hidden / 128;
+    let xs: Vec<f32> = (0..n * groups)
+        .map(|_| rng.random_range(0.01f32..1.0))
+        .collect();
+    let rows = rows_bound(n, k, num_local, 1);
+    let xq_dev = stream.clone_htod(&xq)?;
+    let xs_dev = stream.clone_htod(&xs)?;
+    let i_dev = stream.clone_htod(&idx)?;
+    let mut a = poisoned::<float8::F8E4M3>(stream, rows * hidden)?;
+    let mut a_s = poisoned::<f32>(stream, rows * groups)?;
+    let mut counts = poisoned::<i32>(stream, num_local)?;
+    let mut fill = poisoned::<i32>(stream, num_local)?;
+    let mut positions = poisoned::<i32>(stream, n * k)?;
+    expert_order::permute_cuda(
+        stream,
+        &xq_dev,
+        &i_dev,
+        k,
+        num_local,
+        1,
+        hidden,
+        &mut a,
+        &mut counts,
+        &mut fill,
+        &mut positions,
+    )?;
+    expert_order::scatter_cuda(stream, &xs_dev, &positions, k, groups, &mut a_s)?;
+    let pos = stream.clone_dtoh(&positions)?;
+    let a_got = stream.clone_dtoh(&a)?;
+    let s_got = stream.clone_dtoh(&a_s)?;
+    // The host twin of the scatter at the kernel's positions.
+    let mut s_want = s_got.clone();
+    s_want.iter_mut().for_each(|v| *v = f32::poison());
+    expert_order::scatter(&xs, &pos, k, groups, &mut s_want)?;
+    compare_bits("scales", &s_got, &s_want, f32::to_bits)?;
+    for (p, &r) in pos.iter().enumerate() {
+        if r < 0 {
+            continue;
+        }
+        let (r, t) = (r as usize, p / k);
+        if a_got[r * hidden..(r + 1) * hidden]
+            .iter()
+            .zip(&xq[t * hidden..(t + 1) * hidden])
+            .any(|(g, w)| g.to_bits() != w.to_bits())
+        {
+            return Err(format!("row {r} of a is not token {t}'s e4m3 row").into());
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let mut runner = Runner::from_env("gpu_expert_path");
     let (_ctx, stream) = match device() {
@@ -562,6 +628,14 @@ fn main() {
     ] {
         runner.case(&format!("expert-order/{name}"), |rng| {
             order_case(&stream, rng, n, k, l, align, row, p_none, hot)
+        });
+    }
+    for (name, n, k, l, h) in [
+        ("ds-v3/2048x8-of-32", 2048, 8, 32, 7168),
+        ("v2-lite/300x6-of-64", 300, 6, 64, 2048),
+    ] {
+        runner.case(&format!("expert-order-fp8/{name}"), |rng| {
+            fp8_order_case(&stream, rng, n, k, l, h)
         });
     }
     runner.finish();

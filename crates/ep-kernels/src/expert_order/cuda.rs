@@ -67,14 +67,23 @@ unsafe impl KernelParams for UnpermuteParams {}
 
 /// Checks a bf16 row length (16-byte vectors) and returns the vectors per row.
 fn row_vectors(row: usize) -> Result<i64> {
-    if row == 0 || row % 8 != 0 {
+    row_vectors_of(row, std::mem::size_of::<bf16>())
+}
+
+/// Checks a row of `row` elements of `size` bytes (whole 16-byte vectors) and returns the
+/// vectors per row.
+fn row_vectors_of(row: usize, size: usize) -> Result<i64> {
+    let bytes = row * size;
+    if row == 0 || bytes % 16 != 0 {
         return Err(Error::invalid(
             "row",
             row,
-            "must be a positive multiple of 8 bf16 (16-byte vectors)",
+            format!(
+                "must be a positive number of {size}-byte elements making whole 16-byte vectors"
+            ),
         ));
     }
-    Ok((row / 8) as i64)
+    Ok((bytes / 16) as i64)
 }
 
 fn check_topk(k: usize) -> Result<()> {
@@ -88,7 +97,9 @@ fn check_topk(k: usize) -> Result<()> {
     Ok(())
 }
 
-/// The expert-major permute on `stream` (see the module docs): from `x` (`[n, row]` bf16) and
+/// The expert-major permute on `stream` (see the module docs): from `x` (`[n, row]` of any
+/// element type whose rows are whole 16-byte vectors: bf16, or the e4m3 rows of an fp8
+/// dispatch) and
 /// `topk_idx` (`[n, k]` i64 local ids or -1) writes `counts` (`[num_local]`), `positions`
 /// (`[n, k]`) and the rows of `a` (`[rows, row]`: at least the rows the placement needs, which
 /// `rows_bound(..)` holds for any routing; fewer when the caller knows the per-expert counts);
@@ -96,21 +107,21 @@ fn check_topk(k: usize) -> Result<()> {
 /// to the host. Ids outside `[-1, num_local)`, and a placement past the rows of `a`, trap on
 /// the device.
 #[allow(clippy::too_many_arguments)]
-pub fn permute_cuda(
+pub fn permute_cuda<T>(
     stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<bf16>,
+    x: &impl DevicePtr<T>,
     topk_idx: &impl DevicePtr<i64>,
     k: usize,
     num_local: usize,
     alignment: usize,
     row: usize,
-    a: &mut impl DevicePtrMut<bf16>,
+    a: &mut impl DevicePtrMut<T>,
     counts: &mut impl DevicePtrMut<i32>,
     fill: &mut impl DevicePtrMut<i32>,
     positions: &mut impl DevicePtrMut<i32>,
 ) -> Result<()> {
     check_topk(k)?;
-    let vectors = row_vectors(row)?;
+    let vectors = row_vectors_of(row, std::mem::size_of::<T>())?;
     if num_local == 0 || num_local > MAX_LOCAL_EXPERTS {
         return Err(Error::invalid(
             "num_local",
@@ -198,7 +209,7 @@ pub fn permute_cuda(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `params` matches `PermuteParams`; `x` holds `n * row` bf16, `topk_idx` `n * k`,
+    // SAFETY: `params` matches `PermuteParams`; `x` holds `n * row` elements, `topk_idx` `n * k`,
     // `positions` `n * k`, `counts` and `fill` `num_local` (checked above, zeroed on this
     // stream before); `a` holds `a_rows` rows and the kernel traps before writing a row past
     // it; both row bases are 16-byte aligned with 16-byte rows. `count` runs before `place`
@@ -273,5 +284,97 @@ pub fn unpermute_cuda(
     // SAFETY: `params` matches `UnpermuteParams`; `positions` and `weights` hold `n * k`
     // entries, `out` `n * row` bf16 (checked above); the kernel traps on a position past the
     // rows of `y` before reading it; 16-byte aligned bases and rows. Guards keep stream order.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
+
+/// Mirror of `struct ScatterParams` in `expert_order.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ScatterParams {
+    src: CUdeviceptr,
+    positions: CUdeviceptr,
+    dst: CUdeviceptr,
+    num_tokens: i64,
+    row_words: i64,
+    dst_rows: i64,
+    top_k: i32,
+    reserved: i32,
+}
+const _: () = assert!(std::mem::size_of::<ScatterParams>() == 56);
+const _: () = assert!(std::mem::offset_of!(ScatterParams, top_k) == 48);
+
+// SAFETY: `repr(C)` plain data mirroring `ScatterParams` in expert_order.cu.
+unsafe impl KernelParams for ScatterParams {}
+
+/// A second payload of every token to the rows [`permute_cuda`] placed its rows at: for every
+/// valid slot, `dst[positions[t, s]] = src[t]`; `src` is `[n, row]`, `dst` `[rows, row]` of
+/// `T` whose rows are whole 4-byte words (e.g. the fp8 rows' f32 scales), `positions`
+/// `[n, k]`. Rows of `dst` no slot lands on are not written; a position past `dst` traps.
+/// Host twin: [`super::scatter`].
+pub fn scatter_cuda<T>(
+    stream: &Arc<CudaStream>,
+    src: &impl DevicePtr<T>,
+    positions: &impl DevicePtr<i32>,
+    k: usize,
+    row: usize,
+    dst: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    check_topk(k)?;
+    let bytes = row * std::mem::size_of::<T>();
+    if row == 0 || bytes % 4 != 0 {
+        return Err(Error::invalid(
+            "row",
+            row,
+            "must be a positive number of elements making whole 4-byte words",
+        ));
+    }
+    if positions.len() % k != 0 {
+        return Err(Error::invalid(
+            "positions",
+            format!("{} entries", positions.len()),
+            format!("must be whole rows of k = {k}"),
+        ));
+    }
+    let n = positions.len() / k;
+    Error::check_len("src", n * row, src.len())?;
+    let dst_rows = dst.len() / row;
+    if n == 0 {
+        return Ok(());
+    }
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "expert_scatter")?;
+    let (s_ptr, _gs) = src.device_ptr(stream);
+    let (p_ptr, _gp) = positions.device_ptr(stream);
+    let (d_ptr, _gd) = dst.device_ptr_mut(stream);
+    check_align("src", s_ptr, 4)?;
+    check_align("dst", d_ptr, 4)?;
+    let params = ScatterParams {
+        src: s_ptr,
+        positions: p_ptr,
+        dst: d_ptr,
+        num_tokens: n as i64,
+        row_words: (bytes / 4) as i64,
+        dst_rows: dst_rows as i64,
+        // Fits: checked above.
+        top_k: k as i32,
+        reserved: 0,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_for(
+                n as u64,
+                u64::from(THREADS / 32),
+                kernels.props(),
+                BLOCKS_PER_SM,
+            ),
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` matches `ScatterParams`; `src` holds `n` rows and `positions` `n * k`
+    // entries (checked above), `dst` holds `dst_rows` rows and the kernel traps before writing
+    // one past it; rows are whole aligned 4-byte words. Guards keep stream order.
     unsafe { kernel.launch(stream, cfg, params) }
 }

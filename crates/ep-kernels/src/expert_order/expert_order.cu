@@ -182,3 +182,40 @@ EP_KERNEL void __launch_bounds__(kThreads) expert_unpermute(const __grid_constan
         }
     }
 }
+
+// Mirrors `ScatterParams` in src/expert_order/cuda.rs.
+struct ScatterParams {
+    const uint32_t* src;      // [num_tokens, row_words]
+    const int32_t* positions; // [num_tokens, top_k] (from expert_permute)
+    uint32_t* dst;            // [dst_rows, row_words]
+    int64_t num_tokens;
+    int64_t row_words;        // 4-byte words per row
+    int64_t dst_rows;
+    int32_t top_k;
+    int32_t reserved;
+};
+EP_CHECK_PARAMS_SIZE(ScatterParams, 56);
+
+// A second payload of each token (e.g. the fp8 rows' scales) to the rows `expert_permute`
+// placed its first payload at: dst[positions[t, s]] = src[t] for every valid slot. One warp per
+// token, 4-byte words.
+EP_KERNEL void __launch_bounds__(kThreads) expert_scatter(const __grid_constant__ ScatterParams p) {
+    const int lane = ep::lane_id();
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
+         t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+        for (int s = 0; s < p.top_k; ++s) {
+            const int64_t dst = p.positions[t * p.top_k + s];
+            if (dst < 0) {
+                continue;
+            }
+            if (dst >= p.dst_rows) {
+                printf("ep expert order: position %lld is past the %lld rows of dst\n",
+                       static_cast<long long>(dst), static_cast<long long>(p.dst_rows));
+                asm volatile("trap;");
+            }
+            for (int64_t i = lane; i < p.row_words; i += ep::kWarpSize) {
+                p.dst[dst * p.row_words + i] = p.src[t * p.row_words + i];
+            }
+        }
+    }
+}

@@ -92,6 +92,44 @@ pub fn permute<T: Copy>(
     Ok(ExpertOrder { counts, positions })
 }
 
+/// Host twin of `scatter_cuda`: `dst[positions[t, s]] = src[t]` for every valid slot of
+/// `positions` (`[n, k]`, as [`permute`] returns them); `src` is `[n, row]`, `dst`
+/// `[rows, row]`. Rows no slot lands on are left as they are.
+pub fn scatter<T: Copy>(
+    src: &[T],
+    positions: &[i32],
+    k: usize,
+    row: usize,
+    dst: &mut [T],
+) -> Result<()> {
+    if k == 0 || row == 0 || positions.len() % k != 0 {
+        return Err(Error::invalid(
+            "positions",
+            format!("{} entries with k = {k}, row = {row}", positions.len()),
+            "must be whole rows of a positive k, with a positive row",
+        ));
+    }
+    let n = positions.len() / k;
+    Error::check_len("src", n * row, src.len())?;
+    let rows = dst.len() / row;
+    for (i, &p) in positions.iter().enumerate() {
+        if p < 0 {
+            continue;
+        }
+        let p = p as usize;
+        if p >= rows {
+            return Err(Error::invalid(
+                "positions",
+                format!("positions[{i}] = {p}"),
+                format!("must be below the {rows} rows of dst"),
+            ));
+        }
+        let t = i / k;
+        dst[p * row..(p + 1) * row].copy_from_slice(&src[t * row..(t + 1) * row]);
+    }
+    Ok(())
+}
+
 /// Host twin of `unpermute_cuda`: `out[t] = bf16(sum_k w[t, k] * y[positions[t, k]])` in f32,
 /// slot order, fused multiply-adds (as the kernel); `y` is `[rows, row]`, `out` `[n, row]`.
 pub fn unpermute(

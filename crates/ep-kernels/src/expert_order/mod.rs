@@ -6,6 +6,8 @@
 //!   copy row `x[n]` to its row `positions[n, k]` of `A`, where expert `e`'s rows start at
 //!   `sum_{j<e} align_up(counts[j], alignment)` (the grouped GEMM's contiguous layout) and
 //!   `counts[e]` is the number of pairs routed to `e`;
+//! - **scatter**: a second payload of each token (the fp8 rows' scales) to the rows the
+//!   permute placed its row at;
 //! - **unpermute**: `out[n] = sum_k w[n, k] * y[positions[n, k]]` over the valid slots, in f32,
 //!   in slot order (zero for a token with none).
 //!
@@ -21,7 +23,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
-pub use host::{permute, unpermute, ExpertOrder};
+pub use host::{permute, scatter, unpermute, ExpertOrder};
 
 /// Most local experts the kernels take (one block scans their counts).
 pub const MAX_LOCAL_EXPERTS: usize = 1024;

@@ -139,8 +139,8 @@ pub const MAX_PER_TILE_CTAS: u32 = 16384;
 /// need one each.
 #[derive(Debug)]
 pub struct GroupedGemmWorkspace {
-    buf: CudaSlice<u8>,
-    max_groups: usize,
+    pub(super) buf: CudaSlice<u8>,
+    pub(super) max_groups: usize,
     /// SMs of a [`GemmGrid::Persistent`] launch.
     sm_count: u32,
     /// The device's SMs.
@@ -193,10 +193,11 @@ impl GroupedGemmWorkspace {
         })
     }
 
-    /// Bytes every CUTLASS configuration needs for `max_groups` groups on `ctas` CTAs.
+    /// Bytes every CUTLASS configuration (bf16 and fp8) needs for `max_groups` groups on
+    /// `ctas` CTAs.
     fn bytes(max_groups: usize, ctas: u32) -> u64 {
         let tiles = [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow];
-        tiles
+        let bf16 = tiles
             .into_iter()
             .flat_map(|t| [(t, Epilogue::Plain), (t, Epilogue::Swiglu)])
             .map(|(t, e)| {
@@ -205,7 +206,8 @@ impl GroupedGemmWorkspace {
                 unsafe { workspace(max_groups as i32, ctas as i32) }
             })
             .max()
-            .unwrap_or(0)
+            .unwrap_or(0);
+        bf16.max(super::fp8::workspace_bytes(max_groups, ctas))
     }
 
     /// Sets the grid of the GEMMs launched with this workspace from now on.
@@ -247,20 +249,29 @@ impl GroupedGemmWorkspace {
         tiles: GemmTiles,
         shape: &GroupedGemmShape,
     ) -> Result<u32> {
-        // Whole clusters: CUTLASS fails a launch whose grid is not a multiple of them (an odd
-        // count with clusters along M).
         let cluster = tiles
             .tile_and_cluster()
             .map_or(1, |(_, (cm, cn))| (cm * cn) as u32);
+        self.ctas_for_tiles(stream, cluster, tiles.max_tiles(shape))
+    }
+
+    /// [`GroupedGemmWorkspace::ctas_for`] of a configuration with clusters of `cluster` CTAs
+    /// and at most `max_tiles` output tiles (`None`: unknown).
+    pub(super) fn ctas_for_tiles(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        cluster: u32,
+        max_tiles: Option<usize>,
+    ) -> Result<u32> {
+        // Whole clusters: CUTLASS fails a launch whose grid is not a multiple of them (an odd
+        // count with clusters along M).
         let persistent = |sms: u32| (sms / cluster).max(1) * cluster;
         let ctas = match self.grid {
             GemmGrid::Persistent => persistent(self.sm_count),
             GemmGrid::PersistentOn(n) => persistent(n),
-            GemmGrid::PerTile => tiles
-                .max_tiles(shape)
-                .map_or(persistent(self.sm_count), |t| {
-                    (t.clamp(1, MAX_PER_TILE_CTAS as usize) as u32).next_multiple_of(cluster)
-                }),
+            GemmGrid::PerTile => max_tiles.map_or(persistent(self.sm_count), |t| {
+                (t.clamp(1, MAX_PER_TILE_CTAS as usize) as u32).next_multiple_of(cluster)
+            }),
         };
         if ctas > self.max_ctas {
             self.buf = stream.alloc_zeros::<u8>(Self::bytes(self.max_groups, ctas) as usize)?;
@@ -293,6 +304,32 @@ impl std::fmt::Debug for ExtraGroups<'_> {
             .field("a_len", &self.a.map(|a| a.len()))
             .finish()
     }
+}
+
+/// Checks that `workspace` can serve a GEMM of `groups` groups on `stream`'s device.
+pub(super) fn check_workspace(
+    workspace: &GroupedGemmWorkspace,
+    stream: &Arc<CudaStream>,
+    groups: usize,
+) -> Result<()> {
+    if groups > workspace.max_groups {
+        return Err(Error::invalid(
+            "workspace",
+            format!("sized for {} groups", workspace.max_groups),
+            format!("this GEMM has {groups} groups"),
+        ));
+    }
+    if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
+        return Err(Error::invalid(
+            "workspace",
+            format!("memory of device {}", workspace.buf.context().ordinal()),
+            format!(
+                "must be on the stream's device {}",
+                stream.context().ordinal()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Grouped GEMM on `stream`: for every group `g` and valid row `r` of `shape.layout`,
@@ -468,23 +505,7 @@ fn run_grouped(
     } else {
         Error::check_len("d", rows * n, d.len())?;
     }
-    if groups > workspace.max_groups {
-        return Err(Error::invalid(
-            "workspace",
-            format!("sized for {} groups", workspace.max_groups),
-            format!("this GEMM has {groups} groups"),
-        ));
-    }
-    if workspace.buf.context().cu_ctx() != stream.context().cu_ctx() {
-        return Err(Error::invalid(
-            "workspace",
-            format!("memory of device {}", workspace.buf.context().ordinal()),
-            format!(
-                "must be on the stream's device {}",
-                stream.context().ordinal()
-            ),
-        ));
-    }
+    check_workspace(workspace, stream, groups)?;
     if rows == 0 {
         return Ok(());
     }

@@ -23,9 +23,10 @@
 //! active group's weights once instead ([`GemmTiles::Gemv`], `grouped_gemv.cu`). The host
 //! twins ([`host`]) compute the same functions in f32 and are the test reference.
 //!
-//! The module is shaped for more element types: a block-scaled FP8 kernel would be one more
-//! CUTLASS translation unit and launcher beside the bf16 ones, with the same layouts.
+//! Block-scaled FP8 weights (DeepSeek-V3's release format) have their own grouped GEMMs with
+//! the same layouts in [`fp8`].
 
+pub mod fp8;
 pub mod host;
 
 #[cfg(feature = "cuda")]

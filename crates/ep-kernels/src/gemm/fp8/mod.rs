@@ -1,0 +1,79 @@
+//! Block-scaled FP8 grouped GEMMs of the routed experts, in DeepSeek-V3's recipe: e4m3
+//! activations with one f32 scale per row per [`FP8_BLOCK`] channels (`1 x 128`, the format
+//! the fp8 dispatch sends), e4m3 weights with one f32 scale per `128 x 128` block (a
+//! checkpoint's `weight_scale_inv`, edge blocks partial), f32 accumulation, bf16 out.
+//!
+//! The layouts are those of [`super::GroupLayout`]; the scale tensors follow their operands
+//! row for row, K-major:
+//!
+//! - `a` `[rows, k]` e4m3 with `sfa` `[rows, ceil(k / 128)]` f32;
+//! - `b` `[groups, n, k]` e4m3 with `sfb` `[groups, ceil(n / 128), ceil(k / 128)]` f32;
+//! - `d` `[rows, n]` bf16.
+//!
+//! The experts run the gate_up GEMM over their `gate_proj` rows then their `up_proj` rows
+//! (`[2I, H]`, `I` a multiple of 128 so that no weight scale block mixes the two), then
+//! [`swiglu_quantize`]: `act = silu(gate) * up` quantized 1 x 128 in one pass, the down GEMM's
+//! rows. (A SwiGLU epilogue as the bf16 GEMMs have would need the gate and up columns of one
+//! 128-column act group in one thread block; the blockwise-scaling mainloop holds two copies
+//! of its accumulators, which leaves no registers for tiles that wide.)
+//!
+//! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a
+//! (`fp8/grouped_gemm_fp8_sm90.cuh`, `swiglu_quantize.cu`, `dequantize.cu`); the host twins
+//! ([`host`]) compute the same functions in f32 from the dequantized operands (DeepSeek's
+//! `weight_dequant`) and are the CPU path.
+
+pub mod host;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::*;
+
+pub use host::{
+    dequantize_rows, dequantize_weight, grouped_gemm_fp8, quantize_weight, swiglu_quantize,
+    HostExtraGroupsFp8, HostFp8,
+};
+
+use crate::error::{Error, Result};
+
+/// Channels of K sharing one scale, in activations and weights, and rows of a weight sharing
+/// one scale.
+pub const FP8_BLOCK: usize = 128;
+
+/// `(rows, cols)` of the scales of a `[n, k]` weight whose scale blocks are `scale_rows x 128`.
+pub fn weight_scale_dims(n: usize, k: usize, scale_rows: usize) -> (usize, usize) {
+    (n.div_ceil(scale_rows), k.div_ceil(FP8_BLOCK))
+}
+
+/// Scales per row of a `[rows, k]` activation (`ceil(k / 128)`).
+pub fn row_scale_cols(k: usize) -> usize {
+    k.div_ceil(FP8_BLOCK)
+}
+
+/// Checks the sizes of an fp8 GEMM on top of [`super::GroupedGemmShape::check`]: `k` and `n`
+/// multiples of 16 (rows of 16 bytes of e4m3 for the TMA loads).
+pub fn check_shape(shape: &super::GroupedGemmShape) -> Result<()> {
+    shape.check()?;
+    for (arg, v) in [("n", shape.n), ("k", shape.k)] {
+        if v % 16 != 0 {
+            return Err(Error::invalid(
+                arg,
+                v,
+                "must be a multiple of 16 (16-byte e4m3 rows)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_shapes_round_partial_blocks_up() {
+        assert_eq!(weight_scale_dims(576, 7168, 128), (5, 56));
+        assert_eq!(weight_scale_dims(4096, 7168, 64), (64, 56));
+        assert_eq!(row_scale_cols(2880), 23);
+    }
+}

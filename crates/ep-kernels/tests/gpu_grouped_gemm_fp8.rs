@@ -1,0 +1,647 @@
+//! GPU tests: the block-scaled fp8 grouped GEMMs (both layouts, both tile configurations, with
+//! extra groups), the experts' SwiGLU + fp8 quantization and the weight dequantization against
+//! their host twins, on fresh random operands quantized as DeepSeek's weights and the fp8
+//! dispatch's activations are, written into poisoned outputs.
+//!
+//! Tolerance: the reference is the f32 GEMM of the dequantized operands (the host twin before
+//! its bf16 rounding). Over the valid rows of every case, DeepGEMM's measure
+//! `1 - 2<x, y> / (<x, x> + <y, y>)` must be at most 1e-3 (`DIFF_MAX`), and per row
+//! `||got - ref|| / ||ref|| <= 1e-2` with every element within `2e-2 * max|ref|` (bf16 out,
+//! f32 sums in another order). Rows outside the groups' counts keep their poison bit for bit.
+//!
+//! `gpu_grouped_gemm_fp8` runs every case; `gpu_grouped_gemm_fp8 NAME` only those whose name
+//! contains NAME. Zero cases run is a failure.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{device, poisoned, CaseResult, Poison, Runner};
+use cudarc::driver::CudaStream;
+use ep_kernels::gemm::fp8::{self, DeviceFp8, ExtraGroupsFp8, HostExtraGroupsFp8, HostFp8};
+use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use float8::F8E4M3;
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// DeepGEMM's accuracy bound on `1 - 2<x, y> / (<x, x> + <y, y>)`.
+const DIFF_MAX: f64 = 1e-3;
+
+/// A quantized operand on the host.
+struct Quantized {
+    q: Vec<F8E4M3>,
+    scales: Vec<f32>,
+}
+
+impl Quantized {
+    fn host(&self) -> HostFp8<'_> {
+        HostFp8 {
+            q: &self.q,
+            scales: &self.scales,
+        }
+    }
+}
+
+/// Random `[rows, k]` activations, rows of varied magnitude, quantized 1 x 128.
+fn random_rows(rng: &mut StdRng, rows: usize, k: usize) -> Quantized {
+    let w: Vec<f32> = (0..rows)
+        .flat_map(|_| {
+            let mag = 10f32.powf(rng.random_range(-1.0..1.0));
+            (0..k)
+                .map(|_| rng.random_range(-mag..mag))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let (q, scales) = fp8::quantize_weight(&w, rows, k, 1).expect("valid shape");
+    Quantized { q, scales }
+}
+
+/// Random `[groups, n, k]` weights in `scale_rows x 128` blocks per group: small ones drawn in
+/// f32 and quantized as DeepSeek's are; large ones (DeepSeek-V3's shapes) as random finite e4m3
+/// bit patterns with random block scales, which is as valid an fp8 weight and fast to make.
+fn random_weights(
+    rng: &mut StdRng,
+    groups: usize,
+    n: usize,
+    k: usize,
+    scale_rows: usize,
+) -> Quantized {
+    let (sr, sc) = fp8::weight_scale_dims(n, k, scale_rows);
+    if groups * n * k > 1 << 24 {
+        let q = (0..groups * n * k)
+            .map(|_| {
+                let bits: u8 = rng.random();
+                // 0x7f / 0xff are e4m3's NaNs.
+                F8E4M3::from_bits(if bits & 0x7f == 0x7f { 0 } else { bits })
+            })
+            .collect();
+        let scales = (0..groups * sr * sc)
+            .map(|_| rng.random_range(0.5f32..2.0) * 2e-4)
+            .collect();
+        return Quantized { q, scales };
+    }
+    let mut q = Vec::new();
+    let mut scales = Vec::new();
+    for _ in 0..groups {
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.05..0.05)).collect();
+        let (gq, gs) = fp8::quantize_weight(&w, n, k, scale_rows).expect("valid shape");
+        q.extend(gq);
+        scales.extend(gs);
+    }
+    Quantized { q, scales }
+}
+
+/// The f32 products of the dequantized row `a_row` with group `j`'s dequantized weight
+/// (`[n, k]` in `scale_rows x 128` blocks), computed without materialising the weight.
+fn products(a_row: &[f32], w: &Quantized, j: usize, n: usize, scale_rows: usize) -> Vec<f32> {
+    let k = a_row.len();
+    let (sr, sc) = fp8::weight_scale_dims(n, k, scale_rows);
+    let table: Vec<f32> = (0..=255u8).map(|b| F8E4M3::from_bits(b).to_f32()).collect();
+    let q = &w.q[j * n * k..(j + 1) * n * k];
+    let s = &w.scales[j * sr * sc..(j + 1) * sr * sc];
+    (0..n)
+        .map(|r| {
+            let srow = &s[(r / scale_rows) * sc..(r / scale_rows + 1) * sc];
+            a_row
+                .chunks(fp8::FP8_BLOCK)
+                .zip(q[r * k..(r + 1) * k].chunks(fp8::FP8_BLOCK))
+                .zip(srow)
+                .map(|((x, y), sv)| {
+                    x.iter()
+                        .zip(y)
+                        .map(|(x, y)| x * (table[y.to_bits() as usize] * sv))
+                        .sum::<f32>()
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// Accumulates DeepGEMM's measure over rows and checks each row.
+#[derive(Default)]
+struct Accuracy {
+    xy: f64,
+    xx: f64,
+    yy: f64,
+}
+
+impl Accuracy {
+    fn row(&mut self, what: &str, got: &[bf16], want: &[f32]) -> CaseResult {
+        let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (mut e2, mut r2) = (0f64, 0f64);
+        for (j, (g, w)) in got.iter().zip(want).enumerate() {
+            let g = g.to_f32();
+            if !g.is_finite() || (g - w).abs() > 2e-2 * max_ref + 1e-6 {
+                return Err(
+                    format!("{what}: column {j}: got {g}, want {w} (max |ref| {max_ref})").into(),
+                );
+            }
+            let (g, w) = (f64::from(g), f64::from(*w));
+            e2 += (g - w).powi(2);
+            r2 += w * w;
+            self.xy += g * w;
+            self.xx += g * g;
+            self.yy += w * w;
+        }
+        let rel = (e2 / r2.max(1e-30)).sqrt();
+        if rel > 1e-2 {
+            return Err(format!("{what}: relative error {rel:.2e} > 1e-2").into());
+        }
+        Ok(())
+    }
+
+    fn finish(&self) -> CaseResult {
+        if self.xx + self.yy == 0.0 {
+            return Ok(());
+        }
+        let diff = 1.0 - 2.0 * self.xy / (self.xx + self.yy);
+        if diff > DIFF_MAX {
+            return Err(format!("DeepGEMM's diff {diff:.3e} > {DIFF_MAX:e}").into());
+        }
+        Ok(())
+    }
+}
+
+/// Checks that every row outside the groups' counts still holds the poison bit pattern.
+fn check_untouched(d: &[bf16], cols: usize, counts: &[i32], starts: &[usize]) -> CaseResult {
+    let rows = d.len() / cols;
+    let mut valid = vec![false; rows];
+    for (&s, &c) in starts.iter().zip(counts) {
+        valid[s..s + c as usize].iter_mut().for_each(|v| *v = true);
+    }
+    for r in (0..rows).filter(|&r| !valid[r]) {
+        if let Some(j) = (0..cols).find(|&j| d[r * cols + j].to_bits() != bf16::poison().to_bits())
+        {
+            return Err(format!("row {r} is past every count but column {j} was written").into());
+        }
+    }
+    Ok(())
+}
+
+/// One case: random operands, the CUDA GEMM against the f32 reference on every valid row (or
+/// `sample` rows per group), poison outside. `extra`: the last `extra` groups are extra groups
+/// reading `extra_rows` rows of their own (masked layout).
+struct Case<'a> {
+    counts: &'a [i32],
+    layout: GroupLayout,
+    n: usize,
+    k: usize,
+    tiles: GemmTiles,
+    extra: usize,
+    sample: Option<usize>,
+}
+
+fn run_case(
+    stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
+    rng: &mut StdRng,
+    c: &Case<'_>,
+) -> CaseResult {
+    let groups = c.counts.len();
+    let (n, k) = (c.n, c.k);
+    let rows = match c.layout {
+        GroupLayout::Masked { m_max } => groups * m_max,
+        GroupLayout::Contiguous { alignment } => c
+            .counts
+            .iter()
+            .map(|&x| (x as usize).div_ceil(alignment) * alignment)
+            .sum::<usize>(),
+    };
+    let shape = GroupedGemmShape {
+        groups,
+        rows,
+        n,
+        k,
+        layout: c.layout,
+    };
+    let scale_rows = fp8::FP8_BLOCK;
+    let first_extra = groups - c.extra;
+    let own_rows = c.counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
+    let a = random_rows(
+        rng,
+        if c.extra > 0 {
+            rows / groups * first_extra
+        } else {
+            rows
+        },
+        k,
+    );
+    let b = random_weights(rng, first_extra, n, k, scale_rows);
+    let xb = random_weights(rng, c.extra, n, k, scale_rows);
+    let xa = random_rows(rng, own_rows, k);
+    let out_cols = n;
+
+    let a_q = stream.clone_htod(&a.q)?;
+    let a_s = stream.clone_htod(&a.scales)?;
+    let b_q = stream.clone_htod(&b.q)?;
+    let b_s = stream.clone_htod(&b.scales)?;
+    let xb_q = stream.clone_htod(&xb.q)?;
+    let xb_s = stream.clone_htod(&xb.scales)?;
+    let xa_q = stream.clone_htod(&xa.q)?;
+    let xa_s = stream.clone_htod(&xa.scales)?;
+    let counts = stream.clone_htod(c.counts)?;
+    let mut d = poisoned::<bf16>(stream, rows * out_cols)?;
+    let a_dev = DeviceFp8 {
+        q: &a_q,
+        scales: &a_s,
+    };
+    let b_dev = DeviceFp8 {
+        q: &b_q,
+        scales: &b_s,
+    };
+    let extra = (c.extra > 0).then_some(ExtraGroupsFp8 {
+        first: first_extra,
+        b: DeviceFp8 {
+            q: &xb_q,
+            scales: &xb_s,
+        },
+        a: Some(DeviceFp8 {
+            q: &xa_q,
+            scales: &xa_s,
+        }),
+    });
+    fp8::grouped_gemm_fp8_cuda(
+        stream,
+        &a_dev,
+        &b_dev,
+        &counts,
+        &shape,
+        extra.as_ref(),
+        c.tiles,
+        &mut d,
+        ws,
+    )?;
+    let d = stream.clone_dtoh(&d)?;
+    let starts = gemm::group_starts(c.counts, c.layout, rows)?;
+    check_untouched(&d, out_cols, c.counts, &starts)?;
+
+    // The host twin on the whole problem must agree with the f32 reference to bf16 rounding
+    // (checked on the same rows below).
+    if c.sample.is_none() && rows * n * k <= 1 << 24 {
+        let mut twin = vec![bf16::poison(); rows * out_cols];
+        let host_extra = (c.extra > 0).then_some(HostExtraGroupsFp8 {
+            first: first_extra,
+            b: xb.host(),
+            a: Some(xa.host()),
+        });
+        fp8::grouped_gemm_fp8(
+            a.host(),
+            b.host(),
+            c.counts,
+            &shape,
+            host_extra.as_ref(),
+            &mut twin,
+        )?;
+        check_untouched(&twin, out_cols, c.counts, &starts)?;
+    }
+
+    let ks = fp8::row_scale_cols(k);
+    let mut acc = Accuracy::default();
+    for (g, (&s, &cnt)) in starts.iter().zip(c.counts).enumerate() {
+        let cnt = cnt as usize;
+        let (w, j) = if g >= first_extra {
+            (&xb, g - first_extra)
+        } else {
+            (&b, g)
+        };
+        let picked: Vec<usize> = match c.sample {
+            Some(m) if cnt > m => {
+                let mut v = vec![0, cnt - 1];
+                v.extend((2..m).map(|_| rng.random_range(0..cnt)));
+                v
+            }
+            _ => (0..cnt).collect(),
+        };
+        for m in picked {
+            let r = s + m;
+            let (src, row) = if g >= first_extra { (&xa, m) } else { (&a, r) };
+            let a_row = fp8::dequantize_rows(
+                &src.q[row * k..(row + 1) * k],
+                &src.scales[row * ks..(row + 1) * ks],
+                1,
+                k,
+            )?;
+            let want = products(&a_row, w, j, n, scale_rows);
+            acc.row(
+                &format!("group {g} row {m}"),
+                &d[r * out_cols..(r + 1) * out_cols],
+                &want,
+            )?;
+        }
+    }
+    acc.finish()
+}
+
+/// `groups` counts summing to `total`, some zero.
+fn uneven_counts(rng: &mut StdRng, groups: usize, total: usize) -> Vec<i32> {
+    let mut w: Vec<f64> = (0..groups)
+        .map(|_| {
+            if rng.random_range(0..5) == 0 {
+                0.0
+            } else {
+                rng.random_range(0.1..1.0)
+            }
+        })
+        .collect();
+    let sum: f64 = w.iter().sum();
+    w.iter_mut().for_each(|x| *x /= sum);
+    let mut counts: Vec<i32> = w.iter().map(|x| (x * total as f64) as i32).collect();
+    let rest = total as i32 - counts.iter().sum::<i32>();
+    let last = counts.iter().rposition(|&c| c > 0).unwrap_or(0);
+    counts[last] += rest;
+    counts
+}
+
+/// The weight dequantization kernel against its host twin, bit for bit, partial edge blocks
+/// and 64-row scale blocks included.
+fn dequantize_case(stream: &Arc<CudaStream>, rng: &mut StdRng) -> CaseResult {
+    for (n, k, scale_rows) in [(576, 7168, 128), (130, 208, 128), (256, 128, 64)] {
+        let w = random_weights(rng, 1, n, k, scale_rows);
+        let q = stream.clone_htod(&w.q)?;
+        let s = stream.clone_htod(&w.scales)?;
+        let mut out = poisoned::<bf16>(stream, n * k)?;
+        fp8::dequantize_weight_cuda(stream, &q, &s, n, k, scale_rows, &mut out)?;
+        let got = stream.clone_dtoh(&out)?;
+        let want = fp8::dequantize_weight(&w.q, &w.scales, n, k, scale_rows)?;
+        if let Some(i) = (0..n * k).find(|&i| got[i] != bf16::from_f32(want[i])) {
+            return Err(format!(
+                "[{n}, {k}] / {scale_rows}: element {i}: got {}, want {}",
+                got[i],
+                bf16::from_f32(want[i])
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// The experts' SwiGLU + fp8 quantization against its host twin: scales to f32 rounding (the
+/// kernel's `expf` may differ from the host's `exp` in the last bit), values to one e4m3 step,
+/// rows past a masked block's count untouched.
+fn swiglu_quantize_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    rows: usize,
+    inter: usize,
+    m_max: Option<usize>,
+) -> CaseResult {
+    let h: Vec<bf16> = (0..rows * 2 * inter)
+        .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
+        .collect();
+    let counts: Vec<i32> = m_max.map_or(Vec::new(), |m| {
+        (0..rows / m)
+            .map(|_| rng.random_range(0..=m as i32))
+            .collect()
+    });
+    let groups = inter / 128;
+    let mut q_want = vec![F8E4M3::poison(); rows * inter];
+    let mut s_want = vec![f32::poison(); rows * groups];
+    let mask = m_max.map(|m| (counts.as_slice(), m));
+    fp8::swiglu_quantize(&h, rows, inter, mask, &mut q_want, &mut s_want)?;
+    let h_dev = stream.clone_htod(&h)?;
+    let c_dev = stream.clone_htod(&counts.iter().copied().chain([0]).collect::<Vec<_>>())?;
+    let c_view = c_dev.slice(0..counts.len());
+    let mut q = poisoned::<F8E4M3>(stream, rows * inter)?;
+    let mut s = poisoned::<f32>(stream, rows * groups)?;
+    let dmask = m_max.map(|m| (&c_view as &dyn cudarc::driver::DevicePtr<i32>, m));
+    fp8::swiglu_quantize_fp8_cuda(stream, &h_dev, rows, inter, dmask, &mut q, &mut s)?;
+    let (q, s) = (stream.clone_dtoh(&q)?, stream.clone_dtoh(&s)?);
+    for r in 0..rows {
+        for g in 0..groups {
+            let (gs, ws) = (s[r * groups + g], s_want[r * groups + g]);
+            if ws.to_bits() == f32::poison().to_bits() {
+                if gs.to_bits() != ws.to_bits() {
+                    return Err(format!("row {r} is past its block's count but was written").into());
+                }
+                continue;
+            }
+            if (gs - ws).abs() > ws * 1e-5 {
+                return Err(format!("row {r} group {g}: scale {gs}, want {ws}").into());
+            }
+            for c in g * 128..(g + 1) * 128 {
+                let (a, b) = (q[r * inter + c].to_f32(), q_want[r * inter + c].to_f32());
+                if (a - b).abs() > b.abs() / 8.0 + 1e-3 {
+                    return Err(format!("row {r} column {c}: got {a}, want {b}").into());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bad arguments are refused before any launch, naming the argument.
+fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> CaseResult {
+    let a = stream.alloc_zeros::<F8E4M3>(4 * 128)?;
+    let sa = stream.alloc_zeros::<f32>(4)?;
+    let b = stream.alloc_zeros::<F8E4M3>(2 * 128 * 128)?;
+    let sb = stream.alloc_zeros::<f32>(2)?;
+    let sb_short = stream.alloc_zeros::<f32>(1)?;
+    let counts = stream.clone_htod(&[2i32, 2])?;
+    let mut d = stream.alloc_zeros::<bf16>(4 * 128)?;
+    let ok = GroupedGemmShape {
+        groups: 2,
+        rows: 4,
+        n: 128,
+        k: 128,
+        layout: GroupLayout::Masked { m_max: 2 },
+    };
+    let expect = |what: &str, r: ep_kernels::Result<()>, word: &str| -> CaseResult {
+        match r {
+            Ok(()) => Err(format!("{what}: accepted").into()),
+            Err(e) if e.to_string().contains(word) => Ok(()),
+            Err(e) => Err(format!("{what}: error does not name `{word}`: {e}").into()),
+        }
+    };
+    let a_dev = DeviceFp8 { q: &a, scales: &sa };
+    let run = |shape: GroupedGemmShape,
+               bs: &dyn cudarc::driver::DevicePtr<f32>,
+               d: &mut cudarc::driver::CudaSlice<bf16>,
+               ws: &mut GroupedGemmWorkspace| {
+        fp8::grouped_gemm_fp8_cuda(
+            stream,
+            &a_dev,
+            &DeviceFp8 { q: &b, scales: bs },
+            &counts,
+            &shape,
+            None,
+            GemmTiles::Auto,
+            d,
+            ws,
+        )
+    };
+    expect("b scales short", run(ok, &sb_short, &mut d, ws), "b scales")?;
+    expect(
+        "k = 120",
+        run(GroupedGemmShape { k: 120, ..ok }, &sb, &mut d, ws),
+        "`k`",
+    )?;
+    expect(
+        "gemv tiles",
+        fp8::grouped_gemm_fp8_cuda(
+            stream,
+            &a_dev,
+            &DeviceFp8 { q: &b, scales: &sb },
+            &counts,
+            &ok,
+            None,
+            GemmTiles::Gemv,
+            &mut d,
+            ws,
+        ),
+        "`tiles`",
+    )?;
+    Ok(())
+}
+
+fn main() {
+    let mut runner = Runner::from_env("gpu_grouped_gemm_fp8");
+    let (_ctx, stream) = match device() {
+        Ok(d) => d,
+        Err(e) => {
+            println!("FAILED setup: no CUDA device: {e}");
+            println!("0 passed, 1 failed");
+            std::process::exit(1);
+        }
+    };
+    let mut ws = match GroupedGemmWorkspace::new(&stream, 260) {
+        Ok(w) => w,
+        Err(e) => {
+            println!("FAILED setup: workspace: {e}");
+            println!("0 passed, 1 failed");
+            std::process::exit(1);
+        }
+    };
+    let contiguous = GroupLayout::Contiguous { alignment: 1 };
+    let masked = |m_max| GroupLayout::Masked { m_max };
+    for tiles in [GemmTiles::Wide, GemmTiles::Narrow, GemmTiles::Auto] {
+        let t = format!("{tiles:?}").to_lowercase();
+        fn case(
+            counts: &[i32],
+            layout: GroupLayout,
+            n: usize,
+            k: usize,
+            extra: usize,
+            sample: Option<usize>,
+            tiles: GemmTiles,
+        ) -> Case<'_> {
+            Case {
+                counts,
+                layout,
+                n,
+                k,
+                tiles,
+                extra,
+                sample,
+            }
+        }
+        runner.case(&format!("{t}/contiguous/small-odd"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[5, 0, 1, 70, 33], contiguous, 256, 384, 0, None, tiles),
+            )
+        });
+        // K and N not multiples of 128: partial scale blocks at the edges.
+        runner.case(&format!("{t}/contiguous/partial-blocks"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[3, 140, 0, 9], contiguous, 400, 208, 0, None, tiles),
+            )
+        });
+        runner.case(&format!("{t}/contiguous/one-group-holds-all"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[0, 0, 300, 0], contiguous, 256, 256, 0, None, tiles),
+            )
+        });
+        runner.case(&format!("{t}/contiguous/all-empty"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[0, 0, 0], contiguous, 128, 128, 0, None, tiles),
+            )
+        });
+        runner.case(&format!("{t}/masked/small-odd"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[0, 20, 7, 1], masked(20), 256, 384, 0, None, tiles),
+            )
+        });
+        runner.case(&format!("{t}/masked/extra-groups"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&[4, 0, 3, 5, 5], masked(8), 256, 256, 2, None, tiles),
+            )
+        });
+        runner.case(&format!("{t}/contiguous/uneven-64-groups"), |rng| {
+            let counts = uneven_counts(rng, 64, 3000);
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &case(&counts, contiguous, 512, 640, 0, Some(3), tiles),
+            )
+        });
+    }
+    // DeepSeek-V3's expert GEMMs (gate_up [2I, H] and down [H, I], H 7168, I 2048) on one rank
+    // of EP8 (32 experts): blocks of a few decode rows (masked) and prefill rows (contiguous),
+    // rows sampled.
+    for (what, n, k) in [("gate-up", 4096, 7168), ("down", 7168, 2048)] {
+        runner.case(&format!("deepseek-v3/{what}/masked-32x4"), |rng| {
+            let counts: Vec<i32> = (0..32).map(|_| rng.random_range(0..=4)).collect();
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &Case {
+                    counts: &counts,
+                    layout: masked(4),
+                    n,
+                    k,
+                    tiles: GemmTiles::Auto,
+                    extra: 0,
+                    sample: Some(2),
+                },
+            )
+        });
+        runner.case(&format!("deepseek-v3/{what}/contiguous-32-uneven"), |rng| {
+            let counts = uneven_counts(rng, 32, 8192);
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &Case {
+                    counts: &counts,
+                    layout: contiguous,
+                    n,
+                    k,
+                    tiles: GemmTiles::Auto,
+                    extra: 0,
+                    sample: Some(3),
+                },
+            )
+        });
+    }
+    for (name, rows, inter, m_max) in [
+        ("contiguous/300x2048", 300, 2048, None),
+        ("masked/8x16x1408", 128, 1408, Some(16)),
+    ] {
+        runner.case(&format!("swiglu-quantize/{name}"), |rng| {
+            swiglu_quantize_case(&stream, rng, rows, inter, m_max)
+        });
+    }
+    runner.case("dequantize-weight", |rng| dequantize_case(&stream, rng));
+    runner.case("bad-input", |_| bad_input_case(&stream, &mut ws));
+    runner.finish();
+}
