@@ -21,6 +21,13 @@
 //! cases whose names contain one of its comma-separated parts.
 //! `scripts/gpu/anchors/torch_grouped_mm.py` runs PyTorch's `torch._grouped_mm` on the same
 //! cases (run it in the same device command).
+//!
+//! The fp8 rows run the block-scaled fp8 experts (`ep_kernels::gemm::fp8`: e4m3 rows with
+//! 1 x 128 scales, e4m3 weights with 128 x 128 scales, DeepSeek-V3's recipe): gate_up GEMM ->
+//! SwiGLU + fp8 cast in one pass -> down GEMM ("fp8"), and the two GEMMs alone ("fp8 GEMMs
+//! only"); their weight bytes count one byte per weight.
+//! `scripts/gpu/anchors/fp8_grouped_mm.py` runs PyTorch's `torch._scaled_grouped_mm` and
+//! DeepGEMM on the same cases.
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
@@ -30,7 +37,9 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use candle_core::{DType, Device, Storage, Tensor, D};
+use ep_kernels::gemm::fp8::{self as gemm_fp8, DeviceFp8};
 use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use float8::F8E4M3;
 use half::bf16;
 use moe_layer::ep_runtime::device_tensor::alloc_uninit;
 use rand::rngs::StdRng;
@@ -195,12 +204,56 @@ fn candle_swiglu(h: &Tensor) -> Result<Tensor, BoxError> {
     Ok((gate.silu()? * up)?)
 }
 
+/// `len` e4m3 values on the device as a quantized weight holds them: `period` normal values
+/// quantized in 128 x 128 blocks on the host (the host twin of DeepSeek's weight cast), repeated
+/// by device copies. Realistic values matter: random bit patterns draw more power and run
+/// slower on a power-capped GPU.
+fn random_fp8(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    len: usize,
+    period: usize,
+) -> Result<CudaSlice<F8E4M3>, BoxError> {
+    let period = (period.min(len).max(1)).div_ceil(128 * 128) * 128 * 128;
+    let normal: Vec<f32> = (0..period)
+        .map(|_| {
+            // Irwin-Hall: the sum of 12 uniforms, minus 6, is close to a standard normal.
+            (0..12).map(|_| rng.random::<f32>()).sum::<f32>() - 6.0
+        })
+        .collect();
+    let (host, _) = gemm_fp8::quantize_weight(&normal, period / 128, 128, 128)?;
+    let src = stream.clone_htod(&host)?;
+    let mut out = stream.alloc_zeros::<F8E4M3>(len)?;
+    let mut done = 0;
+    while done < len {
+        let n = period.min(len - done);
+        stream.memcpy_dtod(&src.slice(0..n), &mut out.slice_mut(done..done + n))?;
+        done += n;
+    }
+    Ok(out)
+}
+
+/// `len` f32 scales of about `value`.
+fn scales(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    len: usize,
+    value: f32,
+) -> Result<CudaSlice<f32>, BoxError> {
+    let host: Vec<f32> = (0..len)
+        .map(|_| value * rng.random_range(0.5f32..2.0))
+        .collect();
+    Ok(stream.clone_htod(&host)?)
+}
+
 struct Row {
     case: String,
     what: &'static str,
     ms: f64,
     tflops: f64,
     weight_gbs: f64,
+    /// Bytes per weight of the method (2 bf16, 1 fp8): its weight GB/s count those.
+    weight_byte: f64,
 }
 
 fn main() -> Result<(), BoxError> {
@@ -235,6 +288,21 @@ fn main() -> Result<(), BoxError> {
 
     let w1 = randn_bf16(&dev, &[MAX_EXPERTS, 2 * INTER, HIDDEN], 0.02)?;
     let w2 = randn_bf16(&dev, &[MAX_EXPERTS, HIDDEN, INTER], 0.02)?;
+    // The fp8 experts: e4m3 weights with 128 x 128 block scales.
+    let q1 = random_fp8(&stream, &mut rng, MAX_EXPERTS * 2 * INTER * HIDDEN, 1 << 25)?;
+    let q2 = random_fp8(&stream, &mut rng, MAX_EXPERTS * HIDDEN * INTER, 1 << 25)?;
+    let s1 = scales(
+        &stream,
+        &mut rng,
+        MAX_EXPERTS * (2 * INTER / 128) * (HIDDEN / 128),
+        1e-4,
+    )?;
+    let s2 = scales(
+        &stream,
+        &mut rng,
+        MAX_EXPERTS * (HIDDEN / 128) * (INTER / 128),
+        1e-4,
+    )?;
     let mut ws = GroupedGemmWorkspace::new(&stream, MAX_EXPERTS)?;
 
     let contiguous = GroupLayout::Contiguous { alignment: 1 };
@@ -356,6 +424,23 @@ fn main() -> Result<(), BoxError> {
             alloc_uninit::<bf16>(&stream, rows * INTER)?,
             alloc_uninit::<bf16>(&stream, rows * HIDDEN)?,
         ));
+        // The fp8 path's operands: rows with their scales, the gate_up product, act and its
+        // scales.
+        let aq = random_fp8(&stream, &mut rng, rows * HIDDEN, 1 << 22)?;
+        let a_sc = scales(&stream, &mut rng, rows * HIDDEN / 128, 0.01)?;
+        let fp8_bufs = RefCell::new((
+            alloc_uninit::<bf16>(&stream, rows * 2 * INTER)?,
+            random_fp8(&stream, &mut rng, rows * INTER, 1 << 22)?,
+            scales(&stream, &mut rng, rows * INTER / 128, 0.01)?,
+        ));
+        let (q1e, s1e) = (
+            q1.slice(0..e * 2 * INTER * HIDDEN),
+            s1.slice(0..e * (2 * INTER / 128) * (HIDDEN / 128)),
+        );
+        let (q2e, s2e) = (
+            q2.slice(0..e * HIDDEN * INTER),
+            s2.slice(0..e * (HIDDEN / 128) * (INTER / 128)),
+        );
         let ws_cell = RefCell::new(&mut ws);
         let up = GroupedGemmShape {
             groups: e,
@@ -385,6 +470,66 @@ fn main() -> Result<(), BoxError> {
                 )?;
                 gemm::grouped_gemm_bf16_cuda(
                     stream, &*act, w2_s, counts_dev, &down, tiles, y, &mut ws,
+                )?;
+                Ok(())
+            }
+        };
+        let ours_fp8 = |tiles: GemmTiles, swiglu: bool| {
+            let (bufs, fp8_bufs, ws_cell, stream, counts_dev) =
+                (&bufs, &fp8_bufs, &ws_cell, &stream, &counts_dev);
+            let (aq, a_sc, q1e, s1e, q2e, s2e) = (&aq, &a_sc, &q1e, &s1e, &q2e, &s2e);
+            move || -> Result<(), BoxError> {
+                let mut b = bufs.borrow_mut();
+                let (_, y) = &mut *b;
+                let mut f = fp8_bufs.borrow_mut();
+                let (h, act_q, act_s) = &mut *f;
+                let mut ws = ws_cell.borrow_mut();
+                gemm_fp8::grouped_gemm_fp8_cuda(
+                    stream,
+                    &DeviceFp8 {
+                        q: aq,
+                        scales: a_sc,
+                    },
+                    &DeviceFp8 {
+                        q: q1e,
+                        scales: s1e,
+                    },
+                    counts_dev,
+                    &up,
+                    None,
+                    tiles,
+                    h,
+                    &mut ws,
+                )?;
+                if swiglu {
+                    let mask = match up.layout {
+                        GroupLayout::Masked { m_max } => Some((
+                            counts_dev
+                                as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<i32>,
+                            m_max,
+                        )),
+                        GroupLayout::Contiguous { .. } => None,
+                    };
+                    gemm_fp8::swiglu_quantize_fp8_cuda(
+                        stream, &*h, rows, INTER, mask, act_q, act_s,
+                    )?;
+                }
+                gemm_fp8::grouped_gemm_fp8_cuda(
+                    stream,
+                    &DeviceFp8 {
+                        q: &*act_q,
+                        scales: &*act_s,
+                    },
+                    &DeviceFp8 {
+                        q: q2e,
+                        scales: s2e,
+                    },
+                    counts_dev,
+                    &down,
+                    None,
+                    tiles,
+                    y,
+                    &mut ws,
                 )?;
                 Ok(())
             }
@@ -441,6 +586,26 @@ fn main() -> Result<(), BoxError> {
             ),
             ("dense cuBLAS (candle matmul)", iters, Box::new(dense)),
             ("candle-nn moe_gemm", 3, Box::new(candle_moe)),
+            (
+                "ours fp8 (auto tiles)",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Auto, true)),
+            ),
+            (
+                "ours fp8 wide 128x128 1x2",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Wide, true)),
+            ),
+            (
+                "ours fp8 narrow 64x128",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Narrow, true)),
+            ),
+            (
+                "ours fp8 GEMMs only (auto)",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Auto, false)),
+            ),
         ];
         if matches!(case.layout, GroupLayout::Masked { .. }) {
             methods.insert(
@@ -467,12 +632,14 @@ fn main() -> Result<(), BoxError> {
         for ((what, _, _), mut t) in methods.iter().zip(times) {
             t.sort_by(f64::total_cmp);
             let ms = t[t.len() / 2];
+            let weight_byte = if what.contains("fp8") { 1.0 } else { 2.0 };
             rows_out.push(Row {
                 case: case.name.clone(),
                 what,
                 ms,
                 tflops: flops / (ms * 1e-3) / 1e12,
-                weight_gbs: weight_bytes / (ms * 1e-3) / 1e9,
+                weight_gbs: weight_bytes / 2.0 * weight_byte / (ms * 1e-3) / 1e9,
+                weight_byte,
             });
         }
         println!("{} done", case.name);
@@ -481,7 +648,7 @@ fn main() -> Result<(), BoxError> {
     let mut table = String::new();
     writeln!(
         table,
-        "\nbf16, H = {HIDDEN}, I = {INTER}; copy bandwidth {copy_gbs:.0} GB/s"
+        "\nH = {HIDDEN}, I = {INTER}; weight bytes 2 per weight (bf16) or 1 (fp8); copy bandwidth {copy_gbs:.0} GB/s"
     )?;
     writeln!(
         table,
@@ -507,8 +674,8 @@ fn main() -> Result<(), BoxError> {
         for r in &rows_out {
             writeln!(
                 f,
-                "{{\"case\": {:?}, \"what\": {:?}, \"ms\": {:.4}, \"tflops\": {:.2}, \"weight_gbs\": {:.1}}}",
-                r.case, r.what, r.ms, r.tflops, r.weight_gbs
+                "{{\"case\": {:?}, \"what\": {:?}, \"ms\": {:.4}, \"tflops\": {:.2}, \"weight_gbs\": {:.1}, \"bytes_per_weight\": {}}}",
+                r.case, r.what, r.ms, r.tflops, r.weight_gbs, r.weight_byte
             )?;
         }
     }

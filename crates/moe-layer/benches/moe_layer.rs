@@ -50,6 +50,10 @@
 //! (`MoeLayer::capture_prefill`).
 //! `EP_BENCH_NO_EVENT_TRACKING=1` turns off cudarc's per-slice events on each rank's context
 //! before anything is allocated: what their host calls cost the layer (a measurement only).
+//! `EP_BENCH_EXPERTS=bf16|fp8|both` (default bf16) picks the routed experts: bf16, block-scaled
+//! fp8 (`Experts::from_fp8`: e4m3 weights with 128 x 128 scales, DeepSeek-V3's release
+//! format; their rows are labelled `fp8 experts` and their floor counts one byte per routed
+//! weight), or both layers, each token count run on the bf16 layer and then on the fp8 one.
 //!
 //! At one rank the layer's normal mode runs no dispatch or combine (every expert is local):
 //! the split then reports them as 0.
@@ -71,7 +75,7 @@ use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
 mod layer_common;
 mod moe_layer_report;
-use layer_common::{build_layer, randn_bf16, BoxError, E, H, I, K, LL_MAX};
+use layer_common::{build_layer, build_layer_fp8, randn_bf16, BoxError, E, H, I, K, LL_MAX};
 use moe_layer_report::{Row, StepTimes};
 
 fn stream_of(dev: &Device) -> Arc<CudaStream> {
@@ -264,12 +268,14 @@ fn bench_tokens(
     } else {
         Mode::Normal
     };
+    let fp8 = layer.experts().is_fp8();
     let mut row = Row {
         tokens: t,
-        mode: if mode == Mode::LowLatency {
-            "low-latency"
-        } else {
-            "normal"
+        mode: match (mode == Mode::LowLatency, fp8) {
+            (true, false) => "low-latency",
+            (true, true) => "low-latency, fp8 experts",
+            (false, false) => "normal",
+            (false, true) => "normal, fp8 experts",
         },
         ..Default::default()
     };
@@ -530,8 +536,9 @@ fn bench_tokens(
         .iter()
         .filter(|&&u| u)
         .count() as f64;
-    let per_expert = (3 * H * I * 2) as f64;
-    let bytes = (experts_read + 1.0) * per_expert + (E * H * 4) as f64;
+    let shared_bytes = (3 * H * I * 2) as f64;
+    let per_expert = (3 * H * I * if fp8 { 1 } else { 2 }) as f64;
+    let bytes = experts_read * per_expert + shared_bytes + (E * H * 4) as f64;
     row.floor_gb = bytes / 1e9;
     row.floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
     let xr = randn_bf16(dev, &[t * K, H], 1.0)?;
@@ -595,26 +602,40 @@ fn run_rank(
     })?;
     drop((src, dst));
     let copy_gbs = 2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9;
-    let layer = build_layer(&dev, buffer, bench_options())?;
+    let mut layers = Vec::new();
+    let which = std::env::var("EP_BENCH_EXPERTS").unwrap_or_else(|_| "bf16".into());
+    if which != "bf16" && which != "fp8" && which != "both" {
+        return Err(format!("EP_BENCH_EXPERTS={which}: bf16, fp8 or both").into());
+    }
+    if which != "fp8" {
+        layers.push(build_layer(&dev, buffer.clone(), bench_options())?);
+    }
+    if which != "bf16" {
+        layers.push(build_layer_fp8(&dev, buffer, bench_options())?);
+    }
+    // The dense anchor: one expert's bf16 weights.
     let dense = (
-        layer.experts().gate_up().get(0)?.t()?,
-        layer.experts().down().get(0)?.t()?,
+        randn_bf16(&dev, &[2 * I, H], 0.02)?.t()?,
+        randn_bf16(&dev, &[H, I], 0.02)?.t()?,
     );
     let mut rows = Vec::new();
     for &t in tokens {
-        let row = bench_tokens(&layer, &dev, t, iters, copy_gbs, &dense, exchange)?;
-        if rank == 0 {
-            println!(
-                "T={t}: layer {:.3} ms{} (floor {:.3} ms, dense {:.3} ms)",
-                row.step.layer_ms,
-                row.step
-                    .graph_ms
-                    .map_or(String::new(), |g| format!(", graph {g:.3} ms")),
-                row.floor_ms,
-                row.dense_ms
-            );
+        for layer in &layers {
+            let row = bench_tokens(layer, &dev, t, iters, copy_gbs, &dense, exchange)?;
+            if rank == 0 {
+                println!(
+                    "T={t} {}: layer {:.3} ms{} (floor {:.3} ms, dense {:.3} ms)",
+                    row.mode,
+                    row.step.layer_ms,
+                    row.step
+                        .graph_ms
+                        .map_or(String::new(), |g| format!(", graph {g:.3} ms")),
+                    row.floor_ms,
+                    row.dense_ms
+                );
+            }
+            rows.push(row);
         }
-        rows.push(row);
     }
     if rank == 0 {
         println!("copy bandwidth {copy_gbs:.0} GB/s");

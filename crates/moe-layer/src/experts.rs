@@ -8,13 +8,104 @@
 //! of them. On CUDA with bf16 weights (and `H`, `I` multiples of 8) the forward passes run
 //! as grouped GEMMs on the device (`crate::grouped`): no routing or count is read by the host.
 //! On the CPU (and for other dtypes) each expert runs over its rows, grouped on the host.
+//!
+//! Block-scaled fp8 checkpoints ([`crate::fp8`]) load as fp8 experts on CUDA (e4m3 weights with
+//! their 128 x 128 scales, the gate_up weight [`GateUpLayout::Stacked`], block-scaled fp8
+//! grouped GEMMs fed with e4m3 rows and their 1 x 128 scales, [`ExpertInput`]); elsewhere they
+//! are dequantized once when the shard is built, exactly as DeepSeek's `weight_dequant`.
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
+use crate::fp8::Fp8Weight;
 pub use crate::mlp::{GateUpLayout, Mlp};
+
+/// The rows the experts run over: rows in a float dtype, or e4m3 rows with their 1 x 128 f32
+/// scales (`[.., H / 128]`, what an fp8 dispatch delivers).
+#[derive(Clone, Debug)]
+pub struct ExpertInput {
+    /// The rows (`[N, H]` or `[L, M, H]`).
+    pub x: Tensor,
+    /// With e4m3 rows: their scales, one per row per 128 channels.
+    pub scales: Option<Tensor>,
+}
+
+impl ExpertInput {
+    /// Rows in a float dtype.
+    pub fn plain(x: &Tensor) -> Self {
+        Self {
+            x: x.clone(),
+            scales: None,
+        }
+    }
+
+    /// The rows in `dtype` (e4m3 rows dequantized).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        Ok(match &self.scales {
+            Some(s) => ep_runtime::cast::per_token_cast_back(&self.x, s, dtype)?,
+            None => self.x.to_dtype(dtype)?,
+        })
+    }
+}
+
+/// One routed expert of a block-scaled fp8 checkpoint: its three projections.
+#[derive(Clone, Debug)]
+pub struct Fp8Expert {
+    /// `gate_proj` `[I, H]`.
+    pub gate: Fp8Weight,
+    /// `up_proj` `[I, H]`.
+    pub up: Fp8Weight,
+    /// `down_proj` `[H, I]`.
+    pub down: Fp8Weight,
+}
+
+impl Fp8Expert {
+    /// The expert at `vb` (`gate_proj`, `up_proj`, `down_proj`, each with its
+    /// `weight_scale_inv`), or `None` when its `gate_proj` has no scales (an unquantized
+    /// expert). A projection of an fp8 expert without scales is an error naming it.
+    pub fn load(vb: &VarBuilder, h: usize, i: usize) -> Result<Option<Self>> {
+        let Some(gate) = Fp8Weight::load(&vb.pp("gate_proj"), i, h)? else {
+            return Ok(None);
+        };
+        let need = |name: &str, n: usize, k: usize| -> Result<Fp8Weight> {
+            let pvb = vb.pp(name);
+            Fp8Weight::load(&pvb, n, k)?.ok_or_else(|| {
+                Error::invalid(
+                    "fp8 weight",
+                    format!("{}.weight_scale_inv", pvb.prefix()),
+                    "is missing: every projection of an fp8 expert needs its scales",
+                )
+            })
+        };
+        Ok(Some(Self {
+            gate,
+            up: need("up_proj", i, h)?,
+            down: need("down_proj", h, i)?,
+        }))
+    }
+
+    /// The expert dequantized to `dtype` ([`Fp8Weight::dequantize`]).
+    pub fn dequantize(&self, dtype: DType) -> Result<Mlp> {
+        Ok(Mlp::new(
+            self.gate.dequantize(dtype)?,
+            self.up.dequantize(dtype)?,
+            self.down.dequantize(dtype)?,
+        )?)
+    }
+}
+
+/// The block scales of an fp8 shard (the e4m3 weights are [`Experts::gate_up`] and
+/// [`Experts::down`]).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Fp8Scales {
+    /// `[L, 2I / 128, ceil(H / 128)]`: the gate_proj scales, then the up_proj scales.
+    pub(crate) gate_up: Tensor,
+    /// `[L, ceil(H / 128), ceil(I / 128)]`.
+    pub(crate) down: Tensor,
+}
 
 /// The gate_up layout of a shard of `l` experts of `[2I, H]` on `device`: blocked where the
 /// grouped GEMMs run (their SwiGLU epilogue reads it), else stacked.
@@ -27,6 +118,32 @@ fn weight_layout(device: &Device, dtype: DType, l: usize, h: usize, i: usize) ->
     GateUpLayout::Stacked
 }
 
+/// Whether `l` fp8 experts of `[2I, H]` on `device` run on the fp8 grouped GEMMs (else they are
+/// dequantized): CUDA, `H` a multiple of 16, `I` of 128 (whole scale blocks per projection),
+/// at most 1024 local experts. A CUDA device without fp8 tensor cores (before sm_90) is an
+/// error.
+fn fp8_eligible(device: &Device, l: usize, h: usize, i: usize) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        let props = *ep_kernels::cuda::Kernels::for_stream(&dev.cuda_stream())?.props();
+        if props.compute_capability.0 < 9 {
+            return Err(Error::invalid(
+                "fp8 experts",
+                format!(
+                    "a GPU of compute capability {}.{}",
+                    props.compute_capability.0, props.compute_capability.1
+                ),
+                "the fp8 grouped GEMMs need sm_90 (Hopper)",
+            ));
+        }
+        return Ok(h % 16 == 0
+            && i % ep_kernels::gemm::fp8::FP8_BLOCK == 0
+            && l <= ep_kernels::gemm::MAX_GROUPS);
+    }
+    let _ = (device, l, h, i);
+    Ok(false)
+}
+
 /// The routed experts `first_expert .. first_expert + num_local` that one rank holds.
 #[derive(Clone, Debug)]
 pub struct Experts {
@@ -36,7 +153,10 @@ pub struct Experts {
     layout: GateUpLayout,
     /// `[L, H, I]`.
     down: Tensor,
-    /// Views of the stacked weights, one per expert.
+    /// With e4m3 weights (fp8 experts on CUDA): their block scales.
+    fp8: Option<Fp8Scales>,
+    /// Views of the stacked weights, one per expert (none for fp8 experts, which run on the
+    /// grouped GEMMs only).
     experts: Vec<Mlp>,
     /// The device grouped GEMMs' state (CUDA, bf16), created on first use.
     #[cfg(feature = "cuda")]
@@ -177,7 +297,71 @@ impl Experts {
             gate_up,
             layout: target,
             down,
+            fp8: None,
             experts,
+            #[cfg(feature = "cuda")]
+            grouped: Default::default(),
+        })
+    }
+
+    /// Builds the shard from block-scaled fp8 experts, local expert `l` being global expert
+    /// `first_expert + l`. Where fp8 grouped GEMMs run (CUDA on sm_90, `H` a multiple of 16,
+    /// `I` of 128, at most 1024 local experts) the shard keeps the e4m3 weights and their scales
+    /// (gate_up stacked: the gate rows, then the up rows, so that no scale block mixes them);
+    /// elsewhere every expert is dequantized to `dtype` ([`Fp8Expert::dequantize`]) and the
+    /// shard is a plain one.
+    pub fn from_fp8(first_expert: usize, experts: Vec<Fp8Expert>, dtype: DType) -> Result<Self> {
+        let Some(first) = experts.first() else {
+            return Err(Error::invalid(
+                "experts",
+                "[]",
+                "at least one local expert is needed",
+            ));
+        };
+        let (i, h) = first.gate.dims();
+        for (l, e) in experts.iter().enumerate() {
+            let dims = [e.gate.dims(), e.up.dims(), e.down.dims()];
+            if dims != [(i, h), (i, h), (h, i)] {
+                return Err(Error::invalid(
+                    "experts",
+                    format!("expert {} of shapes {dims:?}", first_expert + l),
+                    format!(
+                        "must be gate/up [{i}, {h}] and down [{h}, {i}] like expert {first_expert}"
+                    ),
+                ));
+            }
+        }
+        let device = first.gate.q().device().clone();
+        if !fp8_eligible(&device, experts.len(), h, i)? {
+            let mlps = experts
+                .iter()
+                .map(|e| e.dequantize(dtype))
+                .collect::<Result<Vec<_>>>()?;
+            return Self::new(first_expert, mlps);
+        }
+        let l = experts.len();
+        // One expert at a time into the stacks (memory: the stacks plus one expert).
+        let gate_up = Tensor::zeros((l, 2 * i, h), DType::F8E4M3, &device)?;
+        let down = Tensor::zeros((l, h, i), DType::F8E4M3, &device)?;
+        let mut gate_up_scales = Vec::with_capacity(l);
+        let mut down_scales = Vec::with_capacity(l);
+        for (e, x) in experts.iter().enumerate() {
+            let gu = Tensor::cat(&[x.gate.q(), x.up.q()], 0)?;
+            gate_up.slice_set(&gu.unsqueeze(0)?, 0, e)?;
+            down.slice_set(&x.down.q().unsqueeze(0)?, 0, e)?;
+            gate_up_scales.push(Tensor::cat(&[x.gate.scale(), x.up.scale()], 0)?);
+            down_scales.push(x.down.scale().clone());
+        }
+        Ok(Self {
+            first_expert,
+            gate_up,
+            layout: GateUpLayout::Stacked,
+            down,
+            fp8: Some(Fp8Scales {
+                gate_up: Tensor::stack(&gate_up_scales, 0)?.contiguous()?,
+                down: Tensor::stack(&down_scales, 0)?.contiguous()?,
+            }),
+            experts: Vec::new(),
             #[cfg(feature = "cuda")]
             grouped: Default::default(),
         })
@@ -214,6 +398,20 @@ impl Experts {
             ));
         }
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        if Fp8Expert::load(&vb.pp(first_expert), h, i)?.is_some() {
+            let experts = (first_expert..end)
+                .map(|e| {
+                    Fp8Expert::load(&vb.pp(e), h, i)?.ok_or_else(|| {
+                        Error::invalid(
+                            "experts",
+                            format!("expert {e} without weight_scale_inv"),
+                            format!("must be fp8 like expert {first_expert}"),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Self::from_fp8(first_expert, experts, vb.dtype());
+        }
         let mut stacked: Option<(Tensor, Tensor)> = None;
         let mut layout = GateUpLayout::Stacked;
         for (l, e) in (first_expert..end).enumerate() {
@@ -243,7 +441,7 @@ impl Experts {
 
     /// Number of local experts `L`.
     pub fn num_local(&self) -> usize {
-        self.experts.len()
+        self.gate_up.dims()[0]
     }
 
     /// Hidden size `H`.
@@ -256,9 +454,20 @@ impl Experts {
         self.down.dims()[2]
     }
 
-    /// Weight dtype.
+    /// Weight dtype (`F8E4M3` for fp8 experts).
     pub fn dtype(&self) -> DType {
         self.gate_up.dtype()
+    }
+
+    /// Whether the shard holds block-scaled e4m3 weights (fp8 experts on CUDA).
+    pub fn is_fp8(&self) -> bool {
+        self.fp8.is_some()
+    }
+
+    /// The block scales of fp8 experts.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn fp8_scales(&self) -> Option<&Fp8Scales> {
+        self.fp8.as_ref()
     }
 
     /// Weight device.
@@ -266,7 +475,8 @@ impl Experts {
         self.gate_up.device()
     }
 
-    /// The local experts, local id order (views of the stacked weights).
+    /// The local experts, local id order (views of the stacked weights; empty for fp8
+    /// experts).
     pub fn experts(&self) -> &[Mlp] {
         &self.experts
     }
@@ -288,11 +498,11 @@ impl Experts {
     }
 
     /// Whether the forward passes run as device grouped GEMMs (CUDA, bf16 weights, `H` and `I`
-    /// multiples of 8, at most 1024 local experts).
+    /// multiples of 8, at most 1024 local experts; or fp8 experts).
     pub fn uses_grouped_gemm(&self) -> bool {
         #[cfg(feature = "cuda")]
         {
-            crate::grouped::eligible(self)
+            self.is_fp8() || crate::grouped::eligible(self)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -381,6 +591,69 @@ impl Experts {
         self.forward_grouped_rows(x, topk_idx_local, topk_weights, Some(counts.iter().sum()))
     }
 
+    /// [`Experts::forward_grouped`] over `input`: e4m3 rows with their scales (an fp8
+    /// dispatch's) go to fp8 experts as they are and are dequantized to `dtype` for float
+    /// experts; float rows go to fp8 experts quantized once on the device. `counts`: the rows
+    /// each local expert receives when known on the host (as for
+    /// [`Experts::forward_grouped_counted`]). Returns `[N, H]` in `dtype`.
+    pub fn forward_grouped_input(
+        &self,
+        input: &ExpertInput,
+        topk_idx_local: &Tensor,
+        topk_weights: &Tensor,
+        counts: Option<&[usize]>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if let Some(c) = counts.filter(|c| c.len() != self.num_local()) {
+            return Err(Error::invalid(
+                "counts",
+                format!("{} counts", c.len()),
+                format!("must hold one per local expert ({})", self.num_local()),
+            ));
+        }
+        let rows = counts.map(|c| c.iter().sum());
+        if !self.is_fp8() {
+            let x = input.to_dtype(dtype)?;
+            return self.forward_grouped_rows(&x, topk_idx_local, topk_weights, rows);
+        }
+        self.forward_fp8_routed(input, topk_idx_local, topk_weights, rows, dtype)
+    }
+
+    /// The fp8 experts' normal-mode forward (CUDA), `rows` the routing's pairs when known.
+    fn forward_fp8_routed(
+        &self,
+        input: &ExpertInput,
+        topk_idx_local: &Tensor,
+        topk_weights: &Tensor,
+        rows: Option<usize>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let (n, k) = self.check_routed(&input.x, topk_idx_local, topk_weights)?;
+        let (h, dev) = (self.hidden_size(), input.x.device());
+        if n == 0 {
+            return Ok(crate::empty::empty((0, h), dtype, dev)?);
+        }
+        if k == 0 {
+            return Ok(Tensor::zeros((n, h), dtype, dev)?);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let y = crate::grouped_fp8::forward_routed(
+                self,
+                input,
+                topk_idx_local,
+                topk_weights,
+                rows,
+            )?;
+            Ok(y.to_dtype(dtype)?)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = rows;
+            unreachable!("fp8 experts exist on CUDA only")
+        }
+    }
+
     /// [`Experts::forward_grouped`] with the rows of the routing when known.
     fn forward_grouped_rows(
         &self,
@@ -389,6 +662,15 @@ impl Experts {
         topk_weights: &Tensor,
         rows: Option<usize>,
     ) -> Result<Tensor> {
+        if self.is_fp8() {
+            return self.forward_fp8_routed(
+                &ExpertInput::plain(x),
+                topk_idx_local,
+                topk_weights,
+                rows,
+                x.dtype(),
+            );
+        }
         let (n, k) = self.check_routed(x, topk_idx_local, topk_weights)?;
         if n == 0 {
             return Ok(crate::empty::empty(
@@ -414,6 +696,15 @@ impl Experts {
         topk_idx_local: &Tensor,
         topk_weights: &Tensor,
     ) -> Result<Tensor> {
+        if self.is_fp8() {
+            return self.forward_fp8_routed(
+                &ExpertInput::plain(x),
+                topk_idx_local,
+                topk_weights,
+                None,
+                DType::F32,
+            );
+        }
         let (n, k) = self.check_routed(x, topk_idx_local, topk_weights)?;
         if n == 0 {
             return Ok(crate::empty::empty(
@@ -536,7 +827,8 @@ impl Experts {
             let counts_dev = Tensor::from_vec(c, l, dev)?;
             let most = counts.iter().copied().max().unwrap_or(0);
             let tiles = crate::grouped::masked_tiles(dev, most)?;
-            let y = crate::grouped::forward_masked(self, x, &counts_dev, tiles)?;
+            let y =
+                self.forward_masked_input(&ExpertInput::plain(x), &counts_dev, tiles, DType::BF16)?;
             // Rows past the counts: zero, as documented.
             let rows = Tensor::arange(0u32, m as u32, dev)?.reshape((1, m, 1))?;
             let limit = Tensor::from_vec(
@@ -600,6 +892,41 @@ impl Experts {
         self.forward_masked_tiled(x, counts, ep_kernels::gemm::GemmTiles::Auto)
     }
 
+    /// [`Experts::forward_masked`] over `input` (`[L, M, H]`: e4m3 rows with `[L, M, H / 128]`
+    /// scales, or float rows; converted as for [`Experts::forward_grouped_input`]) with the
+    /// grouped GEMMs' configuration `tiles`. Returns `[L, M, H]` in `dtype` (rows past the
+    /// counts unwritten).
+    pub fn forward_masked_input(
+        &self,
+        input: &ExpertInput,
+        counts: &Tensor,
+        tiles: ep_kernels::gemm::GemmTiles,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if !self.is_fp8() {
+            let x = input.to_dtype(dtype)?;
+            return Ok(self
+                .forward_masked_tiled(&x, counts, tiles)?
+                .to_dtype(dtype)?);
+        }
+        self.check_blocks(&input.x, "x")?;
+        let l = self.num_local();
+        if counts.dims() != [l] || counts.dtype() != DType::I32 {
+            return Err(Error::invalid(
+                "counts",
+                format!("a {:?} tensor of shape {:?}", counts.dtype(), counts.dims()),
+                format!("must be i32 [num_local = {l}]"),
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let y = crate::grouped_fp8::forward_masked(self, input, counts, tiles)?;
+            Ok(y.to_dtype(dtype)?)
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("fp8 experts exist on CUDA only")
+    }
+
     /// [`Experts::forward_masked`] with the grouped GEMMs' configuration `tiles` (used on CUDA
     /// with grouped GEMMs only).
     pub(crate) fn forward_masked_tiled(
@@ -608,6 +935,9 @@ impl Experts {
         counts: &Tensor,
         tiles: ep_kernels::gemm::GemmTiles,
     ) -> Result<Tensor> {
+        if self.is_fp8() {
+            return self.forward_masked_input(&ExpertInput::plain(x), counts, tiles, DType::BF16);
+        }
         let m = self.check_blocks(x, "x")?;
         let l = self.num_local();
         if counts.dims() != [l] || counts.dtype() != DType::I32 {

@@ -47,7 +47,7 @@ impl GroupedState {
             .unwrap_or_else(PoisonError::into_inner) = grid;
     }
 
-    fn routed_grid(&self) -> GemmGrid {
+    pub(crate) fn routed_grid(&self) -> GemmGrid {
         *self
             .routed_grid
             .lock()
@@ -87,7 +87,7 @@ fn cuda(dev: &Device) -> Result<&CudaDevice> {
 }
 
 /// The workspace, created on first use for the experts' number of groups.
-fn workspace<'a>(
+pub(crate) fn workspace<'a>(
     state: &'a GroupedState,
     stream: &Arc<CudaStream>,
     groups: usize,

@@ -4,6 +4,8 @@
 //!
 //! - [`router`]: DeepSeek-V3 `noaux_tc` grouped top-k and plain softmax top-k;
 //! - [`experts`]: this rank's shard of SwiGLU experts (grouped GEMM) and the dense [`Mlp`];
+//! - [`fp8`]: block-scaled fp8 weights as DeepSeek ships them (kept as e4m3 by the experts on
+//!   CUDA, dequantized exactly elsewhere);
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
 //! - [`dense`]: the single-process reference layer EP results are tested against.
 //!
@@ -35,10 +37,13 @@ mod empty;
 pub mod error;
 mod expert_groups;
 pub mod experts;
+pub mod fp8;
 #[cfg(feature = "cuda")]
 mod graph;
 #[cfg(feature = "cuda")]
 mod grouped;
+#[cfg(feature = "cuda")]
+mod grouped_fp8;
 mod layer;
 mod low_latency;
 pub mod mlp;
@@ -53,7 +58,7 @@ pub use config::MoeConfig;
 pub use ep_kernels;
 pub use ep_runtime;
 pub use error::{Error, Result};
-pub use experts::Experts;
+pub use experts::{ExpertInput, Experts, Fp8Expert};
 #[cfg(feature = "cuda")]
 pub use graph::{DecodeGraph, StepGraph};
 pub use layer::MoeLayer;

@@ -3,9 +3,9 @@
 //! micro-batches.
 
 use crate::error::Result;
+use crate::experts::ExpertInput;
 use crate::layer::{join_parts, two_micro_batches, MoeLayer};
-use candle_core::{DType, Device, Tensor};
-use ep_runtime::cast::per_token_cast_back;
+use candle_core::{Device, Tensor};
 use ep_runtime::{LowLatencyCombineArgs, LowLatencyDispatchArgs, Reduction};
 
 impl MoeLayer {
@@ -20,7 +20,7 @@ impl MoeLayer {
         recv_count: &Tensor,
         x: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        self.expert_blocks(recv_x, recv_count, x, None)
+        self.expert_blocks(&ExpertInput::plain(recv_x), recv_count, x, None)
     }
 
     /// Whether the shared experts run inside the low-latency grouped GEMMs of a step of
@@ -68,11 +68,12 @@ impl MoeLayer {
         tokens * self.buffer.topology().num_ranks
     }
 
-    /// The routed experts over the received blocks, and the shared experts' output: `shared`
-    /// as computed already, or computed here over `x` as extra groups of the grouped GEMMs.
+    /// The routed experts over the received blocks (in `x`'s dtype), and the shared experts'
+    /// output: `shared` as computed already, or computed here over `x` as extra groups of the
+    /// grouped GEMMs.
     fn expert_blocks(
         &self,
-        recv_x: &Tensor,
+        recv: &ExpertInput,
         recv_count: &Tensor,
         x: &Tensor,
         shared: Option<Tensor>,
@@ -86,18 +87,18 @@ impl MoeLayer {
         {
             let (y, s) = crate::grouped::forward_masked_with_shared(
                 &self.experts,
-                recv_x,
+                &recv.to_dtype(x.dtype())?,
                 recv_count,
                 x,
                 groups,
                 self.low_latency_tiles(x.device(), expected)?,
             )?;
-            return Ok((y, Some(s)));
+            return Ok((y.to_dtype(x.dtype())?, Some(s)));
         }
         let tiles = self.low_latency_tiles(x.device(), expected)?;
         Ok((
             self.experts
-                .forward_masked_tiled(recv_x, recv_count, tiles)?,
+                .forward_masked_input(recv, recv_count, tiles, x.dtype())?,
             shared,
         ))
     }
@@ -124,9 +125,8 @@ impl MoeLayer {
             self.shared_forward(x)?
         };
         let out = hook.recv()?;
-        let recv_x = self.low_latency_rows(&out, x.dtype())?;
-        let (y, shared) = self.expert_blocks(&recv_x, &out.recv_count, x, shared)?;
-        let y = y.to_dtype(recv_x.dtype())?;
+        let recv = Self::low_latency_rows(&out);
+        let (y, shared) = self.expert_blocks(&recv, &out.recv_count, x, shared)?;
         let combined = self.buffer.low_latency_combine(
             &LowLatencyCombineArgs::new(&y, idx, w, &out.handle)
                 .reduction(self.options.low_latency_reduction),
@@ -157,16 +157,12 @@ impl MoeLayer {
         args
     }
 
-    /// The received rows of a low-latency dispatch in `dtype` (fp8 cast back).
-    fn low_latency_rows(
-        &self,
-        out: &ep_runtime::LowLatencyDispatchOutput,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        Ok(match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
-            None => out.recv_x.clone(),
-        })
+    /// The received rows of a low-latency dispatch (fp8 rows with their scales).
+    fn low_latency_rows(out: &ep_runtime::LowLatencyDispatchOutput) -> ExpertInput {
+        ExpertInput {
+            x: out.recv_x.clone(),
+            scales: out.recv_x_scales.clone(),
+        }
     }
 
     /// Low-latency mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): both
@@ -196,11 +192,12 @@ impl MoeLayer {
         let tiles = self.low_latency_tiles(x.device(), self.expected_rows(xa.dims()[0]))?;
         // A micro-batch's rows in, its experts, its combine sent.
         let experts = |out: &ep_runtime::LowLatencyDispatchOutput| -> Result<Tensor> {
-            let rows = self.low_latency_rows(out, x.dtype())?;
-            Ok(self
-                .experts
-                .forward_masked_tiled(&rows, &out.recv_count, tiles)?
-                .to_dtype(rows.dtype())?)
+            self.experts.forward_masked_input(
+                &Self::low_latency_rows(out),
+                &out.recv_count,
+                tiles,
+                x.dtype(),
+            )
         };
         let out_a = hook_a.recv()?;
         let ya = experts(&out_a)?;

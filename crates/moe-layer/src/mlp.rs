@@ -152,10 +152,15 @@ impl Mlp {
     /// Loads `gate_proj.weight` `[I, H]`, `up_proj.weight` `[I, H]` and `down_proj.weight`
     /// `[H, I]` under `vb` (e.g. the layer's `mlp.shared_experts`, or `mlp` of a dense layer).
     /// A mis-shaped tensor gives an error naming its full path, the expected and the found shape.
+    /// A block-scaled fp8 projection (with its `weight_scale_inv`) is dequantized to the
+    /// builder's dtype ([`crate::fp8::load_weight`]).
     pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
-        let gate = vb.pp("gate_proj").get((intermediate, hidden), "weight")?;
-        let up = vb.pp("up_proj").get((intermediate, hidden), "weight")?;
-        let down = vb.pp("down_proj").get((hidden, intermediate), "weight")?;
+        let load = |name: &str, n: usize, k: usize| -> Result<Tensor> {
+            Ok(crate::fp8::load_weight(&vb.pp(name), n, k)?)
+        };
+        let gate = load("gate_proj", intermediate, hidden)?;
+        let up = load("up_proj", intermediate, hidden)?;
+        let down = load("down_proj", hidden, intermediate)?;
         Self::new(gate, up, down)
     }
 

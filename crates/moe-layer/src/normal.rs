@@ -5,9 +5,10 @@
 
 use crate::error::Result;
 use crate::expert_groups::ExpertGroups;
+use crate::experts::ExpertInput;
 use crate::layer::{join_parts, two_micro_batches, MoeLayer};
 use candle_core::{DType, Device, Tensor};
-use ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+use ep_runtime::cast::per_token_cast_to_fp8;
 use ep_runtime::{CombineArgs, DispatchArgs, EventOverlap};
 
 impl MoeLayer {
@@ -147,8 +148,8 @@ impl MoeLayer {
         Ok(self.buffer.dispatch(&args)?)
     }
 
-    /// The routed experts over what `out` received (fp8 rows cast back to `dtype`), on the
-    /// compute stream once it is in.
+    /// The routed experts over what `out` received, on the compute stream once it is in: fp8
+    /// rows go to fp8 experts as they arrived and are cast back to `dtype` for float experts.
     fn experts_normal(
         &self,
         out: &ep_runtime::DispatchOutput,
@@ -156,9 +157,9 @@ impl MoeLayer {
         dtype: DType,
     ) -> Result<Tensor> {
         out.event.compute_wait(dev)?;
-        let recv_x = match &out.recv_x_scales {
-            Some(s) => per_token_cast_back(&out.recv_x, s, dtype)?,
-            None => out.recv_x.clone(),
+        let input = ExpertInput {
+            x: out.recv_x.clone(),
+            scales: out.recv_x_scales.clone(),
         };
         let recv_idx = out.recv_topk_idx.as_ref().expect("routing was dispatched");
         let recv_w = out
@@ -167,22 +168,14 @@ impl MoeLayer {
             .expect("routing was dispatched");
         // A grid of one CTA per tile is sized by the rows the host learned with the count (every
         // slot's rows would launch about three times the tiles at EP4, as empty CTAs). The
-        // persistent grid keeps the tiles `GemmTiles::Auto` picks for every slot's rows: sized
-        // by the counts it picks narrower ones at 2048 tokens per rank, 0.45-0.5 ms slower on
-        // 4 x H100 and 0.2 ms faster on 4 x H200 (docs/benchmarks.md, "Pipelined over expert
-        // groups").
-        // Worst-case outputs come without counts: a per-tile grid is then sized for every slot.
+        // persistent grid keeps the tiles `GemmTiles::Auto` picks for every slot's rows
+        // (docs/benchmarks.md, "Pipelined over expert groups"). Worst-case outputs come without
+        // counts: a per-tile grid is then sized for every slot.
         let counted = !out.num_recv_tokens_per_expert.is_empty();
-        if self.normal_gemm_grid == ep_kernels::gemm::GemmGrid::PerTile && counted {
-            self.experts.forward_grouped_counted(
-                &recv_x,
-                recv_idx,
-                recv_w,
-                &out.num_recv_tokens_per_expert,
-            )
-        } else {
-            self.experts.forward_grouped(&recv_x, recv_idx, recv_w)
-        }
+        let counts = (self.normal_gemm_grid == ep_kernels::gemm::GemmGrid::PerTile && counted)
+            .then_some(out.num_recv_tokens_per_expert.as_slice());
+        self.experts
+            .forward_grouped_input(&input, recv_idx, recv_w, counts, dtype)
     }
 
     /// Normal mode as two micro-batches ([`MoeLayerOptions::two_batch_overlap`]): dispatch A;

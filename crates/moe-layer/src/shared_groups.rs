@@ -26,12 +26,13 @@ pub(crate) struct SharedGroups {
 }
 
 impl SharedGroups {
-    /// Whether `shared` can join `experts`' grouped GEMMs: experts on grouped GEMMs, the same
-    /// dtype and device, an inner width that is a multiple of the experts', not too many groups.
+    /// Whether `shared` can join `experts`' grouped GEMMs: bf16 experts on grouped GEMMs, the
+    /// same dtype and device, an inner width that is a multiple of the experts', not too many groups.
     pub(crate) fn eligible(shared: &Mlp, experts: &Experts) -> bool {
         let (h, i) = (experts.hidden_size(), experts.intermediate_size());
         let i_s = shared.intermediate_size();
         experts.uses_grouped_gemm()
+            && !experts.is_fp8()
             && shared.dtype() == DType::BF16
             && shared.device().same_device(experts.device())
             && shared.hidden_size() == h

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::Buffer;
-use moe_layer::{Experts, Mlp, MoeLayer, MoeLayerOptions, Router};
+use moe_layer::fp8::Fp8Weight;
+use moe_layer::{Experts, Fp8Expert, Mlp, MoeLayer, MoeLayerOptions, Router};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -48,15 +49,46 @@ pub fn randn_bf16(dev: &Device, shape: &[usize], std: f32) -> Result<Tensor, Box
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// This rank's layer over random weights (router and shared expert seeded alike on every rank).
-pub fn build_layer(
+/// A random `[n, k]` block-scaled fp8 weight on `dev`: `pattern` (a quantized normal weight's e4m3 values,
+/// shared by every weight) and random scales.
+fn fp8_weight(dev: &Device, pattern: &Tensor, n: usize, k: usize) -> Result<Fp8Weight, BoxError> {
+    let q = pattern.narrow(0, 0, n * k)?.reshape((n, k))?;
+    let scale = (Tensor::rand(0.5f32, 2.0, (n.div_ceil(128), k.div_ceil(128)), dev)? * 1e-4)?;
+    Ok(Fp8Weight::new("bench", q, scale)?)
+}
+
+/// [`build_layer`] with block-scaled fp8 routed experts (DeepSeek-V3's release format: e4m3
+/// weights with 128 x 128 scales), the router and the shared expert as in [`build_layer`].
+pub fn build_layer_fp8(
     dev: &Device,
     buffer: Arc<Buffer>,
     opts: MoeLayerOptions,
 ) -> Result<MoeLayer, BoxError> {
-    let cfg = config();
+    let (router, shared) = router_and_shared(dev)?;
     let topo = buffer.topology();
     let l = E / topo.num_ranks;
+    // Values of a quantized normal weight (random bit patterns would draw more power than a
+    // real checkpoint's and run slower on a power-capped GPU).
+    let normal = Tensor::randn(0f32, 1.0, 2 * I * H, &Device::Cpu)?.to_vec1::<f32>()?;
+    let (bytes, _) = ep_kernels::gemm::fp8::quantize_weight(&normal, 2 * I * H / 128, 128, 128)?;
+    let pattern = Tensor::from_vec(bytes, 2 * I * H, dev)?;
+    let experts = (0..l)
+        .map(|_| {
+            Ok(Fp8Expert {
+                gate: fp8_weight(dev, &pattern, I, H)?,
+                up: fp8_weight(dev, &pattern, I, H)?,
+                down: fp8_weight(dev, &pattern, H, I)?,
+            })
+        })
+        .collect::<Result<Vec<_>, BoxError>>()?;
+    let experts = Experts::from_fp8(topo.rank * l, experts, DType::BF16)?;
+    Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
+}
+
+/// The router and the shared expert of [`build_layer`] (seeded alike on every rank by the
+/// caller's order of draws).
+fn router_and_shared(dev: &Device) -> Result<(Router, Mlp), BoxError> {
+    let cfg = config();
     // Logits of unit scale (a gate of std 1/sqrt(H) on unit-scale tokens): routing spread over
     // the experts as a trained DeepSeek-V3 router's is; larger logits saturate the sigmoid and
     // the bias alone would pick the same experts for every token.
@@ -69,15 +101,29 @@ pub fn build_layer(
     let router = Router::new(gate, Some(bias), &cfg)?;
     let std_in = 1.0 / (H as f32).sqrt();
     let std_out = 1.0 / (I as f32).sqrt();
-    let experts = Experts::from_stacked(
-        topo.rank * l,
-        randn_bf16(dev, &[l, 2 * I, H], std_in)?,
-        randn_bf16(dev, &[l, H, I], std_out)?,
-    )?;
     let shared = Mlp::new(
         randn_bf16(dev, &[I, H], std_in)?,
         randn_bf16(dev, &[I, H], std_in)?,
         randn_bf16(dev, &[H, I], std_out)?,
+    )?;
+    Ok((router, shared))
+}
+
+/// This rank's layer over random weights (router and shared expert seeded alike on every rank).
+pub fn build_layer(
+    dev: &Device,
+    buffer: Arc<Buffer>,
+    opts: MoeLayerOptions,
+) -> Result<MoeLayer, BoxError> {
+    let (router, shared) = router_and_shared(dev)?;
+    let topo = buffer.topology();
+    let l = E / topo.num_ranks;
+    let std_in = 1.0 / (H as f32).sqrt();
+    let std_out = 1.0 / (I as f32).sqrt();
+    let experts = Experts::from_stacked(
+        topo.rank * l,
+        randn_bf16(dev, &[l, 2 * I, H], std_in)?,
+        randn_bf16(dev, &[l, H, I], std_out)?,
     )?;
     Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
 }

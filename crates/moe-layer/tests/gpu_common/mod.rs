@@ -1,6 +1,8 @@
 //! What the layer's GPU tests share: configurations, random weights under the HF names, and
 //! the relative error of an output against its reference.
 
+#![allow(dead_code)]
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};

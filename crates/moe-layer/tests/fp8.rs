@@ -1,0 +1,175 @@
+//! Block-scaled fp8 checkpoints on the CPU: weights dequantized exactly as DeepSeek's
+//! `weight_dequant` (the host twin), so a layer loaded from fp8 weights gives the same numbers,
+//! bit for bit in f32, as the layer loaded from the dequantized weights; and fp8 tensors that
+//! cannot be read right are refused with a message naming the tensor.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+use ep_kernels::gemm::fp8::{dequantize_weight, quantize_weight};
+use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
+use moe_layer::ep_runtime::{Buffer, BufferConfig};
+use moe_layer::fp8::{load_weight, Fp8Weight};
+use moe_layer::{Experts, Mode, MoeLayer, MoeLayerOptions};
+use rand::Rng;
+
+// Hidden not a multiple of 128 and experts' width below it: partial scale blocks everywhere.
+const H: usize = 200;
+const I: usize = 96;
+const E: usize = 8;
+
+fn cfg() -> MoeConfig {
+    MoeConfig {
+        hidden_size: H,
+        moe_intermediate_size: I,
+        n_routed_experts: E,
+        num_experts_per_tok: 3,
+        n_shared_experts: Some(1),
+        n_group: 4,
+        topk_group: 2,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+        scoring_func: ScoringFunc::Sigmoid,
+        topk_method: TopkMethod::NoauxTc,
+    }
+}
+
+/// A random `[n, k]` weight quantized as DeepSeek's release weights are: the e4m3 values and
+/// scales, and the f32 weight they stand for.
+fn fp8_weight(rng: &mut impl Rng, n: usize, k: usize) -> (Tensor, Tensor, Tensor) {
+    let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+    let (q, s) = quantize_weight(&w, n, k, 128).expect("valid shape");
+    let deq = dequantize_weight(&q, &s, n, k, 128).expect("valid shape");
+    let (sr, sc) = (n.div_ceil(128), k.div_ceil(128));
+    (
+        Tensor::from_vec(q, (n, k), &Device::Cpu).unwrap(),
+        Tensor::from_vec(s, (sr, sc), &Device::Cpu).unwrap(),
+        Tensor::from_vec(deq, (n, k), &Device::Cpu).unwrap(),
+    )
+}
+
+/// A layer's tensors twice: as an fp8 checkpoint (linear weights e4m3 + `weight_scale_inv`, the
+/// gate and its bias as stored) and as the same model's dequantized f32 weights.
+fn checkpoints(rng: &mut impl Rng) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
+    let mut fp8 = HashMap::new();
+    let mut deq = HashMap::new();
+    let mut linear = |name: String, n: usize, k: usize| {
+        let (q, s, d) = fp8_weight(rng, n, k);
+        fp8.insert(format!("{name}.weight"), q);
+        fp8.insert(format!("{name}.weight_scale_inv"), s);
+        deq.insert(format!("{name}.weight"), d);
+    };
+    for e in 0..E {
+        linear(format!("experts.{e}.gate_proj"), I, H);
+        linear(format!("experts.{e}.up_proj"), I, H);
+        linear(format!("experts.{e}.down_proj"), H, I);
+    }
+    linear("shared_experts.gate_proj".into(), I, H);
+    linear("shared_experts.up_proj".into(), I, H);
+    linear("shared_experts.down_proj".into(), H, I);
+    let gate = Tensor::randn(0f32, 0.5, (E, H), &Device::Cpu).unwrap();
+    let bias = Tensor::randn(0f32, 0.1, E, &Device::Cpu).unwrap();
+    for m in [&mut fp8, &mut deq] {
+        m.insert("gate.weight".into(), gate.clone());
+        m.insert("gate.e_score_correction_bias".into(), bias.clone());
+    }
+    (fp8, deq)
+}
+
+fn layer(tensors: HashMap<String, Tensor>) -> Result<MoeLayer> {
+    let buffer = Arc::new(
+        Buffer::local_group(1, 1, BufferConfig::default().with_low_latency(16, H, E))?.remove(0),
+    );
+    let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+    let opts = MoeLayerOptions {
+        low_latency_max_tokens: 16,
+        ..Default::default()
+    };
+    Ok(MoeLayer::load(vb, &cfg(), buffer, opts)?)
+}
+
+#[test]
+fn an_fp8_layer_equals_the_layer_on_its_dequantized_weights() -> Result<()> {
+    let mut rng = rand::rng();
+    let (fp8, deq) = checkpoints(&mut rng);
+    let a = layer(fp8)?;
+    let b = layer(deq)?;
+    assert!(!a.experts().is_fp8(), "the CPU dequantizes at load");
+    let x = Tensor::randn(0f32, 1.0, (13, H), &Device::Cpu)?;
+    for mode in [Mode::Normal, Mode::LowLatency] {
+        let ya: Vec<f32> = a.forward_with_mode(&x, mode)?.flatten_all()?.to_vec1()?;
+        let yb: Vec<f32> = b.forward_with_mode(&x, mode)?.flatten_all()?.to_vec1()?;
+        assert_eq!(ya, yb, "{mode:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn load_weight_dequantizes_exactly_and_reads_plain_weights_as_stored() -> Result<()> {
+    let mut rng = rand::rng();
+    let (q, s, d) = fp8_weight(&mut rng, 300, 130);
+    let plain = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu)?;
+    let tensors = HashMap::from([
+        ("a.weight".to_string(), q),
+        ("a.weight_scale_inv".to_string(), s),
+        ("b.weight".to_string(), plain.clone()),
+    ]);
+    let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+    let got = load_weight(&vb.pp("a"), 300, 130)?;
+    assert_eq!(
+        got.flatten_all()?.to_vec1::<f32>()?,
+        d.flatten_all()?.to_vec1::<f32>()?
+    );
+    let got = load_weight(&vb.pp("b"), 4, 8)?;
+    assert_eq!(
+        got.flatten_all()?.to_vec1::<f32>()?,
+        plain.flatten_all()?.to_vec1::<f32>()?
+    );
+    // bf16: the exact f32 product rounded once.
+    let vb16 = vb.set_dtype(DType::BF16);
+    let got = load_weight(&vb16.pp("a"), 300, 130)?;
+    assert_eq!(
+        got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+        d.to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_fp8_tensors_are_refused_naming_them() -> Result<()> {
+    let mut rng = rand::rng();
+    let (q, s, _) = fp8_weight(&mut rng, 256, 256);
+    // A scale of the wrong shape.
+    let bad_scale = Tensor::ones((1, 2), DType::F32, &Device::Cpu)?;
+    let err = Fp8Weight::new("model.layers.3.mlp.experts.7.up_proj", q.clone(), bad_scale)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.3.mlp.experts.7.up_proj.weight_scale_inv")
+            && err.contains("[1, 2]")
+            && err.contains("[2, 2]"),
+        "{err}"
+    );
+    // Values that are not e4m3.
+    let err = Fp8Weight::new("w", q.to_dtype(DType::F32)?, s.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("w.weight") && err.contains("F32"), "{err}");
+    // An fp8 expert with one projection's scales missing.
+    let (mut fp8, _) = checkpoints(&mut rng);
+    fp8.remove("experts.2.down_proj.weight_scale_inv");
+    let vb = VarBuilder::from_tensors(fp8, DType::F32, &Device::Cpu);
+    let err = Experts::load(vb.pp("experts"), &cfg(), 0, E)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("experts.2.down_proj.weight_scale_inv") && err.contains("missing"),
+        "{err}"
+    );
+    Ok(())
+}
