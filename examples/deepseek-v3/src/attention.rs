@@ -19,6 +19,18 @@ use crate::config::DeepSeekV3Config;
 use crate::kv_cache::KvCache;
 use crate::rotary::{softmax_scale, Rotary};
 
+/// A projection `[out, inp]` (with a bias when `bias`) at `vb`: as stored, or dequantized from
+/// block-scaled fp8 once at load (`moe_layer::fp8::load_weight`).
+fn linear(inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    let w = moe_layer::fp8::load_weight(&vb, out, inp)?;
+    let b = if bias {
+        Some(vb.get(out, "bias")?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
 #[derive(Clone, Debug)]
 enum QProj {
     Full(Linear),
@@ -54,16 +66,16 @@ impl Attention {
         let qd = cfg.q_head_dim();
         let bias = cfg.attention_bias;
         let q = match cfg.q_lora_rank {
-            None => QProj::Full(candle_nn::linear_no_bias(h, heads * qd, vb.pp("q_proj"))?),
+            None => QProj::Full(linear(h, heads * qd, false, vb.pp("q_proj"))?),
             Some(r) => QProj::LowRank {
-                a: candle_nn::linear_b(h, r, bias, vb.pp("q_a_proj"))?,
+                a: linear(h, r, bias, vb.pp("q_a_proj"))?,
                 norm: candle_nn::rms_norm(r, cfg.rms_norm_eps, vb.pp("q_a_layernorm"))?,
-                b: candle_nn::linear_no_bias(r, heads * qd, vb.pp("q_b_proj"))?,
+                b: linear(r, heads * qd, false, vb.pp("q_b_proj"))?,
             },
         };
         let kv_rank = cfg.kv_lora_rank;
         let (nope, v_dim) = (cfg.qk_nope_head_dim, cfg.v_head_dim);
-        let kv_b = candle_nn::linear_no_bias(kv_rank, heads * (nope + v_dim), vb.pp("kv_b_proj"))?;
+        let kv_b = linear(kv_rank, heads * (nope + v_dim), false, vb.pp("kv_b_proj"))?;
         let per_head = kv_b.weight().reshape((heads, nope + v_dim, kv_rank))?;
         let w_uk = per_head.narrow(1, 0, nope)?.contiguous()?;
         let w_uv_t = per_head
@@ -72,7 +84,7 @@ impl Attention {
             .contiguous()?;
         Ok(Self {
             q,
-            kv_a: candle_nn::linear_b(
+            kv_a: linear(
                 h,
                 kv_rank + cfg.qk_rope_head_dim,
                 bias,
@@ -81,7 +93,7 @@ impl Attention {
             kv_a_norm: candle_nn::rms_norm(kv_rank, cfg.rms_norm_eps, vb.pp("kv_a_layernorm"))?,
             w_uk,
             w_uv_t,
-            o: candle_nn::linear_b(heads * cfg.v_head_dim, h, bias, vb.pp("o_proj"))?,
+            o: linear(heads * cfg.v_head_dim, h, bias, vb.pp("o_proj"))?,
             heads,
             nope: cfg.qk_nope_head_dim,
             rope: cfg.qk_rope_head_dim,
@@ -110,7 +122,7 @@ impl Attention {
         let t = x.dim(0)?;
         let (h, r, rope) = (self.heads, self.kv_rank, self.rope);
         let (b, t_max) = (plan.num_seqs(), plan.max_new());
-        let (cos, sin) = plan.rotary_rows();
+        let rope_rows = plan.rotary_rows();
         let q = match &self.q {
             QProj::Full(p) => p.forward(x)?,
             QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
@@ -124,14 +136,12 @@ impl Attention {
             .narrow(2, self.nope, rope)?
             .transpose(0, 1)?
             .unsqueeze(0)?;
-        let q_pe = Rotary::apply(&q_pe, cos, sin)?
-            .squeeze(0)?
-            .transpose(0, 1)?;
+        let q_pe = rope_rows.apply(&q_pe)?.squeeze(0)?.transpose(0, 1)?;
 
         let ckv = self.kv_a.forward(x)?; // [total, rank + rope]
         let latent = self.kv_a_norm.forward(&ckv.narrow(1, 0, r)?)?;
         let k_pe = ckv.narrow(1, r, rope)?.reshape((1, 1, t, rope))?;
-        let k_pe = Rotary::apply(&k_pe, cos, sin)?.reshape((t, 1, rope))?;
+        let k_pe = rope_rows.apply(&k_pe)?.reshape((t, 1, rope))?;
         let latent = plan
             .pad(&latent.reshape((t, 1, r))?)?
             .reshape((b, t_max, r))?;

@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::kv_cache::{KvCache, SeqKey};
-use crate::rotary::Rotary;
+use crate::rotary::{RopeRows, Rotary};
 
 /// One sequence of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,8 +28,7 @@ pub struct BatchPlan {
     max_len: usize,
     /// Caller index of each sequence in slot order.
     order: Vec<usize>,
-    cos: Tensor,
-    sin: Tensor,
+    rope: RopeRows,
     /// `[b * t_max]` rows of the concatenated tokens (a short sequence repeats its last
     /// token); `None` when every sequence has exactly one new token.
     pad: Option<Tensor>,
@@ -108,7 +107,7 @@ impl BatchPlan {
             .unwrap_or(0);
 
         let positions = Tensor::new(positions.as_slice(), device)?;
-        let (cos, sin) = rotary.rows(&positions)?;
+        let rope = rotary.rows(&positions)?;
 
         // Row in the concatenation of each sequence's first token.
         let starts: Vec<usize> = seqs
@@ -171,8 +170,7 @@ impl BatchPlan {
                 max_new,
                 max_len,
                 order,
-                cos,
-                sin,
+                rope,
                 pad,
                 unpad,
                 mask,
@@ -202,7 +200,7 @@ impl BatchPlan {
     ) -> Result<Self> {
         let b = positions.dim(0)?;
         let len = keys.dim(3)?;
-        let (cos, sin) = rotary.rows(positions)?;
+        let rope = rotary.rows(positions)?;
         let limits = positions.reshape((b, 1, 1, 1))?;
         let allowed = keys.broadcast_le(&limits)?.to_dtype(DType::F32)?;
         let mask = ((allowed - 1.0)? * 1e9)?.to_dtype(dtype)?;
@@ -225,8 +223,7 @@ impl BatchPlan {
             max_new: 1,
             max_len: len,
             order: (0..b).collect(),
-            cos,
-            sin,
+            rope,
             pad: None,
             unpad: None,
             mask,
@@ -266,9 +263,9 @@ impl BatchPlan {
         &self.order
     }
 
-    /// Rotary cos and sin rows of the concatenated tokens.
-    pub fn rotary_rows(&self) -> (&Tensor, &Tensor) {
-        (&self.cos, &self.sin)
+    /// Rotary rows of the concatenated tokens.
+    pub fn rotary_rows(&self) -> &RopeRows {
+        &self.rope
     }
 
     /// The additive attention mask `[b, 1, t_max, max_len]`.

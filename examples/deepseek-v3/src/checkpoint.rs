@@ -1,16 +1,19 @@
 //! The tiny-checkpoint generator: random weights with Hugging Face tensor names, sharded
-//! safetensors with `model.safetensors.index.json`, `config.json` and `tokenizer.json`; and the
-//! embedded default checkpoint, generated on first use into a cache folder.
+//! safetensors with `model.safetensors.index.json`, `config.json` and `tokenizer.json`, in f32
+//! or bf16, or in DeepSeek-V3's block-scaled FP8 release format when the configuration has an
+//! fp8 `quantization_config` (every `*_proj` weight e4m3 with its `weight_scale_inv`, the rest
+//! as stored); and the embedded default checkpoint, generated on first use into a cache folder.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use moe_layer::ep_kernels::gemm::fp8::quantize_weight;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::config::DeepSeekV3Config;
+use crate::config::{DeepSeekV3Config, Quantization};
 use crate::progress::Progress;
 use crate::tokenizer::{build_tokenizer_json, plain_text_tokens};
 
@@ -156,9 +159,44 @@ pub fn generate_reporting(
     num_shards: usize,
     progress: bool,
 ) -> Result<()> {
+    generate_stored(dir, cfg, seed, num_shards, DType::F32, progress)
+}
+
+/// Whether DeepSeek's fp8 checkpoints store tensor `name` in fp8: every linear projection
+/// (`*_proj.weight`); not the embedding, `lm_head`, the norms or the router gate.
+fn is_fp8_weight(name: &str) -> bool {
+    name.ends_with("_proj.weight") || name.ends_with("_proj_with_mqa.weight")
+}
+
+/// [`generate_reporting`] storing the unquantized tensors in `storage` (f32 or bf16). With an
+/// fp8 `quantization_config` in `cfg` every linear projection is written as DeepSeek ships
+/// them: e4m3 values and one f32 scale per 128 x 128 block (`weight_scale_inv`), quantized
+/// from the same random f32 weights.
+pub fn generate_stored(
+    dir: &Path,
+    cfg: &DeepSeekV3Config,
+    seed: u64,
+    num_shards: usize,
+    storage: DType,
+    progress: bool,
+) -> Result<()> {
     cfg.validate()?;
     if num_shards == 0 {
         bail!("--shards must be at least 1");
+    }
+    if storage != DType::F32 && storage != DType::BF16 {
+        bail!(
+            "checkpoints are written in f32 or bf16, not {}",
+            storage.as_str()
+        );
+    }
+    let block = match &cfg.quantization {
+        Some(Quantization::Fp8 { block, .. }) => Some(*block),
+        Some(Quantization::Unsupported { reason, .. }) => bail!("{reason}"),
+        None => None,
+    };
+    if block.is_some_and(|b| b != crate::config::FP8_BLOCK) {
+        bail!("fp8 checkpoints are written with 128 x 128 weight blocks");
     }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -196,10 +234,25 @@ pub fn generate_reporting(
                 }
             }
         }
-        total_bytes += numel * 4;
         let shard = shard_of(&name, cfg.num_hidden_layers, num_shards);
-        weight_map.insert(name.clone(), shard_file_name(shard, num_shards));
-        shards[shard].insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+        if block.is_some() && is_fp8_weight(&name) {
+            let (n, k) = (shape[0], shape[1]);
+            let (q, scales) = quantize_weight(&data, n, k, crate::config::FP8_BLOCK[0])?;
+            let scale_name = format!("{}_scale_inv", name);
+            let scale_shape = (n.div_ceil(128), k.div_ceil(128));
+            total_bytes += numel + scales.len() * 4;
+            weight_map.insert(scale_name.clone(), shard_file_name(shard, num_shards));
+            shards[shard].insert(
+                scale_name,
+                Tensor::from_vec(scales, scale_shape, &Device::Cpu)?,
+            );
+            shards[shard].insert(name.clone(), Tensor::from_vec(q, (n, k), &Device::Cpu)?);
+        } else {
+            total_bytes += numel * storage.size_in_bytes();
+            let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(storage)?;
+            shards[shard].insert(name.clone(), t);
+        }
+        weight_map.insert(name, shard_file_name(shard, num_shards));
         report.inc(1);
     }
     for (i, tensors) in shards.iter().enumerate() {
@@ -215,7 +268,15 @@ pub fn generate_reporting(
         dir.join("model.safetensors.index.json"),
         serde_json::to_string_pretty(&index)?,
     )?;
-    std::fs::write(dir.join("config.json"), cfg.to_hf_json()?)?;
+    let mut config: serde_json::Value = serde_json::from_str(&cfg.to_hf_json()?)?;
+    config["torch_dtype"] = serde_json::json!(match storage {
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     std::fs::write(
         dir.join("tokenizer.json"),
         build_tokenizer_json(cfg.vocab_size)?,

@@ -7,7 +7,8 @@
 //!   [`kv_cache`]: the slotted KV cache; [`rotary`]: decoupled RoPE with YaRN;
 //! - [`checkpoint`]: the random-checkpoint generator and the embedded default checkpoint;
 //! - [`loader`]: sharded safetensors loading (each rank reads only its experts), or random
-//!   weights made on the device ([`init`]); [`progress`]: progress on stderr;
+//!   weights made on the device ([`init`]); [`format`]: the checkpoint's dtypes checked before
+//!   any weight is read (block-scaled FP8 or plain floats); [`progress`]: progress on stderr;
 //! - [`tokenizer`]: byte-level BPE `tokenizer.json` and the chat template;
 //! - [`dist`], [`engine`], [`scheduler`]: ranks, the step protocol, continuous batching;
 //! - [`server`]: the OpenAI-compatible HTTP API; [`metrics`]: its Prometheus metrics;
@@ -24,6 +25,7 @@ pub mod config;
 pub mod decode_graph;
 pub mod dist;
 pub mod engine;
+pub mod format;
 pub mod init;
 pub mod kv_cache;
 pub mod launch;

@@ -2,7 +2,10 @@
 //! `model.safetensors.index.json`, `tokenizer.json`) into a [`DeepSeekV3`] model, or builds one
 //! with random weights made on the device ([`load_random`]). The safetensors files are
 //! memory-mapped, so each rank reads only the tensors it asks for: the shared weights and its
-//! own experts.
+//! own experts. Every tensor's dtype is checked first ([`crate::format`]): block-scaled FP8
+//! weights (DeepSeek-V3's release format) are read with their scales, the routed experts' kept
+//! in FP8 on a GPU and every other one dequantized once (exactly, as DeepSeek's
+//! `weight_dequant`); a format the model does not run is refused before any weight is read.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -60,6 +63,19 @@ pub struct LoadedModel {
     pub model: DeepSeekV3,
     /// The tokenizer read from `tokenizer.json`.
     pub tokenizer: TextTokenizer,
+    /// What was loaded (for the log line at load).
+    pub report: LoadReport,
+}
+
+/// What a load read and how much device memory the weights took.
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    /// Linear weights the checkpoint stores as block-scaled fp8.
+    pub fp8_weights: usize,
+    /// Tensors skipped (the MTP layer).
+    pub skipped: usize,
+    /// Device memory the model took on a GPU, measured (free memory before and after).
+    pub device_bytes: Option<u64>,
 }
 
 /// The safetensors files of a checkpoint folder: those named by `model.safetensors.index.json`
@@ -104,17 +120,42 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     let config = DeepSeekV3Config::from_file(dir.join("config.json"))?;
     let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
     let files = safetensors_files(dir)?;
-    // SAFETY: the files are memory-mapped read-only; like every safetensors loader we rely on
-    // them not being modified while the model is alive.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device)? };
-    build(
+    let (st, format) = crate::format::inspect(&files, &config)
+        .with_context(|| format!("{}: cannot load the model", dir.display()))?;
+    let backend = crate::format::CheckedSafetensors::new(st, &format);
+    let vb = VarBuilder::from_backend(Box::new(backend), opts.dtype, opts.device.clone());
+    let device = opts.device.clone();
+    let before = device_free_bytes(&device);
+    let mut loaded = build(
         config,
         tokenizer,
         vb,
         opts,
         &format!("loading {}", dir.display()),
     )
-    .with_context(|| format!("{}: cannot load the model", dir.display()))
+    .with_context(|| format!("{}: cannot load the model", dir.display()))?;
+    loaded.report.fp8_weights = format.fp8_weights;
+    loaded.report.skipped = format.skipped.len();
+    loaded.report.device_bytes = before
+        .zip(device_free_bytes(&device))
+        .map(|(b, a)| b.saturating_sub(a));
+    Ok(loaded)
+}
+
+/// Free memory of a GPU (after its queued work), `None` on the CPU.
+fn device_free_bytes(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        let stream = dev.cuda_stream();
+        stream.synchronize().ok()?;
+        return stream
+            .context()
+            .mem_get_info()
+            .ok()
+            .map(|(free, _)| free as u64);
+    }
+    let _ = device;
+    None
 }
 
 /// Builds a model of configuration `config` with random weights drawn on `opts.device`
@@ -212,7 +253,10 @@ fn build(
     let lm_head = if config.tie_word_embeddings {
         candle_nn::Linear::new(embed.embeddings().clone(), None)
     } else {
-        candle_nn::linear_no_bias(config.hidden_size, config.vocab_size, vb.pp("lm_head"))?
+        candle_nn::Linear::new(
+            moe_layer::fp8::load_weight(&vb.pp("lm_head"), config.vocab_size, config.hidden_size)?,
+            None,
+        )
     };
     progress.finish();
     let kv_shape = KvShape {
@@ -225,5 +269,6 @@ fn build(
         config,
         model,
         tokenizer,
+        report: LoadReport::default(),
     })
 }

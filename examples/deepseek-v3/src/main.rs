@@ -53,7 +53,7 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", deepseek_v3::app::error_report(&e));
             std::process::exit(1);
         }
     }

@@ -1,5 +1,6 @@
 //! Decoupled rotary position embedding of MLA (interleaved pairs, as in DeepSeek-V3's
-//! checkpoints) with optional YaRN scaling, and MLA's softmax scale.
+//! checkpoints, or halves with `rope_interleave: false`) with optional YaRN scaling, and MLA's
+//! softmax scale.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -13,12 +14,15 @@ fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     }
 }
 
-/// The cos/sin tables of the rotary part of queries and keys (interleaved pairs, as in
-/// DeepSeek-V3's checkpoints), with optional YaRN scaling.
+/// The cos/sin tables of the rotary part of queries and keys, with optional YaRN scaling.
+///
+/// Pair `i` of a `d`-wide rotary part is `(x[2i], x[2i + 1])` with `rope_interleave` (DeepSeek's
+/// checkpoints) and `(x[i], x[i + d/2])` without; both rotate by the angle `position * f_i`.
 #[derive(Clone, Debug)]
 pub struct Rotary {
     cos: Tensor,
     sin: Tensor,
+    interleave: bool,
 }
 
 impl Rotary {
@@ -49,7 +53,11 @@ impl Rotary {
         }
         let cos = Tensor::from_vec(cos, (max_positions, dim / 2), dev)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (max_positions, dim / 2), dev)?.to_dtype(dtype)?;
-        Ok(Self { cos, sin })
+        Ok(Self {
+            cos,
+            sin,
+            interleave: cfg.rope_interleave,
+        })
     }
 
     /// Number of positions the tables cover.
@@ -57,19 +65,35 @@ impl Rotary {
         self.cos.dims()[0]
     }
 
-    /// The cos and sin rows of `positions` (`u32`, one per token), `[positions.len(), rope_dim / 2]`,
-    /// for [`Rotary::apply`]. A batch gathers them once per step and reuses them in every layer.
-    pub fn rows(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((
-            self.cos.index_select(positions, 0)?,
-            self.sin.index_select(positions, 0)?,
-        ))
+    /// The cos and sin rows of `positions` (`u32`, one per token), `[positions.len(),
+    /// rope_dim / 2]`. A batch gathers them once per step and reuses them in every layer.
+    pub fn rows(&self, positions: &Tensor) -> Result<RopeRows> {
+        Ok(RopeRows {
+            cos: self.cos.index_select(positions, 0)?,
+            sin: self.sin.index_select(positions, 0)?,
+            interleave: self.interleave,
+        })
     }
+}
 
-    /// Rotates `x` of shape `[1, heads, t, rope_dim]` by the rows `cos`, `sin` of
-    /// [`Rotary::rows`] (token `i` by the angle of its own position).
-    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        candle_nn::rotary_emb::rope_i(&x.contiguous()?, cos, sin)
+/// The rotary rows of a batch's tokens ([`Rotary::rows`]) and the pairing they rotate.
+#[derive(Clone, Debug)]
+pub struct RopeRows {
+    cos: Tensor,
+    sin: Tensor,
+    interleave: bool,
+}
+
+impl RopeRows {
+    /// Rotates `x` of shape `[1, heads, t, rope_dim]` (token `i` by the angle of its own
+    /// position).
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if self.interleave {
+            candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)
+        } else {
+            candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)
+        }
     }
 }
 
@@ -128,6 +152,56 @@ mod tests {
         });
         let m = 0.1 * 40f64.ln() + 1.0;
         assert!((softmax_scale(&cfg) - plain * m * m).abs() < 1e-12);
+    }
+
+    /// `Rotary::apply` against the rotation written out pair by pair, for both pairings.
+    #[test]
+    fn both_pairings_rotate_like_the_formula() {
+        let dev = Device::Cpu;
+        for interleave in [true, false] {
+            let mut cfg = DeepSeekV3Config::tiny();
+            cfg.rope_interleave = interleave;
+            let d = cfg.qk_rope_head_dim;
+            let rotary = Rotary::new(&cfg, 16, DType::F32, &dev).unwrap();
+            let positions = [3u32, 0, 11];
+            let (heads, t) = (2, positions.len());
+            let x: Vec<f32> = (0..heads * t * d)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
+            let xt = Tensor::from_vec(x.clone(), (1, heads, t, d), &dev).unwrap();
+            let rows = rotary
+                .rows(&Tensor::new(&positions[..], &dev).unwrap())
+                .unwrap();
+            let got: Vec<f32> = rows
+                .apply(&xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for h in 0..heads {
+                for (j, &p) in positions.iter().enumerate() {
+                    let row = (h * t + j) * d;
+                    for i in 0..d / 2 {
+                        let (a, b) = if interleave {
+                            (row + 2 * i, row + 2 * i + 1)
+                        } else {
+                            (row + i, row + i + d / 2)
+                        };
+                        let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64);
+                        let (s, c) = (p as f64 * f).sin_cos();
+                        let (xa, xb) = (x[a] as f64, x[b] as f64);
+                        let want = [xa * c - xb * s, xa * s + xb * c];
+                        for (k, w) in [a, b].into_iter().zip(want) {
+                            assert!(
+                                (got[k] as f64 - w).abs() < 1e-5,
+                                "interleave {interleave}, head {h}, position {p}, pair {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

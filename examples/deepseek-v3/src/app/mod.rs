@@ -41,17 +41,83 @@ pub struct GenCheckpointArgs {
     /// A `config.json` to use instead of the tiny preset.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Write the linear projections in DeepSeek-V3's block-scaled FP8 format (`fp8`: e4m3 with
+    /// one f32 `weight_scale_inv` per 128 x 128 block, and an fp8 `quantization_config`).
+    #[arg(long)]
+    pub quant: Option<QuantArg>,
+    /// dtype of the other tensors: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+/// The quantizations `gen-checkpoint --quant` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuantArg {
+    /// DeepSeek-V3's block-scaled FP8.
+    Fp8,
 }
 
 /// `gen-checkpoint`: writes a random checkpoint.
 pub fn gen_checkpoint(args: &GenCheckpointArgs) -> Result<()> {
-    let cfg = match &args.config {
+    let mut cfg = match &args.config {
         Some(p) => DeepSeekV3Config::from_file(p)?,
         None => DeepSeekV3Config::tiny(),
     };
-    checkpoint::generate_reporting(&args.out, &cfg, args.seed, args.shards, true)?;
+    if args.quant == Some(QuantArg::Fp8) {
+        cfg.quantization = Some(crate::config::Quantization::Fp8 {
+            block: crate::config::FP8_BLOCK,
+            scale_fmt: crate::config::ScaleFmt::Float,
+        });
+    }
+    let storage = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => bail!("gen-checkpoint --dtype {other:?} is not supported (f32, bf16)"),
+    };
+    checkpoint::generate_stored(&args.out, &cfg, args.seed, args.shards, storage, true)?;
     println!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The one line an error is reported as: every cause once, in words. Candle's errors are
+/// unwrapped (the typed error a layer wrapped, without the Debug form candle prints beside it),
+/// and their backtraces are shown only when `RUST_BACKTRACE` is set.
+pub fn error_report(e: &anyhow::Error) -> String {
+    let backtraces = std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0");
+    report_with(e, backtraces)
+}
+
+/// [`error_report`], with or without candle's backtraces.
+fn report_with(e: &anyhow::Error, backtraces: bool) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = match cause.downcast_ref::<candle_core::Error>() {
+            Some(c) => describe_candle(c, backtraces),
+            None => cause.to_string(),
+        };
+        if parts.last() != Some(&text) {
+            parts.push(text);
+        }
+    }
+    parts.join(": ")
+}
+
+fn describe_candle(e: &candle_core::Error, backtraces: bool) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, backtrace } => {
+            let text = describe_candle(inner, backtraces);
+            if backtraces {
+                format!("{text}\n{backtrace}")
+            } else {
+                text
+            }
+        }
+        candle_core::Error::WrappedContext { wrapped, .. } => wrapped.to_string(),
+        candle_core::Error::Context { inner, context } => {
+            format!("{context}: {}", describe_candle(inner, backtraces))
+        }
+        other => other.to_string(),
+    }
 }
 
 /// Where the weights come from.
@@ -85,8 +151,9 @@ pub struct ModelArgs {
     /// Run on the CPU even in a `cuda` build.
     #[arg(long)]
     pub cpu: bool,
-    /// Weight dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    /// Weight and activation dtype: `auto` (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16.
+    /// A GPU runs bf16 (with fp8 experts for an fp8 checkpoint).
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Most live sequences per rank (also the low-latency MoE token limit per rank, and the
     /// number of KV cache slots, allocated at start).
@@ -114,13 +181,23 @@ pub struct ModelArgs {
     pub eager_decode: bool,
 }
 
-fn parse_dtype(s: &str) -> Result<DType> {
-    Ok(match s {
-        "f32" => DType::F32,
+/// The dtype `--dtype` asks for on `device`: `auto` is bf16 on a GPU and f32 on the CPU; a
+/// GPU runs bf16 only (its expert-parallel buffers and grouped GEMMs are bf16), so another
+/// dtype there is refused before anything is loaded.
+fn parse_dtype(s: &str, device: &candle_core::Device) -> Result<DType> {
+    let dtype = match s {
+        "auto" if device.is_cuda() => DType::BF16,
+        "auto" | "f32" => DType::F32,
         "bf16" => DType::BF16,
         "f16" => DType::F16,
-        other => bail!("--dtype {other:?} is not supported (f32, bf16, f16)"),
-    })
+        other => bail!("--dtype {other:?} is not supported (auto, f32, bf16, f16)"),
+    };
+    if device.is_cuda() && dtype != DType::BF16 {
+        bail!(
+            "--dtype {s} is not supported on a GPU, which runs bf16 (the default there);              use --dtype bf16, or --cpu for {s}"
+        );
+    }
+    Ok(dtype)
 }
 
 /// Where [`start`] takes the model from.
@@ -176,9 +253,9 @@ impl ModelArgs {
 /// `max_positions` bounds sequence length (prompt plus generated tokens).
 pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTokenizer)> {
     let info = RankInfo::from_env()?;
-    let dtype = parse_dtype(&args.dtype)?;
     let (source, cfg) = args.source(&info)?;
     let device = select_device(&info, args.cpu)?;
+    let dtype = parse_dtype(&args.dtype, &device)?;
     let mut buffer_cfg =
         BufferConfig::default().with_timeout(Duration::from_secs(args.timeout_secs));
     if let Some(e) = cfg.n_routed_experts.filter(|_| cfg.has_moe()) {
@@ -203,7 +280,7 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
             args.init_seed,
             cfg.num_parameters() as f64 / 1e9,
             (cfg.num_parameters() * dtype.size_in_bytes()) as f64 / (1u64 << 30) as f64,
-            args.dtype
+            dtype.as_str()
         ),
     };
     tracing::info!(rank = info.rank, world = info.world_size, model = %what, ?device, "starting");
@@ -223,6 +300,7 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         shared_before_dispatch: worst_case,
         ..Default::default()
     };
+    let on_gpu = device.is_cuda();
     let opts = LoadOptions {
         device,
         dtype,
@@ -237,6 +315,32 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         Source::Checkpoint(dir) => loader::load(&dir, opts)?,
         Source::Random => loader::load_random(cfg, args.init_seed, opts)?,
     };
+    let r = &loaded.report;
+    // One line per rank at load, on a GPU or with an fp8 checkpoint: what the weights take.
+    if r.fp8_weights > 0 || r.device_bytes.is_some() {
+        let fp8 = if r.fp8_weights == 0 {
+            String::new()
+        } else if on_gpu {
+            format!(
+                "{} fp8 weights (routed experts kept in fp8, the rest dequantized to {}); ",
+                r.fp8_weights,
+                dtype.as_str()
+            )
+        } else {
+            format!(
+                "{} fp8 weights dequantized to {}; ",
+                r.fp8_weights,
+                dtype.as_str()
+            )
+        };
+        let memory = r.device_bytes.map_or(String::new(), |b| {
+            format!(
+                "{:.3} GiB of device memory for the weights",
+                b as f64 / (1u64 << 30) as f64
+            )
+        });
+        eprintln!("rank {}: loaded: {fp8}{memory}", info.rank);
+    }
     let kv_bytes = KvCache::bytes(
         loaded.model.kv_shape(),
         args.max_batch,
@@ -265,5 +369,30 @@ impl Cluster {
     pub fn engine_follow(&mut self) -> Result<()> {
         self.follow()?;
         self.dist.finish(Duration::from_secs(60))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_error_is_reported_once_in_words() {
+        let layer = moe_layer::Error::invalid("x", "f32", "expected bf16 (CUDA buffers)");
+        let candle: candle_core::Error = layer.into();
+        let e = anyhow::Error::from(candle.bt()).context("cannot load layer 0");
+        let text = report_with(&e, false);
+        assert_eq!(
+            text,
+            "cannot load layer 0: invalid argument `x` = f32: expected bf16 (CUDA buffers)"
+        );
+    }
+
+    #[test]
+    fn auto_dtype_is_f32_on_the_cpu_and_other_dtypes_parse() {
+        let cpu = candle_core::Device::Cpu;
+        assert_eq!(parse_dtype("auto", &cpu).unwrap(), DType::F32);
+        assert_eq!(parse_dtype("bf16", &cpu).unwrap(), DType::BF16);
+        assert!(parse_dtype("f64", &cpu).is_err());
     }
 }

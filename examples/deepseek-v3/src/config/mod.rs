@@ -1,68 +1,93 @@
 //! The model configuration, read from a Hugging Face `config.json` with DeepSeek-V3's field
 //! names, plus the tiny preset that the checkpoint generator writes.
+//!
+//! Every form the Hugging Face Hub and transformers write for DeepSeek-style models is read:
+//! DeepSeek-V2, V3, V3.1, R1 and Kimi-K2 as published, and as re-saved by transformers 4.5x
+//! (`rope_scaling` with both `type` and `rope_type`) and 5 (`rope_parameters` holding the RoPE
+//! base and type). `quantization_config` becomes a typed [`Quantization`].
+
+mod hf;
+mod quantization;
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use moe_layer::config::MoeConfig;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-fn one() -> usize {
-    1
+pub use quantization::{Quantization, ScaleFmt, FP8_BLOCK};
+
+/// The architecture family named by `model_type`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ModelType {
+    /// `deepseek_v3` (DeepSeek-V3, V3.1, R1); also assumed when `model_type` is absent.
+    #[default]
+    DeepseekV3,
+    /// `deepseek_v2` (DeepSeek-V2, V2-Lite, V2.5).
+    DeepseekV2,
+    /// `kimi_k2` (Kimi-K2: DeepSeek-V3's architecture with other sizes).
+    KimiK2,
+    /// Any other `model_type`; [`DeepSeekV3Config::validate`] refuses it.
+    Other(String),
 }
 
-fn one_f64() -> f64 {
-    1.0
-}
+impl ModelType {
+    /// The type a `model_type` value names.
+    pub fn from_name(name: &str) -> Self {
+        match name {
+            "deepseek_v3" => ModelType::DeepseekV3,
+            "deepseek_v2" => ModelType::DeepseekV2,
+            "kimi_k2" => ModelType::KimiK2,
+            other => ModelType::Other(other.to_string()),
+        }
+    }
 
-fn silu() -> String {
-    "silu".to_string()
-}
+    /// The `model_type` value.
+    pub fn as_str(&self) -> &str {
+        match self {
+            ModelType::DeepseekV3 => "deepseek_v3",
+            ModelType::DeepseekV2 => "deepseek_v2",
+            ModelType::KimiK2 => "kimi_k2",
+            ModelType::Other(name) => name,
+        }
+    }
 
-fn greedy() -> String {
-    "greedy".to_string()
-}
-
-fn softmax() -> String {
-    "softmax".to_string()
+    /// The `architectures` entry of this family's published checkpoints.
+    pub fn architecture(&self) -> &str {
+        match self {
+            ModelType::DeepseekV2 => "DeepseekV2ForCausalLM",
+            _ => "DeepseekV3ForCausalLM",
+        }
+    }
 }
 
 /// YaRN context extension of the decoupled RoPE (`rope_scaling` in `config.json`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RopeScaling {
     /// Scaling kind; only `"yarn"` is supported.
-    #[serde(rename = "type", alias = "rope_type")]
+    #[serde(rename = "type")]
     pub kind: String,
     /// Context extension factor.
     pub factor: f64,
     /// Context length the model was pre-trained with.
     pub original_max_position_embeddings: usize,
     /// Rotations above which dimensions keep their original frequency.
-    #[serde(default = "default_beta_fast")]
     pub beta_fast: f64,
     /// Rotations below which dimensions are fully interpolated.
-    #[serde(default = "default_beta_slow")]
     pub beta_slow: f64,
     /// Magnitude correction applied to cos/sin.
-    #[serde(default = "one_f64")]
     pub mscale: f64,
     /// Magnitude correction shared by all dimensions (also scales the softmax).
-    #[serde(default)]
     pub mscale_all_dim: f64,
 }
 
-fn default_beta_fast() -> f64 {
-    32.0
-}
-
-fn default_beta_slow() -> f64 {
-    1.0
-}
-
 /// A DeepSeek-V3 model configuration (`DeepseekV3Config` of Hugging Face), limited to the
-/// fields inference needs. Unknown fields are ignored.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// fields inference needs. Unknown fields are ignored; absent optional fields take the
+/// defaults of Hugging Face's `DeepseekV2Config`.
+#[derive(Clone, Debug, PartialEq)]
 pub struct DeepSeekV3Config {
+    /// The architecture family (`model_type`).
+    pub model_type: ModelType,
     /// Token vocabulary size (rows of the embedding and of `lm_head`).
     pub vocab_size: usize,
     /// Model width.
@@ -76,18 +101,14 @@ pub struct DeepSeekV3Config {
     /// Number of attention heads.
     pub num_attention_heads: usize,
     /// Shared experts per MoE layer (fused into one MLP).
-    #[serde(default)]
     pub n_shared_experts: Option<usize>,
     /// Routed experts per MoE layer; `null` makes every layer dense.
-    #[serde(default)]
     pub n_routed_experts: Option<usize>,
     /// Factor on the routing weights.
-    #[serde(default = "one_f64")]
     pub routed_scaling_factor: f64,
     /// Rank of the compressed key/value projection.
     pub kv_lora_rank: usize,
     /// Rank of the compressed query projection; `null` uses a full `q_proj`.
-    #[serde(default)]
     pub q_lora_rank: Option<usize>,
     /// Per-head width of the rotary part of queries and keys.
     pub qk_rope_head_dim: usize,
@@ -96,53 +117,61 @@ pub struct DeepSeekV3Config {
     /// Per-head width of the non-rotary part of queries and keys.
     pub qk_nope_head_dim: usize,
     /// Router top-k method (`noaux_tc`, `greedy`, `group_limited_greedy`).
-    #[serde(default = "greedy")]
     pub topk_method: String,
-    /// Expert groups.
-    #[serde(default = "one")]
+    /// Expert groups (`null` reads as 1).
     pub n_group: usize,
-    /// Groups a token may use.
-    #[serde(default = "one")]
+    /// Groups a token may use (`null` reads as 1).
     pub topk_group: usize,
     /// Experts per token.
-    #[serde(default)]
     pub num_experts_per_tok: Option<usize>,
     /// Every `moe_layer_freq`-th layer after the dense ones is an MoE layer.
-    #[serde(default = "one")]
     pub moe_layer_freq: usize,
     /// Number of leading dense layers.
-    #[serde(default)]
     pub first_k_dense_replace: usize,
     /// Whether the chosen experts' weights are renormalised.
-    #[serde(default)]
     pub norm_topk_prob: bool,
     /// Router score function (`sigmoid` or `softmax`).
-    #[serde(default = "softmax")]
     pub scoring_func: String,
     /// MLP activation; only `silu` is supported.
-    #[serde(default = "silu")]
     pub hidden_act: String,
     /// Longest supported context.
     pub max_position_embeddings: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
-    /// RoPE base.
+    /// RoPE base (`rope_theta`, at the top level or in transformers 5's `rope_parameters`).
     pub rope_theta: f64,
-    /// Optional YaRN scaling.
-    #[serde(default)]
+    /// Optional YaRN scaling (`rope_scaling`, or transformers 5's `rope_parameters`).
     pub rope_scaling: Option<RopeScaling>,
+    /// Whether RoPE rotates interleaved pairs `(x[2i], x[2i + 1])`, as DeepSeek's checkpoints
+    /// do (the default), rather than the halves `(x[i], x[i + d/2])`.
+    pub rope_interleave: bool,
     /// Whether the attention projections have biases.
-    #[serde(default)]
     pub attention_bias: bool,
     /// Whether `lm_head` shares the embedding matrix.
-    #[serde(default)]
     pub tie_word_embeddings: bool,
-    /// Beginning-of-sequence token id.
-    #[serde(default)]
+    /// Beginning-of-sequence token id (the first one where `config.json` lists several).
     pub bos_token_id: Option<u32>,
-    /// End-of-sequence token id.
-    #[serde(default)]
+    /// End-of-sequence token id (the first one where `config.json` lists several).
     pub eos_token_id: Option<u32>,
+    /// The end-of-sequence ids after [`DeepSeekV3Config::eos_token_id`] where `config.json`
+    /// lists several.
+    pub extra_eos_token_ids: Vec<u32>,
+    /// The weights' quantization (`quantization_config`); `None` for bf16/f16/f32 weights.
+    pub quantization: Option<Quantization>,
+}
+
+impl<'de> Deserialize<'de> for DeepSeekV3Config {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        hf::RawConfig::deserialize(deserializer)?
+            .into_config()
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+impl Serialize for DeepSeekV3Config {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        hf::OutConfig::from(self).serialize(serializer)
+    }
 }
 
 impl DeepSeekV3Config {
@@ -190,6 +219,15 @@ impl DeepSeekV3Config {
                 self.hidden_act
             );
         }
+        if let ModelType::Other(name) = &self.model_type {
+            bail!(
+                "model_type {name:?} is not supported (supported: deepseek_v3, deepseek_v2, \
+                 kimi_k2)"
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!("rope_theta must be positive, got {}", self.rope_theta);
+        }
         if let Some(rs) = &self.rope_scaling {
             if rs.kind != "yarn" {
                 bail!(
@@ -197,6 +235,15 @@ impl DeepSeekV3Config {
                     rs.kind
                 );
             }
+            if !(rs.factor.is_finite() && rs.factor > 0.0) {
+                bail!("rope_scaling.factor must be positive, got {}", rs.factor);
+            }
+            if rs.original_max_position_embeddings == 0 {
+                bail!("rope_scaling.original_max_position_embeddings must be positive, got 0");
+            }
+        }
+        if let Some(q) = &self.quantization {
+            q.check()?;
         }
         if self.has_moe() {
             self.moe_config()?;
@@ -284,6 +331,7 @@ impl DeepSeekV3Config {
     /// 16 routed experts top-4 in 4 groups (2 used), 1 shared expert, vocabulary 320.
     pub fn tiny() -> Self {
         Self {
+            model_type: ModelType::DeepseekV3,
             vocab_size: 320,
             hidden_size: 128,
             intermediate_size: 128,
@@ -306,20 +354,23 @@ impl DeepSeekV3Config {
             first_k_dense_replace: 1,
             norm_topk_prob: true,
             scoring_func: "sigmoid".to_string(),
-            hidden_act: silu(),
+            hidden_act: "silu".to_string(),
             max_position_embeddings: 2048,
             rms_norm_eps: 1e-6,
             rope_theta: 10000.0,
             rope_scaling: None,
+            rope_interleave: true,
             attention_bias: false,
             tie_word_embeddings: false,
             bos_token_id: Some(0),
             eos_token_id: Some(1),
+            extra_eos_token_ids: Vec::new(),
+            quantization: None,
         }
     }
 
     /// The whole `config.json` text, with the Hugging Face metadata fields a DeepSeek-V3
-    /// checkpoint carries (`architectures`, `model_type`, `torch_dtype`, ...).
+    /// checkpoint carries (`architectures`, `torch_dtype`, ...).
     pub fn to_hf_json(&self) -> Result<String> {
         let mut value = serde_json::to_value(self)?;
         let obj = value
@@ -327,9 +378,8 @@ impl DeepSeekV3Config {
             .context("configuration did not serialise to an object")?;
         obj.insert(
             "architectures".into(),
-            serde_json::json!(["DeepseekV3ForCausalLM"]),
+            serde_json::json!([self.model_type.architecture()]),
         );
-        obj.insert("model_type".into(), serde_json::json!("deepseek_v3"));
         obj.insert("torch_dtype".into(), serde_json::json!("float32"));
         obj.insert(
             "num_key_value_heads".into(),
@@ -340,91 +390,4 @@ impl DeepSeekV3Config {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The shape of DeepSeek-V3's published `config.json` (values typed in, extra fields kept).
-    const V3_LIKE: &str = r#"{
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-        "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": true,
-        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
-        "rms_norm_eps": 1e-06, "rope_theta": 10000, "attention_bias": false,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
-        "tie_word_embeddings": false, "bos_token_id": 0, "eos_token_id": 1,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
-    }"#;
-
-    #[test]
-    fn parses_a_v3_config() {
-        let cfg: DeepSeekV3Config = serde_json::from_str(V3_LIKE).unwrap();
-        cfg.validate().unwrap();
-        assert_eq!(cfg.q_head_dim(), 192);
-        assert!(!cfg.is_moe_layer(2));
-        assert!(cfg.is_moe_layer(3));
-        let moe = cfg.moe_config().unwrap();
-        assert_eq!(moe.n_routed_experts, 256);
-        assert_eq!(moe.num_experts_per_tok, 8);
-        assert_eq!(cfg.rope_scaling.as_ref().unwrap().factor, 40.0);
-    }
-
-    #[test]
-    fn the_shipped_v2_lite_config_is_v2_lite_shaped() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/deepseek-v2-lite.json");
-        let cfg = DeepSeekV3Config::from_file(path).unwrap();
-        assert_eq!(cfg.q_lora_rank, None);
-        assert!(!cfg.is_moe_layer(0) && cfg.is_moe_layer(1) && cfg.is_moe_layer(26));
-        let moe = cfg.moe_config().unwrap();
-        assert_eq!(
-            (
-                moe.n_routed_experts,
-                moe.num_experts_per_tok,
-                moe.n_shared_experts
-            ),
-            (64, 6, Some(2))
-        );
-        assert_eq!(moe.scoring_func, moe_layer::config::ScoringFunc::Softmax);
-        assert_eq!(moe.topk_method, moe_layer::config::TopkMethod::Greedy);
-        assert!(!moe.norm_topk_prob && moe.routed_scaling_factor == 1.0);
-        // About 15.7 B weights: 31 GB in bf16.
-        let n = cfg.num_parameters() as f64 / 1e9;
-        assert!((15.6..15.8).contains(&n), "{n} B parameters");
-    }
-
-    #[test]
-    fn parameter_count_matches_the_generated_tensors() {
-        let tiny = DeepSeekV3Config::tiny();
-        let dir = std::env::temp_dir().join(format!("dsv3-params-{}", std::process::id()));
-        crate::checkpoint::generate(&dir, &tiny, 1, 1).unwrap();
-        let index: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
-        )
-        .unwrap();
-        let bytes = index["metadata"]["total_size"].as_u64().unwrap() as usize;
-        std::fs::remove_dir_all(&dir).ok();
-        assert_eq!(tiny.num_parameters() * 4, bytes);
-    }
-
-    #[test]
-    fn tiny_round_trips_and_bad_values_are_named() {
-        let tiny = DeepSeekV3Config::tiny();
-        let back: DeepSeekV3Config = serde_json::from_str(&tiny.to_hf_json().unwrap()).unwrap();
-        assert_eq!(back, tiny);
-        let mut bad = tiny.clone();
-        bad.qk_rope_head_dim = 7;
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("qk_rope_head_dim"));
-        let mut bad = tiny;
-        bad.hidden_act = "gelu".into();
-        assert!(bad.validate().unwrap_err().to_string().contains("gelu"));
-    }
-}
+mod tests;
