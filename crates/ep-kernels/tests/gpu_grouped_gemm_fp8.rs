@@ -430,6 +430,47 @@ fn swiglu_quantize_case(
     Ok(())
 }
 
+/// The experts' input quantization against its host twin, bit for bit (the per-token cast's
+/// arithmetic), masked blocks past their counts untouched.
+fn quantize_rows_case(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    rows: usize,
+    cols: usize,
+    m_max: Option<usize>,
+) -> CaseResult {
+    let x: Vec<bf16> = (0..rows * cols)
+        .map(|_| {
+            bf16::from_f32(rng.random_range(-4.0f32..4.0) * 10f32.powi(rng.random_range(-2..2)))
+        })
+        .collect();
+    let counts: Vec<i32> = m_max.map_or(Vec::new(), |m| {
+        (0..rows / m)
+            .map(|_| rng.random_range(0..=m as i32))
+            .collect()
+    });
+    let groups = cols / 128;
+    let mut q_want = vec![F8E4M3::poison(); rows * cols];
+    let mut s_want = vec![f32::poison(); rows * groups];
+    let mask = m_max.map(|m| (counts.as_slice(), m));
+    fp8::quantize_rows(&x, rows, cols, mask, &mut q_want, &mut s_want)?;
+    let x_dev = stream.clone_htod(&x)?;
+    let c_dev = stream.clone_htod(&counts.iter().copied().chain([0]).collect::<Vec<_>>())?;
+    let c_view = c_dev.slice(0..counts.len());
+    let mut q = poisoned::<F8E4M3>(stream, rows * cols)?;
+    let mut s = poisoned::<f32>(stream, rows * groups)?;
+    let dmask = m_max.map(|m| (&c_view as &dyn cudarc::driver::DevicePtr<i32>, m));
+    fp8::quantize_rows_fp8_cuda(stream, &x_dev, rows, cols, dmask, &mut q, &mut s)?;
+    let (q, s) = (stream.clone_dtoh(&q)?, stream.clone_dtoh(&s)?);
+    if let Some(i) = (0..rows * cols).find(|&i| q[i].to_bits() != q_want[i].to_bits()) {
+        return Err(format!("value {i}: got {}, want {}", q[i], q_want[i]).into());
+    }
+    if let Some(i) = (0..rows * groups).find(|&i| s[i].to_bits() != s_want[i].to_bits()) {
+        return Err(format!("scale {i}: got {}, want {}", s[i], s_want[i]).into());
+    }
+    Ok(())
+}
+
 /// Bad arguments are refused before any launch, naming the argument.
 fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> CaseResult {
     let a = stream.alloc_zeros::<F8E4M3>(4 * 128)?;
@@ -639,6 +680,14 @@ fn main() {
     ] {
         runner.case(&format!("swiglu-quantize/{name}"), |rng| {
             swiglu_quantize_case(&stream, rng, rows, inter, m_max)
+        });
+    }
+    for (name, rows, cols, m_max) in [
+        ("contiguous/300x7168", 300, 7168, None),
+        ("masked/32x16x2048", 512, 2048, Some(16)),
+    ] {
+        runner.case(&format!("quantize-rows/{name}"), |rng| {
+            quantize_rows_case(&stream, rng, rows, cols, m_max)
         });
     }
     runner.case("dequantize-weight", |rng| dequantize_case(&stream, rng));

@@ -87,6 +87,13 @@ impl DenseMoe {
         self.shared.as_ref()
     }
 
+    /// Bytes of its weights (router, every expert, shared experts).
+    pub fn weight_bytes(&self) -> usize {
+        self.router.weight_bytes()
+            + self.experts.weight_bytes()
+            + self.shared.as_ref().map_or(0, Mlp::weight_bytes)
+    }
+
     /// Applies the layer to `x` `[T, H]`; the sum is taken in f32 and returned in `x`'s dtype.
     /// Returns candle's error type, like [`crate::MoeLayer::forward`] (layer errors are
     /// wrapped: [`Error::from_candle`] gives them back).

@@ -144,6 +144,11 @@ fn fp8_eligible(device: &Device, l: usize, h: usize, i: usize) -> Result<bool> {
     Ok(false)
 }
 
+/// Bytes of a tensor's elements.
+pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 /// The routed experts `first_expert .. first_expert + num_local` that one rank holds.
 #[derive(Clone, Debug)]
 pub struct Experts {
@@ -457,6 +462,15 @@ impl Experts {
     /// Weight dtype (`F8E4M3` for fp8 experts).
     pub fn dtype(&self) -> DType {
         self.gate_up.dtype()
+    }
+
+    /// Bytes of the weights the shard holds (values and, for fp8 experts, their scales).
+    pub fn weight_bytes(&self) -> usize {
+        let mut t = vec![&self.gate_up, &self.down];
+        if let Some(s) = &self.fp8 {
+            t.extend([&s.gate_up, &s.down]);
+        }
+        t.iter().map(|t| tensor_bytes(t)).sum()
     }
 
     /// Whether the shard holds block-scaled e4m3 weights (fp8 experts on CUDA).
@@ -920,7 +934,7 @@ impl Experts {
         }
         #[cfg(feature = "cuda")]
         {
-            let y = crate::grouped_fp8::forward_masked(self, input, counts, tiles)?;
+            let (y, _) = crate::grouped_fp8::forward_masked(self, input, counts, None, tiles)?;
             Ok(y.to_dtype(dtype)?)
         }
         #[cfg(not(feature = "cuda"))]

@@ -11,6 +11,24 @@ use candle_nn::VarBuilder;
 use ep_runtime::Buffer;
 use std::sync::Arc;
 
+/// Bytes of a layer's weights on one rank ([`MoeLayer::weight_bytes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// This rank's routed experts (with their fp8 scales).
+    pub routed: usize,
+    /// The shared experts (their float MLP, and their fp8 blocks where the layer keeps them).
+    pub shared: usize,
+    /// The router's gate (the f32 weight and the bf16 copy it computes with) and bias.
+    pub router: usize,
+}
+
+impl WeightBytes {
+    /// All of them.
+    pub fn total(&self) -> usize {
+        self.routed + self.shared + self.router
+    }
+}
+
 /// One routed step on `(x, topk_idx, topk_weights)`: the combined routed output and the
 /// shared experts' output (when computed alongside).
 type RoutedOp = fn(&MoeLayer, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Option<Tensor>)>;
@@ -42,6 +60,10 @@ pub struct MoeLayer {
     /// The shared experts as extra groups of the low-latency grouped GEMMs, when placed there.
     #[cfg(feature = "cuda")]
     pub(crate) shared_groups: Option<crate::shared_groups::SharedGroups>,
+    /// The shared experts of an fp8 layer in fp8 ([`MoeLayer::with_fp8_shared`]): they run
+    /// on the fp8 grouped GEMMs (as extra groups in low-latency mode) instead of `shared`.
+    #[cfg(feature = "cuda")]
+    pub(crate) shared_fp8: Option<crate::shared_fp8::SharedFp8>,
 }
 
 impl MoeLayer {
@@ -199,7 +221,25 @@ impl MoeLayer {
             decode_graphs: Default::default(),
             #[cfg(feature = "cuda")]
             shared_groups,
+            #[cfg(feature = "cuda")]
+            shared_fp8: None,
         })
+    }
+
+    /// The layer with its shared experts also kept as block-scaled fp8 weights: where the
+    /// routed experts are fp8 (CUDA) they then run on the fp8 grouped GEMMs (in low-latency
+    /// steps as extra groups of the routed experts' GEMMs); elsewhere, or when their shapes
+    /// cannot join the routed experts' GEMMs, the layer keeps running `shared` (its float MLP)
+    /// and this changes nothing.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    pub fn with_fp8_shared(mut self, shared: &crate::experts::Fp8Expert) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        {
+            self.shared_fp8 = crate::shared_fp8::SharedFp8::new(shared, &self.experts)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = shared;
+        Ok(self)
     }
 
     /// Loads this rank's part of a layer from HF DeepSeek-V3 names under `vb` (the layer's
@@ -226,11 +266,41 @@ impl MoeLayer {
         let l = cfg.n_routed_experts / topo.num_ranks;
         let router = Router::load(vb.pp("gate"), cfg)?;
         let experts = Experts::load(vb.pp("experts"), cfg, topo.rank * l, l)?;
-        let shared = match cfg.shared_intermediate_size() {
-            Some(i) => Some(Mlp::load(vb.pp("shared_experts"), cfg.hidden_size, i)?),
-            None => None,
+        let svb = vb.pp("shared_experts");
+        let fp8_shared = match cfg.shared_intermediate_size() {
+            Some(i) if experts.is_fp8() => {
+                crate::experts::Fp8Expert::load(&svb, cfg.hidden_size, i)?
+            }
+            _ => None,
         };
-        Self::new(router, experts, shared, buffer, options)
+        let shared = match (cfg.shared_intermediate_size(), &fp8_shared) {
+            (Some(_), Some(f)) => Some(f.dequantize(vb.dtype())?),
+            (Some(i), None) => Some(Mlp::load(svb, cfg.hidden_size, i)?),
+            (None, _) => None,
+        };
+        let layer = Self::new(router, experts, shared, buffer, options)?;
+        match &fp8_shared {
+            Some(f) => layer.with_fp8_shared(f),
+            None => Ok(layer),
+        }
+    }
+
+    /// Bytes of the weights this rank's part of the layer holds, by kind.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        #[cfg(feature = "cuda")]
+        let shared_fp8 = self.shared_fp8.as_ref().map_or(0, |s| {
+            [&s.gate_up, &s.gate_up_scale, &s.down, &s.down_scale]
+                .iter()
+                .map(|t| crate::experts::tensor_bytes(t))
+                .sum()
+        });
+        #[cfg(not(feature = "cuda"))]
+        let shared_fp8 = 0;
+        WeightBytes {
+            routed: self.experts.weight_bytes(),
+            shared: self.shared.as_ref().map_or(0, Mlp::weight_bytes) + shared_fp8,
+            router: self.router.weight_bytes(),
+        }
     }
 
     /// The communication buffer.
@@ -500,6 +570,14 @@ impl MoeLayer {
     }
 
     pub(crate) fn shared_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Some(blocks) = &self.shared_fp8 {
+            if x.dims()[0] == 0 {
+                return Ok(None);
+            }
+            let y = crate::grouped_fp8::forward_shared(&self.experts, blocks, x)?;
+            return Ok(Some(y.to_dtype(x.dtype())?));
+        }
         Ok(match &self.shared {
             Some(m) => Some(m.forward(x)?),
             None => None,

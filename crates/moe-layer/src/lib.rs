@@ -51,6 +51,8 @@ mod normal;
 mod options;
 pub mod router;
 #[cfg(feature = "cuda")]
+mod shared_fp8;
+#[cfg(feature = "cuda")]
 mod shared_groups;
 mod step;
 
@@ -61,7 +63,7 @@ pub use error::{Error, Result};
 pub use experts::{ExpertInput, Experts, Fp8Expert};
 #[cfg(feature = "cuda")]
 pub use graph::{DecodeGraph, StepGraph};
-pub use layer::MoeLayer;
+pub use layer::{MoeLayer, WeightBytes};
 pub use mlp::{GateUpLayout, Mlp};
 pub use options::{MoeLayerOptions, SharedPlacement};
 pub use router::{Router, Routing};

@@ -29,7 +29,7 @@ impl MoeLayer {
         #[cfg(feature = "cuda")]
         {
             tokens > 0
-                && self.shared_groups.is_some()
+                && (self.shared_groups.is_some() || self.shared_fp8.is_some())
                 && match self.options.shared_placement {
                     crate::SharedPlacement::Grouped => true,
                     crate::SharedPlacement::Auto => {
@@ -79,6 +79,21 @@ impl MoeLayer {
         shared: Option<Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let expected = self.expected_rows(x.dims()[0]);
+        #[cfg(feature = "cuda")]
+        if let Some(blocks) = self
+            .shared_fp8
+            .as_ref()
+            .filter(|_| self.shared_in_grouped_gemm(x.dims()[0]))
+        {
+            let (y, s) = crate::grouped_fp8::forward_masked(
+                &self.experts,
+                recv,
+                recv_count,
+                Some((blocks, x)),
+                self.low_latency_tiles(x.device(), expected)?,
+            )?;
+            return Ok((y.to_dtype(x.dtype())?, s));
+        }
         #[cfg(feature = "cuda")]
         if let Some(groups) = self
             .shared_groups

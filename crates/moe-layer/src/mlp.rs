@@ -169,6 +169,11 @@ impl Mlp {
         self.gate_up.dims()[1]
     }
 
+    /// Bytes of its weights.
+    pub fn weight_bytes(&self) -> usize {
+        crate::experts::tensor_bytes(&self.gate_up) + crate::experts::tensor_bytes(&self.down_proj)
+    }
+
     /// Inner width `I`.
     pub fn intermediate_size(&self) -> usize {
         self.down_proj.dims()[1]

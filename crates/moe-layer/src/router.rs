@@ -149,6 +149,23 @@ impl Router {
         &self.spec
     }
 
+    /// Bytes of its weights (the f32 gate, its bf16 copy on CUDA, the bias).
+    pub fn weight_bytes(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        let bf16 = self
+            .weight_bf16
+            .as_ref()
+            .map_or(0, crate::experts::tensor_bytes);
+        #[cfg(not(feature = "cuda"))]
+        let bf16 = 0;
+        crate::experts::tensor_bytes(&self.weight)
+            + bf16
+            + self
+                .bias
+                .as_ref()
+                .map_or(0, |(_, t)| crate::experts::tensor_bytes(t))
+    }
+
     /// The gate weight `[E, H]` in f32.
     pub fn weight(&self) -> &Tensor {
         &self.weight

@@ -8,8 +8,9 @@
 //! the activations quantized where the fp8 experts quantize them: each token's row 1 x 128
 //! (the per-token cast's host twin, bit for bit the device's), the gate_up product rounded to
 //! bf16 (the GEMM's output), and `act = silu(gate) * up` quantized 1 x 128 (the host twin of
-//! the SwiGLU pass); products in f32. The shared experts (dequantized to bf16 on the GPU) are
-//! the CPU layer's. Tolerance: `||got - ref|| / ||ref|| <= 2.5e-2` over the batch and
+//! the SwiGLU pass); products in f32. The shared experts (fp8 too, on the GPU as blocks of the
+//! routed experts' width: extra groups of their GEMMs in decode steps, a grouped GEMM of their
+//! own otherwise) are emulated the same way, with weight 1. Tolerance: `||got - ref|| / ||ref|| <= 2.5e-2` over the batch and
 //! `<= 5e-2` per token. What is left: the fp8 tensor cores' own accumulation (about 14 bits
 //! of mantissa between two promotions to f32, every 128 channels) and summation order move
 //! the gate_up products by a bf16 step here and there, and an `act` value that then rounds to
@@ -63,7 +64,12 @@ struct Pair {
     dev: Device,
 }
 
-fn pair(c: &MoeConfig, hot: bool, fp8_dispatch: bool) -> R<Pair> {
+fn pair(
+    c: &MoeConfig,
+    hot: bool,
+    fp8_dispatch: bool,
+    shared_placement: moe_layer::SharedPlacement,
+) -> R<Pair> {
     let dev = Device::new_cuda(0)?;
     let ckpt = fp8_checkpoint(&weights(c, hot)?)?;
     let on_dev = ckpt
@@ -74,6 +80,7 @@ fn pair(c: &MoeConfig, hot: bool, fp8_dispatch: bool) -> R<Pair> {
     let opts = MoeLayerOptions {
         low_latency_max_tokens: 64,
         fp8_dispatch,
+        shared_placement,
         ..Default::default()
     };
     let gpu = MoeLayer::load(
@@ -115,6 +122,29 @@ fn reference(p: &Pair, x: &Tensor) -> R<Tensor> {
     let (t, h) = xq.dims2()?;
     let experts = p.cpu.experts();
     let i = experts.intermediate_size();
+    // Rows `ids` of the quantized tokens through `mlp` as the fp8 path computes them, scaled by
+    // `weights`.
+    let emulate = |mlp: &moe_layer::Mlp, ids: &Tensor, weights: Vec<f32>| -> R<Tensor> {
+        let n = weights.len();
+        let width = mlp.intermediate_size();
+        let xs = xq.index_select(ids, 0)?;
+        // The gate_up GEMM's bf16 output, then SwiGLU quantized as the device pass does.
+        let hu: Vec<bf16> = xs
+            .matmul(&mlp.gate_up().t()?)?
+            .to_dtype(DType::BF16)?
+            .flatten_all()?
+            .to_vec1()?;
+        let mut aq = vec![float8::F8E4M3::ZERO; n * width];
+        let mut asc = vec![0f32; n * width / 128];
+        swiglu_quantize(&hu, n, width, None, &mut aq, &mut asc)?;
+        let act = per_token_cast_back(
+            &Tensor::from_vec(aq, (n, width), &Device::Cpu)?,
+            &Tensor::from_vec(asc, (n, width / 128), &Device::Cpu)?,
+            DType::F32,
+        )?;
+        let y = act.matmul(&mlp.down_proj().t()?)?;
+        Ok(y.broadcast_mul(&Tensor::from_vec(weights, (n, 1), &Device::Cpu)?)?)
+    };
     let mut out = Tensor::zeros((t, h), DType::F32, &Device::Cpu)?;
     for (e, mlp) in experts.experts().iter().enumerate() {
         let mut rows = Vec::new();
@@ -132,27 +162,21 @@ fn reference(p: &Pair, x: &Tensor) -> R<Tensor> {
         }
         let n = rows.len();
         let ids = Tensor::from_vec(rows, n, &Device::Cpu)?;
-        let xs = xq.index_select(&ids, 0)?;
-        // The gate_up GEMM's bf16 output, then SwiGLU quantized as the device pass does.
-        let hu: Vec<bf16> = xs
-            .matmul(&mlp.gate_up().t()?)?
-            .to_dtype(DType::BF16)?
-            .flatten_all()?
-            .to_vec1()?;
-        let mut aq = vec![float8::F8E4M3::ZERO; n * i];
-        let mut asc = vec![0f32; n * i / 128];
-        swiglu_quantize(&hu, n, i, None, &mut aq, &mut asc)?;
-        let act = per_token_cast_back(
-            &Tensor::from_vec(aq, (n, i), &Device::Cpu)?,
-            &Tensor::from_vec(asc, (n, i / 128), &Device::Cpu)?,
-            DType::F32,
-        )?;
-        let y = act.matmul(&mlp.down_proj().t()?)?;
-        let y = y.broadcast_mul(&Tensor::from_vec(weights, (n, 1), &Device::Cpu)?)?;
-        out = out.index_add(&ids, &y, 0)?;
+        out = out.index_add(&ids, &emulate(mlp, &ids, weights)?, 0)?;
     }
+    // The shared experts, each block of the routed experts' width on its own (the blocks'
+    // outputs add up to the MLP's; each block's act is quantized on its own 128 columns).
     let shared = p.cpu.shared().ok_or("no shared expert")?;
-    Ok((out + shared.forward(&xc)?)?)
+    let si = shared.intermediate_size();
+    let all = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
+    for j in 0..si / i {
+        let gate = shared.gate_up().narrow(0, j * i, i)?;
+        let up = shared.gate_up().narrow(0, si + j * i, i)?;
+        let down = shared.down_proj().narrow(1, j * i, i)?.contiguous()?;
+        let block = moe_layer::Mlp::new(gate, up, down)?;
+        out = (out + emulate(&block, &all, vec![1.0; t])?)?;
+    }
+    Ok(out)
 }
 
 fn layer_case(p: &Pair, t: usize, mode: Mode) -> R<()> {
@@ -202,30 +226,51 @@ fn main() {
             }
         }
     };
-    // (name, config, hot expert, fp8 dispatch)
+    let two_shared = MoeConfig {
+        n_shared_experts: Some(2),
+        ..cfg(1024, 256, 32, 4, (4, 2))
+    };
+    use moe_layer::SharedPlacement::{Auto, Grouped, Overlap};
+    // (name, config, hot expert, fp8 dispatch, where the shared experts run in decode steps)
     let setups = [
         (
             "h1024-i256-e32",
             cfg(1024, 256, 32, 4, (4, 2)),
             false,
             false,
+            Auto,
         ),
         (
             "h1024-i256-e32-fp8-dispatch",
             cfg(1024, 256, 32, 4, (4, 2)),
             false,
             true,
+            Overlap,
         ),
-        ("hot-expert", cfg(1024, 128, 16, 4, (1, 1)), true, true),
+        (
+            "two-shared-blocks-grouped",
+            two_shared,
+            false,
+            true,
+            Grouped,
+        ),
+        (
+            "hot-expert",
+            cfg(1024, 128, 16, 4, (1, 1)),
+            true,
+            true,
+            Auto,
+        ),
         (
             "ds-v3-shapes-e32",
             cfg(7168, 2048, 32, 8, (8, 4)),
             false,
             true,
+            Grouped,
         ),
     ];
-    for (name, c, hot, fp8) in setups {
-        let p = match pair(&c, hot, fp8) {
+    for (name, c, hot, fp8, placement) in setups {
+        let p = match pair(&c, hot, fp8, placement) {
             Ok(p) => p,
             Err(e) => {
                 run(&format!("{name}/setup"), &mut || Err(e.to_string().into()));

@@ -104,6 +104,23 @@ impl Attention {
         })
     }
 
+    /// Bytes of its weights (projections, norms, and the per-head `kv_b_proj` views it keeps).
+    pub fn weight_bytes(&self) -> usize {
+        let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let lin = |l: &Linear| b(l.weight()) + l.bias().map_or(0, b);
+        let q = match &self.q {
+            QProj::Full(p) => lin(p),
+            QProj::LowRank { a, norm, b: up } => {
+                lin(a) + b(norm.clone().into_inner().weight()) + lin(up)
+            }
+        };
+        q + lin(&self.kv_a)
+            + b(self.kv_a_norm.clone().into_inner().weight())
+            + b(&self.w_uk)
+            + b(&self.w_uv_t)
+            + lin(&self.o)
+    }
+
     /// The rotary tables.
     pub fn rotary(&self) -> &Rotary {
         &self.rotary

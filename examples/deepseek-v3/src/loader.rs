@@ -67,14 +67,15 @@ pub struct LoadedModel {
     pub report: LoadReport,
 }
 
-/// What a load read and how much device memory the weights took.
+/// What a load read and what the weights take.
 #[derive(Clone, Debug, Default)]
 pub struct LoadReport {
     /// Linear weights the checkpoint stores as block-scaled fp8.
     pub fp8_weights: usize,
     /// Tensors skipped (the MTP layer).
     pub skipped: usize,
-    /// Device memory the model took on a GPU, measured (free memory before and after).
+    /// Device memory the load took on a GPU, measured (free memory before and after, the
+    /// memory pool trimmed): the weights plus what the pool could not give back.
     pub device_bytes: Option<u64>,
 }
 

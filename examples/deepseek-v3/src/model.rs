@@ -120,6 +120,52 @@ pub struct DeepSeekV3 {
     dtype: DType,
 }
 
+/// Bytes of a model's weights on one rank, by kind ([`DeepSeekV3::weight_bytes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelBytes {
+    /// This rank's routed experts.
+    pub routed_experts: usize,
+    /// The shared experts.
+    pub shared_experts: usize,
+    /// Everything else: embedding, attention, dense MLPs, routers, norms, `lm_head`.
+    pub other: usize,
+}
+
+impl ModelBytes {
+    /// All of them.
+    pub fn total(&self) -> usize {
+        self.routed_experts + self.shared_experts + self.other
+    }
+}
+
+/// Bytes of a tensor's elements.
+fn bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl DecoderLayer {
+    /// Bytes of the layer's weights on this rank, by kind.
+    pub fn weight_bytes(&self) -> ModelBytes {
+        let mut b = ModelBytes {
+            other: self.attn.weight_bytes()
+                + bytes(self.input_norm.clone().into_inner().weight())
+                + bytes(self.post_norm.clone().into_inner().weight()),
+            ..Default::default()
+        };
+        match &self.ffn {
+            Ffn::Dense(m) => b.other += m.weight_bytes(),
+            Ffn::Moe(m) => {
+                let w = m.weight_bytes();
+                b.routed_experts += w.routed;
+                b.shared_experts += w.shared;
+                b.other += w.router;
+            }
+            Ffn::DenseMoe(m) => b.routed_experts += m.weight_bytes(),
+        }
+        b
+    }
+}
+
 /// One sequence in a batched forward call: its cache key and its new tokens.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqInput<'a> {
@@ -130,6 +176,23 @@ pub struct SeqInput<'a> {
 }
 
 impl DeepSeekV3 {
+    /// Bytes of the weights this rank holds, by kind (what loading an fp8 checkpoint saves).
+    pub fn weight_bytes(&self) -> ModelBytes {
+        let mut b = ModelBytes {
+            other: bytes(self.embed.embeddings())
+                + bytes(self.norm.clone().into_inner().weight())
+                + bytes(self.lm_head.weight()),
+            ..Default::default()
+        };
+        for l in &self.layers {
+            let w = l.weight_bytes();
+            b.routed_experts += w.routed_experts;
+            b.shared_experts += w.shared_experts;
+            b.other += w.other;
+        }
+        b
+    }
+
     /// Assembles a model from loaded parts; `rotary` bounds the context (its table length).
     pub fn new(
         embed: Embedding,

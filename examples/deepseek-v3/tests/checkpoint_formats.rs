@@ -166,6 +166,25 @@ fn fp8_checkpoints_match_the_reference_on_their_dequantized_weights() {
     );
     assert_eq!(st["lm_head.weight"].dtype(), DType::BF16);
     check_one_and_four_ranks(&dir);
+    // On the CPU every weight is dequantized: the model holds what the f32 one holds.
+    let f32_dir = write(
+        "fmt-fp8-f32",
+        DType::F32,
+        false,
+        ConfigForm::DeepSeek,
+        false,
+    );
+    let bytes = |d: &Path| {
+        let cfg = DeepSeekV3Config::from_file(d.join("config.json")).unwrap();
+        let b = Buffer::local_group(1, 1, buffer_config(&cfg))
+            .unwrap()
+            .pop()
+            .unwrap();
+        load_ep(d, b).model.weight_bytes()
+    };
+    let (fp8, plain) = (bytes(&dir), bytes(&f32_dir));
+    assert_eq!(fp8, plain);
+    assert!(fp8.routed_experts > 0 && fp8.shared_experts > 0 && fp8.other > 0);
 }
 
 #[test]

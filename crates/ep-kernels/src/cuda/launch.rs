@@ -323,6 +323,25 @@ pub fn retain_pool_memory(ctx: &cudarc::driver::CudaContext) -> Result<()> {
     Ok(())
 }
 
+/// The device memory `ctx`'s device has free once the memory pool has given back what it
+/// holds unused (`cuMemPoolTrimTo(pool, 0)` after a synchronisation: freed stream-ordered
+/// allocations otherwise stay reserved, see [`retain_pool_memory`]), in bytes: what a
+/// measurement of the memory a model holds needs. Synchronises the context.
+pub fn free_memory_trimmed(ctx: &cudarc::driver::CudaContext) -> Result<u64> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    ctx.synchronize()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out pointer for the call; `cu_device()` is this context's
+    // device; trimming a pool only returns unused reserved memory.
+    unsafe {
+        sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolTrimTo(pool, 0).result()?;
+    }
+    let (free, _) = ctx.mem_get_info()?;
+    Ok(free as u64)
+}
+
 /// A stream for communication work (transfers and their waits) on `ctx`, at the device's
 /// greatest priority, as DeepEP's communication stream: while compute kernels beside it hold the
 /// SMs, the block scheduler starts this stream's pending blocks first as SMs free up, so a

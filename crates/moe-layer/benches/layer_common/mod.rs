@@ -57,8 +57,8 @@ fn fp8_weight(dev: &Device, pattern: &Tensor, n: usize, k: usize) -> Result<Fp8W
     Ok(Fp8Weight::new("bench", q, scale)?)
 }
 
-/// [`build_layer`] with block-scaled fp8 routed experts (DeepSeek-V3's release format: e4m3
-/// weights with 128 x 128 scales), the router and the shared expert as in [`build_layer`].
+/// [`build_layer`] with block-scaled fp8 routed and shared experts (DeepSeek-V3's release
+/// format: e4m3 weights with 128 x 128 scales), the router as in [`build_layer`].
 pub fn build_layer_fp8(
     dev: &Device,
     buffer: Arc<Buffer>,
@@ -82,7 +82,13 @@ pub fn build_layer_fp8(
         })
         .collect::<Result<Vec<_>, BoxError>>()?;
     let experts = Experts::from_fp8(topo.rank * l, experts, DType::BF16)?;
-    Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?)
+    // The shared expert in fp8 as well (its float MLP stays the layer's fallback).
+    let shared_fp8 = Fp8Expert {
+        gate: fp8_weight(dev, &pattern, I, H)?,
+        up: fp8_weight(dev, &pattern, I, H)?,
+        down: fp8_weight(dev, &pattern, H, I)?,
+    };
+    Ok(MoeLayer::new(router, experts, Some(shared), buffer, opts)?.with_fp8_shared(&shared_fp8)?)
 }
 
 /// The router and the shared expert of [`build_layer`] (seeded alike on every rank by the

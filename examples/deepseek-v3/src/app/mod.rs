@@ -316,31 +316,31 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         Source::Random => loader::load_random(cfg, args.init_seed, opts)?,
     };
     let r = &loaded.report;
-    // One line per rank at load, on a GPU or with an fp8 checkpoint: what the weights take.
-    if r.fp8_weights > 0 || r.device_bytes.is_some() {
-        let fp8 = if r.fp8_weights == 0 {
-            String::new()
-        } else if on_gpu {
-            format!(
-                "{} fp8 weights (routed experts kept in fp8, the rest dequantized to {}); ",
-                r.fp8_weights,
-                dtype.as_str()
-            )
-        } else {
-            format!(
-                "{} fp8 weights dequantized to {}; ",
-                r.fp8_weights,
-                dtype.as_str()
-            )
-        };
-        let memory = r.device_bytes.map_or(String::new(), |b| {
-            format!(
-                "{:.3} GiB of device memory for the weights",
-                b as f64 / (1u64 << 30) as f64
-            )
-        });
-        eprintln!("rank {}: loaded: {fp8}{memory}", info.rank);
-    }
+    // One line per rank at load: what the weights take, by kind.
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    let w = loaded.model.weight_bytes();
+    let fp8 = match (r.fp8_weights, on_gpu) {
+        (0, _) => String::new(),
+        (n, true) => format!(
+            "; {n} fp8 weights: experts kept in fp8, the rest dequantized to {}",
+            dtype.as_str()
+        ),
+        (n, false) => format!("; {n} fp8 weights dequantized to {}", dtype.as_str()),
+    };
+    let device = r.device_bytes.map_or(String::new(), |b| {
+        format!(
+            "; device memory taken by the load {:.1} MiB",
+            mib(b as usize)
+        )
+    });
+    eprintln!(
+        "rank {}: weights {:.1} MiB (routed experts {:.1}, shared experts {:.1}, other {:.1}){fp8}{device}",
+        info.rank,
+        mib(w.total()),
+        mib(w.routed_experts),
+        mib(w.shared_experts),
+        mib(w.other)
+    );
     let kv_bytes = KvCache::bytes(
         loaded.model.kv_shape(),
         args.max_batch,

@@ -1,7 +1,7 @@
 //! Launchers of the block-scaled fp8 grouped GEMMs (CUTLASS kernels of the host library,
-//! `fp8/grouped_gemm_fp8_sm90.cuh`), of the experts' SwiGLU + fp8 quantization
-//! (`swiglu_quantize.cu`) and of the weight dequantization (`dequantize.cu`). Host twins:
-//! [`super::host`].
+//! `fp8/grouped_gemm_fp8_sm90.cuh`), of the experts' row quantizations (their input rows, and
+//! SwiGLU with its quantization: `quantize_rows.cu`) and of the weight dequantization
+//! (`dequantize.cu`). Host twins: [`super::host`].
 
 use std::ffi::{c_char, CStr};
 use std::sync::Arc;
@@ -170,7 +170,8 @@ impl std::fmt::Debug for DeviceFp8<'_> {
 }
 
 /// The last groups of a masked fp8 GEMM when they are not routed experts (the shared experts):
-/// as `gemm::ExtraGroups`, with scales.
+/// as `gemm::ExtraGroups`, with scales. `first` may be 0: every group is then an extra one (the
+/// shared experts alone) and the GEMM's own `b` is not read, nor its `a` with `extra.a`.
 #[derive(Debug)]
 pub struct ExtraGroupsFp8<'a> {
     /// Index of the first extra group.
@@ -237,11 +238,11 @@ fn run(
                     "need the masked layout",
                 ));
             };
-            if x.first == 0 || x.first >= groups {
+            if x.first >= groups {
                 return Err(Error::invalid(
                     "extra.first",
                     x.first,
-                    format!("must be in 1..{groups} (the GEMM's groups)"),
+                    format!("must be below the GEMM's {groups} groups"),
                 ));
             }
             Error::check_len("extra.b", (groups - x.first) * n * k, x.b.q.len())?;
@@ -471,56 +472,101 @@ pub fn dequantize_weight_cuda(
     unsafe { kernel.launch(stream, cfg, params) }
 }
 
-/// The cubin of `fp8/swiglu_quantize.cu`.
-const SWIGLU_FILE: &str = "gemm/fp8/swiglu_quantize";
+/// The cubin of `fp8/quantize_rows.cu`.
+const ROWS_FILE: &str = "gemm/fp8/quantize_rows";
 
-/// Mirror of `struct SwigluQuantizeParams` in `fp8/swiglu_quantize.cu`.
+/// Mirror of `struct RowsParams` in `fp8/quantize_rows.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct SwigluQuantizeParams {
-    h: CUdeviceptr,
+struct RowsParams {
+    input: CUdeviceptr,
     q: CUdeviceptr,
     scales: CUdeviceptr,
     counts: CUdeviceptr,
     rows: i64,
-    inter: i32,
+    cols: i32,
     m_max: i32,
 }
 crate::cuda::assert_params_layout!(
-    SwigluQuantizeParams,
+    RowsParams,
     48;
-    h = 0, q = 8, scales = 16, counts = 24, rows = 32, inter = 40, m_max = 44,
+    input = 0, q = 8, scales = 16, counts = 24, rows = 32, cols = 40, m_max = 44,
 );
 
-// SAFETY: `repr(C)` plain data mirroring `SwigluQuantizeParams` in swiglu_quantize.cu (size
-// asserted both sides, offsets here).
-unsafe impl crate::cuda::KernelParams for SwigluQuantizeParams {}
+// SAFETY: `repr(C)` plain data mirroring `RowsParams` in quantize_rows.cu (size asserted both
+// sides, offsets here).
+unsafe impl crate::cuda::KernelParams for RowsParams {}
+
+/// The mask of a masked layout: the device counts (`[rows / m_max]` i32) and `m_max`; the row
+/// kernels visit only the rows within each block's count.
+pub type RowsMask<'a> = (&'a dyn DevicePtr<i32>, usize);
+
+/// The experts' input rows quantized on `stream`: `x` (`[rows, cols]` bf16) to `q`
+/// (`[rows, cols]` e4m3) and `scales` (`[rows, cols / 128]` f32), 1 x 128 as the per-token
+/// fp8 cast, bit for bit; with `mask` only the rows within each block's count (the others'
+/// outputs are not written). Host twin: [`super::quantize_rows`].
+pub fn quantize_rows_fp8_cuda(
+    stream: &Arc<CudaStream>,
+    x: &impl DevicePtr<bf16>,
+    rows: usize,
+    cols: usize,
+    mask: Option<RowsMask<'_>>,
+    q: &mut impl DevicePtrMut<F8E4M3>,
+    scales: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    Error::check_len("x", rows * cols, x.len())?;
+    launch_rows(stream, "quantize_rows_fp8", x, rows, cols, mask, q, scales)
+}
 
 /// The fp8 experts' SwiGLU and its quantization for the down GEMM on `stream`: for every row of
 /// `h` (`[rows, 2 * inter]` bf16, gate columns then up columns) and every 128 columns of
 /// `act = silu(gate) * up`, writes `q` (`[rows, inter]` e4m3) and `scales`
-/// (`[rows, inter / 128]` f32) as the per-token fp8 cast would. `mask`: the device counts
-/// (`[rows / m_max]` i32) and `m_max` of a masked layout, whose rows past their block's count
-/// are skipped. Host twin: [`super::swiglu_quantize`].
+/// (`[rows, inter / 128]` f32) as the per-token fp8 cast would; with `mask` only the rows
+/// within each block's count. Host twin: [`super::swiglu_quantize`].
 pub fn swiglu_quantize_fp8_cuda(
     stream: &Arc<CudaStream>,
     h: &impl DevicePtr<bf16>,
     rows: usize,
     inter: usize,
-    mask: Option<(&dyn DevicePtr<i32>, usize)>,
+    mask: Option<RowsMask<'_>>,
     q: &mut impl DevicePtrMut<F8E4M3>,
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
-    if inter == 0 || inter % FP8_BLOCK != 0 || inter > i32::MAX as usize {
+    Error::check_len("h", rows * 2 * inter, h.len())?;
+    launch_rows(
+        stream,
+        "swiglu_quantize_fp8",
+        h,
+        rows,
+        inter,
+        mask,
+        q,
+        scales,
+    )
+}
+
+/// The checks and launch of a row kernel of `quantize_rows.cu` over `rows` rows of `cols`
+/// outputs (its input's length checked by the caller).
+#[allow(clippy::too_many_arguments)]
+fn launch_rows(
+    stream: &Arc<CudaStream>,
+    kernel: &str,
+    input: &impl DevicePtr<bf16>,
+    rows: usize,
+    cols: usize,
+    mask: Option<RowsMask<'_>>,
+    q: &mut impl DevicePtrMut<F8E4M3>,
+    scales: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    if cols == 0 || cols % FP8_BLOCK != 0 || cols > i32::MAX as usize {
         return Err(Error::invalid(
-            "inter",
-            inter,
+            "cols",
+            cols,
             format!("must be a positive multiple of {FP8_BLOCK} below 2^31"),
         ));
     }
-    Error::check_len("h", rows * 2 * inter, h.len())?;
-    Error::check_len("q", rows * inter, q.len())?;
-    Error::check_len("scales", rows * inter / FP8_BLOCK, scales.len())?;
+    Error::check_len("q", rows * cols, q.len())?;
+    Error::check_len("scales", rows * cols / FP8_BLOCK, scales.len())?;
     let m_max = match mask {
         Some((counts, m_max)) => {
             if m_max == 0 || m_max > i32::MAX as usize || counts.len() * m_max != rows {
@@ -530,6 +576,9 @@ pub fn swiglu_quantize_fp8_cuda(
                     format!("must cover the {rows} rows"),
                 ));
             }
+            if counts.len() > 65535 {
+                return Err(Error::invalid("mask", counts.len(), "at most 65535 blocks"));
+            }
             m_max as i32
         }
         None => 0,
@@ -538,53 +587,43 @@ pub fn swiglu_quantize_fp8_cuda(
         return Ok(());
     }
     let kernels = crate::cuda::Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(SWIGLU_FILE, "swiglu_quantize_fp8")?;
+    let function = kernels.kernel(ROWS_FILE, kernel)?;
     stream.context().bind_to_thread()?;
     let mut guards = Vec::new();
     let c_ptr = opt_ptr(mask.map(|(c, _)| c), stream, &mut guards);
-    let (h_ptr, _gh) = h.device_ptr(stream);
+    let (i_ptr, _gi) = input.device_ptr(stream);
     let (q_ptr, _gq) = q.device_ptr_mut(stream);
     let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_align("h", h_ptr, 8)?;
+    check_align("input", i_ptr, 8)?;
     check_align("q", q_ptr, 4)?;
     check_align("scales", s_ptr, 4)?;
-    let params = SwigluQuantizeParams {
-        h: h_ptr,
+    let params = RowsParams {
+        input: i_ptr,
         q: q_ptr,
         scales: s_ptr,
         counts: c_ptr,
         rows: rows as i64,
-        inter: inter as i32,
+        cols: cols as i32,
         m_max,
     };
+    // One warp per (row, 128 columns); masked: one grid row per block (blockIdx.y), each
+    // sized for a full block of rows.
     let warps_per_block = 256 / 32;
-    // Masked: one grid row per group (blockIdx.y), each sized for a full block of rows.
     let (row_items, grid_y) = match mask {
-        Some((counts, m)) => (m * inter / FP8_BLOCK, counts.len() as u32),
-        None => (rows * inter / FP8_BLOCK, 1),
+        Some((counts, m)) => (m * cols / FP8_BLOCK, counts.len() as u32),
+        None => (rows * cols / FP8_BLOCK, 1),
     };
-    if grid_y > 65535 {
-        return Err(Error::invalid("mask", grid_y, "at most 65535 groups"));
-    }
     let blocks = crate::cuda::grid_for(row_items as u64, warps_per_block, kernels.props(), 8);
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (
-            if mask.is_some() {
-                blocks.div_ceil(grid_y).max(1)
-            } else {
-                blocks
-            },
-            grid_y,
-            1,
-        ),
+        grid_dim: (blocks.div_ceil(grid_y).max(1), grid_y, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `params` mirrors `SwigluQuantizeParams`; `h`, `q` and `scales` hold the elements
-    // of `rows` rows (checked above) with the alignments the kernel's vector accesses need, and
-    // `counts` (when given) one entry per block of `m_max` rows; their guards keep them alive
-    // and in stream order until the launch is queued.
-    let launched = unsafe { kernel.launch(stream, cfg, params) };
+    // SAFETY: `params` mirrors `RowsParams`; the input, `q` and `scales` hold the elements of
+    // `rows` rows (checked here and by the caller) with the alignments the kernels' vector
+    // accesses need, and `counts` (when given) one entry per block of `m_max` rows; their
+    // guards keep them alive and in stream order until the launch is queued.
+    let launched = unsafe { function.launch(stream, cfg, params) };
     drop(guards);
     launched
 }

@@ -20,7 +20,7 @@
 // sends with each token, SFB a checkpoint's `weight_scale_inv` (DeepSeek's [ceil(N / 128),
 // ceil(K / 128)] per weight). The experts' gate_up weight is the gate_proj rows then the up_proj
 // rows (I a multiple of 128, so that no scale block mixes them); SwiGLU and the quantization of
-// its output for the down GEMM follow in one pass (swiglu_quantize.cu).
+// its output for the down GEMM follow in one pass (quantize_rows.cu).
 //
 // One translation unit per configuration instantiates `EP_GROUPED_GEMM_FP8(name, ...)`:
 //   uint64_t ep_grouped_gemm_fp8_<name>_workspace(int32_t groups, int32_t sm_count);

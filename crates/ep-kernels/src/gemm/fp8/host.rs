@@ -147,11 +147,11 @@ fn run(
                     "need the masked layout",
                 ));
             }
-            if x.first == 0 || x.first >= shape.groups {
+            if x.first >= shape.groups {
                 return Err(Error::invalid(
                     "extra.first",
                     x.first,
-                    format!("must be in 1..{} (the GEMM's groups)", shape.groups),
+                    format!("must be below the GEMM's {} groups", shape.groups),
                 ));
             }
             let xg = shape.groups - x.first;
@@ -233,12 +233,59 @@ fn run(
     Ok(())
 }
 
+/// Host twin of `quantize_rows_fp8_cuda`: `x` (`[rows, cols]` bf16) quantized 1 x 128 into
+/// `q` and `scales` as the per-token fp8 cast (`crate::fp8::quantize`) does; with `mask`
+/// (`(counts, m_max)` of a masked layout) only the rows within each block's count (the
+/// others' outputs stay as they are).
+pub fn quantize_rows(
+    x: &[bf16],
+    rows: usize,
+    cols: usize,
+    mask: Option<(&[i32], usize)>,
+    q: &mut [F8E4M3],
+    scales: &mut [f32],
+) -> Result<()> {
+    Error::check_len("x", rows * cols, x.len())?;
+    Error::check_len("q", rows * cols, q.len())?;
+    let groups = cols / FP8_BLOCK;
+    Error::check_len("scales", rows * groups, scales.len())?;
+    for r in 0..rows {
+        if !row_valid(r, rows, mask)? {
+            continue;
+        }
+        let (rq, rs) = crate::fp8::quantize(
+            &x[r * cols..(r + 1) * cols],
+            1,
+            cols,
+            crate::fp8::ScaleFormat::Float,
+        )?;
+        q[r * cols..(r + 1) * cols].copy_from_slice(&rq);
+        scales[r * groups..(r + 1) * groups].copy_from_slice(&rs);
+    }
+    Ok(())
+}
+
+/// Whether row `r` of `rows` is within its block's count under `mask`.
+fn row_valid(r: usize, rows: usize, mask: Option<(&[i32], usize)>) -> Result<bool> {
+    let Some((counts, m_max)) = mask else {
+        return Ok(true);
+    };
+    if m_max == 0 || counts.len() * m_max != rows {
+        return Err(Error::invalid(
+            "mask",
+            format!("{} counts of m_max {m_max}", counts.len()),
+            format!("must cover the {rows} rows"),
+        ));
+    }
+    Ok(((r % m_max) as i64) < i64::from(counts[r / m_max]))
+}
+
 /// Host twin of `swiglu_quantize_fp8_cuda`: for every row of `h` (`[rows, 2 * inter]` bf16:
 /// the gate_up GEMM's gate columns, then its up columns) and every 128-column group of
 /// `act = silu(gate) * up` (f32), `scale = max(amax, 1e-4) / 448` and `q = e4m3(act / scale)`,
-/// as the per-token fp8 cast. `mask`: `(counts, m_max)` of a masked layout, whose rows past
-/// their block's count are skipped (their `q` and scales stay as they are). Returns nothing;
-/// writes `q` (`[rows, inter]`) and `scales` (`[rows, inter / 128]`).
+/// as the per-token fp8 cast, into `q` (`[rows, inter]`) and `scales` (`[rows, inter / 128]`).
+/// `mask`: `(counts, m_max)` of a masked layout, whose rows past their block's count are
+/// skipped (their `q` and scales stay as they are).
 pub fn swiglu_quantize(
     h: &[bf16],
     rows: usize,
@@ -257,21 +304,10 @@ pub fn swiglu_quantize(
     Error::check_len("h", rows * 2 * inter, h.len())?;
     Error::check_len("q", rows * inter, q.len())?;
     Error::check_len("scales", rows * inter / FP8_BLOCK, scales.len())?;
-    if let Some((counts, m_max)) = mask {
-        if m_max == 0 || counts.len() * m_max != rows {
-            return Err(Error::invalid(
-                "mask",
-                format!("{} counts of m_max {m_max}", counts.len()),
-                format!("must cover the {rows} rows"),
-            ));
-        }
-    }
     let groups = inter / FP8_BLOCK;
     for r in 0..rows {
-        if let Some((counts, m_max)) = mask {
-            if (r % m_max) as i64 >= i64::from(counts[r / m_max]) {
-                continue;
-            }
+        if !row_valid(r, rows, mask)? {
+            continue;
         }
         let row = &h[r * 2 * inter..(r + 1) * 2 * inter];
         for g in 0..groups {

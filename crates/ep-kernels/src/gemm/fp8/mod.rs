@@ -18,7 +18,7 @@
 //! of its accumulators, which leaves no registers for tiles that wide.)
 //!
 //! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a
-//! (`fp8/grouped_gemm_fp8_sm90.cuh`, `swiglu_quantize.cu`, `dequantize.cu`); the host twins
+//! (`fp8/grouped_gemm_fp8_sm90.cuh`, `quantize_rows.cu`, `dequantize.cu`); the host twins
 //! ([`host`]) compute the same functions in f32 from the dequantized operands (DeepSeek's
 //! `weight_dequant`) and are the CPU path.
 
@@ -30,8 +30,8 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::{
-    dequantize_rows, dequantize_weight, grouped_gemm_fp8, quantize_weight, swiglu_quantize,
-    HostExtraGroupsFp8, HostFp8,
+    dequantize_rows, dequantize_weight, grouped_gemm_fp8, quantize_rows, quantize_weight,
+    swiglu_quantize, HostExtraGroupsFp8, HostFp8,
 };
 
 use crate::error::{Error, Result};

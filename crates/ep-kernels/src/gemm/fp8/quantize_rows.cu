@@ -1,0 +1,128 @@
+// The fp8 experts' row quantizations, 1 x 128 as the per-token fp8 cast (fp8/fp8.cu):
+//
+// quantize_rows_fp8: bf16 rows (a bf16 dispatch's) to e4m3 rows with their scales for the
+// gate_up GEMM; in a masked layout only the rows within each block's count (a decode step's
+// blocks are mostly empty). Host twin: `gemm::fp8::quantize_rows`, bit for bit.
+//
+// swiglu_quantize_fp8: SwiGLU of the gate_up products and its quantization for the down
+// GEMM, in one pass: for every row r and 128-column group of act,
+//   act[c] = silu(gate[c]) * up[c]          (f32, from the bf16 products h = [gate | up])
+//   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
+// In a masked layout (both kernels) blockIdx.y is the group and only its first counts[group]
+// rows are visited. Host twin: `gemm::fp8::swiglu_quantize` (expf may differ from the host's exp in
+// the last bit, so results agree to one e4m3 step); launcher: src/gemm/fp8/cuda.rs.
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / ep::kWarpSize;
+constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
+
+}  // namespace
+
+// Mirrors `RowsParams` in src/gemm/fp8/cuda.rs (both kernels).
+struct RowsParams {
+    const __nv_bfloat16* in; // [rows, cols] (quantize_rows) or [rows, 2 * cols] (swiglu: gate
+                             // columns, then up columns); 8-byte aligned
+    uint8_t* q;              // [rows, cols] e4m3, 4-byte aligned
+    float* scales;           // [rows, cols / 128]
+    const int32_t* counts;   // masked layout: [rows / m_max] valid rows per block; else null
+    int64_t rows;
+    int32_t cols;            // a multiple of 128
+    int32_t m_max;           // masked layout: rows per block; else 0
+};
+EP_CHECK_PARAMS_SIZE(RowsParams, 48);
+
+// The rows grid row blockIdx.y visits: [first, first + count) of the input.
+struct RowRange {
+    int64_t first;
+    int64_t count;
+};
+
+EP_DEVICE RowRange row_range(const RowsParams& p) {
+    if (p.counts == nullptr) {
+        return {0, p.rows};
+    }
+    const int64_t count = min(static_cast<int64_t>(__ldg(p.counts + blockIdx.y)),
+                              static_cast<int64_t>(p.m_max));
+    return {static_cast<int64_t>(blockIdx.y) * p.m_max, max(count, int64_t{0})};
+}
+
+// One warp per (row, 128-column group): 4 values per lane, the group's amax by a warp
+// reduction, then scale and e4m3 values as the per-token cast computes them.
+EP_DEVICE void quantize_group(const float (&v)[kPerLane], uint8_t* q, float* scale, int lane) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = ep::warp_reduce_max(amax);
+    const float s = __fdiv_rn(fmaxf(amax, ep::kAmaxMin), ep::kE4m3Max);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        packed |= static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v[i], s))) << (8 * i);
+    }
+    *reinterpret_cast<uint32_t*>(q + lane * kPerLane) = packed;
+    if (lane == 0) {
+        *scale = s;
+    }
+}
+
+EP_DEVICE void bf16x4(const __nv_bfloat16* p, float (&v)[kPerLane]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    v[0] = __low2float(lo);
+    v[1] = __high2float(lo);
+    v[2] = __low2float(hi);
+    v[3] = __high2float(hi);
+}
+
+EP_KERNEL void __launch_bounds__(kThreads)
+    quantize_rows_fp8(const __grid_constant__ RowsParams p) {
+    const int lane = ep::lane_id();
+    const int64_t groups_per_row = p.cols / ep::kFp8Group;
+    const RowRange range = row_range(p);
+    const int64_t items = range.count * groups_per_row;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
+         item < items; item += warps) {
+        const int64_t r = range.first + item / groups_per_row;
+        const int64_t g = item % groups_per_row;
+        const int64_t at = r * p.cols + g * ep::kFp8Group;
+        float v[kPerLane];
+        bf16x4(p.in + at + lane * kPerLane, v);
+        quantize_group(v, p.q + at, p.scales + r * groups_per_row + g, lane);
+    }
+}
+
+EP_KERNEL void __launch_bounds__(kThreads)
+    swiglu_quantize_fp8(const __grid_constant__ RowsParams p) {
+    const int lane = ep::lane_id();
+    const int64_t groups_per_row = p.cols / ep::kFp8Group;
+    const RowRange range = row_range(p);
+    const int64_t items = range.count * groups_per_row;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
+         item < items; item += warps) {
+        const int64_t r = range.first + item / groups_per_row;
+        const int64_t g = item % groups_per_row;
+        const int64_t col = g * ep::kFp8Group + lane * kPerLane;
+        const __nv_bfloat16* row = p.in + r * 2 * static_cast<int64_t>(p.cols);
+        float gate[kPerLane];
+        float up[kPerLane];
+        bf16x4(row + col, gate);
+        bf16x4(row + p.cols + col, up);
+        float act[kPerLane];
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const float silu = __fdiv_rn(gate[i], __fadd_rn(1.0f, expf(-gate[i])));
+            act[i] = __fmul_rn(silu, up[i]);
+        }
+        quantize_group(act, p.q + r * p.cols + g * ep::kFp8Group,
+                       p.scales + r * groups_per_row + g, lane);
+    }
+}
