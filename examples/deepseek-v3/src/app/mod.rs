@@ -194,7 +194,8 @@ fn parse_dtype(s: &str, device: &candle_core::Device) -> Result<DType> {
     };
     if device.is_cuda() && dtype != DType::BF16 {
         bail!(
-            "--dtype {s} is not supported on a GPU, which runs bf16 (the default there);              use --dtype bf16, or --cpu for {s}"
+            "--dtype {s} is not supported on a GPU, which runs bf16 (the default there); \
+             use --dtype bf16, or --cpu for {s}"
         );
     }
     Ok(dtype)
