@@ -20,11 +20,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use common::reference::Reference;
+use common::reference::{forward_step, Reference};
 use deepseek_v3::checkpoint;
 use deepseek_v3::config::{DeepSeekV3Config, Quantization, ScaleFmt, FP8_BLOCK};
 use deepseek_v3::loader::{self, LoadOptions, LoadedModel, MoeBackend};
-use deepseek_v3::model::{SeqInput, StepKind};
 use deepseek_v3::sampling::argmax;
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
 
@@ -100,24 +99,7 @@ fn check(name: &str, fp8: bool, dev: &Device) -> R<usize> {
     let mut inputs = prompts.clone();
     let mut compared = 0;
     for step in 0..6 {
-        let kind = if step == 0 {
-            StepKind::Prefill
-        } else {
-            StepKind::Decode
-        };
-        let batch: Vec<SeqInput<'_>> = inputs
-            .iter()
-            .enumerate()
-            .map(|(s, t)| SeqInput {
-                seq: s as u64,
-                tokens: t,
-            })
-            .collect();
-        let logits = m
-            .model
-            .forward(&mut cache, &batch, kind)?
-            .to_dtype(DType::F32)?
-            .to_device(&Device::Cpu)?;
+        let logits = forward_step(&m, &mut cache, &inputs, step)?;
         for (s, row) in logits.to_vec2::<f32>()?.iter().enumerate() {
             let want = reference.last_logits(&seqs[s]);
             let (mut e2, mut r2, mut emax) = (0f64, 0f64, 0f32);

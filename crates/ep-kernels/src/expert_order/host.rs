@@ -102,28 +102,14 @@ pub fn scatter<T: Copy>(
     row: usize,
     dst: &mut [T],
 ) -> Result<()> {
-    if k == 0 || row == 0 || positions.len() % k != 0 {
-        return Err(Error::invalid(
-            "positions",
-            format!("{} entries with k = {k}, row = {row}", positions.len()),
-            "must be whole rows of a positive k, with a positive row",
-        ));
-    }
-    let n = positions.len() / k;
+    let n = slot_tokens(positions, k, row)?;
     Error::check_len("src", n * row, src.len())?;
     let rows = dst.len() / row;
     for (i, &p) in positions.iter().enumerate() {
         if p < 0 {
             continue;
         }
-        let p = p as usize;
-        if p >= rows {
-            return Err(Error::invalid(
-                "positions",
-                format!("positions[{i}] = {p}"),
-                format!("must be below the {rows} rows of dst"),
-            ));
-        }
+        let p = slot_row(i, p, rows, "dst")?;
         let t = i / k;
         dst[p * row..(p + 1) * row].copy_from_slice(&src[t * row..(t + 1) * row]);
     }
@@ -140,14 +126,7 @@ pub fn unpermute(
     row: usize,
     out: &mut [bf16],
 ) -> Result<()> {
-    if k == 0 || row == 0 || positions.len() % k != 0 {
-        return Err(Error::invalid(
-            "positions",
-            format!("{} entries with k = {k}, row = {row}", positions.len()),
-            "must be whole rows of a positive k, with a positive row",
-        ));
-    }
-    let n = positions.len() / k;
+    let n = slot_tokens(positions, k, row)?;
     Error::check_len("weights", n * k, weights.len())?;
     Error::check_len("out", n * row, out.len())?;
     let rows = y.len() / row;
@@ -159,14 +138,7 @@ pub fn unpermute(
             if p < 0 {
                 continue;
             }
-            let p = p as usize;
-            if p >= rows {
-                return Err(Error::invalid(
-                    "positions",
-                    format!("positions[{}] = {p}", t * k + s),
-                    format!("must be below the {rows} rows of y"),
-                ));
-            }
+            let p = slot_row(t * k + s, p, rows, "y")?;
             let w = weights[t * k + s];
             for (a, v) in acc.iter_mut().zip(&y[p * row..(p + 1) * row]) {
                 *a = w.mul_add(v.to_f32(), *a);
@@ -177,6 +149,31 @@ pub fn unpermute(
         }
     }
     Ok(())
+}
+
+/// The token count of a `[n, k]` slot table, refusing a zero `k` or `row` and a ragged table.
+fn slot_tokens(positions: &[i32], k: usize, row: usize) -> Result<usize> {
+    if k == 0 || row == 0 || positions.len() % k != 0 {
+        return Err(Error::invalid(
+            "positions",
+            format!("{} entries with k = {k}, row = {row}", positions.len()),
+            "must be whole rows of a positive k, with a positive row",
+        ));
+    }
+    Ok(positions.len() / k)
+}
+
+/// Slot `i`'s row `p` (not negative), refused unless it is below the `rows` of `rows_of`.
+fn slot_row(i: usize, p: i32, rows: usize, rows_of: &str) -> Result<usize> {
+    let p = p as usize;
+    if p >= rows {
+        return Err(Error::invalid(
+            "positions",
+            format!("positions[{i}] = {p}"),
+            format!("must be below the {rows} rows of {rows_of}"),
+        ));
+    }
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use deepseek_v3::config::DeepSeekV3Config;
+use deepseek_v3::kv_cache::KvCache;
 use deepseek_v3::loader::{self, LoadOptions, LoadedModel, MoeBackend};
 use deepseek_v3::model::{SeqInput, StepKind};
 use deepseek_v3::sampling::argmax;
@@ -231,6 +232,34 @@ pub fn buffer_config(cfg: &DeepSeekV3Config) -> BufferConfig {
 
 /// Prefill `prompts` together, then decode `steps` greedy tokens one at a time; check every
 /// step's logits against the reference over the whole sequence. Returns the generated tokens.
+/// One step of the model over sequences `0..inputs.len()` of `cache`: the prompts at step 0
+/// (prefill), one new token each after (decode); the last position's logits, `[seqs, vocab]`
+/// in f32 on the CPU.
+pub fn forward_step(
+    m: &LoadedModel,
+    cache: &mut KvCache,
+    inputs: &[Vec<u32>],
+    step: usize,
+) -> candle_core::Result<Tensor> {
+    let kind = if step == 0 {
+        StepKind::Prefill
+    } else {
+        StepKind::Decode
+    };
+    let batch: Vec<SeqInput<'_>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(s, t)| SeqInput {
+            seq: s as u64,
+            tokens: t,
+        })
+        .collect();
+    m.model
+        .forward(cache, &batch, kind)?
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)
+}
+
 pub fn check_against_reference(
     m: &LoadedModel,
     reference: &Reference,
@@ -245,20 +274,7 @@ pub fn check_against_reference(
     let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
     let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
     for step in 0..=steps {
-        let kind = if step == 0 {
-            StepKind::Prefill
-        } else {
-            StepKind::Decode
-        };
-        let batch: Vec<SeqInput<'_>> = inputs
-            .iter()
-            .enumerate()
-            .map(|(s, t)| SeqInput {
-                seq: s as u64,
-                tokens: t,
-            })
-            .collect();
-        let logits = model.forward(&mut cache, &batch, kind).unwrap();
+        let logits = forward_step(m, &mut cache, &inputs, step).unwrap();
         let rows = logits.to_vec2::<f32>().unwrap();
         for (s, row) in rows.iter().enumerate() {
             let want = reference.last_logits(&seqs[s]);
