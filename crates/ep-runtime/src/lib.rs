@@ -50,6 +50,7 @@
 mod backend;
 pub mod bootstrap;
 mod buffer;
+mod buffer_bytes;
 pub mod cast;
 mod codec;
 pub mod config;
@@ -66,6 +67,7 @@ pub mod transport;
 
 pub use bootstrap::{Store, StoreConfig};
 pub use buffer::Buffer;
+pub use buffer_bytes::BufferBytes;
 pub use config::{BufferConfig, Config, InternodeSizing, LowLatencySizing, NvlTransfer};
 #[cfg(feature = "cuda")]
 pub use cuda::graph;

@@ -136,12 +136,24 @@ fn fp8_eligible(device: &Device, l: usize, h: usize, i: usize) -> Result<bool> {
                 "the fp8 grouped GEMMs need sm_90 (Hopper)",
             ));
         }
-        return Ok(h % 16 == 0
-            && i % ep_kernels::gemm::fp8::FP8_BLOCK == 0
-            && l <= ep_kernels::gemm::MAX_GROUPS);
+        return Ok(fp8_shapes_supported(l, h, i));
     }
     let _ = (device, l, h, i);
     Ok(false)
+}
+
+/// Whether the fp8 grouped GEMMs take `l` experts of hidden size `h` and inner width `i`
+/// (`h` a multiple of 16, `i` of the 128-wide scale blocks, at most `MAX_GROUPS` groups).
+pub(crate) fn fp8_shapes_supported(l: usize, h: usize, i: usize) -> bool {
+    h % 16 == 0 && i % ep_kernels::gemm::fp8::FP8_BLOCK == 0 && l <= ep_kernels::gemm::MAX_GROUPS
+}
+
+/// The blocks of the routed experts' width `i` that shared experts of width `i_s` run as
+/// beside `l` fp8 routed experts (extra groups of their GEMMs), or `None` where they cannot
+/// (their width not a multiple of `i`, or too many groups): the layer then runs their float MLP
+/// only.
+pub(crate) fn shared_fp8_blocks(l: usize, i: usize, i_s: usize) -> Option<usize> {
+    (i > 0 && i_s % i == 0 && l + i_s / i <= ep_kernels::gemm::MAX_GROUPS).then_some(i_s / i)
 }
 
 /// Bytes of a tensor's elements.

@@ -7,7 +7,8 @@
 //! - [`fp8`]: block-scaled fp8 weights as DeepSeek ships them (kept as e4m3 by the experts on
 //!   CUDA, dequantized exactly elsewhere);
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
-//! - [`dense`]: the single-process reference layer EP results are tested against.
+//! - [`dense`]: the single-process reference layer EP results are tested against;
+//! - [`WeightBytes::planned`]: what a layer's weights will take on a rank, before loading.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -55,6 +56,7 @@ mod shared_fp8;
 #[cfg(feature = "cuda")]
 mod shared_groups;
 mod step;
+mod weight_plan;
 
 pub use config::MoeConfig;
 pub use ep_kernels;
@@ -68,3 +70,4 @@ pub use mlp::{GateUpLayout, Mlp};
 pub use options::{MoeLayerOptions, SharedPlacement};
 pub use router::{Router, Routing};
 pub use step::{Mode, Step};
+pub use weight_plan::WeightTarget;

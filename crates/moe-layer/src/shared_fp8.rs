@@ -31,14 +31,10 @@ impl SharedFp8 {
     pub(crate) fn new(shared: &Fp8Expert, experts: &Experts) -> Result<Option<Self>> {
         let (h, i) = (experts.hidden_size(), experts.intermediate_size());
         let (i_s, h_s) = shared.gate.dims();
-        if !experts.is_fp8()
-            || h_s != h
-            || i_s % i != 0
-            || experts.num_local() + i_s / i > ep_kernels::gemm::MAX_GROUPS
-        {
+        let blocks = crate::experts::shared_fp8_blocks(experts.num_local(), i, i_s);
+        let Some(x) = blocks.filter(|_| experts.is_fp8() && h_s == h) else {
             return Ok(None);
-        }
-        let x = i_s / i;
+        };
         let device = shared.gate.q().device().clone();
         // Split on the host (a load-time copy of one MLP): strided e4m3 copies stay off the
         // device.

@@ -12,7 +12,7 @@ use ep_kernels::gemm::fp8::{dequantize_weight, quantize_weight};
 use moe_layer::config::{MoeConfig, ScoringFunc, TopkMethod};
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
 use moe_layer::fp8::{load_weight, Fp8Weight};
-use moe_layer::{Experts, Mode, MoeLayer, MoeLayerOptions};
+use moe_layer::{Experts, Mode, MoeLayer, MoeLayerOptions, WeightBytes, WeightTarget};
 use rand::Rng;
 
 // Hidden not a multiple of 128 and experts' width below it: partial scale blocks everywhere.
@@ -97,6 +97,16 @@ fn an_fp8_layer_equals_the_layer_on_its_dequantized_weights() -> Result<()> {
     let a = layer(fp8)?;
     let b = layer(deq)?;
     assert!(!a.experts().is_fp8(), "the CPU dequantizes at load");
+    // What the layers hold is what their configuration plans for the CPU.
+    for (l, fp8_experts) in [(&a, true), (&b, false)] {
+        let target = WeightTarget {
+            num_ranks: 1,
+            dtype: DType::F32,
+            cuda: false,
+            fp8_experts,
+        };
+        assert_eq!(l.weight_bytes(), WeightBytes::planned(&cfg(), target)?);
+    }
     let x = Tensor::randn(0f32, 1.0, (13, H), &Device::Cpu)?;
     for mode in [Mode::Normal, Mode::LowLatency] {
         let ya: Vec<f32> = a.forward_with_mode(&x, mode)?.flatten_all()?.to_vec1()?;

@@ -104,6 +104,22 @@ fn pair(
     if cpu.experts().is_fp8() {
         return Err("the CPU layer kept fp8 experts".into());
     }
+    // What each layer holds is what its configuration plans (weight_plan's rules).
+    for (layer, dtype, cuda) in [(&gpu, DType::BF16, true), (&cpu, DType::F32, false)] {
+        let target = moe_layer::WeightTarget {
+            num_ranks: 1,
+            dtype,
+            cuda,
+            fp8_experts: true,
+        };
+        let (got, planned) = (
+            layer.weight_bytes(),
+            moe_layer::WeightBytes::planned(c, target)?,
+        );
+        if got != planned {
+            return Err(format!("weights of {got:?} bytes, planned {planned:?}").into());
+        }
+    }
     Ok(Pair { gpu, cpu, dev })
 }
 

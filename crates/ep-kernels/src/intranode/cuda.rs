@@ -50,10 +50,8 @@ use crate::error::{Error, Result};
 
 /// Most ranks of one node (`kMaxRanks`).
 pub const MAX_NVL_RANKS: usize = 8;
+pub use super::ring_bytes::RING_BASE;
 pub(crate) use super::MAX_LOCAL_EXPERTS;
-/// Offset of the first ring in an NVLink buffer (`kRingBase`): the header before it holds the
-/// barrier signals, channel counters and notify counts.
-pub const RING_BASE: usize = 65536;
 /// Bytes at the start of every NVLink buffer that must be zero before first use
 /// (barrier signals and counters).
 pub const HEADER_ZERO_BYTES: usize = RING_BASE;

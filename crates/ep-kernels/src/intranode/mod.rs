@@ -6,6 +6,7 @@
 //!
 //! - [`host`]: the host twins;
 //! - [`ce_layout`]: the copy-engine path's chunks and slots (host-side geometry);
+//! - [`ring_bytes`]: the SM-ring path's NVLink buffer bytes (host-side geometry);
 //! - `cuda` (feature `cuda`): the typed launchers of the kernels in `notify.cu` (count
 //!   exchange), `rings_dispatch.cu` / `rings_combine.cu` (SM-ring dispatch and combine, shared
 //!   pieces in `rings.cuh`) and `copy_engine_dispatch.cu` / `copy_engine_combine.cu` (the
@@ -14,6 +15,7 @@
 
 pub mod ce_layout;
 pub mod host;
+pub mod ring_bytes;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -22,6 +24,7 @@ pub use cuda::*;
 
 pub use ce_layout::*;
 pub use host::*;
+pub use ring_bytes::{rings_buffer_bytes, RING_BASE};
 
 /// Most local experts per rank the notify steps accept (`kMaxLocalExperts`).
 pub const MAX_LOCAL_EXPERTS: usize = 1024;

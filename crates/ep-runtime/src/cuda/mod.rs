@@ -315,26 +315,7 @@ impl NormalCuda {
                 ),
             ));
         }
-        let bytes = cfg.num_nvl_bytes.unwrap_or_else(|| {
-            let rings = ki::buffer_size_hint(
-                BufferConfig::DEFAULT_NVL_HIDDEN,
-                BufferConfig::DEFAULT_NVL_TOPK,
-                topo.num_ranks,
-                &kdispatch,
-            );
-            let ce = ki::ce_buffer_size_hint(
-                BufferConfig::DEFAULT_NVL_TOKENS,
-                BufferConfig::DEFAULT_NVL_HIDDEN,
-                BufferConfig::DEFAULT_NVL_TOPK,
-                topo.num_ranks,
-            );
-            if cfg.nvl_transfer.uses_copy_engine(topo.num_ranks) {
-                rings.max(ce)
-            } else {
-                rings
-            }
-        });
-        let bytes = bytes.max(ki::RING_BASE).div_ceil(128) * 128;
+        let bytes = cfg.nvl_buffer_bytes(topo.num_ranks);
         let nvl = DeviceMemory::zeroed(comm, bytes)?;
         let records = gather_records(group, PeerRecord::of(&nvl, ctx.ordinal())?)?;
         let nvl_peers = PeerMap::open(ctx, &records, topo.rank, |i| i)?;

@@ -3,7 +3,8 @@
 
 use super::{PeerBuffers, RING_BASE};
 use crate::error::{Error, Result};
-use crate::FP8_GROUP;
+use crate::intranode::ring_bytes::rings_buffer_bytes;
+pub(super) use crate::intranode::ring_bytes::{combine_ring_bytes, dispatch_ring_bytes};
 
 /// Most channels, `num_sms / 2` (`kMaxChannels`).
 pub const MAX_CHANNELS: usize = 128;
@@ -94,20 +95,6 @@ impl Config {
     }
 }
 
-fn align16(v: usize) -> usize {
-    v.div_ceil(16) * 16
-}
-
-/// Bytes of one dispatch ring (mirrors `RingLayout::dispatch`).
-pub(super) fn dispatch_ring_bytes(q: usize, row_bytes: usize, topk: usize, scales: usize) -> usize {
-    align16(q * row_bytes) + align16(q * 4) + 2 * align16(q * topk * 4) + align16(q * scales * 4)
-}
-
-/// Bytes of one combine ring (mirrors `RingLayout::combine`).
-pub(super) fn combine_ring_bytes(q: usize, row_bytes: usize, topk: usize) -> usize {
-    align16(q * row_bytes) + align16(q * topk * 4)
-}
-
 /// NVLink buffer bytes each rank needs for bf16 or fp8 dispatch and bf16 combine of rows of
 /// `hidden` channels with `num_topk` experts per token among `num_ranks` ranks under `config`
 /// (use the larger of the dispatch and combine configs' `num_sms` and ring sizes).
@@ -117,11 +104,13 @@ pub fn buffer_size_hint(
     num_ranks: usize,
     config: &Config,
 ) -> usize {
-    let q = config.num_max_recv_tokens;
-    let bf16 = dispatch_ring_bytes(q, hidden * 2, num_topk, 0);
-    let fp8 = dispatch_ring_bytes(q, hidden, num_topk, hidden.div_ceil(FP8_GROUP));
-    let comb = combine_ring_bytes(q, hidden * 2, num_topk);
-    RING_BASE + config.num_channels() * num_ranks * bf16.max(fp8).max(comb)
+    rings_buffer_bytes(
+        hidden,
+        num_topk,
+        num_ranks,
+        config.num_channels(),
+        config.num_max_recv_tokens,
+    )
 }
 
 /// Checks the NVLink buffers can hold `C * R` rings of `ring_bytes`.
