@@ -7,7 +7,8 @@
 # Usage (GPU machine, repo root; the cuda build of deepseek-v3 in $EP_GPU_BIN, maybe .xz):
 #   bash scripts/gpu/serve-run.sh [serve|hf]...   (default: both)
 # Env: EP_SERVE_GPUS=N serves with N processes, one per GPU (`deepseek-v3 launch`; default 1),
-#      EP_SERVE_MAX_BATCH (per rank, default 64), EP_SERVE_CONCURRENCY (default 1,8,32,64).
+#      EP_SERVE_MAX_BATCH (per rank, default 64), EP_SERVE_CONCURRENCY (default 1,8,32,64),
+#      EP_SERVE_QUANT=fp8 makes the weights block-scaled fp8 (`--quant fp8`; default none).
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -26,7 +27,7 @@ if want serve; then
     [[ $gpus -gt 1 ]] && launch=(launch --nproc-per-node "$gpus" --master-port 29650 --)
     # Its own process group, so that stopping it stops every rank.
     RUST_LOG=info setsid "$B/deepseek-v3" "${launch[@]}" serve --init random --config "$CONFIG" --dtype bf16 \
-        --max-batch "${EP_SERVE_MAX_BATCH:-64}" --max-prompt-tokens 512 --max-tokens-limit 128 \
+        --quant "${EP_SERVE_QUANT:-none}" --max-batch "${EP_SERVE_MAX_BATCH:-64}" --max-prompt-tokens 512 --max-tokens-limit 128 \
         --port 8000 >"$OUT/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do

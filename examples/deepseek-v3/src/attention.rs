@@ -121,6 +121,26 @@ impl Attention {
             + lin(&self.o)
     }
 
+    /// The bytes [`Attention::load`] holds for `cfg` in weights of `dtype_bytes` a value (what
+    /// [`Attention::weight_bytes`] then reports).
+    pub fn planned_bytes(cfg: &DeepSeekV3Config, dtype_bytes: usize) -> usize {
+        let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+        let bias = |out: usize| if cfg.attention_bias { out } else { 0 };
+        let q = match cfg.q_lora_rank {
+            None => h * heads * cfg.q_head_dim(),
+            Some(r) => h * r + bias(r) + r + r * heads * cfg.q_head_dim(),
+        };
+        let kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+        let values = q
+            + h * kv_a
+            + bias(kv_a)
+            + cfg.kv_lora_rank
+            + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+            + heads * cfg.v_head_dim * h
+            + bias(h);
+        values * dtype_bytes
+    }
+
     /// The rotary tables.
     pub fn rotary(&self) -> &Rotary {
         &self.rotary

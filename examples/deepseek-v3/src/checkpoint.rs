@@ -164,7 +164,7 @@ pub fn generate_reporting(
 
 /// Whether DeepSeek's fp8 checkpoints store tensor `name` in fp8: every linear projection
 /// (`*_proj.weight`); not the embedding, `lm_head`, the norms or the router gate.
-fn is_fp8_weight(name: &str) -> bool {
+pub fn is_fp8_weight(name: &str) -> bool {
     name.ends_with("_proj.weight") || name.ends_with("_proj_with_mqa.weight")
 }
 

@@ -9,6 +9,16 @@
 //! deterministic. The scales are the checkpoint generator's (`checkpoint.rs`), so activations
 //! stay finite in bf16: linear weights `U(±gain / sqrt(fan_in))`, norms `1 + U(±0.1)`, router
 //! bias `U(0, 0.1)`, and `lm_head` rows of tokens that do not read as plain text zeroed.
+//!
+//! [`RandomInit::fp8`] makes the weights of a block-scaled fp8 checkpoint instead: every linear
+//! projection ([`crate::checkpoint::is_fp8_weight`]) as e4m3 values `U(±448)` (rounded to
+//! e4m3) with one f32 scale per 128 x 128 block (`weight_scale_inv`) drawn in
+//! `U(0.5, 1) * bound / 448`, `bound = 1 / sqrt(128 * ceil(fan_in / 128))`, so that the
+//! dequantized weights span what the float init's do, block by block at different scales; the
+//! rest as above. A plain [`RandomInit::new`] has no scales, so every weight loads as a float.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -85,12 +95,72 @@ fn uniform(
 #[derive(Clone, Debug)]
 pub struct RandomInit {
     seed: u64,
+    fp8: bool,
+    /// The fp8 weights made so far (a weight read twice counts once).
+    fp8_made: Arc<Mutex<HashSet<String>>>,
 }
 
+/// The suffix of a block-scaled weight's scales.
+const SCALE_SUFFIX: &str = ".weight_scale_inv";
+/// Largest finite e4m3 value.
+const E4M3_MAX: f32 = 448.0;
+
 impl RandomInit {
-    /// Weights drawn with run seed `seed`.
+    /// Float weights drawn with run seed `seed`.
     pub fn new(seed: u64) -> Self {
-        Self { seed }
+        Self {
+            seed,
+            fp8: false,
+            fp8_made: Arc::default(),
+        }
+    }
+
+    /// Weights drawn with run seed `seed`, every linear projection block-scaled fp8.
+    pub fn fp8(seed: u64) -> Self {
+        Self {
+            fp8: true,
+            ..Self::new(seed)
+        }
+    }
+
+    /// How many fp8 weights this backend (and its clones) has made.
+    pub fn fp8_weights_made(&self) -> usize {
+        self.fp8_made.lock().map_or(0, |m| m.len())
+    }
+
+    /// Whether tensor `name` is the scales of a block-scaled weight this backend makes.
+    fn has_scales(&self, name: &str) -> bool {
+        self.fp8
+            && name
+                .strip_suffix(SCALE_SUFFIX)
+                .is_some_and(|p| crate::checkpoint::is_fp8_weight(&format!("{p}.weight")))
+    }
+
+    /// Tensor `name` of `shape` in `dtype`: an e4m3 projection or its scales (fp8 mode), or
+    /// [`RandomInit::tensor`] converted.
+    fn make(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let seed = tensor_seed(self.seed, name);
+        if self.has_scales(name) {
+            let cols = shape.dims().last().copied().unwrap_or(1).max(1);
+            let bound = 1.0 / ((128 * cols) as f32).sqrt() / E4M3_MAX;
+            return uniform(seed, shape, 0.5 * bound, bound, device)?.to_dtype(dtype);
+        }
+        let scaled = name
+            .strip_suffix(".weight")
+            .is_some_and(|p| self.has_scales(&format!("{p}{SCALE_SUFFIX}")));
+        if scaled && dtype == DType::F8E4M3 {
+            if let Ok(mut made) = self.fp8_made.lock() {
+                made.insert(name.to_string());
+            }
+            return uniform(seed, shape, -E4M3_MAX, E4M3_MAX, device)?.to_dtype(dtype);
+        }
+        self.tensor(name, shape, device)?.to_dtype(dtype)
     }
 
     /// Tensor `name` of `shape`, in f32.
@@ -134,7 +204,7 @@ impl SimpleBackend for RandomInit {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.tensor(name, &s, dev)?.to_dtype(dtype)
+        self.make(name, &s, dtype, dev)
     }
 
     fn get_unchecked(
@@ -146,8 +216,8 @@ impl SimpleBackend for RandomInit {
         candle_core::bail!("random init cannot make {name} without knowing its shape")
     }
 
-    fn contains_tensor(&self, _name: &str) -> bool {
-        true
+    fn contains_tensor(&self, name: &str) -> bool {
+        !name.ends_with(SCALE_SUFFIX) || self.has_scales(name)
     }
 }
 
@@ -199,6 +269,58 @@ mod tests {
             .unwrap();
         assert_ne!(other.to_vec2::<f32>().unwrap(), a);
         assert_ne!(tensor_seed(7, "a"), tensor_seed(7, "b"));
+    }
+
+    #[test]
+    fn only_fp8_mode_makes_scales_and_only_for_projections() {
+        let plain = RandomInit::new(3);
+        let fp8 = RandomInit::fp8(3);
+        let proj = "model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv";
+        let attn = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv";
+        assert!(!plain.contains_tensor(proj), "a float init has no scales");
+        assert!(fp8.contains_tensor(proj) && fp8.contains_tensor(attn));
+        for other in [
+            "model.layers.1.mlp.gate.weight_scale_inv",
+            "lm_head.weight_scale_inv",
+            "model.embed_tokens.weight_scale_inv",
+        ] {
+            assert!(!fp8.contains_tensor(other), "{other}");
+        }
+        assert!(fp8.contains_tensor("model.layers.1.mlp.gate.weight"));
+    }
+
+    #[test]
+    fn fp8_weights_dequantize_within_the_float_bound() {
+        use moe_layer::fp8::Fp8Weight;
+        let init = RandomInit::fp8(9);
+        let vb =
+            candle_nn::VarBuilder::from_backend(Box::new(init.clone()), DType::F32, Device::Cpu);
+        let (n, k) = (200, 300);
+        let w = Fp8Weight::load(&vb.pp("model.layers.0.mlp.down_proj"), n, k)
+            .unwrap()
+            .expect("fp8 mode makes scales");
+        assert_eq!(w.q().dtype(), DType::F8E4M3);
+        assert_eq!(init.fp8_weights_made(), 1);
+        let deq = w.dequantize(DType::F32).unwrap().flatten_all().unwrap();
+        let deq = deq.to_vec1::<f32>().unwrap();
+        // bound = 1 / sqrt(128 * ceil(300 / 128)) = 1 / sqrt(384).
+        let bound = 1.0 / 384f32.sqrt();
+        let amax = deq.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(
+            amax <= bound && amax > 0.3 * bound,
+            "amax {amax}, bound {bound}"
+        );
+        // The float init reads the same weight as a float without scales.
+        let plain = candle_nn::VarBuilder::from_backend(
+            Box::new(RandomInit::new(9)),
+            DType::F32,
+            Device::Cpu,
+        );
+        assert!(
+            Fp8Weight::load(&plain.pp("model.layers.0.mlp.down_proj"), n, k)
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[test]

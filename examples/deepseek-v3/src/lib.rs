@@ -9,6 +9,7 @@
 //! - [`loader`]: sharded safetensors loading (each rank reads only its experts), or random
 //!   weights made on the device ([`init`]); [`format`]: the checkpoint's dtypes checked before
 //!   any weight is read (block-scaled FP8 or plain floats); [`progress`]: progress on stderr;
+//!   [`memory_plan`]: what a rank will hold, checked against its GPU before the load;
 //! - [`tokenizer`]: byte-level BPE `tokenizer.json` and the chat template;
 //! - [`dist`], [`engine`], [`scheduler`]: ranks, the step protocol, continuous batching;
 //! - [`server`]: the OpenAI-compatible HTTP API; [`metrics`]: its Prometheus metrics;
@@ -30,6 +31,7 @@ pub mod init;
 pub mod kv_cache;
 pub mod launch;
 pub mod loader;
+pub mod memory_plan;
 pub mod metrics;
 pub mod model;
 pub mod progress;

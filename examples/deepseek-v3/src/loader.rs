@@ -143,8 +143,14 @@ pub fn load(dir: &Path, opts: LoadOptions) -> Result<LoadedModel> {
     Ok(loaded)
 }
 
+/// The longest sequence a model of `config` loaded for `asked` positions takes: `asked`, at
+/// most the config's `max_position_embeddings`, at least 1.
+pub fn max_positions(config: &DeepSeekV3Config, asked: usize) -> usize {
+    asked.min(config.max_position_embeddings).max(1)
+}
+
 /// Free memory of a GPU (after its queued work), `None` on the CPU.
-fn device_free_bytes(device: &Device) -> Option<u64> {
+pub fn device_free_bytes(device: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         let stream = dev.cuda_stream();
@@ -164,12 +170,18 @@ fn device_free_bytes(device: &Device) -> Option<u64> {
 pub fn load_random(config: DeepSeekV3Config, seed: u64, opts: LoadOptions) -> Result<LoadedModel> {
     config.validate()?;
     let tokenizer = TextTokenizer::from_json(&build_tokenizer_json(config.vocab_size)?)?;
-    let vb = VarBuilder::from_backend(
-        Box::new(RandomInit::new(seed)),
-        opts.dtype,
-        opts.device.clone(),
-    );
-    build(config, tokenizer, vb, opts, "random init")
+    // Float weights, or those of a block-scaled fp8 checkpoint (`check` refuses any other).
+    let init = match &config.quantization {
+        None => RandomInit::new(seed),
+        Some(q) => {
+            q.check()?;
+            RandomInit::fp8(seed)
+        }
+    };
+    let vb = VarBuilder::from_backend(Box::new(init.clone()), opts.dtype, opts.device.clone());
+    let mut loaded = build(config, tokenizer, vb, opts, "random init")?;
+    loaded.report.fp8_weights = init.fp8_weights_made();
+    Ok(loaded)
 }
 
 /// The model of `config` from the tensors of `vb`.
@@ -187,10 +199,7 @@ fn build(
             config.vocab_size
         );
     }
-    let max_positions = opts
-        .max_positions
-        .min(config.max_position_embeddings)
-        .max(1);
+    let max_positions = max_positions(&config, opts.max_positions);
     let rotary = Arc::new(Rotary::new(
         &config,
         max_positions,

@@ -181,7 +181,12 @@ impl DeepSeekV3 {
         let mut b = ModelBytes {
             other: bytes(self.embed.embeddings())
                 + bytes(self.norm.clone().into_inner().weight())
-                + bytes(self.lm_head.weight()),
+                // Tied embeddings: one tensor, counted once.
+                + if self.lm_head.weight().id() == self.embed.embeddings().id() {
+                    0
+                } else {
+                    bytes(self.lm_head.weight())
+                },
             ..Default::default()
         };
         for l in &self.layers {
@@ -215,6 +220,14 @@ impl DeepSeekV3 {
             kv_shape,
             hidden,
         })
+    }
+
+    /// Whether the routed experts run on the fp8 grouped GEMMs (block-scaled fp8 weights on a
+    /// GPU whose shapes they take).
+    pub fn fp8_experts(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.experts().is_fp8()))
     }
 
     /// Number of decoder layers.

@@ -301,6 +301,42 @@ fn init_options_are_checked() {
     assert!(err.contains("/no/such.json"), "{err}");
     let err = run(&["generate", "--prompt", "x", "--init", "zeros"]);
     assert!(err.contains("zeros"), "{err}");
+    let err = run(&["generate", "--prompt", "x", "--quant", "fp8"]);
+    assert!(err.contains("--quant fp8 needs --init random"), "{err}");
+}
+
+#[test]
+fn random_fp8_init_generates_and_prints_its_memory_plan() {
+    let out = Command::new(BIN)
+        .args([
+            "generate",
+            "--init",
+            "random",
+            "--quant",
+            "fp8",
+            "--json",
+            "--ignore-eos",
+            "--max-tokens",
+            "3",
+            "--prompt",
+            "a",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let first = json(stdout.lines().next().unwrap());
+    assert_eq!(first["tokens"].as_array().unwrap().len(), 3, "{first}");
+    // The tiny model: 4 layers of 5 attention projections, a dense MLP, and 3 MoE layers of 16
+    // experts and a shared one (3 projections each).
+    let projections = 4 * 5 + 3 + 3 * (16 + 1) * 3;
+    for want in [
+        "rank 0: memory plan ".to_string(),
+        format!("{projections} fp8 weights dequantized to f32"),
+    ] {
+        assert!(stderr.contains(&want), "no {want:?} in:\n{stderr}");
+    }
 }
 
 #[test]

@@ -24,6 +24,7 @@ use common::reference::{forward_step, Reference};
 use deepseek_v3::checkpoint;
 use deepseek_v3::config::{DeepSeekV3Config, Quantization, ScaleFmt, FP8_BLOCK};
 use deepseek_v3::loader::{self, LoadOptions, LoadedModel, MoeBackend};
+use deepseek_v3::memory_plan::{MemoryPlan, PlanInput};
 use deepseek_v3::sampling::argmax;
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
 
@@ -53,10 +54,14 @@ fn config(fp8: bool) -> DeepSeekV3Config {
     c
 }
 
+fn buffer_config(cfg: &DeepSeekV3Config) -> BufferConfig {
+    let e = cfg.n_routed_experts.unwrap_or(1);
+    BufferConfig::default().with_low_latency(8, cfg.hidden_size, e)
+}
+
 fn load_gpu(dir: &Path, dev: &Device) -> R<LoadedModel> {
     let cfg = DeepSeekV3Config::from_file(dir.join("config.json"))?;
-    let e = cfg.n_routed_experts.ok_or("no experts")?;
-    let bcfg = BufferConfig::default().with_low_latency(8, cfg.hidden_size, e);
+    let bcfg = buffer_config(&cfg);
     Ok(loader::load(
         dir,
         LoadOptions {
@@ -85,6 +90,30 @@ fn check(name: &str, fp8: bool, dev: &Device) -> R<usize> {
     let m = load_gpu(&dir, dev)?;
     if fp8 && m.report.fp8_weights == 0 {
         return Err("the fp8 checkpoint loaded no fp8 weight".into());
+    }
+    if fp8 != m.model.fp8_experts() {
+        return Err(format!("fp8 experts: {}, want {fp8}", m.model.fp8_experts()).into());
+    }
+    // What the GPU holds is what the memory plan computes from the shapes.
+    let cfg = config(fp8);
+    let plan = MemoryPlan::new(&PlanInput {
+        config: &cfg,
+        world_size: 1,
+        gpus_per_node: 1,
+        dtype: DType::BF16,
+        on_gpu: true,
+        fp8_checkpoint: fp8,
+        kv_sequences: 8,
+        max_positions: 256,
+        buffer: &buffer_config(&cfg),
+    })?;
+    if m.model.weight_bytes() != plan.weights {
+        return Err(format!(
+            "weights {:?}, planned {:?}",
+            m.model.weight_bytes(),
+            plan.weights
+        )
+        .into());
     }
     let tol = if fp8 { 0.3 } else { 3e-2 };
     let prompts: Vec<Vec<u32>> = vec![

@@ -13,7 +13,7 @@ pub use crate::bench::{bench_serve, BenchArgs};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 use moe_layer::ep_runtime::BufferConfig;
@@ -24,6 +24,7 @@ use crate::dist::{select_device, Dist, RankInfo};
 use crate::engine::{Cluster, Engine};
 use crate::kv_cache::KvCache;
 use crate::loader::{self, LoadOptions, MoeBackend};
+use crate::memory_plan::{self, MemoryPlan, PlanInput};
 use crate::tokenizer::TextTokenizer;
 
 /// Options of `gen-checkpoint`.
@@ -42,7 +43,8 @@ pub struct GenCheckpointArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Write the linear projections in DeepSeek-V3's block-scaled FP8 format (`fp8`: e4m3 with
-    /// one f32 `weight_scale_inv` per 128 x 128 block, and an fp8 `quantization_config`).
+    /// one f32 `weight_scale_inv` per 128 x 128 block, and an fp8 `quantization_config`) or as
+    /// floats (`none`); default: as the config says.
     #[arg(long)]
     pub quant: Option<QuantArg>,
     /// dtype of the other tensors: f32 or bf16.
@@ -50,11 +52,26 @@ pub struct GenCheckpointArgs {
     pub dtype: String,
 }
 
-/// The quantizations `gen-checkpoint --quant` writes.
+/// The weight formats `gen-checkpoint --quant` writes and `--init random --quant` makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum QuantArg {
     /// DeepSeek-V3's block-scaled FP8.
     Fp8,
+    /// Floats (no `quantization_config`).
+    None,
+}
+
+impl QuantArg {
+    /// `cfg` with this format's `quantization_config`.
+    fn apply(self, cfg: &mut DeepSeekV3Config) {
+        cfg.quantization = match self {
+            QuantArg::Fp8 => Some(crate::config::Quantization::Fp8 {
+                block: crate::config::FP8_BLOCK,
+                scale_fmt: crate::config::ScaleFmt::Float,
+            }),
+            QuantArg::None => None,
+        };
+    }
 }
 
 /// `gen-checkpoint`: writes a random checkpoint.
@@ -63,11 +80,8 @@ pub fn gen_checkpoint(args: &GenCheckpointArgs) -> Result<()> {
         Some(p) => DeepSeekV3Config::from_file(p)?,
         None => DeepSeekV3Config::tiny(),
     };
-    if args.quant == Some(QuantArg::Fp8) {
-        cfg.quantization = Some(crate::config::Quantization::Fp8 {
-            block: crate::config::FP8_BLOCK,
-            scale_fmt: crate::config::ScaleFmt::Float,
-        });
+    if let Some(q) = args.quant {
+        q.apply(&mut cfg);
     }
     let storage = match args.dtype.as_str() {
         "f32" => DType::F32,
@@ -148,6 +162,11 @@ pub struct ModelArgs {
     /// With `--init random`: seed of the weights.
     #[arg(long, default_value_t = checkpoint::DEFAULT_SEED)]
     pub init_seed: u64,
+    /// With `--init random`: the weights' format, `fp8` (every linear projection in
+    /// DeepSeek-V3's block-scaled FP8, as an fp8 checkpoint holds them: the experts run the fp8
+    /// grouped GEMMs on a GPU) or `none` (floats); default: as the config says.
+    #[arg(long)]
+    pub quant: Option<QuantArg>,
     /// Run on the CPU even in a `cuda` build.
     #[arg(long)]
     pub cpu: bool,
@@ -201,6 +220,32 @@ fn parse_dtype(s: &str, device: &candle_core::Device) -> Result<DType> {
     Ok(dtype)
 }
 
+/// The expert-parallel buffer of a rank of `world_size` for `cfg`: the low-latency mode sized
+/// for `max_batch` tokens per rank, the internode normal mode (across nodes) for
+/// `max_prefill_tokens`; waits time out after `timeout`.
+pub fn buffer_config(
+    cfg: &DeepSeekV3Config,
+    world_size: usize,
+    max_batch: usize,
+    max_prefill_tokens: usize,
+    timeout: Duration,
+) -> Result<BufferConfig> {
+    let mut buffer_cfg = BufferConfig::default().with_timeout(timeout);
+    if let Some(e) = cfg.n_routed_experts.filter(|_| cfg.has_moe()) {
+        if e % world_size != 0 {
+            bail!("n_routed_experts = {e} is not divisible by WORLD_SIZE = {world_size}");
+        }
+        buffer_cfg = buffer_cfg.with_low_latency(max_batch, cfg.hidden_size, e);
+        // Across nodes (CUDA with `nvshmem`) the normal mode runs the internode kernels over a
+        // buffer of this many tokens per op; longer steps run as several ops. Ignored on one
+        // node.
+        if let Some(k) = cfg.num_experts_per_tok {
+            buffer_cfg = buffer_cfg.with_internode(max_prefill_tokens, cfg.hidden_size, k);
+        }
+    }
+    Ok(buffer_cfg)
+}
+
 /// Where [`start`] takes the model from.
 enum Source {
     Checkpoint(PathBuf),
@@ -224,6 +269,13 @@ impl ModelArgs {
                         c.display()
                     );
                 }
+                if let Some(q) = self.quant {
+                    bail!(
+                        "--quant {} needs --init random (a checkpoint brings its own format)",
+                        q.to_possible_value()
+                            .map_or("?".into(), |v| v.get_name().to_string())
+                    );
+                }
                 let dir = match &self.model {
                     Some(d) => d.clone(),
                     None => checkpoint::ensure_default_checkpoint(info.local_rank == 0)?,
@@ -239,10 +291,13 @@ impl ModelArgs {
                         m.display()
                     );
                 }
-                let cfg = match &self.config {
+                let mut cfg = match &self.config {
                     Some(p) => DeepSeekV3Config::from_file(p)?,
                     None => DeepSeekV3Config::tiny(),
                 };
+                if let Some(q) = self.quant {
+                    q.apply(&mut cfg);
+                }
                 Ok((Source::Random, cfg))
             }
         }
@@ -257,31 +312,45 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     let (source, cfg) = args.source(&info)?;
     let device = select_device(&info, args.cpu)?;
     let dtype = parse_dtype(&args.dtype, &device)?;
-    let mut buffer_cfg =
-        BufferConfig::default().with_timeout(Duration::from_secs(args.timeout_secs));
-    if let Some(e) = cfg.n_routed_experts.filter(|_| cfg.has_moe()) {
-        if e % info.world_size != 0 {
-            bail!(
-                "n_routed_experts = {e} is not divisible by WORLD_SIZE = {}",
-                info.world_size
-            );
+    let buffer_cfg = buffer_config(
+        &cfg,
+        info.world_size,
+        args.max_batch,
+        args.max_prefill_tokens,
+        Duration::from_secs(args.timeout_secs),
+    )?;
+    // What this rank will hold, checked against its GPU before anything is allocated.
+    let plan = MemoryPlan::new(&PlanInput {
+        config: &cfg,
+        world_size: info.world_size,
+        gpus_per_node: info.local_world_size,
+        dtype,
+        on_gpu: device.is_cuda(),
+        fp8_checkpoint: memory_plan::is_fp8(&cfg),
+        kv_sequences: args.max_batch,
+        max_positions,
+        buffer: &buffer_cfg,
+    })?;
+    let free = match memory_plan::device_memory(&device) {
+        Some((free, total)) => {
+            plan.check_fits(free, MemoryPlan::reserve(total))
+                .with_context(|| format!("rank {}: the model does not fit", info.rank))?;
+            format!(" of {} free", memory_plan::size(free))
         }
-        buffer_cfg = buffer_cfg.with_low_latency(args.max_batch, cfg.hidden_size, e);
-        // Across nodes (CUDA with `nvshmem`) the normal mode runs the internode kernels over a
-        // buffer of this many tokens per op; longer steps run as several ops. Ignored on one
-        // node.
-        if let Some(k) = cfg.num_experts_per_tok {
-            buffer_cfg = buffer_cfg.with_internode(args.max_prefill_tokens, cfg.hidden_size, k);
-        }
-    }
+        None => String::new(),
+    };
+    eprintln!("rank {}: memory plan {}{free}", info.rank, plan.summary());
     let what = match &source {
         Source::Checkpoint(dir) => dir.display().to_string(),
         Source::Random => format!(
-            "random init (seed {}): {:.2} B parameters, {:.1} GiB in {}",
+            "random init (seed {}): {:.2} B parameters, {}",
             args.init_seed,
             cfg.num_parameters() as f64 / 1e9,
-            (cfg.num_parameters() * dtype.size_in_bytes()) as f64 / (1u64 << 30) as f64,
-            dtype.as_str()
+            if memory_plan::is_fp8(&cfg) {
+                "projections in block-scaled fp8"
+            } else {
+                dtype.as_str()
+            }
         ),
     };
     tracing::info!(rank = info.rank, world = info.world_size, model = %what, ?device, "starting");
@@ -301,7 +370,6 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         shared_before_dispatch: worst_case,
         ..Default::default()
     };
-    let on_gpu = device.is_cuda();
     let opts = LoadOptions {
         device,
         dtype,
@@ -320,7 +388,7 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     // One line per rank at load: what the weights take, by kind.
     let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
     let w = loaded.model.weight_bytes();
-    let fp8 = match (r.fp8_weights, on_gpu) {
+    let fp8 = match (r.fp8_weights, loaded.model.fp8_experts()) {
         (0, _) => String::new(),
         (n, true) => format!(
             "; {n} fp8 weights: experts kept in fp8, the rest dequantized to {}",
