@@ -539,18 +539,13 @@ fn main() {
     let mut runner = Runner::from_env("gpu_grouped_gemm_fp8");
     let (_ctx, stream) = match device() {
         Ok(d) => d,
-        Err(e) => {
-            println!("FAILED setup: no CUDA device: {e}");
-            println!("0 passed, 1 failed");
-            std::process::exit(1);
-        }
+        Err(e) => gpu_test_suite::skip(&format!("no CUDA device: {e}")),
     };
     let mut ws = match GroupedGemmWorkspace::new(&stream, 260) {
         Ok(w) => w,
         Err(e) => {
             println!("FAILED setup: workspace: {e}");
-            println!("0 passed, 1 failed");
-            std::process::exit(1);
+            gpu_test_suite::finish(0, 1);
         }
     };
     let contiguous = GroupLayout::Contiguous { alignment: 1 };

@@ -1067,11 +1067,7 @@ fn main() {
     let mut runner = Runner::from_env("gpu_low_latency");
     let gpus = match CudaContext::device_count() {
         Ok(n) if n > 0 => n as usize,
-        other => {
-            println!("no CUDA device ({other:?})");
-            runner.case("devices", |_| Err("no CUDA device".into()));
-            runner.finish();
-        }
+        other => gpu_test_suite::skip(&format!("no CUDA device ({other:?})")),
     };
     let mut sizes = vec![gpus];
     if gpus > 2 {

@@ -135,20 +135,37 @@ fn four_ranks_set_get_add_barrier_all_gather() {
 
 #[test]
 fn one_store_shared_by_threads_does_not_block_itself() {
-    // A get that waits must not hold up a set from another thread on the same Store.
+    // A get that waits must not hold up a set from another thread on the same Store: were
+    // the connection held while waiting, the set would wait for the get's 10 s timeout and the
+    // get would fail. The getter says when it is about to wait; whichever comes first, the get
+    // or the set, the value must arrive, and over the rounds most gets wait before their set.
     let (store, _port) = start_rank0(1, Duration::from_secs(10));
     let store = Arc::new(store);
-    let value: Vec<u8> = random_bytes(&mut rand::rng(), 1000);
-    let getter = {
-        let store = store.clone();
-        thread::spawn(move || store.get("late-key").unwrap())
-    };
-    thread::sleep(Duration::from_millis(100));
-    store.set("late-key", &value).unwrap();
-    assert_eq!(getter.join().unwrap(), value);
-    assert!(store.delete("late-key").unwrap());
-    assert!(!store.delete("late-key").unwrap());
-    assert_eq!(store.try_get("late-key").unwrap(), None);
+    let mut rng = rand::rng();
+    for round in 0..20 {
+        let key = format!("late-key/{round}");
+        let value: Vec<u8> = random_bytes(&mut rng, 1000);
+        let (about_to_wait, waiting) = std::sync::mpsc::channel();
+        let getter = {
+            let (store, key) = (store.clone(), key.clone());
+            thread::spawn(move || {
+                about_to_wait.send(()).unwrap();
+                store.get(&key).unwrap()
+            })
+        };
+        waiting.recv().unwrap();
+        let start = Instant::now();
+        store.set(&key, &value).unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "round {round}: the set waited {:?} behind the get",
+            start.elapsed()
+        );
+        assert_eq!(getter.join().unwrap(), value);
+        assert!(store.delete(&key).unwrap());
+        assert!(!store.delete(&key).unwrap());
+        assert_eq!(store.try_get(&key).unwrap(), None);
+    }
 }
 
 #[test]
@@ -230,12 +247,16 @@ fn get_of_a_missing_key_times_out_naming_the_key() {
 fn client_notices_the_server_dying() {
     let (rank0, port) = start_rank0(2, Duration::from_secs(30));
     let rank1 = Store::connect(cfg(1, 2, port, Duration::from_secs(30))).unwrap();
+    // The server goes once the client says it is about to wait (a server gone before the get
+    // fails it the same way).
+    let (about_to_wait, started) = std::sync::mpsc::channel();
     let waiting = thread::spawn(move || {
         let start = Instant::now();
+        about_to_wait.send(()).unwrap();
         let err = rank1.get("never-set/0").unwrap_err();
         (err, start.elapsed(), rank1)
     });
-    thread::sleep(Duration::from_millis(200));
+    started.recv().unwrap();
     drop(rank0);
     let (err, elapsed, rank1) = waiting.join().unwrap();
     assert!(

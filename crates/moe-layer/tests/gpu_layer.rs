@@ -12,7 +12,6 @@
 //! Run on one GPU: prints one line per case, then `N passed, N failed`. A first argument
 //! filters cases by name.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -213,30 +212,8 @@ fn decode_cache_case(p: &Pair) -> R<()> {
 
 fn main() {
     let filter = std::env::args().nth(1);
-    let (mut passed, mut failed) = (0, 0);
-    let case_filter = filter.clone();
-    let mut run = |name: &str, f: &mut dyn FnMut() -> R<()>| {
-        if case_filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            return;
-        }
-        let start = std::time::Instant::now();
-        let out = catch_unwind(AssertUnwindSafe(&mut *f));
-        let ms = start.elapsed().as_secs_f64() * 1e3;
-        match out {
-            Ok(Ok(())) => {
-                passed += 1;
-                println!("ok     {name} ({ms:.0} ms)");
-            }
-            Ok(Err(e)) => {
-                failed += 1;
-                println!("FAILED {name} ({ms:.0} ms): {e}");
-            }
-            Err(_) => {
-                failed += 1;
-                println!("FAILED {name} ({ms:.0} ms): panicked");
-            }
-        }
-    };
+    let mut suite = gpu_test_suite::Suite::from_args();
+    let mut run = |name: &str, f: &mut dyn FnMut() -> R<()>| suite.run(name, f);
     let two_shared = MoeConfig {
         n_shared_experts: Some(2),
         ..cfg(1024, 128, 32, 4, (4, 2))
@@ -365,6 +342,5 @@ fn main() {
             decode_cache_case(&p)
         });
     }
-    println!("{passed} passed, {failed} failed");
-    std::process::exit(if failed == 0 { 0 } else { 1 });
+    suite.finish();
 }

@@ -22,7 +22,6 @@
 //! filters cases by name.
 
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -218,30 +217,8 @@ fn layer_case(p: &Pair, t: usize, mode: Mode) -> R<()> {
 }
 
 fn main() {
-    let filter = std::env::args().nth(1);
-    let (mut passed, mut failed) = (0, 0);
-    let mut run = |name: &str, f: &mut dyn FnMut() -> R<()>| {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            return;
-        }
-        let start = std::time::Instant::now();
-        let out = catch_unwind(AssertUnwindSafe(&mut *f));
-        let ms = start.elapsed().as_secs_f64() * 1e3;
-        match out {
-            Ok(Ok(())) => {
-                passed += 1;
-                println!("ok     {name} ({ms:.0} ms)");
-            }
-            Ok(Err(e)) => {
-                failed += 1;
-                println!("FAILED {name} ({ms:.0} ms): {e}");
-            }
-            Err(_) => {
-                failed += 1;
-                println!("FAILED {name} ({ms:.0} ms): panicked");
-            }
-        }
-    };
+    let mut suite = gpu_test_suite::Suite::from_args();
+    let mut run = |name: &str, f: &mut dyn FnMut() -> R<()>| suite.run(name, f);
     let two_shared = MoeConfig {
         n_shared_experts: Some(2),
         ..cfg(1024, 256, 32, 4, (4, 2))
@@ -331,6 +308,5 @@ fn main() {
         }
         Ok(())
     });
-    println!("{passed} passed, {failed} failed");
-    std::process::exit(if failed == 0 && passed > 0 { 0 } else { 1 });
+    suite.finish();
 }

@@ -173,25 +173,15 @@ fn check(name: &str, fp8: bool, dev: &Device) -> R<usize> {
 fn main() {
     let dev = match Device::new_cuda(0) {
         Ok(d) => d,
-        Err(e) => {
-            println!("FAILED setup: no CUDA device: {e}");
-            println!("0 passed, 1 failed");
-            std::process::exit(1);
-        }
+        Err(e) => gpu_test_suite::skip(&format!("no CUDA device: {e}")),
     };
-    let (mut passed, mut failed) = (0, 0);
+    let mut suite = gpu_test_suite::Suite::from_args();
     for (name, fp8) in [("bf16", false), ("fp8", true)] {
-        match check(name, fp8, &dev) {
-            Ok(n) => {
-                passed += 1;
-                println!("ok     {name} checkpoint on the GPU ({n} greedy tokens compared)");
-            }
-            Err(e) => {
-                failed += 1;
-                println!("FAILED {name} checkpoint on the GPU: {e}");
-            }
-        }
+        suite.run(&format!("{name}-checkpoint"), || {
+            let n = check(name, fp8, &dev)?;
+            println!("       {name}: {n} greedy tokens compared");
+            Ok(())
+        });
     }
-    println!("{passed} passed, {failed} failed");
-    std::process::exit(if failed == 0 && passed > 0 { 0 } else { 1 });
+    suite.finish();
 }

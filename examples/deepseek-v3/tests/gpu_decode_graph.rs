@@ -164,35 +164,13 @@ fn bad_step_is_refused() -> R<()> {
 }
 
 fn main() {
-    let filter = std::env::args().nth(1);
     let cases: [Case; 2] = [
         ("captured-steps-match-eager", graphs_match_eager),
         ("bad-step-is-refused", bad_step_is_refused),
     ];
-    let (mut passed, mut failed) = (0, 0);
+    let mut suite = gpu_test_suite::Suite::from_args();
     for (name, f) in cases {
-        if filter.as_deref().is_some_and(|x| !name.contains(x)) {
-            continue;
-        }
-        let start = std::time::Instant::now();
-        match std::panic::catch_unwind(f) {
-            Ok(Ok(())) => {
-                passed += 1;
-                println!(
-                    "ok     {name} ({:.0} ms)",
-                    start.elapsed().as_secs_f64() * 1e3
-                );
-            }
-            Ok(Err(e)) => {
-                failed += 1;
-                println!("FAILED {name}: {e}");
-            }
-            Err(_) => {
-                failed += 1;
-                println!("FAILED {name}: panicked");
-            }
-        }
+        suite.run(name, f);
     }
-    println!("{passed} passed, {failed} failed");
-    std::process::exit(if failed == 0 { 0 } else { 1 });
+    suite.finish();
 }

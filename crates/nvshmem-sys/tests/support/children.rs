@@ -124,10 +124,19 @@ impl Tally {
         }
     }
 
-    /// Prints `N passed, M failed` and exits, non-zero if any case failed.
+    /// Prints `N passed, M failed` and exits, non-zero if any case failed or none ran
+    /// (`gpu-test-suite`'s rule).
     pub fn finish(&self) -> ! {
+        gpu_test_suite::finish(self.passed, self.failed)
+    }
+
+    /// Ends the binary when its GPU cases cannot run here (`reason`): the parent's own cases
+    /// are counted, but the suite fails unless `EP_GPU_ALLOW_SKIP=1` says skipping is fine.
+    pub fn skip(&self, reason: &str) -> ! {
+        println!("skipping the GPU cases: {reason}");
         println!("{} passed, {} failed", self.passed, self.failed);
-        std::process::exit(i32::from(self.failed > 0));
+        let allow = gpu_test_suite::skip_allowed();
+        std::process::exit(gpu_test_suite::exit_code(0, self.failed, allow))
     }
 }
 
@@ -165,14 +174,12 @@ pub fn world_of_visible_gpus(tally: &mut Tally) -> (usize, Duration) {
         }
         Err(e) => {
             tally.record("parent/load_nvshmem", Ok(()));
-            println!("no usable CUDA device ({e}): skipping the NVSHMEM cases");
-            tally.finish();
+            tally.skip(&format!("no usable CUDA device ({e})"));
         }
     };
     tally.record("parent/load_nvshmem", Ok(()));
     if gpus == 0 {
-        println!("no CUDA device visible: skipping the NVSHMEM cases");
-        tally.finish();
+        tally.skip("no CUDA device visible");
     }
     let world = std::env::var("EP_NVSHMEM_WORLD")
         .ok()
