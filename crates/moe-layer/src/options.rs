@@ -9,8 +9,8 @@ use ep_runtime::Reduction;
 pub enum SharedPlacement {
     /// `Grouped` in the steps of at most [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected
     /// per expert (a decode token or two per rank), where an extra group costs only its weight
-    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles an H200
-    /// gets there: 0.259 against 0.260 ms at one token) and, at one rank, there is no dispatch
+    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles; see
+    /// `docs/benchmarks.md`, "The MoE layer (one GPU)") and, at one rank, there is no dispatch
     /// to hide the shared MLP behind; `Overlap` in the others. The default.
     #[default]
     Auto,
@@ -43,8 +43,8 @@ pub struct MoeLayerOptions {
     pub shared_placement: SharedPlacement,
     /// The grouped GEMMs' configuration in low-latency mode (CUDA); `None`: chosen from the
     /// rows a step expects per expert and the GPU's bandwidth per SM
-    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: the tile-less kernel and the
-    /// 64 x 128 tiles trade places between an H100 and an H200 at one token).
+    /// ([`ep_kernels::gemm::GemmTiles::for_masked_rows`]: which of the tile-less kernel and the
+    /// 64 x 128 tiles is faster at one token depends on the GPU's bandwidth per SM).
     pub low_latency_tiles: Option<ep_kernels::gemm::GemmTiles>,
     /// How the low-latency combine reduces a token's expert outputs: per rank (the default:
     /// each expert rank sends one partial sum per token, so fewer bytes travel back; the
@@ -68,10 +68,8 @@ pub struct MoeLayerOptions {
     /// Normal mode across ranks on CUDA: queue the shared experts before the dispatch, with
     /// cuBLAS targeting the SMs the transfer's kernels leave (`Config::num_sms`), so that they
     /// also run while the host waits for the received count, and the transfer, queued after
-    /// them on its high-priority stream, finds its SMs free. Off by default: the layer is
-    /// faster with it in most runs at 2048 and 4096 tokens per rank (4 x H100, EP4: 8 of 8 and
-    /// 6 of 8 alternating pairs, medians -0.12 and -0.08 ms), but at 8192 some runs lose 1.2-4
-    /// ms (15.0-17.8 against 13.5-13.7 in the same call), as in the fourteenth session's
+    /// them on its high-priority stream, finds its SMs free. Off by default: it measured
+    /// faster in most runs at moderate batches but not reliably at large ones
     /// (`docs/benchmarks.md`, "Shared experts beside the dispatch" and "The dispatch's
     /// host-side work").
     pub shared_before_dispatch: bool,
@@ -80,12 +78,9 @@ pub struct MoeLayerOptions {
     /// travel while group `g`'s grouped GEMMs run, so that only the first dispatch and the
     /// last combine are left on the critical path. Unlike [`Self::two_batch_overlap`] it reads
     /// no weight twice and keeps every grouped GEMM's rows per expert; the price is bytes: a
-    /// token whose experts on a rank fall in two groups travels there twice (DeepSeek-V3's
-    /// routing at EP4, 4 of 8 expert groups per token, simulated on random scores: 1.24 x the
-    /// rows with 2 groups, which are then the router's own groups, 1.82 x with 4). Measured
-    /// slower than the plain step at EP2 and EP4 on 4 x H100 (2 groups: +0.5-0.7 ms at 4096
-    /// tokens per rank, 4 groups: +3.3 ms): the GEMMs lose more to the transfers beside them
-    /// than the transfers take.
+    /// token whose experts on a rank fall in two groups travels there twice. It measured
+    /// slower than the plain step: the GEMMs lose more to the transfers beside them than the
+    /// transfers take.
     /// Between 1 and the experts per rank; not with `two_batch_overlap`. No effect in
     /// low-latency mode or at one rank. Every rank must use the same setting
     /// (`docs/benchmarks.md`, "Pipelined over expert groups").
@@ -94,9 +89,8 @@ pub struct MoeLayerOptions {
     /// `None`: [`GemmGrid::PerTile`](ep_kernels::gemm::GemmGrid::PerTile) with more than one
     /// of [`Self::expert_groups`] across ranks, so that the transfers travelling beside the
     /// GEMMs take SMs from them only while they run; persistent otherwise. A per-tile grid is
-    /// sized by the rows each local expert received (the dispatch's counts). Alone, per-tile
-    /// measured 3.5 % faster than persistent at EP2 and 4096 tokens per rank on 4 x H200 and
-    /// 5 % slower at EP4 4096 and 8192.
+    /// sized by the rows each local expert received (the dispatch's counts). Alone, neither
+    /// grid measured faster everywhere (`docs/benchmarks.md`, "Pipelined over expert groups").
     pub normal_gemm_grid: Option<ep_kernels::gemm::GemmGrid>,
     /// Normal mode across ranks with worst-case outputs (DeepEP's `num_worst_tokens`): a bound
     /// on the tokens any rank sends in one normal-mode step, the same on every rank. With it,
@@ -108,9 +102,8 @@ pub struct MoeLayerOptions {
     /// ([`crate::MoeLayer::forward_step`], or `Mode::Auto`, which learns it), a step over the
     /// bound runs with exact outputs on every rank instead (the same choice everywhere); with
     /// an explicit `Mode::Normal` a step with more tokens on this rank is refused before any
-    /// kernel. Measured with [`Self::shared_before_dispatch`] on 4 x H100 at 4096 tokens per
-    /// rank, steps back to back: 6.9-9.1 % of the step left exposed beyond the busiest rank's
-    /// compute, against 11.4-14.3 % with exact outputs (`docs/benchmarks.md`, "Worst-case
+    /// kernel. With [`Self::shared_before_dispatch`] this left less of the step exposed beyond
+    /// the busiest rank's compute than exact outputs (`docs/benchmarks.md`, "Worst-case
     /// outputs with the shared experts first").
     /// One node only. `None` (the default): exact outputs and one host read per dispatch.
     pub normal_max_tokens_per_rank: Option<usize>,

@@ -134,7 +134,7 @@ impl GroupLayout {
 }
 
 /// The tile configuration of a CUDA grouped GEMM (one CUTLASS instantiation each; measured in
-/// `docs/benchmarks.md`, "Grouped GEMM").
+/// `docs/benchmarks.md`, "Grouped GEMM of the experts").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GemmTiles {
     /// [`GemmTiles::Narrow`] for the masked layout; for the contiguous layout
@@ -204,10 +204,9 @@ pub const GEMV_ROWS_PER_PASS: usize = 2;
 
 /// Most DRAM bandwidth per SM (GB/s, peak) at which [`GemmTiles::for_masked_rows`] picks the
 /// tile-less kernel for a few rows per block. Its register loads keep a fixed number of bytes
-/// in flight per SM, the 64 x 128 tiles' TMA pipeline more: the MoE layer at one decode token
-/// (DeepSeek-V3, shared expert as an extra group) ran 1.22 x its weight-read floor with it and
-/// 1.26-1.28 x with the tiles on an H100 (3.35 TB/s, 25 GB/s per SM), but 1.43-1.44 x against
-/// 1.37 x on an H200 (4.9 TB/s, 37 GB/s per SM) (`docs/benchmarks.md`, 2026-11-25).
+/// in flight per SM, the 64 x 128 tiles' TMA pipeline more: at one decode token the MoE layer
+/// measured faster with it on GPUs below this bandwidth per SM and with the tiles above it
+/// (`docs/benchmarks.md`, "Grouped GEMM of the experts" and "The MoE layer (one GPU)").
 pub const GEMV_MAX_GBS_PER_SM: f64 = 30.0;
 
 impl GemmTiles {

@@ -30,9 +30,9 @@ pub use ring_bytes::{rings_buffer_bytes, RING_BASE};
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 
 /// Tokens per send chunk of the SM-ring dispatch and combine that measured fastest for
-/// `num_ranks` ranks at 24 SMs and 256-token rings (the ring sweep of `docs/benchmarks.md`):
-/// `(dispatch, combine)` = (24, 12) for 2 ranks, (32, 12) for 3, (36, 12) for 4 (a multiple of
-/// the 6 sending warps per ring: fp8 330 GB/s against 323 at 32, bf16 the same), (16, 6) beyond.
+/// `num_ranks` ranks at 24 SMs and 256-token rings (the ring sweep of `docs/benchmarks.md`,
+/// "Normal mode (prefill), intranode"): `(dispatch, combine)` = (24, 12) for 2 ranks, (32, 12)
+/// for 3, (36, 12) for 4 (a multiple of the 6 sending warps per ring), (16, 6) beyond.
 pub fn tuned_send_tokens(num_ranks: usize) -> (usize, usize) {
     match num_ranks {
         0..=2 => (24, 12),

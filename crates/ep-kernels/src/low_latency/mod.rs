@@ -11,10 +11,9 @@
 //! Combine reduces in one of two ways ([`Reduction`]): DeepEP's, where every expert output row
 //! goes back to its token's home ([`combine`]), or per rank, where the expert rank first sums
 //! the weighted rows of all its experts that one token chose and sends one row per
-//! (token, rank) ([`combine_per_rank`]): at top-8 over R ranks a token touches
-//! `R * (1 - (1 - 1/R)^8)` ranks (1.98 of 2, 3.4 of 4), so the bytes back fall by 4x (EP2) and
-//! 2.3x (EP4). The per-rank way needs the top-k weights on the expert side: the dispatch
-//! carries them.
+//! (token, rank) ([`combine_per_rank`]): at top-8 over R uniformly used ranks a token touches
+//! `R * (1 - (1 - 1/R)^8)` ranks (about 2 of 2, 3.6 of 4), so 8 rows back become that many.
+//! The per-rank way needs the top-k weights on the expert side: the dispatch carries them.
 
 pub mod host;
 mod layout;

@@ -6,9 +6,9 @@
 //! DeepSeek-V3's checkpoints store it) this computes the f32 logits of the f32 GEMM the router
 //! would otherwise run on `x` converted to f32, up to the summation order, which no two GEMM
 //! libraries share anyway; it skips the `[T, H]` f32 copy of `x` and runs on the tensor cores
-//! instead of the f32 pipes (at 2048 tokens of DeepSeek-V3 the f32 path took 0.35 ms of a
-//! 6.9 ms layer on an H200). Past [`super::GATE_KERNEL_MAX_TOKENS`] tokens the router uses it
-//! whenever `x` is bf16 and its weight is exactly bf16.
+//! instead of the f32 pipes, which measured faster for prefill batches (`docs/benchmarks.md`,
+//! "The MoE layer (one GPU)"). Past [`super::GATE_KERNEL_MAX_TOKENS`] tokens the router uses
+//! it whenever `x` is bf16 and its weight is exactly bf16.
 
 use std::sync::Arc;
 

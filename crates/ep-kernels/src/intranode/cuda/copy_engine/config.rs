@@ -184,11 +184,11 @@ impl CeConfig {
 
     /// [`CeConfig::dispatch_for`] for fp8 payloads. The pushed blocks keep the general
     /// chunking: rows half as wide leave less for small chunks to save (their copy-out's bytes)
-    /// than the chunks' set-up costs (at 4 ranks, fixed chunks of 512 rows took the fp8
-    /// dispatch from 346 to 312 GB/s while they took bf16 from 398-402 to 411-412). Beyond 2
-    /// ranks a quarter of the SMs move the metadata and two pack blocks are wholly in the local
-    /// role, as the fetched rows are the fp8 dispatch's longest path (at 24 SMs: 350-352
-    /// against 343-346 for the bf16 split; `docs/benchmarks.md`, normal mode).
+    /// than the chunks' set-up costs, and fixed small chunks measured slower for fp8 while
+    /// faster for bf16. Beyond 2 ranks a quarter of the SMs move the metadata and two pack
+    /// blocks are wholly in the local role, as the fetched rows are the fp8 dispatch's longest
+    /// path; that split measured faster than the bf16 one for fp8 (`docs/benchmarks.md`,
+    /// "Normal mode (prefill), intranode").
     pub fn dispatch_fp8_for(num_ranks: usize, sms: usize) -> Self {
         let d = Self::dispatch_for(num_ranks, sms);
         if num_ranks <= 2 {
