@@ -51,19 +51,19 @@ pub struct MoeLayer {
     pub(crate) options: MoeLayerOptions,
     /// The routing masks of [`MoeLayerOptions::expert_groups`] (more than one group, more
     /// than one rank).
-    pub(crate) expert_groups: Option<crate::expert_groups::ExpertGroups>,
+    pub(crate) expert_groups: Option<crate::modes::expert_groups::ExpertGroups>,
     /// [`MoeLayerOptions::normal_gemm_grid`], resolved.
     pub(crate) normal_gemm_grid: ep_kernels::gemm::GemmGrid,
     /// Captured decode steps of [`MoeLayer::forward_decode`].
     #[cfg(feature = "cuda")]
-    pub(crate) decode_graphs: crate::graph::DecodeGraphs,
+    pub(crate) decode_graphs: crate::modes::captured_step::DecodeGraphs,
     /// The shared experts as extra groups of the low-latency grouped GEMMs, when placed there.
     #[cfg(feature = "cuda")]
-    pub(crate) shared_groups: Option<crate::shared_groups::SharedGroups>,
+    pub(crate) shared_groups: Option<crate::experts::shared_groups::SharedGroups>,
     /// The shared experts of an fp8 layer in fp8 ([`MoeLayer::with_fp8_shared`]): they run
     /// on the fp8 grouped GEMMs (as extra groups in low-latency mode) instead of `shared`.
     #[cfg(feature = "cuda")]
-    pub(crate) shared_fp8: Option<crate::shared_fp8::SharedFp8>,
+    pub(crate) shared_fp8: Option<crate::experts::shared_fp8::SharedFp8>,
 }
 
 impl MoeLayer {
@@ -134,7 +134,7 @@ impl MoeLayer {
             ));
         }
         let expert_groups = if options.expert_groups > 1 && topo.num_ranks > 1 {
-            Some(crate::expert_groups::ExpertGroups::new(
+            Some(crate::modes::expert_groups::ExpertGroups::new(
                 options.expert_groups,
                 e,
                 topo.num_ranks,
@@ -199,11 +199,11 @@ impl MoeLayer {
         #[cfg(feature = "cuda")]
         let (shared, shared_groups) = match (shared, options.shared_placement) {
             (Some(m), crate::SharedPlacement::Grouped | crate::SharedPlacement::Auto)
-                if crate::shared_groups::SharedGroups::eligible(&m, &experts) =>
+                if crate::experts::shared_groups::SharedGroups::eligible(&m, &experts) =>
             {
                 // The shared MLP in the blocked layout; its blocks are views of its weights.
                 let m = m.with_layout(crate::GateUpLayout::Blocked)?;
-                let groups = crate::shared_groups::SharedGroups::new(&m, &experts)?;
+                let groups = crate::experts::shared_groups::SharedGroups::new(&m, &experts)?;
                 (Some(m), Some(groups))
             }
             (shared, _) => (shared, None),
@@ -235,7 +235,7 @@ impl MoeLayer {
     pub fn with_fp8_shared(mut self, shared: &crate::experts::Fp8Expert) -> Result<Self> {
         #[cfg(feature = "cuda")]
         {
-            self.shared_fp8 = crate::shared_fp8::SharedFp8::new(shared, &self.experts)?;
+            self.shared_fp8 = crate::experts::shared_fp8::SharedFp8::new(shared, &self.experts)?;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = shared;
@@ -320,7 +320,7 @@ impl MoeLayer {
 
     /// The captured decode steps.
     #[cfg(feature = "cuda")]
-    pub(crate) fn decode_graphs(&self) -> &crate::graph::DecodeGraphs {
+    pub(crate) fn decode_graphs(&self) -> &crate::modes::captured_step::DecodeGraphs {
         &self.decode_graphs
     }
 
@@ -367,11 +367,22 @@ impl MoeLayer {
         Ok(Step::new(mode, self.most_tokens(num_tokens)?))
     }
 
-    /// A low-latency step; CUDA builds replay captured graphs for single-rank CUDA layers
-    /// (see the `cuda` build's docs). This build runs [`MoeLayer::forward_with_mode`] in
-    /// low-latency mode.
-    #[cfg(not(feature = "cuda"))]
+    /// A low-latency step, through captured graphs on a CUDA build: the tokens are copied into the input of the
+    /// step captured for the smallest power of two >= `T` (captured on first use; at most
+    /// `low_latency_max_tokens`), the graph is replayed, and the first `T` rows of its output
+    /// are returned. The padding rows hold earlier tokens: they are routed and computed like
+    /// real ones, and dropped.
+    ///
+    /// Captured only for single-rank CUDA layers: with several ranks every rank would have to
+    /// capture the same size at the same moment, which this method cannot arrange (use
+    /// [`MoeLayer::capture_decode`] on every rank together for that). Other layers, and `T = 0`,
+    /// run [`MoeLayer::forward_with_mode`] in low-latency mode.
+    ///
+    /// Without the `cuda` feature this is [`MoeLayer::forward_with_mode`] in low-latency mode.
     pub fn forward_decode(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        return self.forward_decode_captured(x);
+        #[cfg(not(feature = "cuda"))]
         self.forward_with_mode(x, Mode::LowLatency)
     }
 
@@ -575,7 +586,7 @@ impl MoeLayer {
             if x.dims()[0] == 0 {
                 return Ok(None);
             }
-            let y = crate::grouped_fp8::forward_shared(&self.experts, blocks, x)?;
+            let y = crate::experts::grouped_fp8::forward_shared(&self.experts, blocks, x)?;
             return Ok(Some(y.to_dtype(x.dtype())?));
         }
         Ok(match &self.shared {

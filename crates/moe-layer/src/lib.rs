@@ -36,25 +36,12 @@ pub mod config;
 pub mod dense;
 mod empty;
 pub mod error;
-mod expert_groups;
 pub mod experts;
 pub mod fp8;
-#[cfg(feature = "cuda")]
-mod graph;
-#[cfg(feature = "cuda")]
-mod grouped;
-#[cfg(feature = "cuda")]
-mod grouped_fp8;
 mod layer;
-mod low_latency;
-pub mod mlp;
-mod normal;
+mod modes;
 mod options;
 pub mod router;
-#[cfg(feature = "cuda")]
-mod shared_fp8;
-#[cfg(feature = "cuda")]
-mod shared_groups;
 mod step;
 mod weight_plan;
 
@@ -62,11 +49,12 @@ pub use config::MoeConfig;
 pub use ep_kernels;
 pub use ep_runtime;
 pub use error::{Error, Result};
+pub use experts::mlp;
 pub use experts::{ExpertInput, Experts, Fp8Expert};
-#[cfg(feature = "cuda")]
-pub use graph::{DecodeGraph, StepGraph};
+pub use experts::{GateUpLayout, Mlp};
 pub use layer::{MoeLayer, WeightBytes};
-pub use mlp::{GateUpLayout, Mlp};
+#[cfg(feature = "cuda")]
+pub use modes::{DecodeGraph, StepGraph};
 pub use options::{MoeLayerOptions, SharedPlacement};
 pub use router::{Router, Routing};
 pub use step::{Mode, Step};

@@ -21,9 +21,11 @@ use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
 use float8::F8E4M3;
 use half::bf16;
 
+use super::grouped_state::workspace;
+use super::input::ExpertInput;
+use super::shard::Experts;
+use super::shared_fp8::SharedFp8;
 use crate::error::{Error, Result};
-use crate::experts::{ExpertInput, Experts};
-use crate::shared_fp8::SharedFp8;
 
 fn cuda(dev: &Device) -> Result<&CudaDevice> {
     match dev {
@@ -142,7 +144,7 @@ fn mlp_rows(
         None => (&empty.0, &empty.1, &empty.0, &empty.1),
     };
     let state = experts.grouped_state();
-    let mut ws = crate::grouped::workspace(state, &stream, g)?;
+    let mut ws = workspace(state, &stream, g)?;
     let ws = ws.as_mut().expect("created by workspace()");
     ws.set_grid(match layout {
         GroupLayout::Contiguous { .. } => state.routed_grid(),

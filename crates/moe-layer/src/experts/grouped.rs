@@ -14,66 +14,17 @@
 //! forward at a time per [`Experts`] (the setup tables of a GEMM must not be overwritten by
 //! another forward before it has run: all launches are on candle's one stream).
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use ep_kernels::expert_order;
-use ep_kernels::gemm::{
-    self, ExtraGroups, GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace,
-};
+use ep_kernels::gemm::{self, ExtraGroups, GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape};
 use ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
 use half::bf16;
 
+use super::grouped_state::workspace;
+use super::shard::Experts;
+use super::shared_groups::SharedGroups;
 use crate::error::{Error, Result};
-use crate::experts::Experts;
-use crate::shared_groups::SharedGroups;
-
-/// Per-[`Experts`] state of the device path.
-#[derive(Debug, Default)]
-pub(crate) struct GroupedState {
-    workspace: Mutex<Option<GroupedGemmWorkspace>>,
-    /// The grid of the routed rows' GEMMs (normal mode; the masked ones stay persistent).
-    routed_grid: Mutex<GemmGrid>,
-}
-
-impl GroupedState {
-    /// Sets the grid of the routed rows' GEMMs ([`GemmGrid`]).
-    pub(crate) fn set_routed_grid(&self, grid: GemmGrid) {
-        *self
-            .routed_grid
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = grid;
-    }
-
-    pub(crate) fn routed_grid(&self) -> GemmGrid {
-        *self
-            .routed_grid
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Whether `experts` run as device grouped GEMMs.
-pub(crate) fn eligible(experts: &Experts) -> bool {
-    eligible_shape(
-        experts.device(),
-        experts.dtype(),
-        experts.num_local(),
-        experts.hidden_size(),
-        experts.intermediate_size(),
-    )
-}
-
-/// [`eligible`] for `l` experts of `[2I, H]` weights of `dtype` on `device`.
-pub(crate) fn eligible_shape(device: &Device, dtype: DType, l: usize, h: usize, i: usize) -> bool {
-    device.is_cuda()
-        && dtype == DType::BF16
-        && h % 8 == 0
-        && i % gemm::GATE_UP_BLOCK == 0
-        && l <= gemm::MAX_GROUPS
-}
 
 fn cuda(dev: &Device) -> Result<&CudaDevice> {
     match dev {
@@ -84,22 +35,6 @@ fn cuda(dev: &Device) -> Result<&CudaDevice> {
             "the grouped GEMMs need CUDA tensors",
         )),
     }
-}
-
-/// The workspace, created on first use for the experts' number of groups.
-pub(crate) fn workspace<'a>(
-    state: &'a GroupedState,
-    stream: &Arc<CudaStream>,
-    groups: usize,
-) -> Result<MutexGuard<'a, Option<GroupedGemmWorkspace>>> {
-    let mut g = state
-        .workspace
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    if g.as_ref().is_none_or(|w| w.max_groups() < groups) {
-        *g = Some(GroupedGemmWorkspace::new(stream, groups)?);
-    }
-    Ok(g)
 }
 
 /// The shared experts' blocks joining a masked [`mlp_rows`] as its last groups, over `tokens`

@@ -4,9 +4,9 @@
 //! without any transfer.
 
 use crate::error::Result;
-use crate::expert_groups::ExpertGroups;
 use crate::experts::ExpertInput;
 use crate::layer::{join_parts, two_micro_batches, MoeLayer};
+use crate::modes::expert_groups::ExpertGroups;
 use candle_core::{DType, Device, Tensor};
 use ep_runtime::cast::per_token_cast_to_fp8;
 use ep_runtime::{CombineArgs, DispatchArgs, EventOverlap};

@@ -171,7 +171,7 @@ impl Mlp {
 
     /// Bytes of its weights.
     pub fn weight_bytes(&self) -> usize {
-        crate::experts::tensor_bytes(&self.gate_up) + crate::experts::tensor_bytes(&self.down_proj)
+        tensor_bytes(&self.gate_up) + tensor_bytes(&self.down_proj)
     }
 
     /// Inner width `I`.
@@ -347,6 +347,11 @@ impl Module for Mlp {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         Mlp::forward(self, xs)
     }
+}
+
+/// Bytes of a tensor's elements.
+pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
 }
 
 #[cfg(test)]

@@ -10,9 +10,9 @@
 use candle_core::{DType, Tensor};
 use ep_kernels::gemm::MAX_GROUPS;
 
+use super::mlp::{GateUpLayout, Mlp};
+use super::shard::Experts;
 use crate::error::{Error, Result};
-use crate::experts::Experts;
-use crate::mlp::{GateUpLayout, Mlp};
 
 /// A shared MLP as blocks of the routed experts' width.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! The shared experts of an fp8 layer on its fp8 grouped GEMMs: the shared MLP of inner width
 //! `X * I` kept as block-scaled e4m3 weights, split into `X` blocks of the routed experts'
-//! width `I` (as [`crate::shared_groups`] does for bf16: SwiGLU acts on each inner column
+//! width `I` (as `shared_groups` does for bf16: SwiGLU acts on each inner column
 //! alone and `down_proj` sums over them). In a decode step the blocks join the routed experts'
 //! masked GEMMs as extra groups over the layer's tokens (one launch reads every weight); alone
 //! (normal mode, or beside a transfer) they run as a grouped GEMM of their own whose every
@@ -8,8 +8,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::fp8_expert::Fp8Expert;
+use super::shard::Experts;
 use crate::error::{Error, Result};
-use crate::experts::{Experts, Fp8Expert};
 
 /// A shared MLP's fp8 weights as blocks of the routed experts' width.
 #[derive(Debug)]
@@ -31,7 +32,7 @@ impl SharedFp8 {
     pub(crate) fn new(shared: &Fp8Expert, experts: &Experts) -> Result<Option<Self>> {
         let (h, i) = (experts.hidden_size(), experts.intermediate_size());
         let (i_s, h_s) = shared.gate.dims();
-        let blocks = crate::experts::shared_fp8_blocks(experts.num_local(), i, i_s);
+        let blocks = super::rules::shared_fp8_blocks(experts.num_local(), i, i_s);
         let Some(x) = blocks.filter(|_| experts.is_fp8() && h_s == h) else {
             return Ok(None);
         };

@@ -56,7 +56,7 @@ impl MoeLayer {
         }
         #[cfg(feature = "cuda")]
         if dev.is_cuda() {
-            return crate::grouped::masked_tiles(dev, expected);
+            return crate::experts::grouped::masked_tiles(dev, expected);
         }
         let _ = (dev, expected);
         Ok(ep_kernels::gemm::GemmTiles::Auto)
@@ -85,7 +85,7 @@ impl MoeLayer {
             .as_ref()
             .filter(|_| self.shared_in_grouped_gemm(x.dims()[0]))
         {
-            let (y, s) = crate::grouped_fp8::forward_masked(
+            let (y, s) = crate::experts::grouped_fp8::forward_masked(
                 &self.experts,
                 recv,
                 recv_count,
@@ -100,7 +100,7 @@ impl MoeLayer {
             .as_ref()
             .filter(|_| self.shared_in_grouped_gemm(x.dims()[0]))
         {
-            let (y, s) = crate::grouped::forward_masked_with_shared(
+            let (y, s) = crate::experts::grouped::forward_masked_with_shared(
                 &self.experts,
                 &recv.to_dtype(x.dtype())?,
                 recv_count,

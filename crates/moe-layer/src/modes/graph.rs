@@ -7,91 +7,72 @@
 //! - [`MoeLayer::forward_decode`] keeps one captured step per power-of-two token count inside
 //!   the layer and replays the smallest that fits (single-rank layers; see its docs).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 
 use candle_core::{DType, Tensor};
-use ep_runtime::graph::{capture, warm_up, CapturedGraph};
-use ep_runtime::Buffer;
+use ep_runtime::graph::{capture, warm_up};
+
+use super::captured_step::CapturedStep;
 
 use crate::error::{Error, Result};
 use crate::layer::MoeLayer;
 use crate::step::Mode;
 
-/// One captured step: its mode, the tensor it reads, the tensor it writes, the graph.
-#[derive(Debug)]
-pub(crate) struct CapturedStep {
+/// Captures `layer`'s step in `mode` (low-latency or normal) over `num_tokens` tokens of
+/// `dtype` (after two eager runs, so that modules, workspaces and buffers exist before the
+/// capture).
+fn capture_step(
+    layer: &MoeLayer,
     mode: Mode,
-    input: Tensor,
-    output: Tensor,
-    graph: CapturedGraph,
-}
-
-impl CapturedStep {
-    /// Captures `layer`'s step in `mode` (low-latency or normal) over `num_tokens` tokens of
-    /// `dtype` (after two eager runs, so that modules, workspaces and buffers exist before the
-    /// capture).
-    fn capture(layer: &MoeLayer, mode: Mode, num_tokens: usize, dtype: DType) -> Result<Self> {
-        let dev = layer.router().weight().device().clone();
-        if !dev.is_cuda() {
-            return Err(Error::invalid(
-                "device",
-                format!("{dev:?}"),
-                "captured steps need a layer on a CUDA device",
-            ));
-        }
-        let max = match mode {
-            Mode::LowLatency => layer.options().low_latency_max_tokens,
-            _ => capturable_normal_tokens(layer)?,
+    num_tokens: usize,
+    dtype: DType,
+) -> Result<CapturedStep> {
+    let dev = layer.router().weight().device().clone();
+    if !dev.is_cuda() {
+        return Err(Error::invalid(
+            "device",
+            format!("{dev:?}"),
+            "captured steps need a layer on a CUDA device",
+        ));
+    }
+    let max = match mode {
+        Mode::LowLatency => layer.options().low_latency_max_tokens,
+        _ => capturable_normal_tokens(layer)?,
+    };
+    if num_tokens == 0 || num_tokens > max {
+        let bound = match mode {
+            Mode::LowLatency => "low_latency_max_tokens",
+            _ => "normal_max_tokens_per_rank",
         };
-        if num_tokens == 0 || num_tokens > max {
-            let bound = match mode {
-                Mode::LowLatency => "low_latency_max_tokens",
-                _ => "normal_max_tokens_per_rank",
-            };
-            return Err(Error::invalid(
-                "num_tokens",
-                num_tokens,
-                format!("must be in 1..={bound} = {max}"),
-            ));
-        }
-        let h = layer.router().hidden_size();
-        let input = Tensor::zeros((num_tokens, h), dtype, &dev)?;
-        warm_up(&dev, || {
-            for _ in 0..2 {
-                layer
-                    .forward_with_mode(&input, mode)
-                    .map_err(ep_runtime::Error::Candle)?;
-            }
-            Ok(())
-        })?;
-        let (graph, output) = capture(&dev, || {
-            let out = layer
+        return Err(Error::invalid(
+            "num_tokens",
+            num_tokens,
+            format!("must be in 1..={bound} = {max}"),
+        ));
+    }
+    let h = layer.router().hidden_size();
+    let input = Tensor::zeros((num_tokens, h), dtype, &dev)?;
+    warm_up(&dev, || {
+        for _ in 0..2 {
+            layer
                 .forward_with_mode(&input, mode)
                 .map_err(ep_runtime::Error::Candle)?;
-            join_comm_stream(layer, &dev)?;
-            Ok(out)
-        })?;
-        Ok(Self {
-            mode,
-            input,
-            output,
-            graph,
-        })
-    }
-
-    /// Replays on the input as it is now; for a low-latency step first reports, without
-    /// waiting, a rank the device masked during an earlier replay (a normal-mode step's device
-    /// errors are reported by the buffer's next eager op).
-    fn replay(&self, buffer: &Buffer) -> Result<()> {
-        if self.mode != Mode::LowLatency {
-            self.graph.launch()?;
-            return Ok(());
         }
-        buffer.low_latency_poll()?;
-        self.graph.launch()?;
-        buffer.low_latency_note_replay()?;
         Ok(())
-    }
+    })?;
+    let (graph, output) = capture(&dev, || {
+        let out = layer
+            .forward_with_mode(&input, mode)
+            .map_err(ep_runtime::Error::Candle)?;
+        join_comm_stream(layer, &dev)?;
+        Ok(out)
+    })?;
+    Ok(CapturedStep {
+        mode,
+        input,
+        output,
+        graph,
+    })
 }
 
 /// Makes candle's stream wait for everything queued on the buffer's communication stream: a
@@ -134,15 +115,6 @@ fn capturable_normal_tokens(layer: &MoeLayer) -> Result<usize> {
     }
 }
 
-/// A captured step's key: token count and dtype.
-type StepKey = (usize, DType);
-
-/// The layer's captured steps by (token count, dtype), made on first use.
-#[derive(Debug, Default)]
-pub(crate) struct DecodeGraphs {
-    steps: Mutex<Vec<(StepKey, Arc<CapturedStep>)>>,
-}
-
 /// A step (router -> dispatch -> grouped GEMMs -> combine, plus the shared experts) of one
 /// [`MoeLayer`] for a fixed number of tokens, captured once and replayed.
 ///
@@ -172,7 +144,7 @@ impl MoeLayer {
     pub fn capture_decode(&self, num_tokens: usize, dtype: DType) -> Result<StepGraph<'_>> {
         Ok(StepGraph {
             layer: self,
-            step: CapturedStep::capture(self, Mode::LowLatency, num_tokens, dtype)?,
+            step: capture_step(self, Mode::LowLatency, num_tokens, dtype)?,
         })
     }
 
@@ -186,21 +158,12 @@ impl MoeLayer {
     pub fn capture_prefill(&self, num_tokens: usize, dtype: DType) -> Result<StepGraph<'_>> {
         Ok(StepGraph {
             layer: self,
-            step: CapturedStep::capture(self, Mode::Normal, num_tokens, dtype)?,
+            step: capture_step(self, Mode::Normal, num_tokens, dtype)?,
         })
     }
 
-    /// A low-latency step through captured graphs: the tokens are copied into the input of the
-    /// step captured for the smallest power of two >= `T` (captured on first use; at most
-    /// `low_latency_max_tokens`), the graph is replayed, and the first `T` rows of its output
-    /// are returned. The padding rows hold earlier tokens: they are routed and computed like
-    /// real ones, and dropped.
-    ///
-    /// Captured only for single-rank CUDA layers: with several ranks every rank would have to
-    /// capture the same size at the same moment, which this method cannot arrange (use
-    /// [`MoeLayer::capture_decode`] on every rank together for that). Other layers, and `T = 0`,
-    /// run [`MoeLayer::forward_with_mode`] in low-latency mode.
-    pub fn forward_decode(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// [`MoeLayer::forward_decode`] on a CUDA build (see there).
+    pub(crate) fn forward_decode_captured(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let dims = x.dims().to_vec();
         let t: usize = dims[..dims.len().saturating_sub(1)].iter().product();
         let single = self.buffer().topology().num_ranks == 1;
@@ -229,7 +192,7 @@ impl MoeLayer {
         if let Some((_, s)) = steps.iter().find(|(k, _)| *k == (size, dtype)) {
             return Ok(s.clone());
         }
-        let step = Arc::new(CapturedStep::capture(self, Mode::LowLatency, size, dtype)?);
+        let step = Arc::new(capture_step(self, Mode::LowLatency, size, dtype)?);
         steps.push(((size, dtype), step.clone()));
         Ok(step)
     }
