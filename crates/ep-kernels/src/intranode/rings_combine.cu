@@ -40,7 +40,7 @@ EP_CHECK_PARAMS_SIZE(CombineParams, 184);
 namespace {
 
 // Vectors per lane the home side of combine loads at once (times up to 4 rows each): the home
-// is latency-bound, 2 measured 1.5 % faster than 1 at EP4 (3 spills registers).
+// is latency-bound, 2 measured faster than 1 at EP4 (3 spills registers).
 constexpr int kHomeUnroll = 2;
 
 // The home side of combine for channel c with R == kR ranks (compile-time, so the per-rank

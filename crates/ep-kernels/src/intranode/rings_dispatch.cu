@@ -340,7 +340,7 @@ EP_DEVICE bool worst_case_prelude(const DispatchParams& p) {
 // this rank's own tokens straight into the outputs (no ring, no receiver); then ring group g
 // (the rest shared by R - 1, named barrier g + 1) streams to the g-th other rank. Receiving
 // block: ring group g (kDispatchWarps / (R - 1) warps) takes the g-th other rank's ring, so at
-// R = 4 each ring has 8 receiving warps instead of 6 (EP4 bf16 dispatch 368-371 -> 383-391 GB/s).
+// R = 4 each ring has 8 receiving warps instead of 6 (which measured faster at EP4).
 EP_KERNEL void __launch_bounds__(kDispatchThreads, 1) intranode_dispatch(const DispatchParams p) {
     if (p.worst_case != 0 && !worst_case_prelude(p)) {
         return;  // some rank receives more rows than the capacity: every rank stops here

@@ -8,11 +8,9 @@
 // each block then adds its non-zero counters to the global ones, which the launcher zeroes
 // first. Integer additions commute, so the counts are the same whatever the order.
 //
-// (The first version gave each block a slice of the experts or ranks and had it read every
-// (token, k) entry: ten blocks for 256 experts over 4 ranks, each thread 128 dependent loads
-// at 4096 tokens. On an H100, top-8 of 256 at 4096 tokens with the launcher's memsets: 42 us
-// over 8 ranks and 233 over 64, against 24 and 38 for this one; it is on the critical path of
-// every normal-mode step.)
+// (Giving each block a slice of the experts or ranks, each reading every (token, k) entry,
+// leaves few blocks with long chains of dependent loads and measured slower, the more so the
+// more ranks; this kernel is on the critical path of every normal-mode step.)
 //
 // Entries equal to -1 (and, defensively, any entry outside [0, num_experts)) are skipped.
 

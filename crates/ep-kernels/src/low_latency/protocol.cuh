@@ -16,8 +16,8 @@
 // header turned into j or -1), a few vectors per record on the blocks the row copy leaves idle,
 // and the row copy writes the packed row of each (source, token, k) it places into its record;
 // the per-rank combine's send phase reads them there. (Building the same tables with a block per
-// source that copied no rows cost the dispatch about 1.3 us more at EP4; records in a region of
-// their own instead of in the message about 0.3 us more.)
+// source that copied no rows, or keeping the records in a region of their own instead of in the
+// message, measured slower at EP4.)
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
@@ -89,10 +89,10 @@ constexpr int kRecordWords = 4 + 2 * kMaxTopk;
 // 1 vector of 4 or 8 rows, spilled 76-124 bytes).
 constexpr int kRankVecs = 2;
 constexpr int kRankBatch = 2;
-// 16-byte vectors per lane of one copy work item (a chunk of 32 x n vectors), measured at EP2
-// and EP4 (`docs/benchmarks.md`): the combine send keeps 8 (4 or 2: +2 to +6 us, fewer bytes
-// in flight per warp); the dispatch receive copies 4 (8 left half the warps without work:
-// about 1 us slower; 2 is no better).
+// 16-byte vectors per lane of one copy work item (a chunk of 32 x n vectors), what measured
+// fastest at EP2 and EP4 (`docs/benchmarks.md`, "Low-latency mode"): the combine send keeps 8
+// (fewer leave fewer bytes in flight per warp); the dispatch receive copies 4 (8 leaves half
+// the warps without work; 2 is no better).
 constexpr int kSendUnroll = 8;
 constexpr int kRecvUnroll = 4;
 
