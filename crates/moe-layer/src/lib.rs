@@ -41,6 +41,7 @@ pub mod fp8;
 mod layer;
 mod modes;
 mod options;
+pub mod placement;
 pub mod router;
 mod step;
 mod weight_plan;

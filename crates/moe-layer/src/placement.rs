@@ -1,0 +1,377 @@
+//! Expert placement with redundant experts: DeepSeek's expert-parallel load balancer (EPLB),
+//! written from its description. Given each logical expert's load (tokens routed to it over a
+//! window) and `P >= E` physical expert slots over `G` GPUs in `N` nodes, it chooses which
+//! experts get extra replicas and which GPU holds every replica, so that the GPUs' loads (a
+//! replica taking an equal share of its expert's load) are as even as it can make them.
+//!
+//! Two policies, as DeepSeek's:
+//! - **hierarchical** (when the `N` nodes divide the expert groups of group-limited routing):
+//!   whole groups are packed onto nodes with balanced loads, so a token's experts stay within
+//!   the nodes its groups chose; then each node replicates its own experts into its slots, and
+//!   packs the replicas onto its GPUs;
+//! - **global** (otherwise): the same with one group and one node.
+//!
+//! The two steps: *replication* gives the next extra slot to the expert of the highest load per
+//! replica, until the slots are used; *balanced packing* places items, heaviest first, each
+//! into the lightest pack that still has room, every pack taking the same number of items.
+//! Ties go to the lower index (expert, pack), so the placement is a function of the loads.
+
+use crate::error::{Error, Result};
+
+/// The slots and machines a placement is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlacementShape {
+    /// Physical expert slots `P` over all GPUs (a multiple of `num_gpus`, at least the number
+    /// of logical experts).
+    pub num_physical: usize,
+    /// Expert groups of group-limited routing (`n_group`; 1 without).
+    pub num_groups: usize,
+    /// Nodes `N` (GPUs within a node talk over NVLink).
+    pub num_nodes: usize,
+    /// GPUs `G` (ranks), a multiple of `num_nodes`.
+    pub num_gpus: usize,
+}
+
+/// Where every replica of every logical expert lives, for one layer. Physical slot `s` is on
+/// GPU `s / (P / G)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The logical expert of each physical slot, `[P]`.
+    pub phy_to_log: Vec<usize>,
+    /// Which replica of its expert each slot holds (0 for the first), `[P]`.
+    pub replica: Vec<usize>,
+    /// The slots of each logical expert, by replica, `[E][count]`.
+    pub log_to_phy: Vec<Vec<usize>>,
+}
+
+impl Placement {
+    /// The placement without redundant experts: expert `e` in slot `e` (what a layer of
+    /// `E / R` fixed experts per rank holds).
+    pub fn identity(num_experts: usize) -> Self {
+        Self {
+            phy_to_log: (0..num_experts).collect(),
+            replica: vec![0; num_experts],
+            log_to_phy: (0..num_experts).map(|e| vec![e]).collect(),
+        }
+    }
+
+    /// Physical slots `P`.
+    pub fn num_physical(&self) -> usize {
+        self.phy_to_log.len()
+    }
+
+    /// The load each of `num_gpus` GPUs carries under `loads` (per logical expert), a replica
+    /// taking an equal share of its expert's load.
+    pub fn gpu_loads(&self, loads: &[f64], num_gpus: usize) -> Vec<f64> {
+        let per_gpu = self.num_physical() / num_gpus.max(1);
+        let mut out = vec![0.0; num_gpus];
+        for (s, &e) in self.phy_to_log.iter().enumerate() {
+            let share = loads[e] / self.log_to_phy[e].len() as f64;
+            out[(s / per_gpu.max(1)).min(num_gpus - 1)] += share;
+        }
+        out
+    }
+
+    /// `max / mean` of [`Placement::gpu_loads`] (1 is perfectly even).
+    pub fn imbalance(&self, loads: &[f64], num_gpus: usize) -> f64 {
+        imbalance(&self.gpu_loads(loads, num_gpus))
+    }
+}
+
+/// `max / mean` of `loads` (1 when all are zero).
+pub fn imbalance(loads: &[f64]) -> f64 {
+    let total: f64 = loads.iter().sum();
+    if total <= 0.0 || loads.is_empty() {
+        return 1.0;
+    }
+    let max = loads.iter().copied().fold(f64::MIN, f64::max);
+    max * loads.len() as f64 / total
+}
+
+/// The placement of one layer whose logical experts carry `loads` (non-negative, finite).
+pub fn place(loads: &[f64], shape: PlacementShape) -> Result<Placement> {
+    check(loads, shape)?;
+    let (groups, nodes) = if shape.num_groups % shape.num_nodes == 0 {
+        (shape.num_groups, shape.num_nodes)
+    } else {
+        (1, 1)
+    };
+    let e = loads.len();
+    let group_size = e / groups;
+    let groups_per_node = groups / nodes;
+    let (experts_per_node, slots_per_node) = (e / nodes, shape.num_physical / nodes);
+    let gpus_per_node = shape.num_gpus / nodes;
+    let slots_per_gpu = shape.num_physical / shape.num_gpus;
+    // 1. Whole groups onto nodes; `node_experts[n]` lists node n's experts in pack order.
+    let group_loads: Vec<f64> = (0..groups)
+        .map(|g| loads[g * group_size..(g + 1) * group_size].iter().sum())
+        .collect();
+    let group_packs = pack(&group_loads, nodes);
+    let mut node_experts = vec![vec![0usize; experts_per_node]; nodes];
+    for (g, &(node, rank)) in group_packs.iter().enumerate() {
+        for j in 0..group_size {
+            node_experts[node][(rank * group_size) + j] = g * group_size + j;
+        }
+    }
+    debug_assert!(node_experts
+        .iter()
+        .all(|v| v.len() == groups_per_node * group_size));
+    // 2. and 3. Per node: replicate its experts into its slots, pack the replicas onto its GPUs.
+    let mut phy_to_log = vec![0usize; shape.num_physical];
+    let mut replica = vec![0usize; shape.num_physical];
+    for (node, experts) in node_experts.iter().enumerate() {
+        let node_loads: Vec<f64> = experts.iter().map(|&x| loads[x]).collect();
+        let (slot_expert, slot_replica, counts) = replicate(&node_loads, slots_per_node);
+        let slot_loads: Vec<f64> = slot_expert
+            .iter()
+            .map(|&m| node_loads[m] / counts[m] as f64)
+            .collect();
+        let gpu_packs = pack(&slot_loads, gpus_per_node);
+        for (slot, &(gpu, rank)) in gpu_packs.iter().enumerate() {
+            let s = node * slots_per_node + gpu * slots_per_gpu + rank;
+            phy_to_log[s] = experts[slot_expert[slot]];
+            replica[s] = slot_replica[slot];
+        }
+    }
+    let mut log_to_phy = vec![Vec::new(); e];
+    for (s, &x) in phy_to_log.iter().enumerate() {
+        log_to_phy[x].push((replica[s], s));
+    }
+    let log_to_phy = log_to_phy
+        .into_iter()
+        .map(|mut v| {
+            v.sort_unstable();
+            v.into_iter().map(|(_, s)| s).collect()
+        })
+        .collect();
+    Ok(Placement {
+        phy_to_log,
+        replica,
+        log_to_phy,
+    })
+}
+
+/// Checks the loads and the shape; errors name the value and the limit.
+fn check(loads: &[f64], s: PlacementShape) -> Result<()> {
+    let e = loads.len();
+    if let Some((i, v)) = loads
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !v.is_finite() || **v < 0.0)
+    {
+        return Err(Error::invalid(
+            "loads",
+            format!("loads[{i}] = {v}"),
+            "must be finite and non-negative",
+        ));
+    }
+    let bad =
+        |arg: &'static str, value: usize, limit: String| Err(Error::invalid(arg, value, limit));
+    if e == 0 {
+        return bad("loads", 0, "at least one expert is needed".into());
+    }
+    if s.num_gpus == 0 || s.num_nodes == 0 || s.num_gpus % s.num_nodes != 0 {
+        return bad(
+            "num_gpus",
+            s.num_gpus,
+            format!("must be a positive multiple of num_nodes = {}", s.num_nodes),
+        );
+    }
+    if s.num_physical < e || s.num_physical % s.num_gpus != 0 {
+        return bad(
+            "num_physical",
+            s.num_physical,
+            format!(
+                "must be at least the {e} experts and a multiple of num_gpus = {}",
+                s.num_gpus
+            ),
+        );
+    }
+    if s.num_groups == 0 || e % s.num_groups != 0 {
+        return bad(
+            "num_groups",
+            s.num_groups,
+            format!("must divide the {e} experts"),
+        );
+    }
+    if s.num_groups % s.num_nodes == 0 && (s.num_physical / s.num_nodes) < e / s.num_nodes {
+        return bad(
+            "num_physical",
+            s.num_physical,
+            "must give every node at least its experts' slots".into(),
+        );
+    }
+    Ok(())
+}
+
+/// Balanced packing: `(pack, rank in pack)` of each item of `weights` over `packs` packs of
+/// `weights.len() / packs` items each. Heaviest first (ties: lower index), each item into the
+/// lightest pack with room (ties: lower pack).
+fn pack(weights: &[f64], packs: usize) -> Vec<(usize, usize)> {
+    let per_pack = weights.len() / packs;
+    if per_pack == 1 {
+        return (0..weights.len()).map(|i| (i, 0)).collect();
+    }
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
+    let mut load = vec![0.0f64; packs];
+    let mut items = vec![0usize; packs];
+    let mut out = vec![(0, 0); weights.len()];
+    for i in order {
+        let p = (0..packs)
+            .filter(|&p| items[p] < per_pack)
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .expect("the packs hold all items");
+        out[i] = (p, items[p]);
+        load[p] += weights[i];
+        items[p] += 1;
+    }
+    out
+}
+
+/// Replication of `loads.len()` experts into `slots` slots: slot `i < E` holds expert `i`, each
+/// further slot the expert of the highest load per replica so far (ties: lower expert). Returns
+/// each slot's expert and replica index, and each expert's replica count.
+fn replicate(loads: &[f64], slots: usize) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+    let e = loads.len();
+    let mut expert: Vec<usize> = (0..e).collect();
+    let mut replica = vec![0usize; e];
+    let mut counts = vec![1usize; e];
+    for _ in e..slots {
+        let mut best = 0;
+        for x in 1..e {
+            if loads[x] / counts[x] as f64 > loads[best] / counts[best] as f64 {
+                best = x;
+            }
+        }
+        expert.push(best);
+        replica.push(counts[best]);
+        counts[best] += 1;
+    }
+    (expert, replica, counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(p: usize, groups: usize, nodes: usize, gpus: usize) -> PlacementShape {
+        PlacementShape {
+            num_physical: p,
+            num_groups: groups,
+            num_nodes: nodes,
+            num_gpus: gpus,
+        }
+    }
+
+    #[test]
+    fn the_published_example_places_as_deepseeks_balancer() {
+        // DeepSeek's EPLB README: 2 layers of 12 experts, 16 slots, 4 groups, 2 nodes, 8 GPUs.
+        let layers: [[f64; 12]; 2] = [
+            [
+                90., 132., 40., 61., 104., 165., 39., 4., 73., 56., 183., 86.,
+            ],
+            [
+                20., 107., 104., 64., 19., 197., 187., 157., 172., 86., 16., 27.,
+            ],
+        ];
+        let want: [[usize; 16]; 2] = [
+            [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+            [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+        ];
+        for (loads, want) in layers.iter().zip(want) {
+            let p = place(loads, shape(16, 4, 2, 8)).unwrap();
+            assert_eq!(p.phy_to_log, want);
+        }
+    }
+
+    /// Zipf-like loads: expert `i` of a random order draws `1 / (rank + 1)^s`.
+    fn zipf(e: usize, s: f64, seed: u64) -> Vec<f64> {
+        let mut order: Vec<usize> = (0..e).collect();
+        let mut x = seed | 1;
+        for i in (1..e).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            order.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        let mut loads = vec![0.0; e];
+        for (rank, &i) in order.iter().enumerate() {
+            loads[i] = 1000.0 / ((rank + 1) as f64).powf(s);
+        }
+        loads
+    }
+
+    #[test]
+    fn every_expert_has_a_replica_every_gpu_its_slots_and_groups_stay_on_a_node() {
+        for (seed, (e, p, groups, nodes, gpus)) in [
+            (256, 288, 8, 2, 8),
+            (256, 256, 8, 1, 4),
+            (64, 72, 8, 2, 8),
+            (64, 96, 1, 1, 4),
+            (12, 16, 3, 2, 8), // 3 groups over 2 nodes: the global policy
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let loads = zipf(e, 1.0, seed as u64 + 7);
+            let pl = place(&loads, shape(p, groups, nodes, gpus)).unwrap();
+            assert_eq!(pl.num_physical(), p);
+            assert!(pl.log_to_phy.iter().all(|v| !v.is_empty()));
+            let counted: usize = pl.log_to_phy.iter().map(Vec::len).sum();
+            assert_eq!(counted, p);
+            for (x, slots) in pl.log_to_phy.iter().enumerate() {
+                for (r, &s) in slots.iter().enumerate() {
+                    assert_eq!((pl.phy_to_log[s], pl.replica[s]), (x, r));
+                }
+            }
+            if groups % nodes == 0 {
+                let (group_size, per_node) = (e / groups, p / nodes);
+                for g in 0..groups {
+                    let node_of = |x: usize| pl.log_to_phy[x][0] / per_node;
+                    let n = node_of(g * group_size);
+                    for x in g * group_size..(g + 1) * group_size {
+                        assert!(pl.log_to_phy[x].iter().all(|&s| s / per_node == n));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn redundant_slots_even_out_skewed_loads() {
+        // DeepSeek-V3's 256 experts over 8 GPUs of one node with Zipf s = 1 loads.
+        let loads = zipf(256, 1.0, 3);
+        let fixed = Placement::identity(256).imbalance(&loads, 8);
+        let balanced = place(&loads, shape(256, 8, 1, 8))
+            .unwrap()
+            .imbalance(&loads, 8);
+        let redundant = place(&loads, shape(256 + 8 * 8, 8, 1, 8))
+            .unwrap()
+            .imbalance(&loads, 8);
+        assert!(fixed > 1.3, "fixed placement {fixed:.3}");
+        assert!(balanced < fixed, "{balanced:.3} against {fixed:.3}");
+        assert!(
+            redundant <= 1.05,
+            "with 8 redundant slots per GPU: {redundant:.3}"
+        );
+    }
+
+    #[test]
+    fn bad_shapes_and_loads_are_refused_naming_them() {
+        let loads = vec![1.0; 16];
+        for (s, arg) in [
+            (shape(15, 1, 1, 1), "num_physical"),
+            (shape(18, 1, 1, 4), "num_physical"),
+            (shape(16, 3, 1, 4), "num_groups"),
+            (shape(16, 4, 3, 4), "num_gpus"),
+        ] {
+            let err = place(&loads, s).unwrap_err().to_string();
+            assert!(err.contains(arg), "{err}");
+        }
+        let err = place(&[1.0, f64::NAN], shape(2, 1, 1, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("loads[1]"), "{err}");
+    }
+}
