@@ -273,16 +273,28 @@ impl MoeLayer {
             }
             _ => None,
         };
+        // fp8 shared experts that join the routed experts' fp8 GEMMs hold no float copy;
+        // elsewhere they are dequantized once, here.
+        #[cfg(feature = "cuda")]
+        let fp8_blocks = match &fp8_shared {
+            Some(f) => crate::experts::shared_fp8::SharedFp8::new(f, &experts)?,
+            None => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let fp8_blocks: Option<std::convert::Infallible> = None;
         let shared = match (cfg.shared_intermediate_size(), &fp8_shared) {
+            (Some(_), Some(_)) if fp8_blocks.is_some() => None,
             (Some(_), Some(f)) => Some(f.dequantize(vb.dtype())?),
             (Some(i), None) => Some(Mlp::load(svb, cfg.hidden_size, i)?),
             (None, _) => None,
         };
-        let layer = Self::new(router, experts, shared, buffer, options)?;
-        match &fp8_shared {
-            Some(f) => layer.with_fp8_shared(f),
-            None => Ok(layer),
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut layer = Self::new(router, experts, shared, buffer, options)?;
+        #[cfg(feature = "cuda")]
+        {
+            layer.shared_fp8 = fp8_blocks;
         }
+        Ok(layer)
     }
 
     /// Bytes of the weights this rank's part of the layer holds, by kind.
@@ -324,7 +336,8 @@ impl MoeLayer {
         &self.decode_graphs
     }
 
-    /// The shared experts, if any.
+    /// The shared experts' float MLP, if the layer runs one: a layer loaded from fp8 shared
+    /// experts that run on the routed experts' fp8 GEMMs (CUDA) holds none.
     pub fn shared(&self) -> Option<&Mlp> {
         self.shared.as_ref()
     }

@@ -63,8 +63,10 @@ impl WeightBytes {
             l * 3 * h * i * d
         };
         let shared = cfg.shared_intermediate_size().map_or(0, |i_s| {
-            let blocks = shared_fp8_blocks(l, i, i_s).filter(|_| fp8);
-            3 * h * i_s * d + blocks.map_or(0, |x| x * fp8_expert_bytes(h, i))
+            match shared_fp8_blocks(l, i, i_s).filter(|_| fp8) {
+                Some(x) => x * fp8_expert_bytes(h, i),
+                None => 3 * h * i_s * d,
+            }
         });
         // The gate is kept in f32; on CUDA also as the bf16 it was stored in (the gate kernel's
         // copy, made where the f32 values are exact bf16s).
@@ -112,11 +114,8 @@ mod tests {
         let w = WeightBytes::planned(&cfg, target).unwrap();
         // 32 local experts of 3 x 7168 x 2048 e4m3 values, 3 x 16 x 56 f32 scales each.
         assert_eq!(w.routed, 32 * (3 * 7168 * 2048 + 4 * 3 * 16 * 56));
-        // The shared expert's bf16 MLP and its fp8 block beside the routed experts.
-        assert_eq!(
-            w.shared,
-            3 * 7168 * 2048 * 2 + (3 * 7168 * 2048 + 4 * 3 * 16 * 56)
-        );
+        // The shared expert as one fp8 block beside the routed experts (no float copy).
+        assert_eq!(w.shared, 3 * 7168 * 2048 + 4 * 3 * 16 * 56);
         assert_eq!(w.router, 256 * 7168 * 6 + 256 * 4);
         let cpu = WeightBytes::planned(
             &cfg,

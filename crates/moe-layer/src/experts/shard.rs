@@ -18,6 +18,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use ep_kernels::gemm::fp8::{weight_scale_dims, FP8_BLOCK};
 
 use super::fp8_expert::{Fp8Expert, Fp8Scales};
 use super::mlp::{tensor_bytes, GateUpLayout, Mlp};
@@ -192,7 +193,20 @@ impl Experts {
     /// elsewhere every expert is dequantized to `dtype` ([`Fp8Expert::dequantize`]) and the
     /// shard is a plain one.
     pub fn from_fp8(first_expert: usize, experts: Vec<Fp8Expert>, dtype: DType) -> Result<Self> {
-        let Some(first) = experts.first() else {
+        let l = experts.len();
+        Self::from_fp8_each(first_expert, l, experts.into_iter().map(Ok), dtype)
+    }
+
+    /// [`Experts::from_fp8`] over `l` experts given one at a time, each dropped once it is in
+    /// the shard: a load holds the shard plus one expert, and the device keeps no scratch
+    /// between the stacks (the scales gather on the host and go up once).
+    fn from_fp8_each(
+        first_expert: usize,
+        l: usize,
+        mut experts: impl Iterator<Item = Result<Fp8Expert>>,
+        dtype: DType,
+    ) -> Result<Self> {
+        let Some(first) = experts.next().transpose()? else {
             return Err(Error::invalid(
                 "experts",
                 "[]",
@@ -200,7 +214,7 @@ impl Experts {
             ));
         };
         let (i, h) = first.gate.dims();
-        for (l, e) in experts.iter().enumerate() {
+        let check = |l: usize, e: &Fp8Expert| -> Result<()> {
             let dims = [e.gate.dims(), e.up.dims(), e.down.dims()];
             if dims != [(i, h), (i, h), (h, i)] {
                 return Err(Error::invalid(
@@ -211,36 +225,61 @@ impl Experts {
                     ),
                 ));
             }
-        }
+            Ok(())
+        };
         let device = first.gate.q().device().clone();
-        if !fp8_eligible(&device, experts.len(), h, i)? {
-            let mlps = experts
-                .iter()
-                .map(|e| e.dequantize(dtype))
-                .collect::<Result<Vec<_>>>()?;
+        let mut rest = experts.enumerate().map(|(k, x)| {
+            let x = x?;
+            check(k + 1, &x)?;
+            Ok::<_, Error>(x)
+        });
+        if !fp8_eligible(&device, l, h, i)? {
+            let mut mlps = vec![first.dequantize(dtype)?];
+            drop(first);
+            for x in rest {
+                mlps.push(x?.dequantize(dtype)?);
+            }
             return Self::new(first_expert, mlps);
         }
-        let l = experts.len();
-        // One expert at a time into the stacks (memory: the stacks plus one expert).
         let gate_up = Tensor::zeros((l, 2 * i, h), DType::F8E4M3, &device)?;
         let down = Tensor::zeros((l, h, i), DType::F8E4M3, &device)?;
-        let mut gate_up_scales = Vec::with_capacity(l);
-        let mut down_scales = Vec::with_capacity(l);
-        for (e, x) in experts.iter().enumerate() {
-            let gu = Tensor::cat(&[x.gate.q(), x.up.q()], 0)?;
-            gate_up.slice_set(&gu.unsqueeze(0)?, 0, e)?;
+        let (mut gate_up_scales, mut down_scales) = (Vec::new(), Vec::new());
+        let mut put = |e: usize, x: Fp8Expert| -> Result<()> {
+            let slot = gate_up.narrow(0, e, 1)?;
+            slot.slice_set(&x.gate.q().unsqueeze(0)?, 1, 0)?;
+            slot.slice_set(&x.up.q().unsqueeze(0)?, 1, i)?;
             down.slice_set(&x.down.q().unsqueeze(0)?, 0, e)?;
-            gate_up_scales.push(Tensor::cat(&[x.gate.scale(), x.up.scale()], 0)?);
-            down_scales.push(x.down.scale().clone());
+            let host = |w: &crate::fp8::Fp8Weight| w.scale().flatten_all()?.to_vec1::<f32>();
+            gate_up_scales.extend(host(&x.gate)?);
+            gate_up_scales.extend(host(&x.up)?);
+            down_scales.extend(host(&x.down)?);
+            Ok(())
+        };
+        put(0, first)?;
+        let mut count = 1;
+        for x in rest.by_ref() {
+            put(count, x?)?;
+            count += 1;
         }
+        if count != l {
+            return Err(Error::invalid(
+                "experts",
+                count,
+                format!("must be the {l} experts the shard was sized for"),
+            ));
+        }
+        let (gs, ds) = (
+            weight_scale_dims(i, h, FP8_BLOCK),
+            weight_scale_dims(h, i, FP8_BLOCK),
+        );
         Ok(Self {
             first_expert,
             gate_up,
             layout: GateUpLayout::Stacked,
             down,
             fp8: Some(Fp8Scales {
-                gate_up: Tensor::stack(&gate_up_scales, 0)?.contiguous()?,
-                down: Tensor::stack(&down_scales, 0)?.contiguous()?,
+                gate_up: Tensor::from_vec(gate_up_scales, (l, 2 * gs.0, gs.1), &device)?,
+                down: Tensor::from_vec(down_scales, (l, ds.0, ds.1), &device)?,
             }),
             experts: Vec::new(),
             #[cfg(feature = "cuda")]
@@ -280,18 +319,16 @@ impl Experts {
         }
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         if Fp8Expert::load(&vb.pp(first_expert), h, i)?.is_some() {
-            let experts = (first_expert..end)
-                .map(|e| {
-                    Fp8Expert::load(&vb.pp(e), h, i)?.ok_or_else(|| {
-                        Error::invalid(
-                            "experts",
-                            format!("expert {e} without weight_scale_inv"),
-                            format!("must be fp8 like expert {first_expert}"),
-                        )
-                    })
+            let experts = (first_expert..end).map(|e| {
+                Fp8Expert::load(&vb.pp(e), h, i)?.ok_or_else(|| {
+                    Error::invalid(
+                        "experts",
+                        format!("expert {e} without weight_scale_inv"),
+                        format!("must be fp8 like expert {first_expert}"),
+                    )
                 })
-                .collect::<Result<Vec<_>>>()?;
-            return Self::from_fp8(first_expert, experts, vb.dtype());
+            });
+            return Self::from_fp8_each(first_expert, num_local, experts, vb.dtype());
         }
         let mut stacked: Option<(Tensor, Tensor)> = None;
         let mut layout = GateUpLayout::Stacked;
