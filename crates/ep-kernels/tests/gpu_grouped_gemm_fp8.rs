@@ -1,5 +1,5 @@
-//! GPU tests: the block-scaled fp8 grouped GEMMs (both layouts, both tile configurations, with
-//! extra groups), the experts' SwiGLU + fp8 quantization and the weight dequantization against
+//! GPU tests: the block-scaled fp8 grouped GEMMs (both layouts, both tile configurations and
+//! the tile-less GEMV of masked blocks, with extra groups), the experts' SwiGLU + fp8 quantization and the weight dequantization against
 //! their host twins, on fresh random operands quantized as DeepSeek's weights and the fp8
 //! dispatch's activations are, written into poisoned outputs.
 //!
@@ -517,21 +517,52 @@ fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> Ca
         run(GroupedGemmShape { k: 120, ..ok }, &sb, &mut d, ws),
         "`k`",
     )?;
-    expect(
-        "gemv tiles",
+    let gemv = |shape: GroupedGemmShape, d: &mut cudarc::driver::CudaSlice<bf16>, ws| {
         fp8::grouped_gemm_fp8_cuda(
             stream,
             &a_dev,
             &DeviceFp8 { q: &b, scales: &sb },
             &counts,
-            &ok,
+            &shape,
             None,
             GemmTiles::Gemv,
+            d,
+            ws,
+        )
+    };
+    expect(
+        "gemv on the contiguous layout",
+        gemv(
+            GroupedGemmShape {
+                layout: GroupLayout::Contiguous { alignment: 1 },
+                ..ok
+            },
             &mut d,
             ws,
         ),
         "`tiles`",
     )?;
+    // k = 112: whole 16-byte rows, but not whole 64-channel steps of the GEMV.
+    let b112 = stream.alloc_zeros::<F8E4M3>(2 * 128 * 112)?;
+    let a112 = stream.alloc_zeros::<F8E4M3>(4 * 112)?;
+    let r = fp8::grouped_gemm_fp8_cuda(
+        stream,
+        &DeviceFp8 {
+            q: &a112,
+            scales: &sa,
+        },
+        &DeviceFp8 {
+            q: &b112,
+            scales: &sb,
+        },
+        &counts,
+        &GroupedGemmShape { k: 112, ..ok },
+        None,
+        GemmTiles::Gemv,
+        &mut d,
+        ws,
+    );
+    expect("gemv with k = 112", r, "`k`")?;
     Ok(())
 }
 
@@ -630,6 +661,33 @@ fn main() {
             )
         });
     }
+    // The tile-less GEMV (masked only): one pass of up to 8 rows, several passes, extra groups,
+    // partial scale blocks along N (n = 400) and K (k = 320: a last block of 64 channels).
+    for (name, counts, m_max, n, k, extra) in [
+        ("one-row", &[1, 0, 0, 1, 1][..], 4, 256, 384, 0),
+        ("small-odd-passes", &[0, 20, 7, 1][..], 20, 256, 384, 0),
+        ("extra-groups", &[4, 0, 3, 5, 5][..], 8, 256, 256, 2),
+        ("partial-blocks", &[2, 8, 0, 9][..], 9, 400, 320, 1),
+        ("all-empty", &[0, 0, 0][..], 4, 128, 128, 0),
+        ("gpt-oss-2880", &[1, 2, 0, 1][..], 2, 2880, 2880, 0),
+    ] {
+        runner.case(&format!("gemv/masked/{name}"), |rng| {
+            run_case(
+                &stream,
+                &mut ws,
+                rng,
+                &Case {
+                    counts,
+                    layout: masked(m_max),
+                    n,
+                    k,
+                    tiles: GemmTiles::Gemv,
+                    extra,
+                    sample: None,
+                },
+            )
+        });
+    }
     // DeepSeek-V3's expert GEMMs (gate_up [2I, H] and down [H, I], H 7168, I 2048) on one rank
     // of EP8 (32 experts): blocks of a few decode rows (masked) and prefill rows (contiguous),
     // rows sampled.
@@ -651,6 +709,28 @@ fn main() {
                 },
             )
         });
+        runner.case(
+            &format!("deepseek-v3/{what}/gemv-masked-33x2-shared"),
+            |rng| {
+                // 32 routed experts with 0-2 rows and the shared expert's block over 2 tokens.
+                let mut counts: Vec<i32> = (0..32).map(|_| rng.random_range(0..=2)).collect();
+                counts.push(2);
+                run_case(
+                    &stream,
+                    &mut ws,
+                    rng,
+                    &Case {
+                        counts: &counts,
+                        layout: masked(2),
+                        n,
+                        k,
+                        tiles: GemmTiles::Gemv,
+                        extra: 1,
+                        sample: None,
+                    },
+                )
+            },
+        );
         runner.case(&format!("deepseek-v3/{what}/contiguous-32-uneven"), |rng| {
             let counts = uneven_counts(rng, 32, 8192);
             run_case(

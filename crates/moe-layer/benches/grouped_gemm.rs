@@ -616,6 +616,16 @@ fn main() -> Result<(), BoxError> {
                     Box::new(ours(GemmTiles::Gemv)),
                 ),
             );
+            methods.push((
+                "ours fp8 gemv (no tiles)",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Gemv, true)),
+            ));
+            methods.push((
+                "ours fp8 gemv GEMMs only",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Gemv, false)),
+            ));
         }
         // Rounds over the methods, so that clock and power drift spread over all of them; each
         // round starts one method later, so that no method is always timed first (the first

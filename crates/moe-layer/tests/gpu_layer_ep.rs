@@ -9,7 +9,9 @@
 //! default) and per expert, `Mode::Auto` with different token counts per rank, and a decode
 //! step captured as a CUDA graph on every rank and replayed on fresh inputs (equal to eager
 //! runs within 1e-3), and a normal step likewise (refused without worst-case outputs); all again with the two-batch overlap, the expert-group pipeline, and
-//! worst-case dispatch outputs (`normal_max_tokens_per_rank`).
+//! worst-case dispatch outputs (`normal_max_tokens_per_rank`), and with fp8 experts (a
+//! block-scaled fp8 checkpoint, with fp8 and bf16 dispatch, a hot expert) against the fp8
+//! reference of `gpu_common/fp8.rs` and its tolerance.
 //!
 //! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing,
 //! says so and fails unless `EP_GPU_ALLOW_SKIP=1` (`gpu-test-suite`). A first argument filters
@@ -37,6 +39,8 @@ struct Rank {
     dev: Device,
     gpu: MoeLayer,
     cpu: MoeLayer,
+    /// Experts loaded from a block-scaled fp8 checkpoint (the fp8 reference and tolerance).
+    fp8_experts: bool,
 }
 
 /// A setup: the layer's configuration and options.
@@ -45,6 +49,8 @@ struct Setup {
     cfg: MoeConfig,
     hot: bool,
     fp8: bool,
+    /// Weights from a block-scaled fp8 checkpoint: fp8 experts on the fp8 grouped GEMMs.
+    fp8_experts: bool,
     reduction: Reduction,
     tbo: bool,
     shared_first: bool,
@@ -65,6 +71,7 @@ impl Setup {
             cfg: cfg(1024, 128, 32, 4, (4, 2)),
             hot: false,
             fp8: false,
+            fp8_experts: false,
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: false,
@@ -124,12 +131,37 @@ fn build(
             ..opts
         },
     )?;
-    Ok(Rank { dev, gpu, cpu })
+    if gpu.experts().is_fp8() != s.fp8_experts {
+        return Err(format!(
+            "fp8 experts: {}, wanted {}",
+            gpu.experts().is_fp8(),
+            s.fp8_experts
+        )
+        .into());
+    }
+    Ok(Rank {
+        dev,
+        gpu,
+        cpu,
+        fp8_experts: s.fp8_experts,
+    })
 }
 
 /// The reference for this rank's GPU input `x` (see the file comment).
 fn reference(r: &Rank, x: &Tensor) -> R<Tensor> {
+    if r.fp8_experts {
+        return gpu_common::fp8::reference(&r.gpu, &r.cpu, x);
+    }
     gpu_common::reference(&r.gpu, &r.cpu, x)
+}
+
+/// The relative error bounds against the reference, over the batch and per token.
+fn tolerance(r: &Rank) -> (f64, f64) {
+    if r.fp8_experts {
+        gpu_common::fp8::TOLERANCE
+    } else {
+        (1e-2, 3e-2)
+    }
 }
 
 fn tokens(r: &Rank, t: usize, scale: f32) -> R<Tensor> {
@@ -158,7 +190,8 @@ fn forward_case(r: &Rank, t: usize, mode: Mode) -> R<String> {
         return Ok("T=0".into());
     }
     let (all, worst) = rel(&y, &reference(r, &x)?)?;
-    if all > 1e-2 || worst > 3e-2 {
+    let (tol_all, tol_worst) = tolerance(r);
+    if all > tol_all || worst > tol_worst {
         return Err(format!("T={t}: relative error {all:.2e} (worst token {worst:.2e})").into());
     }
     Ok(format!("T={t}: rel {all:.1e}, worst token {worst:.1e}"))
@@ -206,7 +239,7 @@ fn replays(r: &Rank, g: &StepGraph<'_>, mode: Mode, steps: usize) -> R<String> {
             .into());
         }
         let (refd, _) = rel(&replayed, &reference(r, &x)?)?;
-        if refd > 1e-2 {
+        if refd > tolerance(r).0 {
             return Err(format!("step {step}: replay vs reference {refd:.2e}").into());
         }
         last = refd;
@@ -352,6 +385,24 @@ fn main() {
             shared_first: true,
             ..Setup::new("worst-case-outputs-expert-groups-2-shared-first")
         },
+        Setup {
+            fp8_experts: true,
+            fp8: true,
+            ..Setup::new("fp8-experts")
+        },
+        Setup {
+            fp8_experts: true,
+            ..Setup::new("fp8-experts-bf16-dispatch")
+        },
+        Setup {
+            fp8_experts: true,
+            fp8: true,
+            // The hot-expert shape with an inner width the fp8 GEMMs take (128).
+            cfg: cfg(512, 128, 16 * world, 4, (1, 1)),
+            hot: true,
+            worst: Some(1200),
+            ..Setup::new("fp8-experts-hot-expert-worst-case-outputs")
+        },
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
     for s in &setups {
@@ -367,7 +418,13 @@ fn main() {
         if wanted.is_empty() {
             continue;
         }
-        let w = match weights(&s.cfg, s.hot) {
+        let w = match weights(&s.cfg, s.hot).and_then(|w| {
+            if s.fp8_experts {
+                gpu_common::fp8::checkpoint(&w)
+            } else {
+                Ok(w)
+            }
+        }) {
             Ok(w) => w,
             Err(e) => {
                 failed += 1;

@@ -401,8 +401,10 @@ pub(crate) fn forward_masked(
         None => masked_rows(dev, &input.x.to_dtype(DType::BF16)?, &counts, (l, m, h))?,
     };
     let tiles = match tiles {
-        // The fp8 GEMMs have no tile-less kernel: the 64 x 128 tiles.
-        GemmTiles::Gemv => GemmTiles::Narrow,
+        // Shapes the tile-less fp8 GEMV does not take: the 64 x 128 tiles.
+        GemmTiles::Gemv if !gemm_fp8::gemv_takes(&[h, experts.intermediate_size()]) => {
+            GemmTiles::Narrow
+        }
         t => t,
     };
     let xq = xq.reshape((l * m, h))?;

@@ -56,6 +56,10 @@ impl MoeLayer {
         }
         #[cfg(feature = "cuda")]
         if dev.is_cuda() {
+            if self.experts.is_fp8() {
+                let (h, i) = (self.experts.hidden_size(), self.experts.intermediate_size());
+                return Ok(ep_kernels::gemm::fp8::masked_tiles(expected, &[h, i]));
+            }
             return crate::experts::grouped::masked_tiles(dev, expected);
         }
         let _ = (dev, expected);

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod fp8;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
@@ -102,11 +104,15 @@ pub fn rel(got: &Tensor, want: &Tensor) -> R<(f64, f64)> {
     Ok(((e2 / r2.max(1e-30)).sqrt(), worst))
 }
 
-/// `w` on `dev` as a checkpoint holds it: bf16, but the router's correction bias in f32.
+/// `w` on `dev` as a checkpoint holds it: bf16, but the router's correction bias in f32 and
+/// an fp8 checkpoint's e4m3 weights and f32 scales as they are.
 pub fn on_device(w: &HashMap<String, Tensor>, dev: &Device) -> R<HashMap<String, Tensor>> {
     Ok(w.iter()
         .map(|(k, v)| {
-            let v = if k.ends_with("e_score_correction_bias") {
+            let as_stored = k.ends_with("e_score_correction_bias")
+                || k.ends_with("_scale_inv")
+                || v.dtype() == DType::F8E4M3;
+            let v = if as_stored {
                 v.to_device(dev)
             } else {
                 v.to_dtype(DType::BF16).and_then(|t| t.to_device(dev))

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use float8::F8E4M3;
 use half::bf16;
 
-use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK};
+use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK, GEMV_K_MULTIPLE};
 use crate::cuda::check_align;
 use crate::error::{Error, Result};
 use crate::gemm::cuda::check_workspace;
@@ -87,11 +87,7 @@ impl Fp8Tiles {
         match tiles.resolve(layout, rows, groups) {
             GemmTiles::Narrow => Ok(Fp8Tiles::Narrow),
             GemmTiles::Wide | GemmTiles::WideM => Ok(Fp8Tiles::Wide),
-            GemmTiles::Gemv => Err(Error::invalid(
-                "tiles",
-                "GemmTiles::Gemv",
-                "the fp8 GEMMs run on CUTLASS tiles (Wide, WideM, Narrow or Auto)",
-            )),
+            GemmTiles::Gemv => unreachable!("the caller launches the GEMV itself"),
             GemmTiles::Auto => unreachable!("resolve() resolves Auto"),
         }
     }
@@ -189,6 +185,10 @@ pub struct ExtraGroupsFp8<'a> {
 /// `b` `[groups, n, k]` with `[groups, ceil(n / 128), ceil(k / 128)]` scales, `d` `[rows, n]`,
 /// `counts` `[groups]` i32 read by the kernels only. Host twin: [`super::grouped_gemm_fp8`].
 ///
+/// `tiles`: a CUTLASS configuration, or [`GemmTiles::Gemv`] for masked blocks of a few rows
+/// (the tile-less `grouped_gemv_fp8.cu`, `k` a multiple of [`super::GEMV_K_MULTIPLE`];
+/// [`super::masked_tiles`] picks it).
+///
 /// Checked before launch: sizes and lengths, 16-byte aligned operands, the workspace. Checked
 /// on the device: the counts against the layout (as the bf16 GEMMs).
 #[allow(clippy::too_many_arguments)]
@@ -279,7 +279,10 @@ fn run(
     if rows == 0 {
         return Ok(());
     }
-    let tiles = Fp8Tiles::from(tiles, layout, rows, groups)?;
+    let gemv = tiles.resolve(layout, rows, groups) == GemmTiles::Gemv;
+    if gemv {
+        check_gemv(layout, k)?;
+    }
     let (m_max, alignment) = layout.params();
     stream.context().bind_to_thread()?;
     let (a_ptr, _ga) = a.q.device_ptr(stream);
@@ -313,6 +316,32 @@ fn run(
             check_align(arg, p, 4)?;
         }
     }
+    if gemv {
+        let params = GemvFp8Params {
+            a: a_ptr,
+            sfa: sfa_ptr,
+            b: b_ptr,
+            sfb: sfb_ptr,
+            d: d_ptr,
+            counts: c_ptr,
+            extra_a: xa_ptr,
+            extra_sfa: xsa_ptr,
+            extra_b: xb_ptr,
+            extra_sfb: xsb_ptr,
+            extra_a_rows: xa_rows,
+            // The casts fit: `shape.check` bounds groups by MAX_GROUPS and n, k by i32::MAX.
+            groups: groups as i32,
+            n: n as i32,
+            k: k as i32,
+            m_max,
+            first_extra: first_extra as i32,
+            reserved: 0,
+        };
+        let launched = launch_gemv(stream, params);
+        drop(guards);
+        return launched;
+    }
+    let tiles = Fp8Tiles::from(tiles, layout, rows, groups)?;
     let (kernel, _, run) = tiles.entry_points();
     let ((_, _), (cm, cn)) = tiles.shape();
     let ctas = workspace.ctas_for_tiles(stream, (cm * cn) as u32, Some(tiles.max_tiles(shape)))?;
@@ -372,6 +401,93 @@ fn run(
         });
     }
     Ok(())
+}
+
+/// What the tile-less GEMV takes beyond the GEMMs' checks: the masked layout, `k` a multiple of
+/// [`GEMV_K_MULTIPLE`] (`n` is a multiple of 16 for every fp8 GEMM).
+fn check_gemv(layout: GroupLayout, k: usize) -> Result<()> {
+    if !matches!(layout, GroupLayout::Masked { .. }) {
+        return Err(Error::invalid(
+            "tiles",
+            "GemmTiles::Gemv",
+            "the tile-less fp8 GEMV takes the masked layout only",
+        ));
+    }
+    if k % GEMV_K_MULTIPLE != 0 {
+        return Err(Error::invalid(
+            "k",
+            k,
+            format!("the tile-less fp8 GEMV needs a multiple of {GEMV_K_MULTIPLE}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The cubin of `fp8/grouped_gemv_fp8.cu`.
+const GEMV_FILE: &str = "gemm/fp8/grouped_gemv_fp8";
+/// Threads per block (`kThreads`).
+const GEMV_THREADS: u32 = 256;
+/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride over the units).
+const GEMV_BLOCKS_PER_SM: u32 = 2;
+
+/// Mirror of `struct GemvFp8Params` in `fp8/grouped_gemv_fp8.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvFp8Params {
+    a: CUdeviceptr,
+    sfa: CUdeviceptr,
+    b: CUdeviceptr,
+    sfb: CUdeviceptr,
+    d: CUdeviceptr,
+    counts: CUdeviceptr,
+    extra_a: CUdeviceptr,
+    extra_sfa: CUdeviceptr,
+    extra_b: CUdeviceptr,
+    extra_sfb: CUdeviceptr,
+    extra_a_rows: i64,
+    groups: i32,
+    n: i32,
+    k: i32,
+    m_max: i32,
+    first_extra: i32,
+    reserved: i32,
+}
+crate::cuda::assert_params_layout!(
+    GemvFp8Params,
+    112;
+    a = 0, sfa = 8, b = 16, sfb = 24, d = 32, counts = 40, extra_a = 48, extra_sfa = 56,
+    extra_b = 64, extra_sfb = 72, extra_a_rows = 80, groups = 88, n = 92, k = 96, m_max = 100,
+    first_extra = 104, reserved = 108,
+);
+
+// SAFETY: `repr(C)` plain data mirroring `GemvFp8Params` in grouped_gemv_fp8.cu (size asserted
+// both sides, offsets here).
+unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
+
+/// Launches `grouped_gemv_fp8` with `params` filled and checked by [`run`]: one grid sized to
+/// the device, whose warps take (active group, 16 weight rows) units in turn.
+fn launch_gemv(stream: &Arc<CudaStream>, params: GemvFp8Params) -> Result<()> {
+    let kernels = crate::cuda::Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(GEMV_FILE, "grouped_gemv_fp8")?;
+    let warps = GEMV_THREADS / 32;
+    let units = params.groups as u64 * (params.n as u64 / 16);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (
+            crate::cuda::grid_for(units, u64::from(warps), kernels.props(), GEMV_BLOCKS_PER_SM),
+            1,
+            1,
+        ),
+        block_dim: (GEMV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` mirrors `GemvFp8Params`; the caller checked every operand's length
+    // against the shape (`a` and its scales by block, `b` and `extra_b` with their scales
+    // `[groups, n, k]` in two parts, `d` `[groups * m_max, n]`, `counts` `[groups]`, `extra_a`
+    // its rows), the 16-byte alignment of the e4m3 operands and `d` and the 4-byte alignment of
+    // the scales, the masked layout and `k % 64 == 0`, and holds their guards until the launch
+    // is queued; the kernel reads only rows below each group's count, which it checks against
+    // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
+    unsafe { kernel.launch(stream, cfg, params) }
 }
 
 /// The cubin of `fp8/dequantize.cu`.

@@ -50,6 +50,33 @@ pub fn row_scale_cols(k: usize) -> usize {
     k.div_ceil(FP8_BLOCK)
 }
 
+/// Channels of `k` the tile-less fp8 GEMV ([`super::GemmTiles::Gemv`], `grouped_gemv_fp8.cu`)
+/// reads per lane quad and step: its `k` must be a multiple of this.
+pub const GEMV_K_MULTIPLE: usize = 64;
+
+/// Valid rows the tile-less fp8 GEMV multiplies in one pass over a group's weights (the eight
+/// columns of its tensor-core MMA; more rows take more passes).
+pub const GEMV_ROWS_PER_PASS: usize = 8;
+
+/// Whether the tile-less fp8 GEMV takes GEMMs of reduction lengths `ks`.
+pub fn gemv_takes(ks: &[usize]) -> bool {
+    ks.iter().all(|k| k % GEMV_K_MULTIPLE == 0)
+}
+
+/// The configuration for masked fp8 GEMMs of reduction lengths `ks` (the experts' `H` and `I`)
+/// whose blocks hold at most `expected_rows` valid rows: [`super::GemmTiles::Gemv`] when one of
+/// its passes covers them (the weights are then read once, with no tile padding) and it takes
+/// the shapes, else `Auto` (the 64 x 128 tiles). Any counts the layout allows give the right
+/// result either way; this only picks the faster kernel (`docs/benchmarks.md`, "Grouped GEMM of
+/// the experts").
+pub fn masked_tiles(expected_rows: usize, ks: &[usize]) -> super::GemmTiles {
+    if expected_rows <= GEMV_ROWS_PER_PASS && gemv_takes(ks) {
+        super::GemmTiles::Gemv
+    } else {
+        super::GemmTiles::Auto
+    }
+}
+
 /// Checks the sizes of an fp8 GEMM on top of [`super::GroupedGemmShape::check`]: `k` and `n`
 /// multiples of 16 (rows of 16 bytes of e4m3 for the TMA loads).
 pub fn check_shape(shape: &super::GroupedGemmShape) -> Result<()> {
@@ -75,5 +102,20 @@ mod tests {
         assert_eq!(weight_scale_dims(576, 7168, 128), (5, 56));
         assert_eq!(weight_scale_dims(4096, 7168, 64), (64, 56));
         assert_eq!(row_scale_cols(2880), 23);
+    }
+
+    #[test]
+    fn the_gemv_takes_one_pass_of_rows_and_whole_k_steps() {
+        use crate::gemm::GemmTiles;
+        assert_eq!(masked_tiles(1, &[7168, 2048]), GemmTiles::Gemv);
+        assert_eq!(
+            masked_tiles(GEMV_ROWS_PER_PASS, &[2880, 2880]),
+            GemmTiles::Gemv
+        );
+        assert_eq!(
+            masked_tiles(GEMV_ROWS_PER_PASS + 1, &[7168, 2048]),
+            GemmTiles::Auto
+        );
+        assert_eq!(masked_tiles(1, &[7168, 2080]), GemmTiles::Auto);
     }
 }
