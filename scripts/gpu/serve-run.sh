@@ -8,7 +8,9 @@
 #   bash scripts/gpu/serve-run.sh [serve|hf]...   (default: both)
 # Env: EP_SERVE_GPUS=N serves with N processes, one per GPU (`deepseek-v3 launch`; default 1),
 #      EP_SERVE_MAX_BATCH (per rank, default 64), EP_SERVE_CONCURRENCY (default 1,8,32,64),
-#      EP_SERVE_QUANT=fp8 makes the weights block-scaled fp8 (`--quant fp8`; default none).
+#      EP_SERVE_QUANT=fp8 makes the weights block-scaled fp8 (`--quant fp8`; default none),
+#      EP_SERVE_CONFIG another model shape (default configs/deepseek-v2-lite.json; e.g.
+#      configs/deepseek-v3-6-layers.json, DeepSeek-V3's widths in 6 layers).
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -19,7 +21,7 @@ chmod +x "$B"/* 2>/dev/null
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(serve hf)
 want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
-CONFIG=examples/deepseek-v3/configs/deepseek-v2-lite.json
+CONFIG=${EP_SERVE_CONFIG:-examples/deepseek-v3/configs/deepseek-v2-lite.json}
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } | tee "$OUT/machine.txt"
 if want serve; then
     gpus=${EP_SERVE_GPUS:-1}

@@ -91,6 +91,23 @@ fn uniform(
     }
 }
 
+/// `x` (f32) as e4m3 values spread over the whole e4m3 range: every 128 consecutive values
+/// scaled so that their largest is 448, by the fp8 dispatch's per-token cast (on a GPU its
+/// kernel: candle's own f32 -> e4m3 cast is not in its CUDA kernels for every GPU).
+fn e4m3_values(x: &Tensor) -> candle_core::Result<Tensor> {
+    let n = x.elem_count();
+    if n % 128 != 0 {
+        if x.device().is_cpu() {
+            return (x * f64::from(E4M3_MAX))?.to_dtype(DType::F8E4M3);
+        }
+        candle_core::bail!("a random fp8 weight of {n} values needs a multiple of 128 on a GPU");
+    }
+    let rows = x.to_dtype(DType::BF16)?.reshape((n / 128, 128))?;
+    let (q, _) = moe_layer::ep_runtime::cast::per_token_cast_to_fp8(&rows, false)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    q.reshape(x.shape())
+}
+
 /// The random-weights backend of a `VarBuilder` (see the module docs).
 #[derive(Clone, Debug)]
 pub struct RandomInit {
@@ -158,7 +175,7 @@ impl RandomInit {
             if let Ok(mut made) = self.fp8_made.lock() {
                 made.insert(name.to_string());
             }
-            return uniform(seed, shape, -E4M3_MAX, E4M3_MAX, device)?.to_dtype(dtype);
+            return e4m3_values(&uniform(seed, shape, -1.0, 1.0, device)?);
         }
         self.tensor(name, shape, device)?.to_dtype(dtype)
     }

@@ -170,6 +170,71 @@ fn check(name: &str, fp8: bool, dev: &Device) -> R<usize> {
     Ok(compared)
 }
 
+/// `--init random --quant fp8` on the GPU (what the serving benchmark loads): the model's
+/// projections are made as block-scaled e4m3 on the device, its experts stay fp8, it holds what
+/// the memory plan computes, and greedy steps give finite logits that are not all equal.
+fn random_fp8(dev: &Device) -> R<()> {
+    let cfg = config(true);
+    let bcfg = buffer_config(&cfg);
+    let m = loader::load_random(
+        cfg.clone(),
+        7,
+        LoadOptions {
+            device: dev.clone(),
+            dtype: DType::BF16,
+            max_positions: 256,
+            moe: MoeBackend::ExpertParallel {
+                buffer: Arc::new(Buffer::single(dev, bcfg.clone())?),
+                options: moe_layer::MoeLayerOptions {
+                    low_latency_max_tokens: 8,
+                    ..Default::default()
+                },
+            },
+            progress: false,
+        },
+    )?;
+    if m.report.fp8_weights == 0 || !m.model.fp8_experts() {
+        return Err("random fp8 init: no fp8 weights or experts".into());
+    }
+    let plan = MemoryPlan::new(&PlanInput {
+        config: &cfg,
+        world_size: 1,
+        gpus_per_node: 1,
+        dtype: DType::BF16,
+        on_gpu: true,
+        fp8_checkpoint: true,
+        kv_sequences: 8,
+        max_positions: 256,
+        buffer: &bcfg,
+    })?;
+    if m.model.weight_bytes() != plan.weights {
+        return Err(format!(
+            "weights {:?}, planned {:?}",
+            m.model.weight_bytes(),
+            plan.weights
+        )
+        .into());
+    }
+    let mut cache = m.model.new_kv_cache(1)?;
+    cache.insert(0)?;
+    let mut inputs = vec![vec![3u32, 14, 15, 92]];
+    for step in 0..3 {
+        let row = forward_step(&m, &mut cache, &inputs, step)?
+            .to_vec2::<f32>()?
+            .remove(0);
+        let (lo, hi) = row
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+                (a.min(v), b.max(v))
+            });
+        if !row.iter().all(|v| v.is_finite()) || hi <= lo {
+            return Err(format!("step {step}: logits in [{lo}, {hi}]").into());
+        }
+        inputs = vec![vec![argmax(&row)]];
+    }
+    Ok(())
+}
+
 fn main() {
     let dev = match Device::new_cuda(0) {
         Ok(d) => d,
@@ -183,5 +248,6 @@ fn main() {
             Ok(())
         });
     }
+    suite.run("fp8-random-init", || random_fp8(&dev));
     suite.finish();
 }

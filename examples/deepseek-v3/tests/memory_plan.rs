@@ -229,3 +229,45 @@ fn full_deepseek_v3_fits_eight_h200s_at_fp8_and_not_in_bf16() {
     // Not even the bf16 routed experts alone fit.
     assert!(bf16.weights.routed_experts > free);
 }
+
+#[test]
+fn the_six_layer_v3_shape_serves_on_one_h200_in_fp8_and_in_bf16() {
+    // `configs/deepseek-v3-6-layers.json`: DeepSeek-V3's widths (256 experts of 2048, 8 per
+    // token, hidden 7168) in 6 layers, 5 of them MoE; served as `serve-run.sh` does (64
+    // sequences of 512 + 128 positions).
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/deepseek-v3-6-layers.json"
+    );
+    let cfg = DeepSeekV3Config::from_file(path).unwrap();
+    assert!(!cfg.is_moe_layer(0) && (1..6).all(|l| cfg.is_moe_layer(l)));
+    let (seqs, positions) = (64, 640);
+    let bcfg = buffer_config(&cfg, 1, seqs, 512, Duration::from_secs(60)).unwrap();
+    let plan = |fp8_checkpoint: bool| {
+        MemoryPlan::new(&PlanInput {
+            config: &cfg,
+            world_size: 1,
+            gpus_per_node: 1,
+            dtype: DType::BF16,
+            on_gpu: true,
+            fp8_checkpoint,
+            kv_sequences: seqs,
+            max_positions: positions,
+            buffer: &bcfg,
+        })
+        .unwrap()
+    };
+    let free = H200_BYTES - CONTEXT_BYTES;
+    let reserve = MemoryPlan::reserve(H200_BYTES);
+    for fp8 in [true, false] {
+        let p = plan(fp8);
+        println!("fp8 {fp8}: {}", p.summary());
+        p.check_fits(free, reserve)
+            .unwrap_or_else(|e| panic!("fp8 {fp8} must fit: {e}"));
+    }
+    // The routed experts, 5 layers of 256: 0.5x in fp8 (plus the scales).
+    assert_eq!(
+        plan(false).weights.routed_experts,
+        5 * 256 * 3 * 7168 * 2048 * 2
+    );
+}
