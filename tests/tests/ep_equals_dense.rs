@@ -6,6 +6,7 @@ use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_kernels::gemm::GemmGrid;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
+use moe_layer::placement::{place, PlacementShape};
 use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions, Step};
 use std::path::Path;
 use std::sync::Arc;
@@ -469,6 +470,100 @@ fn assert_within(per_rank: Vec<[f64; 2]>, tol: f64) {
     for (rank, errs) in per_rank.into_iter().enumerate() {
         for e in errs {
             assert!(e <= tol, "rank {rank}: rel err {e} > {tol}");
+        }
+    }
+}
+
+/// Redundant experts: 16 logical experts in 24 or 32 physical slots placed by the EPLB
+/// algorithm from skewed loads (hierarchical over 2 nodes at 4 ranks, global otherwise), over
+/// 1, 2 and 4 ranks: the layer equals the dense layer in both modes (every replica holds its
+/// expert's weights, the router's logical picks go to slots), and its load statistics count the
+/// router's logical picks.
+#[test]
+fn redundant_experts_equal_dense_and_count_the_load() {
+    let cfg = config();
+    let e = cfg.n_routed_experts;
+    // A few hot experts: expert x draws 1 / (1 + (x * 7) % 16).
+    let loads: Vec<f64> = (0..e).map(|x| 1.0 / (1 + (x * 7) % e) as f64).collect();
+    for (ranks, nodes, physical) in [(1, 1, 24), (2, 1, 24), (4, 2, 32)] {
+        let placement = place(
+            &loads,
+            PlacementShape {
+                num_physical: physical,
+                num_groups: cfg.n_group,
+                num_nodes: nodes,
+                num_gpus: ranks,
+            },
+        )
+        .unwrap();
+        assert!(placement.log_to_phy.iter().any(|v| v.len() > 1));
+        let path = write_checkpoint(&cfg, "redundant");
+        let max_tokens = 24;
+        let bcfg = BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, physical);
+        let buffers = Buffer::local_group(ranks, ranks / nodes, bcfg).unwrap();
+        let (cfg_ref, path_ref, pl) = (&cfg, path.as_path(), &placement);
+        let errs: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = buffers
+                .into_iter()
+                .map(|buf| {
+                    s.spawn(move || {
+                        let rank = buf.topology().rank;
+                        let opts = MoeLayerOptions {
+                            mode: Mode::Auto,
+                            low_latency_max_tokens: max_tokens,
+                            ..Default::default()
+                        };
+                        let layer = MoeLayer::load_placed(
+                            var_builder(path_ref, DType::F32),
+                            cfg_ref,
+                            Arc::new(buf),
+                            opts,
+                            Some(pl),
+                        )
+                        .unwrap()
+                        .with_load_stats()
+                        .unwrap();
+                        assert_eq!(layer.experts().num_local(), physical / ranks);
+                        let dense =
+                            DenseMoe::load(var_builder(path_ref, DType::F32), cfg_ref).unwrap();
+                        let t = 7 + 5 * rank;
+                        let x = Tensor::randn(0f32, 1.0, (t, cfg_ref.hidden_size), &Device::Cpu)
+                            .unwrap();
+                        let want = dense.forward(&x).unwrap();
+                        let mut errs = Vec::new();
+                        for mode in [Mode::Normal, Mode::LowLatency, Mode::Auto] {
+                            let got = layer.forward_with_mode(&x, mode).unwrap();
+                            errs.push(rel_err(&got, &want));
+                        }
+                        // Three steps of the same tokens: three times the router's picks.
+                        let idx: Vec<Vec<i64>> = layer
+                            .router()
+                            .forward(&x)
+                            .unwrap()
+                            .topk_idx
+                            .to_dtype(DType::I64)
+                            .unwrap()
+                            .to_vec2()
+                            .unwrap();
+                        let mut want_load = vec![0.0; cfg_ref.n_routed_experts];
+                        for &x in idx.iter().flatten() {
+                            want_load[x as usize] += 3.0;
+                        }
+                        assert_eq!(layer.take_expert_load().unwrap(), Some(want_load));
+                        errs
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+        for (rank, errs) in errs.iter().enumerate() {
+            for (mode, err) in ["normal", "low-latency", "auto"].iter().zip(errs) {
+                assert!(
+                    *err <= 1e-5,
+                    "{ranks} ranks, {physical} slots, rank {rank}, {mode}: rel err {err}"
+                );
+            }
         }
     }
 }

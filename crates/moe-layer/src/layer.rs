@@ -2,8 +2,11 @@
 
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
+use crate::expert_load::ExpertLoad;
+use crate::expert_map::ExpertMap;
 use crate::experts::{Experts, Mlp};
 use crate::options::MoeLayerOptions;
+use crate::placement::Placement;
 use crate::router::Router;
 use crate::step::{Mode, Step};
 use candle_core::{DType, Tensor};
@@ -64,6 +67,10 @@ pub struct MoeLayer {
     /// on the fp8 grouped GEMMs (as extra groups in low-latency mode) instead of `shared`.
     #[cfg(feature = "cuda")]
     pub(crate) shared_fp8: Option<crate::experts::shared_fp8::SharedFp8>,
+    /// Redundant experts: the router's logical picks to physical slots.
+    pub(crate) expert_map: Option<ExpertMap>,
+    /// Tokens routed to each logical expert ([`MoeLayer::with_load_stats`]).
+    pub(crate) expert_load: Option<ExpertLoad>,
 }
 
 impl MoeLayer {
@@ -76,14 +83,53 @@ impl MoeLayer {
         buffer: Arc<Buffer>,
         options: MoeLayerOptions,
     ) -> Result<Self> {
+        Self::assemble(router, experts, shared, buffer, options, None)
+    }
+
+    /// Assembles a layer with redundant experts: `map` turns the router's `E` logical experts
+    /// into `P` physical slots, and `experts` must be this rank's slots (`first_expert = rank *
+    /// P / R`, `P / R` slots, slot `s` holding the weights of logical expert
+    /// `map.placement().phy_to_log[s]`; [`Experts::load_slots`]).
+    pub fn with_placement(
+        router: Router,
+        experts: Experts,
+        shared: Option<Mlp>,
+        buffer: Arc<Buffer>,
+        options: MoeLayerOptions,
+        map: ExpertMap,
+    ) -> Result<Self> {
+        Self::assemble(router, experts, shared, buffer, options, Some(map))
+    }
+
+    fn assemble(
+        router: Router,
+        experts: Experts,
+        shared: Option<Mlp>,
+        buffer: Arc<Buffer>,
+        options: MoeLayerOptions,
+        expert_map: Option<ExpertMap>,
+    ) -> Result<Self> {
         let topo = buffer.topology();
-        let e = router.num_experts();
+        if let Some(m) = expert_map
+            .as_ref()
+            .filter(|m| m.num_logical() != router.num_experts())
+        {
+            return Err(Error::invalid(
+                "placement",
+                format!("{} logical experts", m.num_logical()),
+                format!("must be the router's {}", router.num_experts()),
+            ));
+        }
+        // Physical experts: the router's, or the map's slots.
+        let e = expert_map
+            .as_ref()
+            .map_or(router.num_experts(), ExpertMap::num_physical);
         if e % topo.num_ranks != 0 {
             return Err(Error::invalid(
                 "n_routed_experts",
                 e,
                 format!(
-                    "must be a multiple of the number of ranks {}",
+                    "(physical experts) must be a multiple of the number of ranks {}",
                     topo.num_ranks
                 ),
             ));
@@ -223,7 +269,30 @@ impl MoeLayer {
             shared_groups,
             #[cfg(feature = "cuda")]
             shared_fp8: None,
+            expert_map,
+            expert_load: None,
         })
+    }
+
+    /// The layer counting the tokens its router sends to each logical expert, on its device
+    /// (read with [`MoeLayer::take_expert_load`]).
+    pub fn with_load_stats(mut self) -> Result<Self> {
+        self.expert_load = Some(ExpertLoad::new(
+            self.router.num_experts(),
+            self.router.weight().device(),
+        )?);
+        Ok(self)
+    }
+
+    /// Tokens routed to each logical expert since the last call (one device-to-host copy),
+    /// `None` without [`MoeLayer::with_load_stats`].
+    pub fn take_expert_load(&self) -> Result<Option<Vec<f64>>> {
+        self.expert_load.as_ref().map(ExpertLoad::take).transpose()
+    }
+
+    /// The redundant experts' map, if the layer has one.
+    pub fn expert_map(&self) -> Option<&ExpertMap> {
+        self.expert_map.as_ref()
     }
 
     /// The layer with its shared experts also kept as block-scaled fp8 weights: where the
@@ -251,21 +320,41 @@ impl MoeLayer {
         buffer: Arc<Buffer>,
         options: MoeLayerOptions,
     ) -> Result<Self> {
+        Self::load_placed(vb, cfg, buffer, options, None)
+    }
+
+    /// [`MoeLayer::load`] with redundant experts when `placement` is given: this rank loads
+    /// the logical experts of its physical slots (`rank * P / R ..`, each replica its own
+    /// copy) and the layer maps the router's picks to slots ([`ExpertMap`]).
+    pub fn load_placed(
+        vb: VarBuilder,
+        cfg: &MoeConfig,
+        buffer: Arc<Buffer>,
+        options: MoeLayerOptions,
+        placement: Option<&Placement>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let topo = buffer.topology();
-        if cfg.n_routed_experts % topo.num_ranks != 0 {
+        let p = placement.map_or(cfg.n_routed_experts, Placement::num_physical);
+        if p % topo.num_ranks != 0 {
             return Err(Error::invalid(
                 "n_routed_experts",
-                cfg.n_routed_experts,
+                p,
                 format!(
-                    "must be a multiple of the number of ranks {}",
+                    "(physical experts) must be a multiple of the number of ranks {}",
                     topo.num_ranks
                 ),
             ));
         }
-        let l = cfg.n_routed_experts / topo.num_ranks;
+        let l = p / topo.num_ranks;
         let router = Router::load(vb.pp("gate"), cfg)?;
-        let experts = Experts::load(vb.pp("experts"), cfg, topo.rank * l, l)?;
+        let slots = topo.rank * l..(topo.rank + 1) * l;
+        let experts = match placement {
+            Some(pl) => {
+                Experts::load_slots(vb.pp("experts"), cfg, slots.start, &pl.phy_to_log[slots])?
+            }
+            None => Experts::load(vb.pp("experts"), cfg, slots.start, l)?,
+        };
         let svb = vb.pp("shared_experts");
         let fp8_shared = match cfg.shared_intermediate_size() {
             Some(i) if experts.is_fp8() => {
@@ -288,8 +377,11 @@ impl MoeLayer {
             (Some(i), None) => Some(Mlp::load(svb, cfg.hidden_size, i)?),
             (None, _) => None,
         };
+        let map = placement
+            .map(|pl| ExpertMap::new(pl.clone(), router.weight().device()))
+            .transpose()?;
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-        let mut layer = Self::new(router, experts, shared, buffer, options)?;
+        let mut layer = Self::assemble(router, experts, shared, buffer, options, map)?;
         #[cfg(feature = "cuda")]
         {
             layer.shared_fp8 = fp8_blocks;
@@ -476,7 +568,14 @@ impl MoeLayer {
             )
         } else {
             let routing = self.router.forward(&x2)?;
-            (routing.topk_idx, routing.topk_weights)
+            if let Some(load) = &self.expert_load {
+                load.record(&routing.topk_idx)?;
+            }
+            let idx = match &self.expert_map {
+                Some(map) => map.to_physical(&routing.topk_idx)?,
+                None => routing.topk_idx,
+            };
+            (idx, routing.topk_weights)
         };
         let (routed, shared) = match mode {
             Mode::LowLatency => self.routed_low_latency(&x2, &topk_idx, &topk_weights)?,

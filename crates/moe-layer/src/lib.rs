@@ -36,6 +36,8 @@ pub mod config;
 pub mod dense;
 mod empty;
 pub mod error;
+mod expert_load;
+pub mod expert_map;
 pub mod experts;
 pub mod fp8;
 mod layer;

@@ -11,7 +11,9 @@
 //! runs within 1e-3), and a normal step likewise (refused without worst-case outputs); all again with the two-batch overlap, the expert-group pipeline, and
 //! worst-case dispatch outputs (`normal_max_tokens_per_rank`), and with fp8 experts (a
 //! block-scaled fp8 checkpoint, with fp8 and bf16 dispatch, a hot expert) against the fp8
-//! reference of `gpu_common/fp8.rs` and its tolerance.
+//! reference of `gpu_common/fp8.rs` and its tolerance; and with redundant experts (EPLB
+//! placement of `E + 8 R` slots, bf16 and fp8 with a hot expert), where every forward also
+//! checks the layer's load statistics against the router's picks.
 //!
 //! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing,
 //! says so and fails unless `EP_GPU_ALLOW_SKIP=1` (`gpu-test-suite`). A first argument filters
@@ -51,6 +53,8 @@ struct Setup {
     fp8: bool,
     /// Weights from a block-scaled fp8 checkpoint: fp8 experts on the fp8 grouped GEMMs.
     fp8_experts: bool,
+    /// Redundant experts: `E + 8 R` slots placed by EPLB from skewed loads, with load stats.
+    redundant: bool,
     reduction: Reduction,
     tbo: bool,
     shared_first: bool,
@@ -72,6 +76,7 @@ impl Setup {
             hot: false,
             fp8: false,
             fp8_experts: false,
+            redundant: false,
             reduction: Reduction::PerRank,
             tbo: false,
             shared_first: false,
@@ -92,8 +97,15 @@ fn build(
     let dev = Device::new_cuda(rank)?;
     let c = &s.cfg;
     let on_dev = on_device(w, &dev)?;
+    let placement = s
+        .redundant
+        .then(|| redundant_placement(c, world))
+        .transpose()?;
+    let slots = placement
+        .as_ref()
+        .map_or(c.n_routed_experts, |p| p.num_physical());
     let bcfg = BufferConfig::default()
-        .with_low_latency(LL_MAX, c.hidden_size, c.n_routed_experts)
+        .with_low_latency(LL_MAX, c.hidden_size, slots)
         .with_timeout(Duration::from_secs(20));
     let buffer = Buffer::new(
         Arc::new(transport),
@@ -116,16 +128,21 @@ fn build(
         normal_gemm_grid: s.grid,
         normal_max_tokens_per_rank: s.worst,
     };
-    let gpu = MoeLayer::load(
+    let gpu = MoeLayer::load_placed(
         VarBuilder::from_tensors(on_dev, DType::BF16, &dev),
         c,
         Arc::new(buffer),
         opts,
-    )?;
+        placement.as_ref(),
+    )?
+    .with_load_stats()?;
     let cpu = MoeLayer::load(
         VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu),
         c,
-        Arc::new(Buffer::single(&Device::Cpu, bcfg)?),
+        Arc::new(Buffer::single(
+            &Device::Cpu,
+            bcfg.with_low_latency(LL_MAX, c.hidden_size, c.n_routed_experts),
+        )?),
         MoeLayerOptions {
             fp8_dispatch: false,
             ..opts
@@ -145,6 +162,22 @@ fn build(
         cpu,
         fp8_experts: s.fp8_experts,
     })
+}
+
+/// Redundant experts for `world` ranks: `E + 8 R` slots placed by EPLB (global policy) from
+/// skewed loads (expert `x` draws `1 / (1 + 7x mod E)`).
+fn redundant_placement(c: &MoeConfig, world: usize) -> R<moe_layer::placement::Placement> {
+    let e = c.n_routed_experts;
+    let loads: Vec<f64> = (0..e).map(|x| 1.0 / (1 + (x * 7) % e) as f64).collect();
+    Ok(moe_layer::placement::place(
+        &loads,
+        moe_layer::placement::PlacementShape {
+            num_physical: e + 8 * world,
+            num_groups: 1,
+            num_nodes: 1,
+            num_gpus: world,
+        },
+    )?)
 }
 
 /// The reference for this rank's GPU input `x` (see the file comment).
@@ -182,12 +215,30 @@ fn tokens(r: &Rank, t: usize, scale: f32) -> R<Tensor> {
 fn forward_case(r: &Rank, t: usize, mode: Mode) -> R<String> {
     let h = r.gpu.router().hidden_size();
     let x = tokens(r, t, 1.0)?;
+    r.gpu.take_expert_load()?; // the earlier cases' counts
     let y = r.gpu.forward_with_mode(&x, mode)?;
     if y.dims() != [t, h] {
         return Err(format!("output shape {:?}, want [{t}, {h}]", y.dims()).into());
     }
     if t == 0 {
         return Ok("T=0".into());
+    }
+    // The load statistics count this step's logical picks (read on the host, after the step).
+    let picks: Vec<u32> = r
+        .gpu
+        .router()
+        .forward(&x)?
+        .topk_idx
+        .flatten_all()?
+        .to_dtype(DType::U32)?
+        .to_vec1()?;
+    let load = r.gpu.take_expert_load()?.ok_or("no load statistics")?;
+    let mut want = vec![0.0; load.len()];
+    for p in picks {
+        want[p as usize] += 1.0;
+    }
+    if load != want {
+        return Err(format!("load statistics {load:?}, routed {want:?}").into());
     }
     let (all, worst) = rel(&y, &reference(r, &x)?)?;
     let (tol_all, tol_worst) = tolerance(r);
@@ -389,6 +440,18 @@ fn main() {
             fp8_experts: true,
             fp8: true,
             ..Setup::new("fp8-experts")
+        },
+        Setup {
+            redundant: true,
+            ..Setup::new("redundant-experts")
+        },
+        Setup {
+            redundant: true,
+            fp8_experts: true,
+            fp8: true,
+            cfg: cfg(512, 128, 16 * world, 4, (1, 1)),
+            hot: true,
+            ..Setup::new("redundant-fp8-experts-hot-expert")
         },
         Setup {
             fp8_experts: true,

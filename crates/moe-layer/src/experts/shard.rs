@@ -298,14 +298,6 @@ impl Experts {
         first_expert: usize,
         num_local: usize,
     ) -> Result<Self> {
-        cfg.validate()?;
-        if num_local == 0 {
-            return Err(Error::invalid(
-                "num_local",
-                0,
-                "at least one local expert is needed",
-            ));
-        }
         let end = first_expert.saturating_add(num_local);
         if end > cfg.n_routed_experts {
             return Err(Error::invalid(
@@ -317,22 +309,51 @@ impl Experts {
                 ),
             ));
         }
+        let ids: Vec<usize> = (first_expert..end).collect();
+        Self::load_slots(vb, cfg, first_expert, &ids)
+    }
+
+    /// Loads a shard of physical expert slots (redundant experts, [`crate::placement`]): slot
+    /// `first_slot + l` holds logical expert `logical[l]` of `vb` (an expert may fill several
+    /// slots, each its own copy of the weights). As [`Experts::load`] otherwise.
+    pub fn load_slots(
+        vb: VarBuilder,
+        cfg: &MoeConfig,
+        first_slot: usize,
+        logical: &[usize],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let num_local = logical.len();
+        let Some(&first_id) = logical.first() else {
+            return Err(Error::invalid(
+                "num_local",
+                0,
+                "at least one local expert is needed",
+            ));
+        };
+        if let Some(&e) = logical.iter().find(|&&e| e >= cfg.n_routed_experts) {
+            return Err(Error::invalid(
+                "logical",
+                e,
+                format!("must be below n_routed_experts = {}", cfg.n_routed_experts),
+            ));
+        }
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
-        if Fp8Expert::load(&vb.pp(first_expert), h, i)?.is_some() {
-            let experts = (first_expert..end).map(|e| {
+        if Fp8Expert::load(&vb.pp(first_id), h, i)?.is_some() {
+            let experts = logical.iter().map(|&e| {
                 Fp8Expert::load(&vb.pp(e), h, i)?.ok_or_else(|| {
                     Error::invalid(
                         "experts",
                         format!("expert {e} without weight_scale_inv"),
-                        format!("must be fp8 like expert {first_expert}"),
+                        format!("must be fp8 like expert {first_id}"),
                     )
                 })
             });
-            return Self::from_fp8_each(first_expert, num_local, experts, vb.dtype());
+            return Self::from_fp8_each(first_slot, num_local, experts, vb.dtype());
         }
         let mut stacked: Option<(Tensor, Tensor)> = None;
         let mut layout = GateUpLayout::Stacked;
-        for (l, e) in (first_expert..end).enumerate() {
+        for (l, &e) in logical.iter().enumerate() {
             let m = Mlp::load(vb.pp(e), h, i)?;
             if l == 0 {
                 layout = weight_layout(m.device(), m.dtype(), num_local, h, i);
@@ -349,7 +370,7 @@ impl Experts {
             down.slice_set(&m.down_proj().unsqueeze(0)?, 0, l)?;
         }
         let (gate_up, down) = stacked.expect("num_local >= 1");
-        Self::from_parts(first_expert, gate_up, layout, down)
+        Self::from_parts(first_slot, gate_up, layout, down)
     }
 
     /// Global id of local expert 0.
