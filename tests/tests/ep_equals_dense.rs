@@ -567,3 +567,43 @@ fn redundant_experts_equal_dense_and_count_the_load() {
         }
     }
 }
+
+/// A hidden size that is not a whole number of 128-channel groups (200) decodes in low-latency
+/// mode as in normal mode, over 1 and 4 ranks, equal to the dense layer.
+#[test]
+fn hidden_not_a_multiple_of_128_in_both_modes() {
+    let mut cfg = config();
+    cfg.hidden_size = 200;
+    let path = write_checkpoint(&cfg, "h200");
+    for ranks in [1, 4] {
+        let bcfg =
+            BufferConfig::default().with_low_latency(16, cfg.hidden_size, cfg.n_routed_experts);
+        let buffers = Buffer::local_group(ranks, ranks, bcfg).unwrap();
+        let (cfg_ref, path_ref) = (&cfg, path.as_path());
+        std::thread::scope(|s| {
+            for buf in buffers {
+                s.spawn(move || {
+                    let opts = MoeLayerOptions {
+                        low_latency_max_tokens: 16,
+                        ..Default::default()
+                    };
+                    let layer = MoeLayer::load(
+                        var_builder(path_ref, DType::F32),
+                        cfg_ref,
+                        Arc::new(buf),
+                        opts,
+                    )
+                    .unwrap();
+                    let dense = DenseMoe::load(var_builder(path_ref, DType::F32), cfg_ref).unwrap();
+                    let x = Tensor::randn(0f32, 1.0, (9, 200), &Device::Cpu).unwrap();
+                    let want = dense.forward(&x).unwrap();
+                    for mode in [Mode::Normal, Mode::LowLatency] {
+                        let err = rel_err(&layer.forward_with_mode(&x, mode).unwrap(), &want);
+                        assert!(err <= 1e-5, "{ranks} ranks, {mode:?}: rel err {err}");
+                    }
+                });
+            }
+        });
+    }
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}

@@ -43,6 +43,8 @@ pub(crate) struct LlDispatchPending {
     weights: Option<Tensor>,
     num_tokens: usize,
     num_topk: usize,
+    /// The rows' hidden size (`x` travels padded to whole 128-channel groups).
+    hidden: usize,
     async_finish: bool,
     recv_phase: RecvPhase,
 }
@@ -78,7 +80,10 @@ pub(crate) struct LlCombineDims {
 /// A low-latency combine whose send phase is on the stream.
 pub(crate) struct LlCombinePending {
     data: Arc<CudaLlDispatchData>,
+    /// The sizes as the buffer lays them out (hidden padded).
     dims: LlCombineDims,
+    /// The rows' hidden size.
+    hidden: usize,
     x: Tensor,
     topk_idx: Tensor,
     topk_weights: Tensor,
@@ -95,6 +100,30 @@ pub(crate) struct LlCombined {
     pub combined_x: Tensor,
     /// The end of the combine.
     pub event: EventOverlap,
+}
+
+/// The hidden size the low-latency buffer lays rows out with: `h` rounded up to whole 128-channel
+/// groups (the fp8 messages' scale groups). Rows of another `h` travel zero-padded (bf16 only:
+/// fp8 needs whole groups) and come out cut back to `h`.
+fn padded_hidden(h: usize) -> usize {
+    h.div_ceil(ep_kernels::FP8_GROUP) * ep_kernels::FP8_GROUP
+}
+
+/// `x` with its last dimension zero-padded to `hp` (contiguous), or `x` itself.
+fn pad_hidden(x: &Tensor, hp: usize) -> Result<Tensor> {
+    let h = *x.dims().last().unwrap_or(&0);
+    if h == hp {
+        return Ok(x.clone());
+    }
+    Ok(x.pad_with_zeros(x.rank() - 1, 0, hp - h)?.contiguous()?)
+}
+
+/// `x` cut back to `h` channels along its last dimension (contiguous), or `x` itself.
+fn cut_hidden(x: Tensor, h: usize) -> Result<Tensor> {
+    if x.dims().last() == Some(&h) {
+        return Ok(x);
+    }
+    Ok(x.narrow(x.rank() - 1, 0, h)?.contiguous()?)
 }
 
 fn check_bf16(x: &Tensor) -> Result<()> {
@@ -229,7 +258,9 @@ impl LowLatencyCuda {
         plan: LlHostPlan,
     ) -> Result<LlDispatchPending> {
         check_bf16(x)?;
-        let (t, h, m) = (x.dims2()?.0, plan.hidden, plan.max_tokens);
+        let (t, hidden, m) = (x.dims2()?.0, plan.hidden, plan.max_tokens);
+        let h = padded_hidden(hidden);
+        let x = &pad_hidden(x, h)?;
         let e = plan.placement.num_experts;
         let r = self.num_ranks;
         let l = e / r;
@@ -265,6 +296,7 @@ impl LowLatencyCuda {
             weights,
             num_tokens: t,
             num_topk,
+            hidden,
             async_finish,
             recv_phase,
         })
@@ -283,6 +315,7 @@ impl LowLatencyCuda {
             weights,
             num_tokens,
             num_topk,
+            hidden,
             async_finish,
             recv_phase,
         } = pending;
@@ -307,6 +340,7 @@ impl LowLatencyCuda {
             src_info,
             data,
         } = recv.into_outputs(&self.dev)?;
+        let recv_x = cut_hidden(recv_x, hidden)?;
         masked.map(|()| LlDispatched {
             recv_x,
             recv_x_scales,
@@ -343,6 +377,12 @@ impl LowLatencyCuda {
                     .into(),
             ));
         }
+        let hidden = dims.hidden;
+        let dims = LlCombineDims {
+            hidden: padded_hidden(hidden),
+            ..dims
+        };
+        let x = &pad_hidden(x, dims.hidden)?;
         let (t, hid) = (dims.num_tokens, dims.hidden);
         let _op = lock(&self.op);
         let mut g = self.state_for(group, dims.max_tokens, hid, dims.num_experts)?;
@@ -366,6 +406,7 @@ impl LowLatencyCuda {
         Ok(LlCombinePending {
             data: data.clone(),
             dims,
+            hidden,
             x: x.clone(),
             topk_idx: topk_idx.clone(),
             topk_weights: topk_weights.clone(),
@@ -386,6 +427,7 @@ impl LowLatencyCuda {
         let LlCombinePending {
             data,
             dims,
+            hidden,
             x,
             topk_idx,
             topk_weights,
@@ -411,7 +453,7 @@ impl LowLatencyCuda {
                 &mut out,
             )
         })?;
-        let combined = wrap(out, (t, hid), &self.dev);
+        let combined = cut_hidden(wrap(out, (t, hid), &self.dev), hidden)?;
         let combined_x = match user_out {
             Some(o) => {
                 o.slice_set(&combined, 0, 0)?;

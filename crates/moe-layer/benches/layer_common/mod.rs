@@ -9,6 +9,9 @@ use moe_layer::ep_runtime::Buffer;
 use moe_layer::fp8::Fp8Weight;
 use moe_layer::{Experts, Fp8Expert, Mlp, MoeLayer, MoeLayerOptions, Router};
 
+#[allow(dead_code)] // not every benchmark times with it
+pub mod timing;
+
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pub const H: usize = 7168;

@@ -46,7 +46,7 @@ pub(super) fn weight_layout(
 }
 
 /// Whether `l` fp8 experts of `[2I, H]` on `device` run on the fp8 grouped GEMMs (else they are
-/// dequantized): CUDA, `H` a multiple of 16, `I` of 128 (whole scale blocks per projection),
+/// dequantized): CUDA, `H` and `I` multiples of 128 (whole scale blocks per projection),
 /// at most 1024 local experts. A CUDA device without fp8 tensor cores (before sm_90) is an
 /// error.
 pub(super) fn fp8_eligible(device: &Device, l: usize, h: usize, i: usize) -> Result<bool> {
@@ -70,9 +70,11 @@ pub(super) fn fp8_eligible(device: &Device, l: usize, h: usize, i: usize) -> Res
 }
 
 /// Whether the fp8 grouped GEMMs take `l` experts of hidden size `h` and inner width `i`
-/// (`h` a multiple of 16, `i` of the 128-wide scale blocks, at most `MAX_GROUPS` groups).
+/// (`h` and `i` multiples of the 128-wide scale blocks: the rows' 1 x 128 casts need whole
+/// groups; at most `MAX_GROUPS` groups).
 pub(crate) fn fp8_shapes_supported(l: usize, h: usize, i: usize) -> bool {
-    h % 16 == 0 && i % ep_kernels::gemm::fp8::FP8_BLOCK == 0 && l <= ep_kernels::gemm::MAX_GROUPS
+    let block = ep_kernels::gemm::fp8::FP8_BLOCK;
+    h % block == 0 && i % block == 0 && l <= ep_kernels::gemm::MAX_GROUPS
 }
 
 /// The blocks of the routed experts' width `i` that shared experts of width `i_s` run as

@@ -187,7 +187,7 @@ impl Experts {
     }
 
     /// Builds the shard from block-scaled fp8 experts, local expert `l` being global expert
-    /// `first_expert + l`. Where fp8 grouped GEMMs run (CUDA on sm_90, `H` a multiple of 16,
+    /// `first_expert + l`. Where fp8 grouped GEMMs run (CUDA on sm_90, `H` a multiple of 128,
     /// `I` of 128, at most 1024 local experts) the shard keeps the e4m3 weights and their scales
     /// (gate_up stacked: the gate rows, then the up rows, so that no scale block mixes them);
     /// elsewhere every expert is dequantized to `dtype` ([`Fp8Expert::dequantize`]) and the
