@@ -211,7 +211,8 @@ fn run_rank(
                     (Some(l), None) => l,
                     (_, p) => {
                         let map = p.map(|p| ExpertMap::new(p, &dev)).transpose()?;
-                        layer(&dev, kind, buffer.clone(), map)?
+                        // Counting too, as the measured fixed layer does.
+                        layer(&dev, kind, buffer.clone(), map)?.with_load_stats()?
                     }
                 };
                 let mut step = || -> Result<(), BoxError> {

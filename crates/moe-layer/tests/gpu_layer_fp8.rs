@@ -19,7 +19,7 @@ use moe_layer::ep_runtime::{Buffer, BufferConfig};
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
 mod gpu_common;
-use gpu_common::fp8::{checkpoint as fp8_checkpoint, reference as fp8_reference, TOLERANCE};
+use gpu_common::fp8::{checkpoint as fp8_checkpoint, reference as fp8_reference, within};
 use gpu_common::{cfg, rel, weights, R};
 
 struct Pair {
@@ -102,7 +102,7 @@ fn layer_case(p: &Pair, t: usize, mode: Mode) -> R<()> {
         return Ok(());
     }
     let (all, worst) = rel(&y, &fp8_reference(&p.gpu, &p.cpu, &x)?)?;
-    if all > TOLERANCE.0 || worst > TOLERANCE.1 {
+    if !within(t, all, worst) {
         return Err(format!("relative error {all:.2e} (worst token {worst:.2e})").into());
     }
     println!("       T={t} {mode:?}: rel {all:.1e}, worst token {worst:.1e}");

@@ -26,8 +26,17 @@ use moe_layer::MoeLayer;
 
 use super::R;
 
-/// `||got - ref|| / ||ref||` over the batch and per token.
+/// `||got - ref|| / ||ref||` over the batch and per token; the batch bound holds from
+/// [`BATCH_BOUND_FROM`] tokens on (a batch of a few tokens is as noisy as one token).
 pub const TOLERANCE: (f64, f64) = (2.5e-2, 5e-2);
+
+/// Tokens from which a step's error is held to the batch bound of [`TOLERANCE`].
+pub const BATCH_BOUND_FROM: usize = 8;
+
+/// Whether an fp8 step of `t` tokens with these relative errors is within [`TOLERANCE`].
+pub fn within(t: usize, all: f64, worst: f64) -> bool {
+    (t < BATCH_BOUND_FROM || all <= TOLERANCE.0) && worst <= TOLERANCE.1
+}
 
 /// `w` as a block-scaled fp8 checkpoint holds it: every projection e4m3 with its 128 x 128
 /// scales (quantized from the random weights), the router as stored.
