@@ -24,6 +24,9 @@ pub struct WeightTarget {
     /// The checkpoint's experts are block-scaled fp8 (`weight` + `weight_scale_inv`): kept as
     /// fp8 on CUDA where the fp8 grouped GEMMs take their shapes, dequantized elsewhere.
     pub fp8_experts: bool,
+    /// Redundant expert slots beyond the `n_routed_experts` (`MoeLayer::load_placed`): each
+    /// rank holds `(E + r) / R` slots.
+    pub redundant_experts: usize,
 }
 
 /// Bytes of a block-scaled e4m3 matrix `[n, k]`: its values and one f32 scale per 128 x 128
@@ -47,14 +50,15 @@ impl WeightBytes {
             cfg.moe_intermediate_size,
             cfg.n_routed_experts,
         );
-        if target.num_ranks == 0 || e % target.num_ranks != 0 {
+        let slots = e + target.redundant_experts;
+        if target.num_ranks == 0 || slots % target.num_ranks != 0 {
             return Err(Error::invalid(
                 "num_ranks",
                 target.num_ranks,
-                format!("must divide n_routed_experts = {e}"),
+                format!("must divide the {slots} expert slots (n_routed_experts + redundant)"),
             ));
         }
-        let l = e / target.num_ranks;
+        let l = slots / target.num_ranks;
         let d = target.dtype.size_in_bytes();
         let fp8 = target.cuda && target.fp8_experts && fp8_shapes_supported(l, h, i);
         let routed = if fp8 {
@@ -110,6 +114,7 @@ mod tests {
             dtype: DType::BF16,
             cuda: true,
             fp8_experts: true,
+            redundant_experts: 0,
         };
         let w = WeightBytes::planned(&cfg, target).unwrap();
         // 32 local experts of 3 x 7168 x 2048 e4m3 values, 3 x 16 x 56 f32 scales each.

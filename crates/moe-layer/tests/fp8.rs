@@ -104,6 +104,7 @@ fn an_fp8_layer_equals_the_layer_on_its_dequantized_weights() -> Result<()> {
             dtype: DType::F32,
             cuda: false,
             fp8_experts,
+            redundant_experts: 0,
         };
         assert_eq!(l.weight_bytes(), WeightBytes::planned(&cfg(), target)?);
     }

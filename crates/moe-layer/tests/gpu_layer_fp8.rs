@@ -75,6 +75,7 @@ fn pair(
             dtype,
             cuda,
             fp8_experts: true,
+            redundant_experts: 0,
         };
         let (got, planned) = (
             layer.weight_bytes(),

@@ -34,6 +34,7 @@ pub mod loader;
 pub mod memory_plan;
 pub mod metrics;
 pub mod model;
+pub mod placements;
 pub mod progress;
 pub mod rotary;
 pub mod sampling;

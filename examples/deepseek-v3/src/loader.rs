@@ -34,6 +34,9 @@ pub enum MoeBackend {
         buffer: Arc<moe_layer::ep_runtime::Buffer>,
         /// Mode and sizing options of every MoE layer.
         options: moe_layer::MoeLayerOptions,
+        /// Redundant experts: every MoE layer's placement of its physical slots (the buffer
+        /// then sized for them); `None`: `n_routed_experts / num_ranks` experts a rank.
+        placements: Option<Arc<crate::placements::ExpertPlacements>>,
     },
     /// Every expert in this process ([`DenseMoe`]), no communication: a single-process reference.
     Dense,
@@ -229,9 +232,17 @@ fn build(
             let mvb = lvb.pp("mlp");
             let ffn = match (&moe_cfg, config.is_moe_layer(i)) {
                 (Some(mc), true) => match &opts.moe {
-                    MoeBackend::ExpertParallel { buffer, options } => Ffn::Moe(
-                        moe_layer::MoeLayer::load(mvb, mc, buffer.clone(), *options)?,
-                    ),
+                    MoeBackend::ExpertParallel {
+                        buffer,
+                        options,
+                        placements,
+                    } => Ffn::Moe(Box::new(moe_layer::MoeLayer::load_placed(
+                        mvb,
+                        mc,
+                        buffer.clone(),
+                        *options,
+                        placements.as_ref().and_then(|p| p.for_layer(i)),
+                    )?)),
                     MoeBackend::Dense => Ffn::DenseMoe(DenseMoe::load(mvb, mc)?),
                 },
                 _ => Ffn::Dense(Mlp::load(

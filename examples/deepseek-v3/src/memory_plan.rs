@@ -36,6 +36,8 @@ pub struct PlanInput<'a> {
     pub max_positions: usize,
     /// The rank's expert-parallel buffer.
     pub buffer: &'a BufferConfig,
+    /// Redundant expert slots of every MoE layer (`--num-redundant-experts`).
+    pub redundant_experts: usize,
 }
 
 /// The bytes one rank holds on its device.
@@ -82,6 +84,7 @@ impl MemoryPlan {
                 dtype: p.dtype,
                 cuda: p.on_gpu,
                 fp8_experts: p.fp8_checkpoint,
+                redundant_experts: p.redundant_experts,
             };
             Some(WeightBytes::planned(&cfg.moe_config()?, target)?)
         } else {

@@ -54,7 +54,7 @@ pub enum Ffn {
     /// Dense SwiGLU MLP of width `intermediate_size` (the first `first_k_dense_replace` layers).
     Dense(Mlp),
     /// Expert-parallel MoE layer: this rank's experts; every call is a collective.
-    Moe(moe_layer::MoeLayer),
+    Moe(Box<moe_layer::MoeLayer>),
     /// All experts in this process (single-process reference path, no communication).
     DenseMoe(DenseMoe),
 }

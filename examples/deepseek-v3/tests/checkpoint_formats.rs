@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use common::reference::{buffer_config, check_against_reference, load_ep, Reference};
+use common::reference::{
+    buffer_config, check_against_reference, load_ep, load_ep_placed, Reference,
+};
 use deepseek_v3::checkpoint;
 use deepseek_v3::config::{DeepSeekV3Config, Quantization, ScaleFmt, FP8_BLOCK};
 use deepseek_v3::loader::{self, LoadOptions, MoeBackend};
@@ -220,6 +222,7 @@ fn load_error(dir: &Path) -> String {
                 low_latency_max_tokens: 8,
                 ..Default::default()
             },
+            placements: None,
         },
         progress: false,
     };
@@ -295,4 +298,52 @@ fn formats_the_example_does_not_run_are_refused_naming_what_and_why() {
         err.contains("q_b_proj.weight_scale_inv") && err.contains("[2, 2]"),
         "{err}"
     );
+}
+
+/// Redundant experts (`--num-redundant-experts 4`, placed from a file of skewed loads) on four
+/// ranks: every greedy step's logits equal the reference's, as without them.
+#[test]
+fn redundant_experts_match_the_reference_on_four_ranks() {
+    let dir = write(
+        "fmt-redundant",
+        DType::F32,
+        false,
+        ConfigForm::DeepSeek,
+        false,
+    );
+    let reference = Arc::new(Reference::load(&dir));
+    let cfg = reference.cfg.clone();
+    let e = cfg.n_routed_experts.unwrap();
+    let loads = dir.join("loads.json");
+    let hot: Vec<String> = (0..e)
+        .map(|x| format!("{}", 1 + 50 * usize::from(x % 5 == 0)))
+        .collect();
+    std::fs::write(&loads, format!("[{}]", hot.join(", "))).unwrap();
+    let placements = deepseek_v3::placements::ExpertPlacements::plan(&cfg, 4, 4, 4, Some(&loads))
+        .unwrap()
+        .map(Arc::new);
+    let p = placements.as_ref().unwrap();
+    assert_eq!(p.num_physical, e + 4);
+    let bcfg = buffer_config(&cfg).with_low_latency(8, cfg.hidden_size, e + 4);
+    let work = [
+        vec![vec![0u32, 40, 50, 60, 70], vec![0, 9]],
+        vec![vec![0u32, 100, 101, 102]],
+        vec![],
+        vec![vec![0u32, 7]],
+    ];
+    let handles: Vec<_> = Buffer::local_group(4, 4, bcfg)
+        .unwrap()
+        .into_iter()
+        .zip(work)
+        .map(|(buffer, prompts)| {
+            let (dir, reference, placements) = (dir.clone(), reference.clone(), placements.clone());
+            std::thread::spawn(move || {
+                let m = load_ep_placed(&dir, buffer, placements);
+                check_against_reference(&m, &reference, &prompts, 3)
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
 }

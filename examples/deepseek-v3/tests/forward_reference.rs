@@ -217,6 +217,7 @@ fn each_rank_reads_only_its_experts() {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
+                placements: None,
             },
             progress: false,
         },

@@ -74,6 +74,7 @@ fn load_gpu(dir: &Path, dev: &Device) -> R<LoadedModel> {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
+                placements: None,
             },
             progress: false,
         },
@@ -106,6 +107,7 @@ fn check(name: &str, fp8: bool, dev: &Device) -> R<usize> {
         kv_sequences: 8,
         max_positions: 256,
         buffer: &buffer_config(&cfg),
+        redundant_experts: 0,
     })?;
     if m.model.weight_bytes() != plan.weights {
         return Err(format!(
@@ -189,6 +191,7 @@ fn random_fp8(dev: &Device) -> R<()> {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
+                placements: None,
             },
             progress: false,
         },
@@ -206,6 +209,7 @@ fn random_fp8(dev: &Device) -> R<()> {
         kv_sequences: 8,
         max_positions: 256,
         buffer: &bcfg,
+        redundant_experts: 0,
     })?;
     if m.model.weight_bytes() != plan.weights {
         return Err(format!(

@@ -36,6 +36,7 @@ fn model(dev: &Device) -> R<DeepSeekV3> {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
+                placements: None,
             },
             progress: false,
         },

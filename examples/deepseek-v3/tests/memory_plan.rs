@@ -30,6 +30,7 @@ fn options(buffer: Buffer, dtype: DType) -> LoadOptions {
                 low_latency_max_tokens: MAX_BATCH,
                 ..Default::default()
             },
+            placements: None,
         },
         progress: false,
     }
@@ -58,6 +59,7 @@ fn plan(
         kv_sequences: MAX_BATCH,
         max_positions: POSITIONS,
         buffer,
+        redundant_experts: 0,
     })
     .unwrap()
 }
@@ -206,6 +208,7 @@ fn full_deepseek_v3_fits_eight_h200s_at_fp8_and_not_in_bf16() {
             kv_sequences: seqs,
             max_positions: positions,
             buffer: &bcfg,
+            redundant_experts: 0,
         })
         .unwrap()
     };
@@ -254,6 +257,7 @@ fn the_six_layer_v3_shape_serves_on_one_h200_in_fp8_and_in_bf16() {
             kv_sequences: seqs,
             max_positions: positions,
             buffer: &bcfg,
+            redundant_experts: 0,
         })
         .unwrap()
     };

@@ -198,6 +198,15 @@ pub struct ModelArgs {
     /// graphs (which CUDA runs do by default, on one GPU or several).
     #[arg(long)]
     pub eager_decode: bool,
+    /// Redundant expert slots of every MoE layer: `n_routed_experts + r` slots over the ranks
+    /// (divisible by WORLD_SIZE), placed by DeepSeek's EPLB algorithm so that the loads of
+    /// `--expert-loads` (equal loads without it) spread evenly over the GPUs.
+    #[arg(long, default_value_t = 0)]
+    pub num_redundant_experts: usize,
+    /// Expert loads to place the experts by (JSON: an array of `n_routed_experts` numbers for
+    /// every MoE layer, or an object of layer index -> array).
+    #[arg(long)]
+    pub expert_loads: Option<PathBuf>,
 }
 
 /// The dtype `--dtype` asks for on `device`: `auto` is bf16 on a GPU and f32 on the CPU; a
@@ -312,13 +321,25 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     let (source, cfg) = args.source(&info)?;
     let device = select_device(&info, args.cpu)?;
     let dtype = parse_dtype(&args.dtype, &device)?;
-    let buffer_cfg = buffer_config(
+    let placements = crate::placements::ExpertPlacements::plan(
+        &cfg,
+        info.world_size,
+        info.local_world_size,
+        args.num_redundant_experts,
+        args.expert_loads.as_deref(),
+    )?
+    .map(std::sync::Arc::new);
+    let mut buffer_cfg = buffer_config(
         &cfg,
         info.world_size,
         args.max_batch,
         args.max_prefill_tokens,
         Duration::from_secs(args.timeout_secs),
     )?;
+    if let Some(p) = &placements {
+        // The low-latency buffers hold a slot per physical expert.
+        buffer_cfg = buffer_cfg.with_low_latency(args.max_batch, cfg.hidden_size, p.num_physical);
+    }
     // What this rank will hold, checked against its GPU before anything is allocated.
     let plan = MemoryPlan::new(&PlanInput {
         config: &cfg,
@@ -330,6 +351,7 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         kv_sequences: args.max_batch,
         max_positions,
         buffer: &buffer_cfg,
+        redundant_experts: args.num_redundant_experts,
     })?;
     let free = match memory_plan::device_memory(&device) {
         Some((free, total)) => {
@@ -377,6 +399,7 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         moe: MoeBackend::ExpertParallel {
             buffer: dist.buffer.clone(),
             options,
+            placements,
         },
         progress: info.local_rank == 0,
     };

@@ -207,6 +207,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 pub fn load_ep(dir: &Path, buffer: Buffer) -> LoadedModel {
+    load_ep_placed(dir, buffer, None)
+}
+
+/// [`load_ep`] with redundant experts placed by `placements`.
+pub fn load_ep_placed(
+    dir: &Path,
+    buffer: Buffer,
+    placements: Option<Arc<deepseek_v3::placements::ExpertPlacements>>,
+) -> LoadedModel {
     loader::load(
         dir,
         LoadOptions {
@@ -219,6 +228,7 @@ pub fn load_ep(dir: &Path, buffer: Buffer) -> LoadedModel {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
+                placements,
             },
             progress: false,
         },
