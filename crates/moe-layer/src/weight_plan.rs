@@ -142,6 +142,16 @@ mod tests {
             },
         )
         .unwrap_err();
-        assert!(err.to_string().contains("n_routed_experts = 256"), "{err}");
+        assert!(err.to_string().contains("256 expert slots"), "{err}");
+        // 16 redundant slots over 8 ranks: 34 slots a rank.
+        let redundant = WeightBytes::planned(
+            &cfg,
+            WeightTarget {
+                redundant_experts: 16,
+                ..target
+            },
+        )
+        .unwrap();
+        assert_eq!(redundant.routed, 34 * (3 * 7168 * 2048 + 4 * 3 * 16 * 56));
     }
 }
