@@ -670,6 +670,14 @@ fn main() {
         ("partial-blocks", &[2, 8, 0, 9][..], 9, 400, 320, 1),
         ("all-empty", &[0, 0, 0][..], 4, 128, 128, 0),
         ("gpt-oss-2880", &[1, 2, 0, 1][..], 2, 2880, 2880, 0),
+        // One group with few units (a dense projection): warps share K (`gemv_k_split`):
+        // DeepSeek-V3's kv_a_proj_with_mqa, q_a_proj and o_proj, two passes, a partial last
+        // scale block of K.
+        ("split-k/kv-a-576x7168", &[3][..], 3, 576, 7168, 0),
+        ("split-k/q-a-1536x7168", &[1][..], 1, 1536, 7168, 0),
+        ("split-k/o-proj-7168x16384", &[8][..], 8, 7168, 16384, 0),
+        ("split-k/two-passes", &[13][..], 13, 256, 1024, 0),
+        ("split-k/partial-k", &[5][..], 5, 144, 1088, 0),
     ] {
         runner.case(&format!("gemv/masked/{name}"), |rng| {
             run_case(

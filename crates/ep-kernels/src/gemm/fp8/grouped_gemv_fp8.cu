@@ -15,11 +15,14 @@
 // its own, then promoted into the f32 sums with the weight block's scale times the row's scale
 // (DeepSeek-V3's recipe: one promotion every 128 channels).
 //
-// Work: units of (active group, 16 weight rows), taken by the warps of the grid in a grid-stride
-// loop over the ordered list of the groups with rows (every block builds it from the counts),
-// so empty groups' weights are never read, the grid is sized to the device, and units this
-// small leave no block with a long tail. More than 8 valid rows are taken in passes over the
-// same weights (the next ones mostly from L2).
+// Work: units of (active group, 16 weight rows), taken by teams of `k_split` warps of one block
+// in a grid-stride loop over the ordered list of the groups with rows (every block builds it
+// from the counts), so empty groups' weights are never read, the grid is sized to the device,
+// and units this small leave no block with a long tail. With `k_split` > 1 (few units for the
+// grid: one group of a dense layer with few output rows) the warps of a team take every
+// `k_split`-th pair of scale blocks of K and add their sums through shared memory (a named
+// barrier per team) before the team's first warp writes them. More than 8 valid rows are taken
+// in passes over the same weights (the next ones mostly from L2).
 //
 // Extra groups (g >= first_extra: the shared experts) take their weights from extra_b and, with
 // extra_a, their rows from extra_a (every extra group the same rows), as the CUTLASS path.
@@ -63,7 +66,7 @@ struct GemvFp8Params {
     int32_t k;  // a multiple of 64
     int32_t m_max;
     int32_t first_extra;  // == groups without extra groups
-    int32_t reserved;
+    int32_t k_split;      // warps sharing a unit's K: 1, 2, 4 or 8
 };
 EP_CHECK_PARAMS_SIZE(GemvFp8Params, 112);
 
@@ -130,13 +133,20 @@ EP_DEVICE int active_groups(const GemvFp8Params& p, int* active, int* warp_total
     return total;
 }
 
-}  // namespace
+// Waits for the `split` warps of team `team` (named barrier 1 + team; 0 is __syncthreads).
+EP_DEVICE void team_sync(int team, int split) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(team + 1), "r"(split * ep::kWarpSize) : "memory");
+}
 
-EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
-    grouped_gemv_fp8(const __grid_constant__ GemvFp8Params p) {
-    __shared__ int active[kMaxGroups];
-    __shared__ int warp_totals[kWarps];
-    const int num_active = active_groups(p, active, warp_totals);
+// The units of the grid's teams of kSplit warps (see the file comment), after the block has
+// listed the active groups. A template, so that the one-warp teams of the experts' GEMMs carry
+// no split-K code.
+template <int kSplit>
+EP_DEVICE void gemv_units(const GemvFp8Params& p, const int* active, int num_active,
+                          float (*partial)[4][ep::kWarpSize]) {
+    constexpr int teams = kWarps / kSplit;
+    const int team = ep::warp_id() / kSplit;
+    const int sub = ep::warp_id() % kSplit;
 
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
@@ -146,9 +156,10 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
     const int n_blocks = (p.n + kBlock - 1) / kBlock;
     const int64_t stripes = p.n / kRowsPerWarp;
     const int64_t units = static_cast<int64_t>(num_active) * stripes;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarps + warp; unit < units;
-         unit += warps) {
+    const int64_t all_teams = static_cast<int64_t>(gridDim.x) * teams;
+    // Uniform in a team: its warps take the same units, counts and passes.
+    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * teams + team; unit < units;
+         unit += all_teams) {
         const int g = active[unit / stripes];
         const int row0 = static_cast<int>(unit % stripes) * kRowsPerWarp;
         const int count = p.counts[g];
@@ -175,7 +186,7 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
             const float* sxa = sx_base + static_cast<int64_t>(r0 + min(ra, rows - 1)) * k_blocks;
             const float* sxb = sx_base + static_cast<int64_t>(r0 + min(rb, rows - 1)) * k_blocks;
             float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int kb0 = 0; kb0 < k_blocks; kb0 += kBlocksInFlight) {
+            for (int kb0 = sub * kBlocksInFlight; kb0 < k_blocks; kb0 += kSplit * kBlocksInFlight) {
                 // Load every vector of the next scale blocks first (bytes in flight), then multiply.
                 int4 wl[kBlocksInFlight][2], wh[kBlocksInFlight][2], xv[kBlocksInFlight][2];
 #pragma unroll
@@ -209,6 +220,28 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
                     sum[3] = fmaf(part[3], sb, sum[3]);  // weight row gid + 8, pass row rb
                 }
             }
+            if constexpr (kSplit > 1) {
+                if (sub != 0) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        partial[warp][i][lane] = sum[i];
+                    }
+                }
+                team_sync(team, kSplit);
+                if (sub == 0) {
+#pragma unroll
+                    for (int s = 1; s < kSplit; ++s) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            sum[i] += partial[warp + s][i][lane];
+                        }
+                    }
+                }
+                team_sync(team, kSplit);  // `partial` is written again by the next pass
+                if (sub != 0) {
+                    continue;
+                }
+            }
             const int64_t out0 = static_cast<int64_t>(g) * p.m_max + r0;
             if (ra < rows) {
                 p.d[(out0 + ra) * p.n + row0 + gid] = ep::f32_to_bf16(sum[0]);
@@ -219,5 +252,37 @@ EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
                 p.d[(out0 + rb) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[3]);
             }
         }
+    }
+}
+
+}  // namespace
+
+// One warp a unit (k_split = 1): the experts' GEMMs. No named barrier in this kernel, so that
+// its resources are what they were before the split-K kernel below existed.
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_fp8(const __grid_constant__ GemvFp8Params p) {
+    __shared__ int active[kMaxGroups];
+    __shared__ int warp_totals[kWarps];
+    const int num_active = active_groups(p, active, warp_totals);
+    gemv_units<1>(p, active, num_active, nullptr);
+}
+
+// Teams of k_split = 2, 4 or 8 warps a unit (one group with few output rows).
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_fp8_split_k(const __grid_constant__ GemvFp8Params p) {
+    __shared__ int active[kMaxGroups];
+    __shared__ int warp_totals[kWarps];
+    __shared__ float partial[kWarps][4][ep::kWarpSize];  // split-K sums of a team's warps
+    const int num_active = active_groups(p, active, warp_totals);
+    switch (p.k_split) {
+        case 2:
+            gemv_units<2>(p, active, num_active, partial);
+            break;
+        case 4:
+            gemv_units<4>(p, active, num_active, partial);
+            break;
+        default:
+            gemv_units<8>(p, active, num_active, partial);
+            break;
     }
 }

@@ -58,6 +58,27 @@ pub const GEMV_K_MULTIPLE: usize = 64;
 /// columns of its tensor-core MMA; more rows take more passes).
 pub const GEMV_ROWS_PER_PASS: usize = 8;
 
+/// Warps of a block of the tile-less fp8 GEMV (`kThreads / 32` in `grouped_gemv_fp8.cu`): the
+/// most that can share one unit's K.
+pub const GEMV_WARPS_PER_BLOCK: u64 = 8;
+
+/// Warps sharing one unit's K in the tile-less fp8 GEMV (its `k_split`) when `units` units of
+/// 16 weight rows (an upper bound: every group active) over `k_blocks` scale blocks of K run on
+/// a device that holds `resident_warps` of its warps: doubled (up to
+/// [`GEMV_WARPS_PER_BLOCK`]) while every unit's team still fits on the device at once and each
+/// warp keeps at least two pairs of scale blocks. Many units (the experts' GEMMs) keep 1; one
+/// group with few output rows (a dense projection like `q_a_proj`) splits K.
+pub fn gemv_k_split(units: u64, k_blocks: u64, resident_warps: u64) -> u32 {
+    let mut split = 1u64;
+    while split < GEMV_WARPS_PER_BLOCK
+        && units * split * 2 <= resident_warps
+        && k_blocks >= 2 * split * 4
+    {
+        split *= 2;
+    }
+    split as u32
+}
+
 /// Whether the tile-less fp8 GEMV takes GEMMs of reduction lengths `ks`.
 pub fn gemv_takes(ks: &[usize]) -> bool {
     ks.iter().all(|k| k % GEMV_K_MULTIPLE == 0)
@@ -102,6 +123,21 @@ mod tests {
         assert_eq!(weight_scale_dims(576, 7168, 128), (5, 56));
         assert_eq!(weight_scale_dims(4096, 7168, 64), (64, 56));
         assert_eq!(row_scale_cols(2880), 23);
+    }
+
+    #[test]
+    fn the_gemv_splits_k_only_when_units_leave_the_device_idle() {
+        // H200: 132 SMs x 2 blocks x 8 warps.
+        let warps = 132 * 2 * 8;
+        // The experts' GEMMs (256 groups of 448 units): one warp a unit.
+        assert_eq!(gemv_k_split(256 * 448, 56, warps), 1);
+        // DeepSeek-V3's o_proj (448 units, K 16384), q_a_proj (96, K 7168), q_b_proj (1536).
+        assert_eq!(gemv_k_split(448, 128, warps), 4);
+        assert_eq!(gemv_k_split(96, 56, warps), 8);
+        assert_eq!(gemv_k_split(1536, 12, warps), 1);
+        // A short K bounds it: every warp keeps two pairs of scale blocks.
+        assert_eq!(gemv_k_split(36, 8, warps), 2);
+        assert_eq!(gemv_k_split(36, 2, warps), 1);
     }
 
     #[test]
