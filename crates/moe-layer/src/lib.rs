@@ -6,6 +6,7 @@
 //! - [`experts`]: this rank's shard of SwiGLU experts (grouped GEMM) and the dense [`Mlp`];
 //! - [`fp8`]: block-scaled fp8 weights as DeepSeek ships them (kept as e4m3 by the experts on
 //!   CUDA, dequantized exactly elsewhere);
+//! - [`fp8_linear`]: dense layers on such weights (attention projections, dense MLPs);
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
 //! - [`dense`]: the single-process reference layer EP results are tested against;
 //! - [`WeightBytes::planned`]: what a layer's weights will take on a rank, before loading.
@@ -40,6 +41,7 @@ mod expert_load;
 pub mod expert_map;
 pub mod experts;
 pub mod fp8;
+pub mod fp8_linear;
 mod layer;
 mod modes;
 mod options;
@@ -55,6 +57,7 @@ pub use error::{Error, Result};
 pub use experts::mlp;
 pub use experts::{ExpertInput, Experts, Fp8Expert};
 pub use experts::{GateUpLayout, Mlp};
+pub use fp8_linear::{Fp8Linear, Fp8Mlp};
 pub use layer::{MoeLayer, WeightBytes};
 #[cfg(feature = "cuda")]
 pub use modes::{DecodeGraph, StepGraph};

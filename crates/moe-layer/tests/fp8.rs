@@ -184,3 +184,99 @@ fn bad_fp8_tensors_are_refused_naming_them() -> Result<()> {
     );
     Ok(())
 }
+
+/// `||a - b|| / ||b||`.
+fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let num = (a - b)?.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
+    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
+    Ok(num / den)
+}
+
+/// The rows of `x` as the fp8 layers read them: bf16, then e4m3 with 1 x 128 scales.
+fn fp8_rows(x: &Tensor) -> Result<Tensor> {
+    use moe_layer::ep_runtime::cast::{per_token_cast_back, per_token_cast_to_fp8};
+    let (q, s) = per_token_cast_to_fp8(&x.to_dtype(DType::BF16)?, false)
+        .map_err(candle_core::Error::wrap)?;
+    per_token_cast_back(&q, &s, DType::F32).map_err(candle_core::Error::wrap)
+}
+
+#[test]
+fn a_dense_fp8_linear_equals_the_product_of_its_dequantized_operands() -> Result<()> {
+    use moe_layer::Fp8Linear;
+    let mut rng = rand::rng();
+    // n with a partial scale block, k two blocks.
+    let (n, k) = (208, 256);
+    let (q, s, w) = fp8_weight(&mut rng, n, k);
+    let bias = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?;
+    let lin = Fp8Linear::new(
+        Fp8Weight::new("p", q, s).map_err(candle_core::Error::wrap)?,
+        Some(bias.clone()),
+    )
+    .map_err(candle_core::Error::wrap)?;
+    for rows in [1usize, 7, 33] {
+        let x = Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu)?;
+        let y = lin.forward(&x).map_err(candle_core::Error::wrap)?;
+        assert_eq!(y.dims(), [rows, n]);
+        // The exact product of the quantized rows and the dequantized weight, rounded to bf16
+        // as the GEMM writes it (the summation order moves some products across a bf16 rounding
+        // boundary: at most a bf16 step, 2^-8, of those).
+        let want = fp8_rows(&x)?
+            .matmul(&w.t()?)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?
+            .broadcast_add(&bias)?;
+        let err = rel(&y, &want)?;
+        assert!(err < 4e-3, "rows {rows}: {err}");
+        // Against the float product: only the rows' quantization (3 mantissa bits) is left.
+        let float = x.matmul(&w.t()?)?.broadcast_add(&bias)?;
+        let err = rel(&y, &float)?;
+        assert!(err < 5e-2, "rows {rows}: {err}");
+        // Leading dimensions are kept.
+        let y3 = lin
+            .forward(&x.reshape((1, rows, k))?)
+            .map_err(candle_core::Error::wrap)?;
+        assert_eq!(y3.dims(), [1, rows, n]);
+    }
+    // Bad input: a shape the GEMMs do not take, and rows of the wrong width.
+    let (q, s, _) = fp8_weight(&mut rng, 64, 200);
+    let err = Fp8Linear::new(
+        Fp8Weight::new("p", q, s).map_err(candle_core::Error::wrap)?,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("[64, 200]") && err.contains("multiple of 128"),
+        "{err}"
+    );
+    let err = lin
+        .forward(&Tensor::zeros((2, 128), DType::F32, &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("k = 256"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_dense_fp8_mlp_equals_the_mlp_on_its_dequantized_weights() -> Result<()> {
+    use moe_layer::{Fp8Mlp, Mlp};
+    let mut rng = rand::rng();
+    let (h, i) = (256, 384);
+    let (gq, gs, gw) = fp8_weight(&mut rng, i, h);
+    let (uq, us, uw) = fp8_weight(&mut rng, i, h);
+    let (dq, ds, dw) = fp8_weight(&mut rng, h, i);
+    let fp8 = |q, s| Fp8Weight::new("p", q, s).map_err(candle_core::Error::wrap);
+    let mlp = Fp8Mlp::new(&fp8(gq, gs)?, &fp8(uq, us)?, fp8(dq, ds)?)
+        .map_err(candle_core::Error::wrap)?;
+    assert_eq!(mlp.dims(), (h, i));
+    let float = Mlp::new(gw, uw, dw).map_err(candle_core::Error::wrap)?;
+    for rows in [1usize, 9, 40] {
+        let x = Tensor::randn(0f32, 1.0, (rows, h), &Device::Cpu)?;
+        let y = mlp.forward(&x).map_err(candle_core::Error::wrap)?;
+        let want = float.forward(&x).map_err(candle_core::Error::wrap)?;
+        // Two fp8 row casts (the input, the SwiGLU output) and the bf16 gate_up product.
+        let err = rel(&y, &want)?;
+        assert!(err < 6e-2, "rows {rows}: {err}");
+    }
+    Ok(())
+}

@@ -6,6 +6,13 @@
 //! The shared experts are fp8 too (on the GPU as blocks of the routed experts' width: extra
 //! groups of their GEMMs in decode steps, a grouped GEMM of their own otherwise).
 //!
+//! The dense fp8 layers (`Fp8Linear`, `Fp8Mlp`: attention projections and dense MLPs of an
+//! fp8 checkpoint) equal their host twins on the same weights and rows, with every kernel the
+//! GPU path may run (the GEMV, the masked tiles, both contiguous tile sets), within the fp8
+//! GEMMs' tolerance (`||got - ref|| / ||ref|| <= 1e-2`, every element within
+//! `2e-2 * max|ref|`: f32 accumulation in another order, bf16 out; the MLP within the layer's
+//! batch bound).
+//!
 //! Run on one GPU: prints one line per case, then `N passed, N failed`. A first argument
 //! filters cases by name.
 
@@ -19,7 +26,9 @@ use moe_layer::ep_runtime::{Buffer, BufferConfig};
 use moe_layer::{Mode, MoeLayer, MoeLayerOptions};
 
 mod gpu_common;
-use gpu_common::fp8::{checkpoint as fp8_checkpoint, reference as fp8_reference, within};
+use gpu_common::fp8::{
+    checkpoint as fp8_checkpoint, reference as fp8_reference, within, TOLERANCE,
+};
 use gpu_common::{cfg, rel, weights, R};
 
 struct Pair {
@@ -175,6 +184,7 @@ fn main() {
             }
         }
     }
+    dense_cases(&mut run);
     // Bad input: an fp8 expert whose scales have the wrong shape is refused at load.
     run("bad-scales-refused-at-load", &mut || {
         let c = cfg(256, 128, 4, 2, (1, 1));
@@ -203,4 +213,166 @@ fn main() {
         Ok(())
     });
     suite.finish();
+}
+
+/// A random block-scaled fp8 weight `[n, k]` on `dev`.
+fn dense_weight(n: usize, k: usize, dev: &Device) -> R<moe_layer::fp8::Fp8Weight> {
+    let w = Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu)?;
+    let ckpt = fp8_checkpoint(&HashMap::from([("p_proj.weight".to_string(), w)]))?;
+    Ok(moe_layer::fp8::Fp8Weight::new(
+        "p_proj",
+        ckpt["p_proj.weight"].to_device(dev)?,
+        ckpt["p_proj.weight_scale_inv"].to_device(dev)?,
+    )?)
+}
+
+/// `got` (device) against `want` (host twin): every element within `2e-2 * max|ref|`, and
+/// `||got - ref|| / ||ref|| <= bound`.
+fn close(got: &Tensor, want: &Tensor, bound: f32) -> R<String> {
+    let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let w = want.to_dtype(DType::F32)?;
+    if g.dims() != w.dims() {
+        return Err(format!("shape {:?}, want {:?}", g.dims(), w.dims()).into());
+    }
+    let max_ref = w.abs()?.max_all()?.to_scalar::<f32>()?;
+    let worst = (&g - &w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    if !worst.is_finite() || worst > 2e-2 * max_ref + 1e-6 {
+        return Err(format!("element off by {worst:.3e} (max |ref| {max_ref:.3e})").into());
+    }
+    let num = (&g - &w)?.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
+    let den = w.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt();
+    let rel = num / den.max(1e-30);
+    if rel > bound {
+        return Err(format!("relative error {rel:.2e} > {bound:.0e}").into());
+    }
+    Ok(format!("rel {rel:.1e}"))
+}
+
+/// Runs one named case.
+type RunCase<'a> = dyn FnMut(&str, &mut dyn FnMut() -> R<()>) + 'a;
+
+/// The dense fp8 layers on the GPU against their host twins.
+fn dense_cases(run: &mut RunCase<'_>) {
+    use moe_layer::ep_kernels::gemm::GemmTiles;
+    use moe_layer::{Fp8Linear, Fp8Mlp};
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            run("dense/setup", &mut || Err(e.to_string().into()));
+            return;
+        }
+    };
+    // (name, n, k, bias): DeepSeek-V3's kv_a_proj_with_mqa (a partial scale block along n),
+    // q_a_proj, and a q_b_proj / o_proj sized down.
+    for (name, n, k, bias) in [
+        ("kv_a-576x7168", 576, 7168, false),
+        ("q_a-1536x7168-bias", 1536, 7168, true),
+        ("4096x1536", 4096, 1536, false),
+        ("1024x4096", 1024, 4096, false),
+    ] {
+        let lins = (|| -> R<(Fp8Linear, Fp8Linear)> {
+            let w = dense_weight(n, k, &dev)?;
+            let b = bias
+                .then(|| Tensor::randn(0f32, 1.0, n, &Device::Cpu))
+                .transpose()?;
+            let host_w = moe_layer::fp8::Fp8Weight::new(
+                "p_proj",
+                w.q().to_device(&Device::Cpu)?,
+                w.scale().to_device(&Device::Cpu)?,
+            )?;
+            let gpu_b = b.as_ref().map(|b| b.to_device(&dev)).transpose()?;
+            Ok((Fp8Linear::new(w, gpu_b)?, Fp8Linear::new(host_w, b)?))
+        })();
+        let (gpu, cpu) = match lins {
+            Ok(p) => p,
+            Err(e) => {
+                run(&format!("dense/{name}/setup"), &mut || {
+                    Err(e.to_string().into())
+                });
+                continue;
+            }
+        };
+        for rows in [1usize, 5, 8, 9, 64, 300] {
+            let x = match Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu) {
+                Ok(x) => x,
+                Err(e) => {
+                    run(&format!("dense/{name}/rows={rows}"), &mut || {
+                        Err(e.to_string().into())
+                    });
+                    continue;
+                }
+            };
+            let mut kernels = vec![None, Some(GemmTiles::Narrow), Some(GemmTiles::Wide)];
+            if rows <= 8 {
+                kernels.push(Some(GemmTiles::Gemv));
+            }
+            if rows >= 64 {
+                kernels.push(Some(GemmTiles::WideM));
+            }
+            for tiles in kernels {
+                let label = tiles.map_or("default".to_string(), |t| format!("{t:?}"));
+                run(&format!("dense/{name}/rows={rows}/{label}"), &mut || {
+                    let want = cpu.forward(&x)?;
+                    let xd = x.to_device(&dev)?.to_dtype(DType::BF16)?;
+                    let got = match tiles {
+                        None => gpu.forward(&xd)?,
+                        Some(t) => gpu.forward_tiles(&xd, t)?,
+                    };
+                    if got.dtype() != DType::BF16 {
+                        return Err(format!("output dtype {:?}", got.dtype()).into());
+                    }
+                    println!("       {}", close(&got, &want, 1e-2)?);
+                    Ok(())
+                });
+            }
+        }
+    }
+    // A dense SwiGLU MLP: gate_up GEMM -> SwiGLU and cast -> down GEMM.
+    let (h, i) = (1024, 768);
+    let mlps = (|| -> R<(Fp8Mlp, Fp8Mlp)> {
+        let ws = [
+            dense_weight(i, h, &dev)?,
+            dense_weight(i, h, &dev)?,
+            dense_weight(h, i, &dev)?,
+        ];
+        let host = |w: &moe_layer::fp8::Fp8Weight| -> R<moe_layer::fp8::Fp8Weight> {
+            Ok(moe_layer::fp8::Fp8Weight::new(
+                "p_proj",
+                w.q().to_device(&Device::Cpu)?,
+                w.scale().to_device(&Device::Cpu)?,
+            )?)
+        };
+        let cpu = Fp8Mlp::new(&host(&ws[0])?, &host(&ws[1])?, host(&ws[2])?)?;
+        let [g, u, d] = ws;
+        Ok((Fp8Mlp::new(&g, &u, d)?, cpu))
+    })();
+    match mlps {
+        Err(e) => run("dense/mlp/setup", &mut || Err(e.to_string().into())),
+        Ok((gpu, cpu)) => {
+            for rows in [1usize, 9, 130] {
+                run(&format!("dense/mlp-1024x768/rows={rows}"), &mut || {
+                    let x = Tensor::randn(0f32, 1.0, (rows, h), &Device::Cpu)?;
+                    let want = cpu.forward(&x)?;
+                    let got = gpu.forward(&x.to_device(&dev)?.to_dtype(DType::BF16)?)?;
+                    // The layer's bound (`gpu_common::fp8::TOLERANCE`): a SwiGLU output next
+                    // to an e4m3 rounding boundary may round the other way.
+                    println!("       {}", close(&got, &want, TOLERANCE.0 as f32)?);
+                    Ok(())
+                });
+            }
+        }
+    }
+    // Bad input on the device: rows of the wrong width are refused before any kernel runs.
+    run("dense/bad-rows-refused", &mut || {
+        let lin = Fp8Linear::new(dense_weight(256, 512, &dev)?, None)?;
+        let err = lin
+            .forward(&Tensor::zeros((3, 256), DType::BF16, &dev)?)
+            .err()
+            .ok_or("accepted")?
+            .to_string();
+        if !err.contains("k = 512") {
+            return Err(format!("error does not name k: {err}").into());
+        }
+        Ok(())
+    });
 }
