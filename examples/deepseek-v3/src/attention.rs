@@ -13,14 +13,77 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Linear, RmsNorm, VarBuilder};
+use moe_layer::fp8::Fp8Weight;
+use moe_layer::Fp8Linear;
 
 use crate::batch::BatchPlan;
 use crate::config::DeepSeekV3Config;
 use crate::kv_cache::KvCache;
 use crate::rotary::{softmax_scale, Rotary};
 
-/// A projection `[out, inp]` (with a bias when `bias`) at `vb`: as stored, or dequantized from
-/// block-scaled fp8 once at load (`moe_layer::fp8::load_weight`).
+/// A projection of the attention: float weights (as stored, or dequantized from block-scaled fp8
+/// once at load), or block-scaled fp8 weights run by the fp8 GEMMs (`moe_layer::Fp8Linear`;
+/// `docs/design.md`, "Dense layers in fp8").
+#[derive(Clone, Debug)]
+enum Proj {
+    Float(Linear),
+    Fp8(Arc<Fp8Linear>),
+}
+
+impl Proj {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Proj::Float(l) => l.forward(x),
+            Proj::Fp8(l) => Ok(l.forward(x)?),
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Proj::Float(l) => bytes(l.weight()) + l.bias().map_or(0, bytes),
+            Proj::Fp8(l) => l.weight_bytes(),
+        }
+    }
+}
+
+fn bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+/// Fewest output features of a projection that an fp8 checkpoint keeps in fp8 on a GPU (its
+/// attention projections and dense MLPs). Narrower ones (DeepSeek-V3's `q_a_proj` and
+/// `kv_a_proj_with_mqa`, 1536 and 576 outputs; DeepSeek-V2-Lite's) leave the GPU idle in one
+/// fp8 GEMM and measure slower than bf16 at every batch (`docs/benchmarks.md`, "Dense fp8
+/// projections"): they are dequantized once at load. (`kv_b_proj` is always: MLA's absorbed
+/// form multiplies per-head slices of it.)
+pub const FP8_MIN_OUTPUTS: usize = 4096;
+
+/// Whether a projection `[out, inp]` of an fp8 checkpoint stays fp8 on a device: on CUDA, at
+/// least [`FP8_MIN_OUTPUTS`] outputs, a shape the fp8 GEMMs take.
+pub fn fp8_projection(out: usize, inp: usize, cuda: bool) -> bool {
+    cuda && out >= FP8_MIN_OUTPUTS && Fp8Linear::takes(out, inp)
+}
+
+/// The projection `name` `[out, inp]` (with a bias when `bias`) of `vb`: fp8 where
+/// [`fp8_projection`] says so and the checkpoint has its scales, else float weights in `vb`'s
+/// dtype.
+fn projection(inp: usize, out: usize, bias: bool, vb: &VarBuilder, name: &str) -> Result<Proj> {
+    let vb = vb.pp(name);
+    if fp8_projection(out, inp, vb.device().is_cuda()) {
+        if let Some(w) = Fp8Weight::load(&vb, out, inp)? {
+            let b = if bias {
+                Some(vb.get(out, "bias")?)
+            } else {
+                None
+            };
+            return Ok(Proj::Fp8(Arc::new(Fp8Linear::new(w, b)?)));
+        }
+    }
+    Ok(Proj::Float(linear(inp, out, bias, vb)?))
+}
+
+/// A float projection `[out, inp]` (with a bias when `bias`) at `vb`: as stored, or dequantized
+/// from block-scaled fp8 once at load (`moe_layer::fp8::load_weight`).
 fn linear(inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
     let w = moe_layer::fp8::load_weight(&vb, out, inp)?;
     let b = if bias {
@@ -33,21 +96,21 @@ fn linear(inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<Linear> 
 
 #[derive(Clone, Debug)]
 enum QProj {
-    Full(Linear),
-    LowRank { a: Linear, norm: RmsNorm, b: Linear },
+    Full(Proj),
+    LowRank { a: Proj, norm: RmsNorm, b: Proj },
 }
 
 /// Multi-head latent attention of one layer.
 #[derive(Clone, Debug)]
 pub struct Attention {
     q: QProj,
-    kv_a: Linear,
+    kv_a: Proj,
     kv_a_norm: RmsNorm,
     /// `kv_b_proj`'s key rows per head, `[heads, nope, kv_rank]`.
     w_uk: Tensor,
     /// `kv_b_proj`'s value rows per head, transposed: `[heads, kv_rank, v_dim]`.
     w_uv_t: Tensor,
-    o: Linear,
+    o: Proj,
     heads: usize,
     nope: usize,
     rope: usize,
@@ -66,11 +129,11 @@ impl Attention {
         let qd = cfg.q_head_dim();
         let bias = cfg.attention_bias;
         let q = match cfg.q_lora_rank {
-            None => QProj::Full(linear(h, heads * qd, false, vb.pp("q_proj"))?),
+            None => QProj::Full(projection(h, heads * qd, false, &vb, "q_proj")?),
             Some(r) => QProj::LowRank {
-                a: linear(h, r, bias, vb.pp("q_a_proj"))?,
+                a: projection(h, r, bias, &vb, "q_a_proj")?,
                 norm: candle_nn::rms_norm(r, cfg.rms_norm_eps, vb.pp("q_a_layernorm"))?,
-                b: linear(r, heads * qd, false, vb.pp("q_b_proj"))?,
+                b: projection(r, heads * qd, false, &vb, "q_b_proj")?,
             },
         };
         let kv_rank = cfg.kv_lora_rank;
@@ -84,16 +147,17 @@ impl Attention {
             .contiguous()?;
         Ok(Self {
             q,
-            kv_a: linear(
+            kv_a: projection(
                 h,
                 kv_rank + cfg.qk_rope_head_dim,
                 bias,
-                vb.pp("kv_a_proj_with_mqa"),
+                &vb,
+                "kv_a_proj_with_mqa",
             )?,
             kv_a_norm: candle_nn::rms_norm(kv_rank, cfg.rms_norm_eps, vb.pp("kv_a_layernorm"))?,
             w_uk,
             w_uv_t,
-            o: linear(heads * cfg.v_head_dim, h, bias, vb.pp("o_proj"))?,
+            o: projection(heads * cfg.v_head_dim, h, bias, &vb, "o_proj")?,
             heads,
             nope: cfg.qk_nope_head_dim,
             rope: cfg.qk_rope_head_dim,
@@ -106,39 +170,55 @@ impl Attention {
 
     /// Bytes of its weights (projections, norms, and the per-head `kv_b_proj` views it keeps).
     pub fn weight_bytes(&self) -> usize {
-        let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let lin = |l: &Linear| b(l.weight()) + l.bias().map_or(0, b);
         let q = match &self.q {
-            QProj::Full(p) => lin(p),
-            QProj::LowRank { a, norm, b: up } => {
-                lin(a) + b(norm.clone().into_inner().weight()) + lin(up)
+            QProj::Full(p) => p.weight_bytes(),
+            QProj::LowRank { a, norm, b } => {
+                a.weight_bytes() + bytes(norm.clone().into_inner().weight()) + b.weight_bytes()
             }
         };
-        q + lin(&self.kv_a)
-            + b(self.kv_a_norm.clone().into_inner().weight())
-            + b(&self.w_uk)
-            + b(&self.w_uv_t)
-            + lin(&self.o)
+        q + self.kv_a.weight_bytes()
+            + bytes(self.kv_a_norm.clone().into_inner().weight())
+            + bytes(&self.w_uk)
+            + bytes(&self.w_uv_t)
+            + self.o.weight_bytes()
     }
 
-    /// The bytes [`Attention::load`] holds for `cfg` in weights of `dtype_bytes` a value (what
-    /// [`Attention::weight_bytes`] then reports).
-    pub fn planned_bytes(cfg: &DeepSeekV3Config, dtype_bytes: usize) -> usize {
+    /// How many of its projections run on the fp8 GEMMs.
+    pub fn fp8_projections(&self) -> usize {
+        let q = match &self.q {
+            QProj::Full(p) => vec![p],
+            QProj::LowRank { a, b, .. } => vec![a, b],
+        };
+        q.into_iter()
+            .chain([&self.kv_a, &self.o])
+            .filter(|p| matches!(p, Proj::Fp8(_)))
+            .count()
+    }
+
+    /// The bytes [`Attention::load`] holds for `cfg` in float weights of `dtype_bytes` a value,
+    /// with the projections of an fp8 checkpoint that [`fp8_projection`] keeps in fp8 when
+    /// `fp8_on_cuda` (what [`Attention::weight_bytes`] then reports).
+    pub fn planned_bytes(cfg: &DeepSeekV3Config, dtype_bytes: usize, fp8_on_cuda: bool) -> usize {
         let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
         let bias = |out: usize| if cfg.attention_bias { out } else { 0 };
+        // One projection `[out, inp]`: e4m3 values and f32 128 x 128 scales, or float values.
+        let proj = |out: usize, inp: usize| {
+            if fp8_projection(out, inp, fp8_on_cuda) {
+                out * inp + 4 * out.div_ceil(128) * inp.div_ceil(128)
+            } else {
+                out * inp * dtype_bytes
+            }
+        };
         let q = match cfg.q_lora_rank {
-            None => h * heads * cfg.q_head_dim(),
-            Some(r) => h * r + bias(r) + r + r * heads * cfg.q_head_dim(),
+            None => proj(heads * cfg.q_head_dim(), h),
+            Some(r) => proj(r, h) + (bias(r) + r) * dtype_bytes + proj(heads * cfg.q_head_dim(), r),
         };
         let kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
-        let values = q
-            + h * kv_a
-            + bias(kv_a)
+        let float_values = bias(kv_a)
             + cfg.kv_lora_rank
             + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
-            + heads * cfg.v_head_dim * h
             + bias(h);
-        values * dtype_bytes
+        q + proj(kv_a, h) + proj(h, heads * cfg.v_head_dim) + float_values * dtype_bytes
     }
 
     /// The rotary tables.

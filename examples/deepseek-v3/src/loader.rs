@@ -14,7 +14,6 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use moe_layer::dense::DenseMoe;
-use moe_layer::experts::Mlp;
 
 use crate::attention::Attention;
 use crate::config::DeepSeekV3Config;
@@ -245,11 +244,9 @@ fn build(
                     )?)),
                     MoeBackend::Dense => Ffn::DenseMoe(DenseMoe::load(mvb, mc)?),
                 },
-                _ => Ffn::Dense(Mlp::load(
-                    mvb,
-                    config.hidden_size,
-                    config.intermediate_size,
-                )?),
+                _ => {
+                    crate::model::load_dense_mlp(mvb, config.hidden_size, config.intermediate_size)?
+                }
             };
             Ok(DecoderLayer {
                 input_norm: candle_nn::rms_norm(

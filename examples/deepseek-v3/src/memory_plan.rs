@@ -90,15 +90,17 @@ impl MemoryPlan {
         } else {
             None
         };
+        // Projections of an fp8 checkpoint that stay fp8 on a GPU (`Fp8Linear`, `Fp8Mlp`).
+        let fp8_on_gpu = p.fp8_checkpoint && p.on_gpu;
         for i in 0..cfg.num_hidden_layers {
-            weights.other += Attention::planned_bytes(cfg, d) + 2 * h * d;
+            weights.other += Attention::planned_bytes(cfg, d, fp8_on_gpu) + 2 * h * d;
             match (&moe, cfg.is_moe_layer(i)) {
                 (Some(w), true) => {
                     weights.routed_experts += w.routed;
                     weights.shared_experts += w.shared;
                     weights.other += w.router;
                 }
-                _ => weights.other += 3 * h * cfg.intermediate_size * d,
+                _ => weights.other += crate::model::dense_mlp_bytes(cfg, d, fp8_on_gpu),
             }
         }
         let positions = crate::loader::max_positions(cfg, p.max_positions);

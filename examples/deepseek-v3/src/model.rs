@@ -9,12 +9,15 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use moe_layer::dense::DenseMoe;
 use moe_layer::experts::Mlp;
+use moe_layer::fp8::Fp8Weight;
+use moe_layer::Fp8Mlp;
 
 use crate::attention::Attention;
 use crate::batch::BatchPlan;
+use crate::config::DeepSeekV3Config;
 use crate::kv_cache::{KvCache, KvShape, SeqKey};
 use crate::rotary::Rotary;
 
@@ -53,6 +56,8 @@ impl From<StepKind> for StepShape {
 pub enum Ffn {
     /// Dense SwiGLU MLP of width `intermediate_size` (the first `first_k_dense_replace` layers).
     Dense(Mlp),
+    /// The same on block-scaled fp8 weights (an fp8 checkpoint on CUDA: `moe_layer::Fp8Mlp`).
+    DenseFp8(Fp8Mlp),
     /// Expert-parallel MoE layer: this rank's experts; every call is a collective.
     Moe(Box<moe_layer::MoeLayer>),
     /// All experts in this process (single-process reference path, no communication).
@@ -69,6 +74,7 @@ impl Ffn {
     pub fn forward(&self, x: &Tensor, step: StepShape) -> Result<Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
+            Ffn::DenseFp8(m) => Ok(m.forward(x)?),
             Ffn::Moe(m) => match step.kind {
                 StepKind::Prefill => match step.most_tokens {
                     Some(most) => {
@@ -90,6 +96,39 @@ impl Ffn {
             Ffn::Moe(m) => m.forward_with_mode(x, moe_layer::Mode::LowLatency),
             other => other.forward(x, StepKind::Decode.into()),
         }
+    }
+}
+
+/// Whether an fp8 checkpoint's dense MLP of hidden size `h` and inner width `i` stays fp8 on a
+/// device: on CUDA, sizes the fp8 GEMMs take, and its narrowest GEMM (`down_proj`, `h` outputs)
+/// at least [`crate::attention::FP8_MIN_OUTPUTS`] wide.
+pub fn fp8_dense_mlp(h: usize, i: usize, cuda: bool) -> bool {
+    cuda && h >= crate::attention::FP8_MIN_OUTPUTS && Fp8Mlp::takes(h, i)
+}
+
+/// The dense MLP at `vb` (`gate_proj`, `up_proj`, `down_proj`): an fp8 checkpoint's stays fp8
+/// where [`fp8_dense_mlp`] says so; otherwise float weights (as stored, or dequantized once at
+/// load).
+pub fn load_dense_mlp(vb: VarBuilder, hidden: usize, inter: usize) -> Result<Ffn> {
+    if fp8_dense_mlp(hidden, inter, vb.device().is_cuda()) {
+        let gate = Fp8Weight::load(&vb.pp("gate_proj"), inter, hidden)?;
+        let up = Fp8Weight::load(&vb.pp("up_proj"), inter, hidden)?;
+        let down = Fp8Weight::load(&vb.pp("down_proj"), hidden, inter)?;
+        if let (Some(g), Some(u), Some(d)) = (gate, up, down) {
+            return Ok(Ffn::DenseFp8(Fp8Mlp::new(&g, &u, d)?));
+        }
+    }
+    Ok(Ffn::Dense(Mlp::load(vb, hidden, inter)?))
+}
+
+/// The bytes [`load_dense_mlp`] holds for `cfg`'s dense MLP in float weights of `dtype_bytes`
+/// a value, or in fp8 with its scales where [`fp8_dense_mlp`] keeps it (`fp8_on_cuda`).
+pub fn dense_mlp_bytes(cfg: &DeepSeekV3Config, dtype_bytes: usize, fp8_on_cuda: bool) -> usize {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    if fp8_dense_mlp(h, i, fp8_on_cuda) {
+        3 * h * i + 4 * 3 * h.div_ceil(128) * i.div_ceil(128)
+    } else {
+        3 * h * i * dtype_bytes
     }
 }
 
@@ -154,6 +193,7 @@ impl DecoderLayer {
         };
         match &self.ffn {
             Ffn::Dense(m) => b.other += m.weight_bytes(),
+            Ffn::DenseFp8(m) => b.other += m.weight_bytes(),
             Ffn::Moe(m) => {
                 let w = m.weight_bytes();
                 b.routed_experts += w.routed;
@@ -220,6 +260,22 @@ impl DeepSeekV3 {
             kv_shape,
             hidden,
         })
+    }
+
+    /// How many dense weights run on the fp8 GEMMs: attention projections, and the three of
+    /// each dense MLP kept in fp8.
+    pub fn fp8_dense_weights(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.attn.fp8_projections()
+                    + if matches!(l.ffn, Ffn::DenseFp8(_)) {
+                        3
+                    } else {
+                        0
+                    }
+            })
+            .sum()
     }
 
     /// Whether the routed experts run on the fp8 grouped GEMMs (block-scaled fp8 weights on a

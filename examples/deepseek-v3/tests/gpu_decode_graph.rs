@@ -1,5 +1,7 @@
 //! GPU test: decode steps replayed from whole-step CUDA graphs (`decode_graph`) against the
-//! same steps run eagerly, on one GPU, with a random tiny model in bf16: logits of every step
+//! same steps run eagerly, on one GPU, with a random tiny model in bf16, and with one in
+//! DeepSeek-V3's block-scaled fp8 format (experts, `o_proj` and the dense MLP on the fp8 GEMMs,
+//! captured with the rest): logits of every step
 //! within bf16 tolerance and the same greedy tokens, while sequences join and leave (batch
 //! buckets 4 -> 8 -> 4) and the longest sequence crosses a key-length bucket (256 -> 512).
 //! Prints `N passed, N failed`.
@@ -7,7 +9,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
-use deepseek_v3::config::DeepSeekV3Config;
+use deepseek_v3::config::{DeepSeekV3Config, Quantization, ScaleFmt, FP8_BLOCK};
 use deepseek_v3::decode_graph::DecodeGraphs;
 use deepseek_v3::kv_cache::KvCache;
 use deepseek_v3::loader::{self, LoadOptions, MoeBackend};
@@ -18,8 +20,24 @@ type R<T> = Result<T, Box<dyn std::error::Error>>;
 /// A named test case.
 type Case = (&'static str, fn() -> R<()>);
 
-fn model(dev: &Device) -> R<DeepSeekV3> {
-    let cfg = DeepSeekV3Config::tiny();
+fn model(dev: &Device, fp8: bool) -> R<DeepSeekV3> {
+    let mut cfg = DeepSeekV3Config::tiny();
+    if fp8 {
+        // Widths every fp8 GEMM takes (multiples of 128 along k), and a hidden size wide
+        // enough for `o_proj` and the dense MLP to stay fp8 (`attention::FP8_MIN_OUTPUTS`).
+        cfg.hidden_size = deepseek_v3::attention::FP8_MIN_OUTPUTS;
+        cfg.intermediate_size = 256;
+        cfg.moe_intermediate_size = 128;
+        cfg.q_lora_rank = Some(128);
+        cfg.kv_lora_rank = 128;
+        cfg.qk_nope_head_dim = 32;
+        cfg.qk_rope_head_dim = 32;
+        cfg.v_head_dim = 32;
+        cfg.quantization = Some(Quantization::Fp8 {
+            block: FP8_BLOCK,
+            scale_fmt: ScaleFmt::Float,
+        });
+    }
     let e = cfg.n_routed_experts.ok_or("no experts")?;
     let bcfg = BufferConfig::default().with_low_latency(8, cfg.hidden_size, e);
     let buffer = Arc::new(Buffer::single(dev, bcfg)?);
@@ -65,11 +83,19 @@ fn rel(got: &Tensor, want: &Tensor) -> R<f64> {
     Ok((e / w.max(1e-30)).sqrt())
 }
 
-fn graphs_match_eager() -> R<()> {
+fn graphs_match_eager(fp8: bool) -> R<()> {
     let dev = Device::new_cuda(0)?;
-    let m = model(&dev)?;
+    let m = model(&dev, fp8)?;
     if !DecodeGraphs::supported(&m) {
         return Err("a one-GPU model must support captured decode steps".into());
+    }
+    if fp8 && (!m.fp8_experts() || m.fp8_dense_weights() != 4 + 3) {
+        return Err(format!(
+            "fp8 model: experts fp8 {}, {} dense weights on the fp8 GEMMs (want 7)",
+            m.fp8_experts(),
+            m.fp8_dense_weights()
+        )
+        .into());
     }
     let mut eager = m.new_kv_cache(8)?;
     let mut captured = m.new_kv_cache(8)?;
@@ -153,7 +179,7 @@ fn graphs_match_eager() -> R<()> {
 
 fn bad_step_is_refused() -> R<()> {
     let dev = Device::new_cuda(0)?;
-    let m = model(&dev)?;
+    let m = model(&dev, false)?;
     let mut cache = m.new_kv_cache(4)?;
     prefill(&m, &mut cache, &[1, 2], &[vec![3, 4], vec![5]])?;
     let mut graphs = DecodeGraphs::default();
@@ -165,8 +191,11 @@ fn bad_step_is_refused() -> R<()> {
 }
 
 fn main() {
-    let cases: [Case; 2] = [
-        ("captured-steps-match-eager", graphs_match_eager),
+    let cases: [Case; 3] = [
+        ("captured-steps-match-eager", || graphs_match_eager(false)),
+        ("captured-fp8-steps-match-eager", || {
+            graphs_match_eager(true)
+        }),
         ("bad-step-is-refused", bad_step_is_refused),
     ];
     let mut suite = gpu_test_suite::Suite::from_args();

@@ -231,6 +231,13 @@ fn full_deepseek_v3_fits_eight_h200s_at_fp8_and_not_in_bf16() {
     );
     // Not even the bf16 routed experts alone fit.
     assert!(bf16.weights.routed_experts > free);
+    // The rest (attention, dense MLPs, embedding and lm_head, norms, routers): the attention
+    // projections but kv_b_proj and the dense MLPs in fp8 too, the embedding and lm_head as
+    // stored (bf16).
+    let embed_head = 2 * 129280 * 7168 * 2;
+    let ratio = (fp8.weights.other - embed_head) as f64 / (bf16.weights.other - embed_head) as f64;
+    println!("other weights but embedding and lm_head: fp8 / bf16 = {ratio:.3}");
+    assert!((0.5..0.6).contains(&ratio), "{ratio}");
 }
 
 #[test]
@@ -274,4 +281,21 @@ fn the_six_layer_v3_shape_serves_on_one_h200_in_fp8_and_in_bf16() {
         plan(false).weights.routed_experts,
         5 * 256 * 3 * 7168 * 2048 * 2
     );
+}
+
+#[test]
+fn fp8_checkpoints_keep_the_wide_projections_in_fp8_on_a_gpu() {
+    use deepseek_v3::attention::fp8_projection;
+    use deepseek_v3::model::fp8_dense_mlp;
+    // DeepSeek-V3: q_b_proj, o_proj and the dense MLP stay fp8; q_a_proj, kv_a_proj_with_mqa
+    // are too narrow.
+    assert!(fp8_projection(24576, 1536, true) && fp8_projection(7168, 16384, true));
+    assert!(!fp8_projection(1536, 7168, true) && !fp8_projection(576, 7168, true));
+    assert!(fp8_dense_mlp(7168, 18432, true));
+    // DeepSeek-V2-Lite (hidden 2048): q_proj and o_proj stay bf16; its dense MLP's 10944 is not
+    // a multiple of 128.
+    assert!(!fp8_projection(3072, 2048, true) && !fp8_projection(2048, 2048, true));
+    assert!(!fp8_dense_mlp(2048, 10944, true));
+    // The CPU dequantizes every one.
+    assert!(!fp8_projection(7168, 16384, false) && !fp8_dense_mlp(7168, 18432, false));
 }

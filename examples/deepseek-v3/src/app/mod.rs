@@ -411,10 +411,17 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     // One line per rank at load: what the weights take, by kind.
     let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
     let w = loaded.model.weight_bytes();
+    let dense_fp8 = loaded.model.fp8_dense_weights();
     let fp8 = match (r.fp8_weights, loaded.model.fp8_experts()) {
         (0, _) => String::new(),
         (n, true) => format!(
-            "; {n} fp8 weights: experts kept in fp8, the rest dequantized to {}",
+            "; {n} fp8 weights: experts and {dense_fp8} attention and dense-MLP weights kept in \
+             fp8, the rest dequantized to {}",
+            dtype.as_str()
+        ),
+        (n, false) if dense_fp8 > 0 => format!(
+            "; {n} fp8 weights: {dense_fp8} attention and dense-MLP weights kept in fp8, the \
+             rest dequantized to {}",
             dtype.as_str()
         ),
         (n, false) => format!("; {n} fp8 weights dequantized to {}", dtype.as_str()),
