@@ -123,14 +123,7 @@ impl Fp8Linear {
         let rows = x.elem_count() / k;
         let x2 = x.reshape((rows, k))?;
         let (q, s) = quantize(&x2)?;
-        let y = gemm(
-            &self.weight,
-            #[cfg(feature = "cuda")]
-            &self.workspace,
-            &q,
-            &s,
-            tiles,
-        )?;
+        let y = gemm(self, &q, &s, tiles)?;
         let y = match &self.bias {
             Some(b) => y
                 .to_dtype(x.dtype())?
@@ -217,23 +210,9 @@ impl Fp8Mlp {
         }
         let rows = x.elem_count() / h;
         let (q, s) = quantize(&x.reshape((rows, h))?)?;
-        let gu = gemm(
-            &self.gate_up.weight,
-            #[cfg(feature = "cuda")]
-            &self.gate_up.workspace,
-            &q,
-            &s,
-            Fp8Linear::tiles_for(rows, h),
-        )?;
+        let gu = gemm(&self.gate_up, &q, &s, Fp8Linear::tiles_for(rows, h))?;
         let (aq, as_) = swiglu_quantize(&gu, i)?;
-        let y = gemm(
-            &self.down.weight,
-            #[cfg(feature = "cuda")]
-            &self.down.workspace,
-            &aq,
-            &as_,
-            Fp8Linear::tiles_for(rows, i),
-        )?;
+        let y = gemm(&self.down, &aq, &as_, Fp8Linear::tiles_for(rows, i))?;
         Ok(y.to_dtype(x.dtype())?.reshape(dims)?)
     }
 }
@@ -245,14 +224,10 @@ fn quantize(x: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok(ep_runtime::cast::per_token_cast_to_fp8(&x, false)?)
 }
 
-/// The bf16 `[rows, n]` product of rows `q` (`[rows, k]` e4m3, scales `s`) and `w` (one group).
-fn gemm(
-    w: &Fp8Weight,
-    #[cfg(feature = "cuda")] workspace: &cuda::Workspace,
-    q: &Tensor,
-    s: &Tensor,
-    tiles: GemmTiles,
-) -> Result<Tensor> {
+/// The bf16 `[rows, n]` product of rows `q` (`[rows, k]` e4m3, scales `s`) and `lin`'s weight
+/// (one group; no bias).
+fn gemm(lin: &Fp8Linear, q: &Tensor, s: &Tensor, tiles: GemmTiles) -> Result<Tensor> {
+    let w = &lin.weight;
     let (n, k) = w.dims();
     let rows = q.dims2()?.0;
     let layout = match tiles {
@@ -272,7 +247,7 @@ fn gemm(
     gemm_fp8::check_shape(&shape)?;
     match q.device() {
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => cuda::gemm(dev, workspace, w, q, s, &shape, tiles),
+        Device::Cuda(dev) => cuda::gemm(dev, &lin.workspace, w, q, s, &shape, tiles),
         _ => host::gemm(w, q, s, &shape),
     }
 }
