@@ -1,7 +1,8 @@
 //! Dense layers on block-scaled fp8 weights, for the parts of a model outside the experts that
 //! DeepSeek's checkpoints ship in fp8 (the attention projections, the dense layers' MLPs):
-//! [`Fp8Linear`] `y = x W^T (+ b)` and [`Fp8Mlp`], a SwiGLU MLP whose gate and up projections
-//! run as one GEMM.
+//! [`Fp8Linear`] `y = x W^T (+ b)`, [`Fp8Mlp`], a SwiGLU MLP whose gate and up projections
+//! run as one GEMM, and [`Fp8BatchedLinear`], one weight per batch of rows (MLA's per-head
+//! slices of `kv_b_proj` in its absorbed form).
 //!
 //! A call quantizes its rows 1 x 128 once (as the experts' rows, `per_token_cast_to_fp8`) and
 //! runs the experts' block-scaled fp8 GEMM (`ep_kernels::gemm::fp8`) with one group: the
@@ -17,9 +18,20 @@ use ep_kernels::gemm::{GemmTiles, GroupLayout, GroupedGemmShape};
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Weight;
 
+mod batched;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod host;
+
+pub use batched::Fp8BatchedLinear;
+
+/// A layer's GEMM workspace (CUDA: created at its first call).
+#[cfg(feature = "cuda")]
+type Workspace = cuda::Workspace;
+/// A layer's GEMM workspace (nothing on the CPU).
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug, Default)]
+struct Workspace(());
 
 /// Most rows [`Fp8Linear::tiles_for`] gives the masked 64 x 128 tiles (one block of the rows);
 /// more take the contiguous 128 x 256 tiles.
@@ -30,9 +42,7 @@ pub const NARROW_MAX_ROWS: usize = 64;
 pub struct Fp8Linear {
     weight: Fp8Weight,
     bias: Option<Tensor>,
-    /// The GEMM workspace (CUDA), created at the first call.
-    #[cfg(feature = "cuda")]
-    workspace: cuda::Workspace,
+    workspace: Workspace,
 }
 
 impl Fp8Linear {
@@ -65,8 +75,7 @@ impl Fp8Linear {
         Ok(Self {
             weight,
             bias,
-            #[cfg(feature = "cuda")]
-            workspace: Default::default(),
+            workspace: Workspace::default(),
         })
     }
 
@@ -123,7 +132,7 @@ impl Fp8Linear {
         let rows = x.elem_count() / k;
         let x2 = x.reshape((rows, k))?;
         let (q, s) = quantize(&x2)?;
-        let y = gemm(self, &q, &s, tiles)?;
+        let y = self.gemm(&q, &s, tiles)?;
         let y = match &self.bias {
             Some(b) => y
                 .to_dtype(x.dtype())?
@@ -134,6 +143,12 @@ impl Fp8Linear {
             *last = n;
         }
         Ok(y.reshape(dims)?)
+    }
+
+    /// The bf16 `[rows, n]` product of cast rows `q`, `s` and the weight (no bias).
+    fn gemm(&self, q: &Tensor, s: &Tensor, tiles: GemmTiles) -> Result<Tensor> {
+        let w = &self.weight;
+        gemm(w.q(), w.scale(), &self.workspace, 1, q, s, tiles)
     }
 }
 
@@ -210,9 +225,9 @@ impl Fp8Mlp {
         }
         let rows = x.elem_count() / h;
         let (q, s) = quantize(&x.reshape((rows, h))?)?;
-        let gu = gemm(&self.gate_up, &q, &s, Fp8Linear::tiles_for(rows, h))?;
+        let gu = self.gate_up.gemm(&q, &s, Fp8Linear::tiles_for(rows, h))?;
         let (aq, as_) = swiglu_quantize(&gu, i)?;
-        let y = gemm(&self.down, &aq, &as_, Fp8Linear::tiles_for(rows, i))?;
+        let y = self.down.gemm(&aq, &as_, Fp8Linear::tiles_for(rows, i))?;
         Ok(y.to_dtype(x.dtype())?.reshape(dims)?)
     }
 }
@@ -224,31 +239,47 @@ fn quantize(x: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok(ep_runtime::cast::per_token_cast_to_fp8(&x, false)?)
 }
 
-/// The bf16 `[rows, n]` product of rows `q` (`[rows, k]` e4m3, scales `s`) and `lin`'s weight
-/// (one group; no bias).
-fn gemm(lin: &Fp8Linear, q: &Tensor, s: &Tensor, tiles: GemmTiles) -> Result<Tensor> {
-    let w = &lin.weight;
-    let (n, k) = w.dims();
+/// The bf16 `[rows, n]` product of rows `q` (`[rows, k]` e4m3, scales `s`) and the weights
+/// `w_q` (`[groups, n, k]` or `[n, k]` e4m3, scales `w_s`): `groups` groups of `rows / groups`
+/// rows each, every row valid. [`GemmTiles::Gemv`] and [`GemmTiles::Narrow`] run over the
+/// masked layout (a block of `rows / groups` rows a group), the other tiles over the contiguous
+/// one (the same rows in memory).
+fn gemm(
+    w_q: &Tensor,
+    w_s: &Tensor,
+    workspace: &Workspace,
+    groups: usize,
+    q: &Tensor,
+    s: &Tensor,
+    tiles: GemmTiles,
+) -> Result<Tensor> {
+    let dims = w_q.dims();
+    let (n, k) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let rows = q.dims2()?.0;
+    if rows == 0 {
+        return Ok(Tensor::zeros((0, n), DType::BF16, q.device())?);
+    }
     let layout = match tiles {
-        GemmTiles::Gemv | GemmTiles::Narrow => GroupLayout::Masked { m_max: rows.max(1) },
+        GemmTiles::Gemv | GemmTiles::Narrow => GroupLayout::Masked {
+            m_max: rows / groups,
+        },
         _ => GroupLayout::Contiguous { alignment: 1 },
     };
     let shape = GroupedGemmShape {
-        groups: 1,
+        groups,
         rows,
         n,
         k,
         layout,
     };
-    if rows == 0 {
-        return Ok(Tensor::zeros((0, n), DType::BF16, q.device())?);
-    }
     gemm_fp8::check_shape(&shape)?;
     match q.device() {
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => cuda::gemm(dev, &lin.workspace, w, q, s, &shape, tiles),
-        _ => host::gemm(w, q, s, &shape),
+        Device::Cuda(dev) => cuda::gemm(dev, workspace, w_q, w_s, q, s, &shape, tiles),
+        _ => {
+            let _ = workspace;
+            host::gemm(w_q, w_s, q, s, &shape)
+        }
     }
 }
 

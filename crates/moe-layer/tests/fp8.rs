@@ -280,3 +280,63 @@ fn a_dense_fp8_mlp_equals_the_mlp_on_its_dequantized_weights() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fp8_batched_maps_cut_from_kv_b_proj_equal_the_per_head_products() -> Result<()> {
+    use moe_layer::Fp8BatchedLinear;
+    let mut rng = rand::rng();
+    // MLA's `kv_b_proj` `[heads * (nope + v), rank]` in miniature: 3 heads, nope = v = 128,
+    // rank 256 (two scale blocks).
+    let (heads, nope, v, rank) = (3usize, 128usize, 128usize, 256usize);
+    let (q, s, w) = fp8_weight(&mut rng, heads * (nope + v), rank);
+    let kv_b = Fp8Weight::new("kv_b_proj", q, s).map_err(candle_core::Error::wrap)?;
+    let per_head = w.reshape((heads, nope + v, rank))?;
+    // W_UK transposed per head (`[heads, rank, nope]`: the absorbed query's map) and W_UV as
+    // stored (`[heads, v, rank]`).
+    let uk_t = Fp8BatchedLinear::from_row_blocks(&kv_b, heads, 0, nope, true)
+        .map_err(candle_core::Error::wrap)?;
+    let uv = Fp8BatchedLinear::from_row_blocks(&kv_b, heads, nope, v, false)
+        .map_err(candle_core::Error::wrap)?;
+    assert_eq!(uk_t.dims(), (heads, rank, nope));
+    assert_eq!(uv.dims(), (heads, v, rank));
+    let want_uk_t = per_head.narrow(1, 0, nope)?.transpose(1, 2)?.contiguous()?;
+    let want_uv = per_head.narrow(1, nope, v)?.contiguous()?;
+    // The cut and transposed blocks dequantize to the same weights, exactly.
+    let exact = |a: &Fp8BatchedLinear, b: &Tensor| -> Result<f32> {
+        let d = a.dequantize(DType::F32).map_err(candle_core::Error::wrap)?;
+        (d - b)?.abs()?.max_all()?.to_scalar::<f32>()
+    };
+    assert_eq!(exact(&uk_t, &want_uk_t)?, 0.0);
+    assert_eq!(exact(&uv, &want_uv)?, 0.0);
+    for m in [1usize, 5, 70] {
+        let x = Tensor::randn(0f32, 1.0, (heads, m, nope), &Device::Cpu)?;
+        let y = uk_t.forward(&x).map_err(candle_core::Error::wrap)?;
+        assert_eq!(y.dims(), [heads, m, rank]);
+        // As the example's bf16 form: `q_nope · W_UK` per head.
+        let want = fp8_rows(&x.reshape((heads * m, nope))?)?
+            .reshape((heads, m, nope))?
+            .matmul(&per_head.narrow(1, 0, nope)?.contiguous()?)?;
+        assert!(rel(&y, &want)? < 4e-3, "uk m {m}");
+        let float = x.matmul(&per_head.narrow(1, 0, nope)?.contiguous()?)?;
+        assert!(rel(&y, &float)? < 5e-2, "uk m {m}");
+        let o = Tensor::randn(0f32, 1.0, (heads, m, rank), &Device::Cpu)?;
+        let y = uv.forward(&o).map_err(candle_core::Error::wrap)?;
+        let float = o.matmul(&want_uv.transpose(1, 2)?)?;
+        assert!(rel(&y, &float)? < 5e-2, "uv m {m}");
+    }
+    // Bad input: a cut across scale blocks, rows of another width or group count.
+    let err = Fp8BatchedLinear::from_row_blocks(&kv_b, heads, 64, 128, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("whole 128-row blocks"), "{err}");
+    let err = uv
+        .forward(&Tensor::zeros(
+            (heads + 1, 2, rank),
+            DType::F32,
+            &Device::Cpu,
+        )?)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[3, rows, 256]"), "{err}");
+    Ok(())
+}

@@ -254,7 +254,7 @@ type RunCase<'a> = dyn FnMut(&str, &mut dyn FnMut() -> R<()>) + 'a;
 /// The dense fp8 layers on the GPU against their host twins.
 fn dense_cases(run: &mut RunCase<'_>) {
     use moe_layer::ep_kernels::gemm::GemmTiles;
-    use moe_layer::{Fp8Linear, Fp8Mlp};
+    use moe_layer::{Fp8BatchedLinear, Fp8Linear, Fp8Mlp};
     let dev = match Device::new_cuda(0) {
         Ok(d) => d,
         Err(e) => {
@@ -359,6 +359,64 @@ fn dense_cases(run: &mut RunCase<'_>) {
                     println!("       {}", close(&got, &want, TOLERANCE.0 as f32)?);
                     Ok(())
                 });
+            }
+        }
+    }
+    // MLA's absorbed `kv_b_proj` (`Fp8BatchedLinear`, a group a head): W_UK transposed
+    // (`[heads, rank, nope]`) and W_UV as stored (`[heads, v, rank]`), DeepSeek-V3's 128 heads
+    // and widths, every kernel against the host twin.
+    let (heads, nope, v, rank) = (128usize, 128usize, 128usize, 512usize);
+    let maps = (|| -> R<Vec<(&str, Fp8BatchedLinear, Fp8BatchedLinear)>> {
+        let w = dense_weight(heads * (nope + v), rank, &dev)?;
+        let host_w = moe_layer::fp8::Fp8Weight::new(
+            "kv_b_proj",
+            w.q().to_device(&Device::Cpu)?,
+            w.scale().to_device(&Device::Cpu)?,
+        )?;
+        let cut = |w: &moe_layer::fp8::Fp8Weight, first, rows, t| {
+            Fp8BatchedLinear::from_row_blocks(w, heads, first, rows, t)
+        };
+        Ok(vec![
+            (
+                "uk_t",
+                cut(&w, 0, nope, true)?,
+                cut(&host_w, 0, nope, true)?,
+            ),
+            (
+                "uv",
+                cut(&w, nope, v, false)?,
+                cut(&host_w, nope, v, false)?,
+            ),
+        ])
+    })();
+    match maps {
+        Err(e) => run("dense/kv_b/setup", &mut || Err(e.to_string().into())),
+        Ok(maps) => {
+            for (name, gpu, cpu) in &maps {
+                let k = gpu.dims().2;
+                for m in [1usize, 3, 8, 20, 64, 150] {
+                    let mut kernels = vec![None, Some(GemmTiles::Narrow), Some(GemmTiles::Wide)];
+                    if m <= 8 {
+                        kernels.push(Some(GemmTiles::Gemv));
+                    }
+                    if m >= 64 {
+                        kernels.push(Some(GemmTiles::WideM));
+                    }
+                    for tiles in kernels {
+                        let label = tiles.map_or("default".to_string(), |t| format!("{t:?}"));
+                        run(&format!("dense/kv_b-{name}/m={m}/{label}"), &mut || {
+                            let x = Tensor::randn(0f32, 1.0, (heads, m, k), &Device::Cpu)?;
+                            let want = cpu.forward(&x)?;
+                            let xd = x.to_device(&dev)?.to_dtype(DType::BF16)?;
+                            let got = match tiles {
+                                None => gpu.forward(&xd)?,
+                                Some(t) => gpu.forward_tiles(&xd, t)?,
+                            };
+                            println!("       {}", close(&got, &want, 1e-2)?);
+                            Ok(())
+                        });
+                    }
+                }
             }
         }
     }

@@ -55,7 +55,8 @@ fn bytes(t: &Tensor) -> usize {
 /// `kv_a_proj_with_mqa`, 1536 and 576 outputs; DeepSeek-V2-Lite's) leave the GPU idle in one
 /// fp8 GEMM and measure slower than bf16 at every batch (`docs/benchmarks.md`, "Dense fp8
 /// projections"): they are dequantized once at load. (`kv_b_proj` is always: MLA's absorbed
-/// form multiplies per-head slices of it.)
+/// form multiplies per-head slices of it, and those maps in fp8, `moe_layer::Fp8BatchedLinear`,
+/// measure slower than bf16's batched matmuls at every token count.)
 pub const FP8_MIN_OUTPUTS: usize = 4096;
 
 /// Whether a projection `[out, inp]` of an fp8 checkpoint stays fp8 on a device: on CUDA, at

@@ -1,5 +1,6 @@
-//! The CUDA path of the dense fp8 layers: the experts' fp8 grouped GEMM with one group, and
-//! their SwiGLU + row cast, on candle's stream (no host read, capturable in a CUDA graph).
+//! The CUDA path of the dense fp8 layers: the experts' fp8 grouped GEMM (one group, or one per
+//! batch of [`super::Fp8BatchedLinear`]), and their SwiGLU + row cast, on candle's stream (no
+//! host read, capturable in a CUDA graph).
 
 use std::sync::{Mutex, PoisonError};
 
@@ -12,31 +13,33 @@ use float8::F8E4M3;
 use half::bf16;
 
 use crate::error::Result;
-use crate::fp8::Fp8Weight;
 
 /// A layer's GEMM workspace, created at its first call; the lock keeps one call at a time
 /// (the setup tables of a GEMM are written on the device before it runs).
 #[derive(Debug, Default)]
 pub(super) struct Workspace(Mutex<Option<GroupedGemmWorkspace>>);
 
-/// `[rows, n]` bf16 = rows `q` (`[rows, k]` e4m3, scales `s`) times `w`, one group of `rows`.
+/// `[rows, n]` bf16 = rows `q` (`[rows, k]` e4m3, scales `s`) times the weights `w_q`
+/// (`[groups, n, k]` e4m3, scales `w_s`): `shape.groups` groups of `rows / groups` rows each.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn gemm(
     dev: &CudaDevice,
     workspace: &Workspace,
-    w: &Fp8Weight,
+    w_q: &Tensor,
+    w_s: &Tensor,
     q: &Tensor,
     s: &Tensor,
     shape: &GroupedGemmShape,
     tiles: GemmTiles,
 ) -> Result<Tensor> {
     let stream = dev.cuda_stream();
-    let (rows, n) = (shape.rows, shape.n);
-    let mut counts = alloc_uninit::<i32>(&stream, 1)?;
-    // The row count as a memset node: a captured step replays it with its own rows.
-    ep_kernels::cuda::fill_i32_cuda(&stream, &mut counts, rows as i32)?;
+    let (rows, n, groups) = (shape.rows, shape.n, shape.groups);
+    let mut counts = alloc_uninit::<i32>(&stream, groups)?;
+    // The row counts as a memset node: a captured step replays it with its own rows.
+    ep_kernels::cuda::fill_i32_cuda(&stream, &mut counts, (rows / groups) as i32)?;
     let mut ws = workspace.0.lock().unwrap_or_else(PoisonError::into_inner);
     if ws.is_none() {
-        *ws = Some(GroupedGemmWorkspace::new(&stream, 1)?);
+        *ws = Some(GroupedGemmWorkspace::new(&stream, groups)?);
     }
     let ws = ws.as_mut().expect("created above");
     ws.set_grid(GemmGrid::Persistent)?;
@@ -45,8 +48,8 @@ pub(super) fn gemm(
         let (q, s) = (q.contiguous()?, s.contiguous()?);
         let q_d = DeviceTensor::new("x", &q)?;
         let s_d = DeviceTensor::new("x scales", &s)?;
-        let w_d = DeviceTensor::new("weight", w.q())?;
-        let ws_d = DeviceTensor::new("weight_scale_inv", w.scale())?;
+        let w_d = DeviceTensor::new("weight", w_q)?;
+        let ws_d = DeviceTensor::new("weight_scale_inv", w_s)?;
         let (q_v, s_v, w_v, wsc_v) = (
             q_d.view::<F8E4M3>()?,
             s_d.view::<f32>()?,

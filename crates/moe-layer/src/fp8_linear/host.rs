@@ -8,7 +8,6 @@ use float8::F8E4M3;
 use half::bf16;
 
 use crate::error::Result;
-use crate::fp8::Fp8Weight;
 
 fn host_vec<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<T>> {
     Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?)
@@ -16,18 +15,20 @@ fn host_vec<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<T>> {
 
 /// Host twin of `cuda::gemm`: `[rows, n]` bf16.
 pub(super) fn gemm(
-    w: &Fp8Weight,
+    w_q: &Tensor,
+    w_s: &Tensor,
     q: &Tensor,
     s: &Tensor,
     shape: &GroupedGemmShape,
 ) -> Result<Tensor> {
     let (a, sa) = (host_vec::<F8E4M3>(q)?, host_vec::<f32>(s)?);
-    let (b, sb) = (host_vec::<F8E4M3>(w.q())?, host_vec::<f32>(w.scale())?);
+    let (b, sb) = (host_vec::<F8E4M3>(w_q)?, host_vec::<f32>(w_s)?);
     let mut d = vec![bf16::ZERO; shape.rows * shape.n];
+    let counts = vec![(shape.rows / shape.groups) as i32; shape.groups];
     gemm_fp8::grouped_gemm_fp8(
         HostFp8 { q: &a, scales: &sa },
         HostFp8 { q: &b, scales: &sb },
-        &[shape.rows as i32],
+        &counts,
         shape,
         None,
         &mut d,
