@@ -10,7 +10,8 @@
 #      EP_SERVE_MAX_BATCH (per rank, default 64), EP_SERVE_CONCURRENCY (default 1,8,32,64),
 #      EP_SERVE_QUANT=fp8 makes the weights block-scaled fp8 (`--quant fp8`; default none),
 #      EP_SERVE_CONFIG another model shape (default configs/deepseek-v2-lite.json; e.g.
-#      configs/deepseek-v3-6-layers.json, DeepSeek-V3's widths in 6 layers).
+#      configs/deepseek-v3-6-layers.json, DeepSeek-V3's widths in 6 layers), EP_SERVE_EXTRA more
+#      `serve` arguments (e.g. `--init-router-skew 1 --eplb-interval 40`).
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -28,9 +29,9 @@ if want serve; then
     launch=()
     [[ $gpus -gt 1 ]] && launch=(launch --nproc-per-node "$gpus" --master-port 29650 --)
     # Its own process group, so that stopping it stops every rank.
-    RUST_LOG=info setsid "$B/deepseek-v3" "${launch[@]}" serve --init random --config "$CONFIG" --dtype bf16 \
+    RUST_LOG=${RUST_LOG:-info} setsid "$B/deepseek-v3" "${launch[@]}" serve --init random --config "$CONFIG" --dtype bf16 \
         --quant "${EP_SERVE_QUANT:-none}" --max-batch "${EP_SERVE_MAX_BATCH:-64}" --max-prompt-tokens 512 --max-tokens-limit 128 \
-        --port 8000 >"$OUT/serve.log" 2>&1 &
+        --port 8000 ${EP_SERVE_EXTRA:-} >"$OUT/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do
         curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break

@@ -568,6 +568,118 @@ fn redundant_experts_equal_dense_and_count_the_load() {
     }
 }
 
+/// Re-placement while serving: a layer placed for one skew is re-placed twice (for the
+/// opposite skew, then for even loads) between steps, over 1, 2 and 4 ranks; after each, the
+/// layer equals the dense layer in both modes (the moved slots hold their new experts'
+/// weights, the map sends picks to them), every moved byte sent arrives, and a second call
+/// with the same placement moves nothing.
+#[test]
+fn re_placed_experts_equal_dense() {
+    let cfg = config();
+    let e = cfg.n_routed_experts;
+    let hot_low: Vec<f64> = (0..e).map(|x| 1.0 / (1 + x) as f64).collect();
+    let hot_high: Vec<f64> = hot_low.iter().rev().copied().collect();
+    for (ranks, physical) in [(1, 20), (2, 24), (4, 32)] {
+        let shape = PlacementShape {
+            num_physical: physical,
+            num_groups: cfg.n_group,
+            num_nodes: 1,
+            num_gpus: ranks,
+        };
+        let plans: Vec<_> = [&hot_low, &hot_high, &vec![1.0; e]]
+            .iter()
+            .map(|l| place(l, shape).unwrap())
+            .collect();
+        let path = write_checkpoint(&cfg, "re-placed");
+        let max_tokens = 24;
+        let bcfg = BufferConfig::default().with_low_latency(max_tokens, cfg.hidden_size, physical);
+        let buffers = Buffer::local_group(ranks, ranks, bcfg).unwrap();
+        let (cfg_ref, path_ref, plans_ref) = (&cfg, path.as_path(), &plans);
+        // Per rank: the errors of each step, and (moved slots, bytes sent, bytes received)
+        // of each re-placement.
+        type Moves = Vec<(usize, usize, usize)>;
+        let per_rank: Vec<(Vec<f64>, Moves)> = std::thread::scope(|s| {
+            let handles: Vec<_> = buffers
+                .into_iter()
+                .map(|buf| {
+                    s.spawn(move || {
+                        let rank = buf.topology().rank;
+                        let opts = MoeLayerOptions {
+                            mode: Mode::Auto,
+                            low_latency_max_tokens: max_tokens,
+                            ..Default::default()
+                        };
+                        let mut layer = MoeLayer::load_placed(
+                            var_builder(path_ref, DType::F32),
+                            cfg_ref,
+                            Arc::new(buf),
+                            opts,
+                            Some(&plans_ref[0]),
+                        )
+                        .unwrap();
+                        let dense =
+                            DenseMoe::load(var_builder(path_ref, DType::F32), cfg_ref).unwrap();
+                        let mut errs = Vec::new();
+                        let mut moved = Vec::new();
+                        for next in &plans_ref[1..] {
+                            let r = layer.replace_experts(next.clone()).unwrap();
+                            assert_eq!(layer.expert_map().unwrap().placement(), next);
+                            moved.push((r.moved_slots, r.bytes_sent, r.bytes_received));
+                            let again = layer.replace_experts(next.clone()).unwrap();
+                            assert_eq!(again.moved_slots, 0);
+                            let t = 6 + 5 * rank;
+                            let x =
+                                Tensor::randn(0f32, 1.0, (t, cfg_ref.hidden_size), &Device::Cpu)
+                                    .unwrap();
+                            let want = dense.forward(&x).unwrap();
+                            for mode in [Mode::Normal, Mode::LowLatency] {
+                                let got = layer.forward_with_mode(&x, mode).unwrap();
+                                errs.push(rel_err(&got, &want));
+                            }
+                        }
+                        (errs, moved)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+        for (rank, (errs, _)) in per_rank.iter().enumerate() {
+            for err in errs {
+                assert!(*err <= 1e-5, "{ranks} ranks, rank {rank}: rel err {err}");
+            }
+        }
+        for step in 0..2 {
+            let moved = per_rank[0].1[step].0;
+            assert!(
+                moved > 0,
+                "{ranks} ranks: re-placement {step} moved nothing"
+            );
+            let sent: usize = per_rank.iter().map(|(_, m)| m[step].1).sum();
+            let received: usize = per_rank.iter().map(|(_, m)| m[step].2).sum();
+            // Each slot's frame adds 16 bytes to what it carries.
+            assert!(
+                received >= sent && (ranks == 1) == (sent == 0),
+                "{sent} / {received}"
+            );
+        }
+    }
+    // A layer built without a placement cannot be re-placed.
+    let path = write_checkpoint(&cfg, "re-placed-none");
+    let bcfg = BufferConfig::default().with_low_latency(8, cfg.hidden_size, e);
+    let buf = Buffer::local_group(1, 1, bcfg).unwrap().remove(0);
+    let mut layer = f32_layer(Arc::new(buf), &cfg, &path, 8);
+    let err = layer
+        .replace_experts(moe_layer::placement::Placement::identity(e))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("needs a layer built with a placement"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(path.parent().unwrap()).ok();
+}
+
 /// A hidden size that is not a whole number of 128-channel groups (200) decodes in low-latency
 /// mode as in normal mode, over 1 and 4 ranks, equal to the dense layer.
 #[test]

@@ -282,6 +282,42 @@ impl Buffer {
         Ok(got.into_iter().map(|m| m.unwrap_or_default()).collect())
     }
 
+    /// Sends `send[p]` to rank `p` (`None`: nothing) and returns what each rank sent this one
+    /// (index = sender; `send[own rank]` comes back as is), e.g. expert weights that change
+    /// rank. A collective: every rank must call it, in the same order as its other
+    /// collectives; a peer that does not answer within the timeout is an error naming it.
+    pub fn host_exchange(&self, send: Vec<Option<Vec<u8>>>) -> Result<Vec<Option<Vec<u8>>>> {
+        let n = self.topology.num_ranks;
+        if send.len() != n {
+            return Err(Error::invalid(
+                "send",
+                format!("{} messages", send.len()),
+                format!("needs one entry per rank ({n})"),
+            ));
+        }
+        // Every peer hears from every rank (a bare marker for `None`), so each knows when the
+        // exchange is complete. The marker goes last: added and taken off without copying the
+        // payload.
+        let me = self.topology.rank;
+        let framed = send
+            .into_iter()
+            .enumerate()
+            .map(|(p, m)| match (p == me, m) {
+                (true, m) => m.map(|m| with_marker(m, 1)),
+                (false, Some(m)) => Some(with_marker(m, 1)),
+                (false, None) => Some(vec![0u8]),
+            })
+            .collect();
+        let got = self.exchange("exchange", framed, None)?;
+        Ok(got
+            .into_iter()
+            .map(|m| {
+                let mut m = m?;
+                (m.pop() == Some(1)).then_some(m)
+            })
+            .collect())
+    }
+
     /// How many rounds of host messages this buffer has run: each all-gather, and each op of
     /// the host backend (CPU tensors). A CUDA op leaves it alone, so a serving loop can check
     /// that a step added no host collective beyond the ones it asked for.
@@ -472,4 +508,10 @@ pub(crate) fn check_dtype(
             got: t.dtype(),
         })
     }
+}
+
+/// `m` with the byte `marker` appended ([`Buffer::host_exchange`]).
+fn with_marker(mut m: Vec<u8>, marker: u8) -> Vec<u8> {
+    m.push(marker);
+    m
 }

@@ -10,6 +10,10 @@
 //! top-k gives the expert); the `+ e` spreads even a single token's picks over the replicas of
 //! different experts. Tensor ops on the device (no host step, capturable in a graph), the same
 //! on the CPU.
+//!
+//! The tables are sized for any placement of the same slots (an expert holds at most
+//! `P - E + 1` of them), so [`ExpertMap::set_placement`] rewrites them in place: steps
+//! captured before a re-placement read the new map.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -23,8 +27,8 @@ const EXACT_F32: usize = 1 << 24;
 #[derive(Debug)]
 pub struct ExpertMap {
     placement: Placement,
-    /// `[E * R]` i64: logical expert `e`'s replica `r` at `e * R + r` (`R` the most replicas
-    /// of any expert; rows padded with the expert's first slot).
+    /// `[E * R]` i64: logical expert `e`'s replica `r` at `e * R + r` (`R = P - E + 1`, the
+    /// most replicas an expert can have; rows padded with the expert's first slot).
     slots: Tensor,
     /// `[E]` f32: each logical expert's replica count.
     counts: Tensor,
@@ -34,29 +38,9 @@ pub struct ExpertMap {
 impl ExpertMap {
     /// The map of `placement` on `device`. Every logical expert needs a slot.
     pub fn new(placement: Placement, device: &Device) -> Result<Self> {
+        check(&placement)?;
         let e = placement.log_to_phy.len();
-        if let Some(x) = placement.log_to_phy.iter().position(Vec::is_empty) {
-            return Err(Error::invalid(
-                "placement",
-                format!("logical expert {x} without a slot"),
-                "every logical expert needs at least one physical slot",
-            ));
-        }
-        let p = placement.num_physical();
-        if let Some((x, s)) = placement
-            .log_to_phy
-            .iter()
-            .enumerate()
-            .flat_map(|(x, v)| v.iter().map(move |&s| (x, s)))
-            .find(|&(x, s)| s >= p || placement.phy_to_log[s] != x)
-        {
-            return Err(Error::invalid(
-                "placement",
-                format!("logical expert {x} in slot {s}"),
-                format!("slots are below {p} and phy_to_log names their expert"),
-            ));
-        }
-        let max_replicas = placement.log_to_phy.iter().map(Vec::len).max().unwrap_or(1);
+        let max_replicas = placement.num_physical() - e + 1;
         if e * max_replicas >= EXACT_F32 {
             return Err(Error::invalid(
                 "placement",
@@ -64,22 +48,39 @@ impl ExpertMap {
                 "at most 2^24 table entries",
             ));
         }
-        let table: Vec<i64> = placement
-            .log_to_phy
-            .iter()
-            .flat_map(|v| (0..max_replicas).map(move |r| *v.get(r).unwrap_or(&v[0]) as i64))
-            .collect();
-        let counts: Vec<f32> = placement
-            .log_to_phy
-            .iter()
-            .map(|v| v.len() as f32)
-            .collect();
+        let (table, counts) = tables(&placement, max_replicas);
         Ok(Self {
             slots: Tensor::from_vec(table, e * max_replicas, device)?,
             counts: Tensor::from_vec(counts, e, device)?,
             placement,
             max_replicas,
         })
+    }
+
+    /// Replaces the placement by `placement` (the same logical experts and slots), writing the
+    /// device tables in place (see the module docs).
+    pub fn set_placement(&mut self, placement: Placement) -> Result<()> {
+        check(&placement)?;
+        let (e, p) = (self.num_logical(), self.num_physical());
+        if placement.log_to_phy.len() != e || placement.num_physical() != p {
+            return Err(Error::invalid(
+                "placement",
+                format!(
+                    "{} logical experts in {} slots",
+                    placement.log_to_phy.len(),
+                    placement.num_physical()
+                ),
+                format!("must be the map's {e} in {p}"),
+            ));
+        }
+        let (table, counts) = tables(&placement, self.max_replicas);
+        let dev = self.slots.device().clone();
+        self.slots
+            .slice_set(&Tensor::from_vec(table, e * self.max_replicas, &dev)?, 0, 0)?;
+        self.counts
+            .slice_set(&Tensor::from_vec(counts, e, &dev)?, 0, 0)?;
+        self.placement = placement;
+        Ok(())
     }
 
     /// The placement.
@@ -128,6 +129,58 @@ impl ExpertMap {
     }
 }
 
+/// Checks that `placement` holds together: every logical expert in at least one slot, every
+/// slot below `P` and naming its expert.
+fn check(placement: &Placement) -> Result<()> {
+    if let Some(x) = placement.log_to_phy.iter().position(Vec::is_empty) {
+        return Err(Error::invalid(
+            "placement",
+            format!("logical expert {x} without a slot"),
+            "every logical expert needs at least one physical slot",
+        ));
+    }
+    let p = placement.num_physical();
+    if let Some((x, s)) = placement
+        .log_to_phy
+        .iter()
+        .enumerate()
+        .flat_map(|(x, v)| v.iter().map(move |&s| (x, s)))
+        .find(|&(x, s)| s >= p || placement.phy_to_log[s] != x)
+    {
+        return Err(Error::invalid(
+            "placement",
+            format!("logical expert {x} in slot {s}"),
+            format!("slots are below {p} and phy_to_log names their expert"),
+        ));
+    }
+    if placement.log_to_phy.len() > p {
+        return Err(Error::invalid(
+            "placement",
+            format!(
+                "{} logical experts in {p} slots",
+                placement.log_to_phy.len()
+            ),
+            "needs a slot per logical expert at least",
+        ));
+    }
+    Ok(())
+}
+
+/// The slot table (`max_replicas` entries an expert) and the replica counts of `placement`.
+fn tables(placement: &Placement, max_replicas: usize) -> (Vec<i64>, Vec<f32>) {
+    let table = placement
+        .log_to_phy
+        .iter()
+        .flat_map(|v| (0..max_replicas).map(move |r| *v.get(r).unwrap_or(&v[0]) as i64))
+        .collect();
+    let counts = placement
+        .log_to_phy
+        .iter()
+        .map(|v| v.len() as f32)
+        .collect();
+    (table, counts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +220,29 @@ mod tests {
         for s in [1, 4, 5] {
             assert_eq!(got.iter().filter(|&&x| x == s).count(), 100, "slot {s}");
         }
+    }
+
+    #[test]
+    fn a_new_placement_is_written_in_place() {
+        let mut map = ExpertMap::new(placement(), &Device::Cpu).unwrap();
+        // Expert 2 takes the replicas now: slots 2, 4 and 5.
+        let next = Placement {
+            phy_to_log: vec![0, 1, 2, 3, 2, 2],
+            replica: vec![0, 0, 0, 0, 1, 2],
+            log_to_phy: vec![vec![0], vec![1], vec![2, 4, 5], vec![3]],
+        };
+        map.set_placement(next.clone()).unwrap();
+        assert_eq!(map.placement(), &next);
+        let idx = Tensor::new(&[[1i64, 2], [2, 0], [2, 1]], &Device::Cpu).unwrap();
+        let got: Vec<Vec<i64>> = map.to_physical(&idx).unwrap().to_vec2().unwrap();
+        // Token t's pick of expert 2 takes replica (t + 2) mod 3: tokens 0-2 -> 5, 2, 4.
+        assert_eq!(got, vec![vec![1, 5], vec![2, 0], vec![4, 1]]);
+        // Other slot counts are refused.
+        let err = map
+            .set_placement(Placement::identity(4))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be the map's 4 in 6"), "{err}");
     }
 
     #[test]

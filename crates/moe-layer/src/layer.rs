@@ -277,11 +277,20 @@ impl MoeLayer {
     /// The layer counting the tokens its router sends to each logical expert, on its device
     /// (read with [`MoeLayer::take_expert_load`]).
     pub fn with_load_stats(mut self) -> Result<Self> {
-        self.expert_load = Some(ExpertLoad::new(
-            self.router.num_experts(),
-            self.router.weight().device(),
-        )?);
+        self.enable_load_stats()?;
         Ok(self)
+    }
+
+    /// [`MoeLayer::with_load_stats`] on a layer in place (steps captured before it do not
+    /// count).
+    pub fn enable_load_stats(&mut self) -> Result<()> {
+        if self.expert_load.is_none() {
+            self.expert_load = Some(ExpertLoad::new(
+                self.router.num_experts(),
+                self.router.weight().device(),
+            )?);
+        }
+        Ok(())
     }
 
     /// Tokens routed to each logical expert since the last call (one device-to-host copy),

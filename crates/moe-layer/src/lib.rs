@@ -8,6 +8,8 @@
 //!   CUDA, dequantized exactly elsewhere);
 //! - [`fp8_linear`]: dense layers on such weights (attention projections, dense MLPs);
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
+//! - [`placement`] and [`replacement`]: redundant experts placed by DeepSeek's EPLB from the
+//!   layer's load statistics, and re-placed while serving (weights moved between ranks);
 //! - [`dense`]: the single-process reference layer EP results are tested against;
 //! - [`WeightBytes::planned`]: what a layer's weights will take on a rank, before loading.
 //!
@@ -46,6 +48,7 @@ mod layer;
 mod modes;
 mod options;
 pub mod placement;
+pub mod replacement;
 pub mod router;
 mod step;
 mod weight_plan;
@@ -57,7 +60,7 @@ pub use error::{Error, Result};
 pub use experts::mlp;
 pub use experts::{ExpertInput, Experts, Fp8Expert};
 pub use experts::{GateUpLayout, Mlp};
-pub use fp8_linear::{Fp8Linear, Fp8Mlp};
+pub use fp8_linear::{Fp8BatchedLinear, Fp8Linear, Fp8Mlp};
 pub use layer::{MoeLayer, WeightBytes};
 #[cfg(feature = "cuda")]
 pub use modes::{DecodeGraph, StepGraph};

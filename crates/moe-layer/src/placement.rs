@@ -76,6 +76,56 @@ impl Placement {
     pub fn imbalance(&self, loads: &[f64], num_gpus: usize) -> f64 {
         imbalance(&self.gpu_loads(loads, num_gpus))
     }
+
+    /// This placement with the slots of each of `num_gpus` GPUs reordered so that as many as
+    /// can keep the expert they hold in `current`: every GPU holds the same experts as before
+    /// the reordering (the same balance), and a re-placement from `current` moves only the
+    /// experts that change GPU. Unchanged when the slot counts differ.
+    pub fn aligned_to(&self, current: &Placement, num_gpus: usize) -> Placement {
+        let p = self.num_physical();
+        if current.num_physical() != p || num_gpus == 0 || p % num_gpus != 0 {
+            return self.clone();
+        }
+        let per_gpu = p / num_gpus;
+        let mut phy_to_log = vec![0usize; p];
+        let mut replica = vec![0usize; p];
+        for g in 0..num_gpus {
+            let slots = g * per_gpu..(g + 1) * per_gpu;
+            // The GPU's (expert, replica) items, taken as slots claim them.
+            let mut items: Vec<Option<(usize, usize)>> = slots
+                .clone()
+                .map(|s| Some((self.phy_to_log[s], self.replica[s])))
+                .collect();
+            let mut open = Vec::new();
+            for s in slots.clone() {
+                let keep = items
+                    .iter()
+                    .position(|it| it.is_some_and(|(x, _)| x == current.phy_to_log[s]));
+                match keep.and_then(|i| items[i].take()) {
+                    Some((x, r)) => (phy_to_log[s], replica[s]) = (x, r),
+                    None => open.push(s),
+                }
+            }
+            for (s, (x, r)) in open.into_iter().zip(items.into_iter().flatten()) {
+                (phy_to_log[s], replica[s]) = (x, r);
+            }
+        }
+        let mut log_to_phy = vec![Vec::new(); self.log_to_phy.len()];
+        for (s, &x) in phy_to_log.iter().enumerate() {
+            log_to_phy[x].push((replica[s], s));
+        }
+        Placement {
+            phy_to_log,
+            replica,
+            log_to_phy: log_to_phy
+                .into_iter()
+                .map(|mut v| {
+                    v.sort_unstable();
+                    v.into_iter().map(|(_, s)| s).collect()
+                })
+                .collect(),
+        }
+    }
 }
 
 /// `max / mean` of `loads` (1 when all are zero).
@@ -254,6 +304,41 @@ fn replicate(loads: &[f64], slots: usize) -> (Vec<usize>, Vec<usize>, Vec<usize>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn aligning_keeps_each_gpus_experts_and_moves_only_what_changes_gpu() {
+        let shape = PlacementShape {
+            num_physical: 24,
+            num_groups: 1,
+            num_nodes: 1,
+            num_gpus: 4,
+        };
+        let even = place(&[1.0; 16], shape).unwrap();
+        let skew: Vec<f64> = (0..16).map(|x| 1.0 / (1 + x) as f64).collect();
+        let next = place(&skew, shape).unwrap();
+        let aligned = next.aligned_to(&even, 4);
+        // The same experts on every GPU, so the same balance.
+        for g in 0..4 {
+            let mut a: Vec<usize> = aligned.phy_to_log[g * 6..(g + 1) * 6].to_vec();
+            let mut b: Vec<usize> = next.phy_to_log[g * 6..(g + 1) * 6].to_vec();
+            a.sort_unstable();
+            b.sort_unstable();
+            assert_eq!(a, b, "gpu {g}");
+        }
+        assert_eq!(aligned.imbalance(&skew, 4), next.imbalance(&skew, 4));
+        // The map holds together, and no more slots change than before aligning.
+        for (x, slots) in aligned.log_to_phy.iter().enumerate() {
+            assert!(slots.iter().all(|&s| aligned.phy_to_log[s] == x));
+        }
+        let changed = |p: &Placement| {
+            (0..24)
+                .filter(|&s| p.phy_to_log[s] != even.phy_to_log[s])
+                .count()
+        };
+        assert!(changed(&aligned) <= changed(&next));
+        // A placement aligned to itself is itself.
+        assert_eq!(next.aligned_to(&next, 4), next);
+    }
 
     fn shape(p: usize, groups: usize, nodes: usize, gpus: usize) -> PlacementShape {
         PlacementShape {

@@ -13,7 +13,8 @@
 //! block-scaled fp8 checkpoint, with fp8 and bf16 dispatch, a hot expert) against the fp8
 //! reference of `gpu_common/fp8.rs` and its tolerance; and with redundant experts (EPLB
 //! placement of `E + 8 R` slots, bf16 and fp8 with a hot expert), where every forward also
-//! checks the layer's load statistics against the router's picks.
+//! checks the layer's load statistics against the router's picks, and a re-placement for the
+//! opposite skew moves experts between the GPUs before steps and a captured decode step.
 //!
 //! Prints one line per case, then `N passed, N failed`; with fewer than 2 GPUs it runs nothing,
 //! says so and fails unless `EP_GPU_ALLOW_SKIP=1` (`gpu-test-suite`). A first argument filters
@@ -165,10 +166,16 @@ fn build(
 }
 
 /// Redundant experts for `world` ranks: `E + 8 R` slots placed by EPLB (global policy) from
-/// skewed loads (expert `x` draws `1 / (1 + 7x mod E)`).
+/// skewed loads (expert `x` draws `1 / (1 + 7x mod E)`; `reversed`: expert `E - 1 - x` does).
 fn redundant_placement(c: &MoeConfig, world: usize) -> R<moe_layer::placement::Placement> {
-    let e = c.n_routed_experts;
-    let loads: Vec<f64> = (0..e).map(|x| 1.0 / (1 + (x * 7) % e) as f64).collect();
+    skewed_placement(c.n_routed_experts, world, false)
+}
+
+fn skewed_placement(e: usize, world: usize, reversed: bool) -> R<moe_layer::placement::Placement> {
+    let mut loads: Vec<f64> = (0..e).map(|x| 1.0 / (1 + (x * 7) % e) as f64).collect();
+    if reversed {
+        loads.reverse();
+    }
     Ok(moe_layer::placement::place(
         &loads,
         moe_layer::placement::PlacementShape {
@@ -252,6 +259,26 @@ fn forward_case(r: &Rank, t: usize, mode: Mode) -> R<String> {
     Ok(format!("T={t}: rel {all:.1e}, worst token {worst:.1e}"))
 }
 
+/// Re-places the experts for the opposite skew while the layer lives (slots change GPU over
+/// the buffer's host transport, weights written in place), then steps in both modes and a
+/// captured decode step against the reference.
+fn replace_case(r: &mut Rank, world: usize) -> R<String> {
+    let next = skewed_placement(r.gpu.router().num_experts(), world, true)?;
+    let done = r.gpu.replace_experts(next.clone())?;
+    if done.moved_slots == 0 || r.gpu.expert_map().map(|m| m.placement()) != Some(&next) {
+        return Err(format!("re-placement moved {} slots", done.moved_slots).into());
+    }
+    let normal = forward_case(r, 300, Mode::Normal)?;
+    let ll = forward_case(r, 7, Mode::LowLatency)?;
+    let graph = graph_case(r, 8, 3)?;
+    Ok(format!(
+        "{} slots moved, {:.1} MiB sent in {:.1} ms; {normal}; {ll}; {graph}",
+        done.moved_slots,
+        done.bytes_sent as f64 / (1 << 20) as f64,
+        done.elapsed.as_secs_f64() * 1e3
+    ))
+}
+
 /// A decode step captured on every rank at once, replayed on fresh inputs.
 fn graph_case(r: &Rank, t: usize, steps: usize) -> R<String> {
     let g = r.gpu.capture_decode(t, DType::BF16)?;
@@ -304,10 +331,10 @@ fn replays(r: &Rank, g: &StepGraph<'_>, mode: Mode, steps: usize) -> R<String> {
 
 /// The cases every rank runs, in the same order (the layer's ops are collectives): names and
 /// per-rank bodies.
-type CaseFn = Box<dyn Fn(&Rank, usize) -> R<String> + Sync>;
+type CaseFn = Box<dyn Fn(&mut Rank, usize) -> R<String> + Sync>;
 type Case = (String, CaseFn);
 
-fn cases(world: usize) -> Vec<Case> {
+fn cases(world: usize, redundant: bool) -> Vec<Case> {
     let mut v: Vec<Case> = Vec::new();
     let mut add = |name: String, f: CaseFn| {
         v.push((name, f));
@@ -351,6 +378,12 @@ fn cases(world: usize) -> Vec<Case> {
         "prefill-graph/T=300".into(),
         Box::new(|r, _| prefill_graph_case(r, 300, 3)),
     );
+    if redundant {
+        add(
+            "re-placed/normal-low-latency-decode-graph".into(),
+            Box::new(move |r, _| replace_case(r, world)),
+        );
+    }
     v
 }
 
@@ -473,7 +506,7 @@ fn main() {
     ];
     let (mut passed, mut failed) = (0usize, 0usize);
     for s in &setups {
-        let all_cases = cases(world);
+        let all_cases = cases(world, s.redundant);
         let wanted: Vec<&Case> = all_cases
             .iter()
             .filter(|(n, _)| {
@@ -508,10 +541,10 @@ fn main() {
                 .map(|(rank, tr)| {
                     let (w, wanted) = (&w, &wanted);
                     sc.spawn(move || -> Result<Vec<Result<String, String>>, String> {
-                        let r = build(rank, world, tr, s, w).map_err(|e| e.to_string())?;
+                        let mut r = build(rank, world, tr, s, w).map_err(|e| e.to_string())?;
                         Ok(wanted
                             .iter()
-                            .map(|(_, f)| f(&r, rank).map_err(|e| e.to_string()))
+                            .map(|(_, f)| f(&mut r, rank).map_err(|e| e.to_string()))
                             .collect())
                     })
                 })

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use moe_layer::ep_runtime::{Buffer, BufferConfig, Store, StoreConfig, Topology};
+use moe_layer::ep_runtime::{Buffer, BufferConfig, Store, StoreConfig, TcpTransport, Topology};
 
 /// Who this process is: the variables `launch` (or torchrun) sets. With none set, a job of one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,6 +111,19 @@ impl Dist {
             buffer: Arc::new(buffer),
             store: Some(store),
         })
+    }
+
+    /// A TCP mesh of its own among the job's ranks, named `group` (a collective: every rank
+    /// builds it), for traffic that must not wait in line with the steps' messages (e.g.
+    /// expert weights moving while the steps go on); `None` in a job of one.
+    pub fn side_transport(&self, group: &str) -> Result<Option<TcpTransport>> {
+        let Some(store) = &self.store else {
+            return Ok(None);
+        };
+        let timeout = self.buffer.config().timeout;
+        TcpTransport::connect(store, group, timeout)
+            .map(Some)
+            .with_context(|| format!("rank {}: cannot build the {group} mesh", self.info.rank))
     }
 
     /// Gathers one small message from every rank (index = rank); a collective.

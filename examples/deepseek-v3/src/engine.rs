@@ -3,7 +3,8 @@
 //! Rank 0 decides every step ([`StepPlan`]) and sends it to all ranks with the EP buffer's host
 //! all-gather; each rank runs attention for the sequences it owns (data parallelism) and all
 //! ranks call every MoE layer together (expert parallelism), in the same mode; the sampled
-//! tokens come back to rank 0 with a second all-gather.
+//! tokens come back to rank 0 with a second all-gather (with each rank's word on experts being
+//! re-placed, `crate::eplb`).
 
 use std::collections::HashMap;
 
@@ -12,6 +13,7 @@ use candle_core::{Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use crate::dist::Dist;
+use crate::eplb::{Eplb, EplbReport};
 use crate::kv_cache::KvCache;
 use crate::model::{DeepSeekV3, SeqInput, StepKind, StepShape};
 use crate::sampling::{Sampler, SamplingParams};
@@ -121,6 +123,11 @@ impl Engine {
         &self.model
     }
 
+    /// The model, mutable (re-placing its experts between steps).
+    pub fn model_mut(&mut self) -> &mut DeepSeekV3 {
+        &mut self.model
+    }
+
     /// Number of sequences this rank owns.
     pub fn num_seqs(&self) -> usize {
         self.seqs.len()
@@ -227,15 +234,48 @@ impl Engine {
     }
 }
 
+/// What a rank sends back after a step: its sequences' tokens, and whether it holds the
+/// weights of the experts being re-placed (`crate::eplb`).
+#[derive(Debug, Serialize, Deserialize)]
+struct StepResult {
+    tokens: Vec<(SeqId, u32)>,
+    eplb_ready: bool,
+}
+
 /// One rank of the serving job: its engine and its communication.
 pub struct Cluster {
     /// This rank's engine.
     pub engine: Engine,
     /// This rank's communication.
     pub dist: Dist,
+    /// Expert load statistics and re-placement, when on.
+    pub eplb: Option<Eplb>,
+    /// The last report of [`Cluster::eplb`] not yet taken.
+    eplb_report: Option<EplbReport>,
 }
 
 impl Cluster {
+    /// The rank's engine and communication, without load balancing.
+    pub fn new(engine: Engine, dist: Dist) -> Self {
+        Self {
+            engine,
+            dist,
+            eplb: None,
+            eplb_report: None,
+        }
+    }
+
+    /// With expert load statistics and re-placement ([`Eplb`]).
+    pub fn with_eplb(mut self, eplb: Eplb) -> Self {
+        self.eplb = Some(eplb);
+        self
+    }
+
+    /// The newest load-balancing report since the last call (rank 0: for the metrics).
+    pub fn take_eplb_report(&mut self) -> Option<EplbReport> {
+        self.eplb_report.take()
+    }
+
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.dist.info.world_size
@@ -254,17 +294,32 @@ impl Cluster {
     }
 
     fn run_and_gather(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
-        let mine = self.engine.run(plan)?;
+        let mine = StepResult {
+            tokens: self.engine.run(plan)?,
+            eplb_ready: self.eplb.as_mut().is_none_or(Eplb::ready_here),
+        };
         let rank = self.dist.info.rank;
         let all = self
             .dist
             .all_gather(&serde_json::to_vec(&mine)?)
             .with_context(|| format!("rank {rank}: cannot gather the sampled tokens"))?;
         let mut tokens = Vec::new();
+        let mut all_ready = true;
         for (rank, bytes) in all.iter().enumerate() {
-            let part: Vec<(SeqId, u32)> = serde_json::from_slice(bytes)
+            let part: StepResult = serde_json::from_slice(bytes)
                 .with_context(|| format!("bad step result from rank {rank}"))?;
-            tokens.extend(part);
+            tokens.extend(part.tokens);
+            all_ready &= part.eplb_ready;
+        }
+        if let Some(eplb) = self.eplb.as_mut().filter(|_| plan.op != StepOp::Shutdown) {
+            // Idle steps land moved weights too; only compute steps count towards the reads.
+            let compute = matches!(plan.op, StepOp::Prefill(_) | StepOp::Decode);
+            if let Some(report) = eplb
+                .after_step(self.engine.model_mut(), &self.dist, all_ready, compute)
+                .with_context(|| format!("rank {rank}: expert load balancing failed"))?
+            {
+                self.eplb_report = Some(report);
+            }
         }
         Ok(tokens)
     }

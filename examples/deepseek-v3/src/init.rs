@@ -91,6 +91,19 @@ fn uniform(
     }
 }
 
+/// `n` router biases skewed by Zipf exponent `s` ([`RandomInit::with_router_skew`]), the
+/// popularity order drawn from `seed`.
+fn skewed_bias(seed: u64, n: usize, s: f32, device: &Device) -> candle_core::Result<Tensor> {
+    use rand::seq::SliceRandom;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(seed));
+    let mut bias = vec![0f32; n];
+    for (j, &x) in order.iter().enumerate() {
+        bias[x] = 0.1 + 0.1 * s * (1.0 / (j + 1) as f32).ln();
+    }
+    Tensor::from_vec(bias, n, device)
+}
+
 /// `x` (f32) as e4m3 values spread over the whole e4m3 range: every 128 consecutive values
 /// scaled so that their largest is 448, by the fp8 dispatch's per-token cast (on a GPU its
 /// kernel: candle's own f32 -> e4m3 cast is not in its CUDA kernels for every GPU).
@@ -113,6 +126,8 @@ fn e4m3_values(x: &Tensor) -> candle_core::Result<Tensor> {
 pub struct RandomInit {
     seed: u64,
     fp8: bool,
+    /// Zipf exponent of the routers' skew (0: none; [`RandomInit::with_router_skew`]).
+    router_skew: f32,
     /// The fp8 weights made so far (a weight read twice counts once).
     fp8_made: Arc<Mutex<HashSet<String>>>,
 }
@@ -128,8 +143,18 @@ impl RandomInit {
         Self {
             seed,
             fp8: false,
+            router_skew: 0.0,
             fp8_made: Arc::default(),
         }
+    }
+
+    /// Routers whose correction biases make the expert loads lumpy, as real routing is: in
+    /// each MoE layer the expert of popularity rank `j` (a random order per layer) gets a bias
+    /// of `0.1 + 0.1 s ln(1 / (j + 1))`, which roughly gives Zipf(`s`) loads (the bias only
+    /// selects experts; the scores still weight them). `s = 0` keeps the plain biases.
+    pub fn with_router_skew(mut self, s: f32) -> Self {
+        self.router_skew = s;
+        self
     }
 
     /// Weights drawn with run seed `seed`, every linear projection block-scaled fp8.
@@ -195,6 +220,9 @@ impl RandomInit {
                 uniform(seed, shape, -bound, bound, device)?
             }
             InitKind::Norm => uniform(seed, shape, 0.9, 1.1, device)?,
+            InitKind::RouterBias if self.router_skew > 0.0 => {
+                skewed_bias(seed, shape.elem_count(), self.router_skew, device)?
+            }
             InitKind::RouterBias => uniform(seed, shape, 0.0, 0.1, device)?,
             InitKind::Zeros => Tensor::zeros(shape, DType::F32, device)?,
         };
@@ -241,6 +269,42 @@ impl SimpleBackend for RandomInit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_skewed_router_bias_ranks_the_experts_by_a_zipf_law() {
+        let name = "model.layers.2.mlp.gate.e_score_correction_bias";
+        let shape = Shape::from(64);
+        let init = RandomInit::new(3).with_router_skew(1.0);
+        let b: Vec<f32> = init
+            .tensor(name, &shape, &Device::Cpu)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut sorted = b.clone();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        // Popularity rank j gets 0.1 + 0.1 ln(1 / (j + 1)).
+        for (j, v) in sorted.iter().enumerate() {
+            let want = 0.1 + 0.1 * (1.0 / (j + 1) as f32).ln();
+            assert!((v - want).abs() < 1e-6, "rank {j}: {v} vs {want}");
+        }
+        // The same seed gives the same order; another layer another.
+        let again: Vec<f32> = init
+            .tensor(name, &shape, &Device::Cpu)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(b, again);
+        let other: Vec<f32> = init
+            .tensor(
+                "model.layers.3.mlp.gate.e_score_correction_bias",
+                &shape,
+                &Device::Cpu,
+            )
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_ne!(b, other);
+    }
 
     #[test]
     fn kinds_follow_the_names() {

@@ -26,6 +26,7 @@ pub mod config;
 pub mod decode_graph;
 pub mod dist;
 pub mod engine;
+pub mod eplb;
 pub mod format;
 pub mod init;
 pub mod kv_cache;

@@ -170,6 +170,17 @@ pub fn device_free_bytes(device: &Device) -> Option<u64> {
 /// Builds a model of configuration `config` with random weights drawn on `opts.device`
 /// ([`RandomInit`], seed `seed`) and the generator's byte-level tokenizer for its vocabulary.
 pub fn load_random(config: DeepSeekV3Config, seed: u64, opts: LoadOptions) -> Result<LoadedModel> {
+    load_random_skewed(config, seed, 0.0, opts)
+}
+
+/// [`load_random`] with routers skewed by Zipf exponent `router_skew`
+/// ([`RandomInit::with_router_skew`]; 0: none).
+pub fn load_random_skewed(
+    config: DeepSeekV3Config,
+    seed: u64,
+    router_skew: f32,
+    opts: LoadOptions,
+) -> Result<LoadedModel> {
     config.validate()?;
     let tokenizer = TextTokenizer::from_json(&build_tokenizer_json(config.vocab_size)?)?;
     // Float weights, or those of a block-scaled fp8 checkpoint (`check` refuses any other).
@@ -179,7 +190,8 @@ pub fn load_random(config: DeepSeekV3Config, seed: u64, opts: LoadOptions) -> Re
             q.check()?;
             RandomInit::fp8(seed)
         }
-    };
+    }
+    .with_router_skew(router_skew);
     let vb = VarBuilder::from_backend(Box::new(init.clone()), opts.dtype, opts.device.clone());
     let mut loaded = build(config, tokenizer, vb, opts, "random init")?;
     loaded.report.fp8_weights = init.fp8_weights_made();

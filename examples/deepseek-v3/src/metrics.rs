@@ -1,13 +1,16 @@
 //! The serving metrics behind `GET /metrics`, in the Prometheus text format: requests by
 //! endpoint and status, prompt and generated tokens, time to first token, time per output
 //! token, end-to-end latency, queue time, running and waiting sequences, and the duration of
-//! prefill and decode steps. Names follow vLLM's where there is one (`deepseek_v3_` for
-//! `vllm:`). Each [`Metrics`] owns its registry, so tests can run several side by side.
+//! prefill and decode steps; with expert load statistics on, each MoE layer's load imbalance
+//! and the re-placements (`crate::eplb`). Names follow vLLM's where there is one
+//! (`deepseek_v3_` for `vllm:`). Each [`Metrics`] owns its registry, so tests can run several side by side.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Opts, Registry, TextEncoder,
 };
+
+use crate::eplb::EplbReport;
 
 /// Latency buckets, in seconds, from a millisecond (a tiny model's CPU step) to minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -51,6 +54,16 @@ pub struct Metrics {
     /// `deepseek_v3_decode_step_duration_seconds{batch}`: decode steps by the number of
     /// sequences in them, rounded up to a power of two (`1`, `2`, `4`, ...).
     pub decode_step: HistogramVec,
+    /// `deepseek_v3_expert_load_imbalance{layer, over}`: `max / mean` of a MoE layer's expert
+    /// loads over the last window of statistics, over its logical experts (`over="experts"`)
+    /// and over the ranks under its current placement (`over="ranks"`).
+    pub expert_imbalance: GaugeVec,
+    /// `deepseek_v3_eplb_layers_replaced_total`: MoE layers whose experts were re-placed.
+    pub eplb_layers: IntCounter,
+    /// `deepseek_v3_eplb_moved_experts_total`: expert slots whose weights changed.
+    pub eplb_moved: IntCounter,
+    /// `deepseek_v3_eplb_duration_seconds`: rank 0's time in each re-placement.
+    pub eplb_duration: Histogram,
 }
 
 /// The `batch` label of [`Metrics::decode_step`] for `n` sequences.
@@ -117,8 +130,34 @@ impl Metrics {
         registry
             .register(Box::new(decode_step.clone()))
             .expect("unique name");
+        let expert_imbalance = GaugeVec::new(
+            Opts::new(
+                "deepseek_v3_expert_load_imbalance",
+                "Max / mean of a MoE layer's expert loads over the last window, over its \
+                 logical experts or over the ranks under its current placement.",
+            ),
+            &["layer", "over"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(expert_imbalance.clone()))
+            .expect("unique name");
         let m = Self {
             decode_step,
+            expert_imbalance,
+            eplb_layers: counter(
+                "deepseek_v3_eplb_layers_replaced_total",
+                "MoE layers whose experts were re-placed while serving.",
+            ),
+            eplb_moved: counter(
+                "deepseek_v3_eplb_moved_experts_total",
+                "Expert slots whose weights changed in re-placements.",
+            ),
+            eplb_duration: histogram(
+                "deepseek_v3_eplb_duration_seconds",
+                "Time of one re-placement of the experts (rank 0).",
+                LATENCY_BUCKETS,
+            ),
             requests: counter_vec(
                 "deepseek_v3_http_requests_total",
                 "HTTP requests answered, by endpoint and status code.",
@@ -171,6 +210,25 @@ impl Metrics {
         m
     }
 
+    /// Records a read of the expert load statistics (and its re-placement, if any).
+    pub fn record_eplb(&self, report: &EplbReport) {
+        for l in &report.layers {
+            let layer = l.layer.to_string();
+            let ranks = l.ranks_after.unwrap_or(l.ranks);
+            self.expert_imbalance
+                .with_label_values(&[layer.as_str(), "experts"])
+                .set(l.experts);
+            self.expert_imbalance
+                .with_label_values(&[layer.as_str(), "ranks"])
+                .set(ranks);
+        }
+        if report.replaced_layers > 0 {
+            self.eplb_layers.inc_by(report.replaced_layers as u64);
+            self.eplb_moved.inc_by(report.moved_slots as u64);
+            self.eplb_duration.observe(report.elapsed.as_secs_f64());
+        }
+    }
+
     /// Everything in the Prometheus text exposition format.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
@@ -214,6 +272,44 @@ mod tests {
             "deepseek_v3_num_requests_waiting 0",
             "deepseek_v3_generation_tokens_total 0",
             "# TYPE deepseek_v3_time_per_output_token_seconds histogram",
+            "deepseek_v3_eplb_layers_replaced_total 0",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_load_balancing_report_sets_each_layers_imbalance() {
+        use crate::eplb::{EplbReport, LayerBalance};
+        let m = Metrics::new();
+        m.record_eplb(&EplbReport {
+            layers: vec![
+                LayerBalance {
+                    layer: 1,
+                    experts: 3.5,
+                    ranks: 1.25,
+                    ranks_after: Some(1.0),
+                },
+                LayerBalance {
+                    layer: 2,
+                    experts: 2.0,
+                    ranks: 1.5,
+                    ranks_after: None,
+                },
+            ],
+            replaced_layers: 1,
+            moved_slots: 6,
+            bytes_sent: 100,
+            elapsed: std::time::Duration::from_millis(30),
+        });
+        let text = m.render();
+        for needle in [
+            "deepseek_v3_expert_load_imbalance{layer=\"1\",over=\"experts\"} 3.5",
+            "deepseek_v3_expert_load_imbalance{layer=\"1\",over=\"ranks\"} 1",
+            "deepseek_v3_expert_load_imbalance{layer=\"2\",over=\"ranks\"} 1.5",
+            "deepseek_v3_eplb_layers_replaced_total 1",
+            "deepseek_v3_eplb_moved_experts_total 6",
+            "deepseek_v3_eplb_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
         }

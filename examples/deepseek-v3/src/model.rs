@@ -286,6 +286,28 @@ impl DeepSeekV3 {
             .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.experts().is_fp8()))
     }
 
+    /// The expert-parallel MoE layers, with their layer index.
+    pub fn moe_layers(&self) -> impl Iterator<Item = (usize, &moe_layer::MoeLayer)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match &l.ffn {
+                Ffn::Moe(m) => Some((i, m.as_ref())),
+                _ => None,
+            })
+    }
+
+    /// [`DeepSeekV3::moe_layers`], mutable (re-placement).
+    pub fn moe_layers_mut(&mut self) -> impl Iterator<Item = (usize, &mut moe_layer::MoeLayer)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, l)| match &mut l.ffn {
+                Ffn::Moe(m) => Some((i, m.as_mut())),
+                _ => None,
+            })
+    }
+
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()

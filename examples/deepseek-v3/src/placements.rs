@@ -20,6 +20,7 @@ use crate::config::DeepSeekV3Config;
 pub struct ExpertPlacements {
     /// Physical slots of every MoE layer (`E + r`).
     pub num_physical: usize,
+    shape: PlacementShape,
     layers: BTreeMap<usize, Placement>,
 }
 
@@ -37,6 +38,18 @@ impl ExpertPlacements {
         if redundant == 0 && loads.is_none() {
             return Ok(None);
         }
+        Self::plan_always(cfg, world_size, gpus_per_node, redundant, loads).map(Some)
+    }
+
+    /// [`ExpertPlacements::plan`] even without redundant slots or loads (equal loads): what
+    /// re-placement while serving starts from (`--eplb-interval`).
+    pub fn plan_always(
+        cfg: &DeepSeekV3Config,
+        world_size: usize,
+        gpus_per_node: usize,
+        redundant: usize,
+        loads: Option<&Path>,
+    ) -> Result<Self> {
         let Some(e) = cfg.n_routed_experts.filter(|_| cfg.has_moe()) else {
             bail!("--num-redundant-experts / --expert-loads: the model has no routed experts");
         };
@@ -67,10 +80,16 @@ impl ExpertPlacements {
                 place(&l, shape).with_context(|| format!("expert placement of layer {i}"))?;
             layers.insert(i, placement);
         }
-        Ok(Some(Self {
+        Ok(Self {
             num_physical: p,
+            shape,
             layers,
-        }))
+        })
+    }
+
+    /// The slots and machines the placements are for.
+    pub fn shape(&self) -> PlacementShape {
+        self.shape
     }
 
     /// The placement of layer `i` (a MoE layer).

@@ -262,6 +262,10 @@ pub fn run(
                             op: StepOp::Idle,
                         };
                         cluster.lead_step(&plan)?;
+                        // Moved experts may land in an idle step.
+                        if let Some(r) = cluster.take_eplb_report() {
+                            metrics.record_eplb(&r);
+                        }
                     }
                     continue;
                 }
@@ -335,15 +339,21 @@ pub fn run(
         let start = Instant::now();
         let tokens = cluster.lead_step(&plan)?;
         let now = Instant::now();
-        metrics
-            .step
-            .with_label_values(&[kind])
-            .observe((now - start).as_secs_f64());
+        // A re-placement of the experts after the step is the load balancer's time, not the
+        // step's (its own metric).
+        let eplb = cluster.take_eplb_report();
+        let step_secs = (now - start)
+            .saturating_sub(eplb.as_ref().map_or(Duration::ZERO, |r| r.elapsed))
+            .as_secs_f64();
+        if let Some(r) = &eplb {
+            metrics.record_eplb(r);
+        }
+        metrics.step.with_label_values(&[kind]).observe(step_secs);
         if kind == "decode" {
             metrics
                 .decode_step
                 .with_label_values(&[&crate::metrics::batch_label(active.len())])
-                .observe((now - start).as_secs_f64());
+                .observe(step_secs);
         }
         for (id, token) in tokens {
             let Some(a) = active.get_mut(&id) else {

@@ -20,7 +20,16 @@ type R<T> = Result<T, Box<dyn std::error::Error>>;
 /// A named test case.
 type Case = (&'static str, fn() -> R<()>);
 
+/// Redundant expert slots of the re-placement case.
+const REDUNDANT: usize = 4;
+
 fn model(dev: &Device, fp8: bool) -> R<DeepSeekV3> {
+    model_with(dev, fp8, false)
+}
+
+/// The test model; with `placed`, its MoE layers hold [`REDUNDANT`] extra slots (placed for
+/// equal loads), ready to be re-placed.
+fn model_with(dev: &Device, fp8: bool, placed: bool) -> R<DeepSeekV3> {
     let mut cfg = DeepSeekV3Config::tiny();
     if fp8 {
         // Widths every fp8 GEMM takes (multiples of 128 along k), and a hidden size wide
@@ -39,7 +48,13 @@ fn model(dev: &Device, fp8: bool) -> R<DeepSeekV3> {
         });
     }
     let e = cfg.n_routed_experts.ok_or("no experts")?;
-    let bcfg = BufferConfig::default().with_low_latency(8, cfg.hidden_size, e);
+    let placements = if placed {
+        deepseek_v3::placements::ExpertPlacements::plan(&cfg, 1, 1, REDUNDANT, None)?.map(Arc::new)
+    } else {
+        None
+    };
+    let slots = placements.as_ref().map_or(e, |p| p.num_physical);
+    let bcfg = BufferConfig::default().with_low_latency(8, cfg.hidden_size, slots);
     let buffer = Arc::new(Buffer::single(dev, bcfg)?);
     let loaded = loader::load_random(
         cfg,
@@ -54,7 +69,7 @@ fn model(dev: &Device, fp8: bool) -> R<DeepSeekV3> {
                     low_latency_max_tokens: 8,
                     ..Default::default()
                 },
-                placements: None,
+                placements,
             },
             progress: false,
         },
@@ -83,9 +98,40 @@ fn rel(got: &Tensor, want: &Tensor) -> R<f64> {
     Ok((e / w.max(1e-30)).sqrt())
 }
 
+/// Re-places every MoE layer of `m` for a skew (expert `x` drawing `1 / (1 + x)`): the slots
+/// that change are written in place, so captured steps stay valid. Returns the slots moved.
+fn re_place(m: &mut DeepSeekV3) -> R<usize> {
+    let mut moved = 0;
+    for (_, layer) in m.moe_layers_mut() {
+        let current = layer.expert_map().ok_or("a layer without placement")?;
+        let (e, p) = (current.num_logical(), current.num_physical());
+        let loads: Vec<f64> = (0..e).map(|x| 1.0 / (1 + x) as f64).collect();
+        let next = moe_layer::placement::place(
+            &loads,
+            moe_layer::placement::PlacementShape {
+                num_physical: p,
+                num_groups: 1,
+                num_nodes: 1,
+                num_gpus: 1,
+            },
+        )?;
+        moved += layer.replace_experts(next)?.moved_slots;
+    }
+    if moved == 0 {
+        return Err("the re-placement moved no expert".into());
+    }
+    Ok(moved)
+}
+
 fn graphs_match_eager(fp8: bool) -> R<()> {
+    graphs_match_eager_with(fp8, false)
+}
+
+/// Captured decode steps against eager ones over batch and key-length buckets; with
+/// `re_placed`, the experts are re-placed midway, after steps were captured.
+fn graphs_match_eager_with(fp8: bool, re_placed: bool) -> R<()> {
     let dev = Device::new_cuda(0)?;
-    let m = model(&dev, fp8)?;
+    let mut m = model_with(&dev, fp8, re_placed)?;
     if !DecodeGraphs::supported(&m) {
         return Err("a one-GPU model must support captured decode steps".into());
     }
@@ -111,6 +157,10 @@ fn graphs_match_eager(fp8: bool) -> R<()> {
     }
     let mut last: Vec<u32> = vec![5, 6, 7];
     for step in 0..14 {
+        if re_placed && step == 6 {
+            let moved = re_place(&mut m)?;
+            println!("       step {step}: {moved} expert slots re-placed");
+        }
         if step == 4 {
             // Two sequences join: batch bucket 4 -> 8.
             let more = vec![prompt(17, 4), prompt(3, 5)];
@@ -191,12 +241,15 @@ fn bad_step_is_refused() -> R<()> {
 }
 
 fn main() {
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         ("captured-steps-match-eager", || graphs_match_eager(false)),
         ("captured-fp8-steps-match-eager", || {
             graphs_match_eager(true)
         }),
         ("bad-step-is-refused", bad_step_is_refused),
+        ("captured-steps-match-eager-across-a-re-placement", || {
+            graphs_match_eager_with(false, true)
+        }),
     ];
     let mut suite = gpu_test_suite::Suite::from_args();
     for (name, f) in cases {

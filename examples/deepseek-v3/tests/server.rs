@@ -25,20 +25,48 @@ fn gen_model(name: &str) -> std::path::PathBuf {
 
 /// Starts `serve` on the checkpoint `model`, directly or under `launch_args` (`launch ... --`).
 fn start_server(model: &std::path::Path, launch_args: &[&str]) -> Server {
+    start_server_with(model, launch_args, &[])
+}
+
+/// [`start_server`] with more `serve` arguments.
+fn start_server_with(model: &std::path::Path, launch_args: &[&str], more: &[&str]) -> Server {
     let model = model.display().to_string();
-    Server::start(
-        launch_args,
-        &[
-            "--max-prompt-tokens",
-            "64",
-            "--max-tokens-limit",
-            "16",
-            "--max-batch",
-            "4",
-            "--model",
-            &model,
-        ],
-    )
+    let mut args = vec![
+        "--max-prompt-tokens",
+        "64",
+        "--max-tokens-limit",
+        "16",
+        "--max-batch",
+        "4",
+        "--model",
+        &model,
+    ];
+    args.extend_from_slice(more);
+    Server::start(launch_args, &args)
+}
+
+/// `launch` arguments for two ranks meeting on `port`.
+fn two_ranks(port: &str) -> [&str; 6] {
+    [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        port,
+        "--",
+    ]
+}
+
+/// The greedy texts of `prompts`, sent to the server on `port` all at once.
+fn greedy_texts_at_once(port: u16, prompts: &[&str]) -> Vec<String> {
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let p = p.to_string();
+            std::thread::spawn(move || greedy_text(port, &p))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 fn json(body: &str) -> Value {
@@ -235,25 +263,51 @@ fn two_rank_server_batches_concurrent_requests_like_one_rank() {
         prompts.iter().map(|p| greedy_text(one.port, p)).collect()
     };
     let port = common::free_port().to_string();
-    let two = start_server(
+    let two = start_server(&model, &two_ranks(&port));
+    // All at once: the scheduler batches them over both ranks.
+    assert_eq!(greedy_texts_at_once(two.port, &prompts), want);
+}
+
+/// Re-placement while serving (`--eplb-interval 1`: after every step the experts are re-placed
+/// from the last two reads of the load statistics, moving between the two ranks): the same
+/// greedy text as one rank without it, the moves counted in /metrics with each layer's
+/// imbalance.
+#[test]
+fn re_placing_experts_every_step_keeps_the_text() {
+    let model = gen_model("server-eplb-model");
+    let prompts = ["The quick", "brown fox", "jumps over", "the lazy dog"];
+    let want: Vec<String> = {
+        let one = start_server(&model, &[]);
+        prompts.iter().map(|p| greedy_text(one.port, p)).collect()
+    };
+    let port = common::free_port().to_string();
+    let two = start_server_with(
         &model,
+        &two_ranks(&port),
         &[
-            "launch",
-            "--nproc-per-node",
+            "--num-redundant-experts",
             "2",
-            "--master-port",
-            &port,
-            "--",
+            "--eplb-interval",
+            "1",
+            "--eplb-window",
+            "2",
         ],
     );
-    // All at once: the scheduler batches them over both ranks.
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (port, p) = (two.port, p.to_string());
-            std::thread::spawn(move || greedy_text(port, &p))
-        })
-        .collect();
-    let got: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    assert_eq!(got, want);
+    assert_eq!(greedy_texts_at_once(two.port, &prompts), want);
+    let metrics = common::http(two.port, "GET", "/metrics", None).body;
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
+    };
+    assert!(value("deepseek_v3_eplb_layers_replaced_total") >= 1.0);
+    assert!(value("deepseek_v3_eplb_moved_experts_total") >= 1.0);
+    // Every MoE layer (1, 2, 3 of the tiny model) reports its imbalance.
+    for layer in 1..4 {
+        let over_experts = value(&format!(
+            "deepseek_v3_expert_load_imbalance{{layer=\"{layer}\",over=\"experts\"}}"
+        ));
+        assert!(over_experts >= 1.0, "layer {layer}: {over_experts}");
+    }
 }

@@ -53,3 +53,69 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// that were never received are dropped.
     fn recv(&self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
 }
+
+/// Sends `send[p]` to every other rank `p` of `t` under `tag` (`None`: a bare marker, so every
+/// peer hears from every rank) and returns what each sent this rank (index = sender; this
+/// rank's own entry `None`), waiting until `deadline`: a collective over a transport of its
+/// own, e.g. bulk data moving beside a buffer's ops. The marker is appended and taken off
+/// without copying the payload; errors name the peer.
+pub fn exchange(
+    t: &dyn Transport,
+    tag: u64,
+    send: Vec<Option<Vec<u8>>>,
+    deadline: Instant,
+) -> Result<Vec<Option<Vec<u8>>>> {
+    let me = t.rank();
+    for (p, m) in send.into_iter().enumerate().filter(|(p, _)| *p != me) {
+        let framed = match m {
+            Some(mut m) => {
+                m.push(1);
+                m
+            }
+            None => vec![0],
+        };
+        t.send(p, tag, framed)?;
+    }
+    let mut out = vec![None; t.num_ranks()];
+    for (p, slot) in out.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+        let mut m = t.recv(p, tag, deadline)?;
+        *slot = (m.pop() == Some(1)).then_some(m);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn an_exchange_delivers_every_message_and_tells_none_from_empty() {
+        let group = LocalTransport::group(3);
+        let got: Vec<Vec<Option<Vec<u8>>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|t| {
+                    s.spawn(move || {
+                        let me = t.rank() as u8;
+                        // Rank r sends [r, p] to p, but nothing to rank 0 and an empty message
+                        // to rank 1.
+                        let send = (0..3u8)
+                            .map(|p| match p {
+                                0 => None,
+                                1 => Some(Vec::new()),
+                                _ => Some(vec![me, p]),
+                            })
+                            .collect();
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        exchange(t, 7, send, deadline).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got[0], vec![None, None, None]);
+        assert_eq!(got[1], vec![Some(vec![]), None, Some(vec![])]);
+        assert_eq!(got[2], vec![Some(vec![0, 2]), Some(vec![1, 2]), None]);
+    }
+}

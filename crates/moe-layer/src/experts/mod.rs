@@ -17,6 +17,7 @@ mod input;
 pub mod mlp;
 mod rules;
 mod shard;
+mod slots;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod grouped;

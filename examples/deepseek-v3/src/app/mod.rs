@@ -162,6 +162,10 @@ pub struct ModelArgs {
     /// With `--init random`: seed of the weights.
     #[arg(long, default_value_t = checkpoint::DEFAULT_SEED)]
     pub init_seed: u64,
+    /// With `--init random`: skew the routers so that expert loads are lumpy, roughly
+    /// Zipf(S) over each layer's experts (its correction bias; 0: even).
+    #[arg(long, default_value_t = 0.0)]
+    pub init_router_skew: f32,
     /// With `--init random`: the weights' format, `fp8` (every linear projection in
     /// DeepSeek-V3's block-scaled FP8, as an fp8 checkpoint holds them: the experts run the fp8
     /// grouped GEMMs on a GPU) or `none` (floats); default: as the config says.
@@ -207,6 +211,34 @@ pub struct ModelArgs {
     /// every MoE layer, or an object of layer index -> array).
     #[arg(long)]
     pub expert_loads: Option<PathBuf>,
+    /// Read the experts' load statistics every N compute steps (summed over the ranks; each
+    /// MoE layer's imbalance in /metrics); 0: never, unless `--eplb-interval` asks.
+    #[arg(long, default_value_t = 0)]
+    pub expert_stats_interval: usize,
+    /// Re-place every MoE layer's experts every N compute steps from the last
+    /// `--eplb-window` reads of the statistics (DeepSeek's EPLB; only the experts that change
+    /// place move, between ranks, while serving); 0: never.
+    #[arg(long, default_value_t = 0)]
+    pub eplb_interval: usize,
+    /// Reads of the load statistics a re-placement is computed from.
+    #[arg(long, default_value_t = 4)]
+    pub eplb_window: usize,
+    /// Least fraction by which a re-placement must lower a layer's max / mean load over the
+    /// ranks to be applied (moving experts holds the steps meanwhile).
+    #[arg(long, default_value_t = 0.05)]
+    pub eplb_min_gain: f64,
+}
+
+impl ModelArgs {
+    /// Steps between two reads of the load statistics: `--expert-stats-interval`, else
+    /// `--eplb-interval`.
+    fn stats_interval(&self) -> usize {
+        if self.expert_stats_interval > 0 {
+            self.expert_stats_interval
+        } else {
+            self.eplb_interval
+        }
+    }
 }
 
 /// The dtype `--dtype` asks for on `device`: `auto` is bf16 on a GPU and f32 on the CPU; a
@@ -285,6 +317,13 @@ impl ModelArgs {
                             .map_or("?".into(), |v| v.get_name().to_string())
                     );
                 }
+                if self.init_router_skew != 0.0 {
+                    bail!(
+                        "--init-router-skew {} needs --init random (a checkpoint brings its own \
+                         routers)",
+                        self.init_router_skew
+                    );
+                }
                 let dir = match &self.model {
                     Some(d) => d.clone(),
                     None => checkpoint::ensure_default_checkpoint(info.local_rank == 0)?,
@@ -321,14 +360,39 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     let (source, cfg) = args.source(&info)?;
     let device = select_device(&info, args.cpu)?;
     let dtype = parse_dtype(&args.dtype, &device)?;
-    let placements = crate::placements::ExpertPlacements::plan(
-        &cfg,
-        info.world_size,
-        info.local_world_size,
-        args.num_redundant_experts,
-        args.expert_loads.as_deref(),
-    )?
+    let placements = if args.eplb_interval > 0 {
+        // Re-placement changes a placement: every MoE layer starts with one.
+        Some(crate::placements::ExpertPlacements::plan_always(
+            &cfg,
+            info.world_size,
+            info.local_world_size,
+            args.num_redundant_experts,
+            args.expert_loads.as_deref(),
+        )?)
+    } else {
+        crate::placements::ExpertPlacements::plan(
+            &cfg,
+            info.world_size,
+            info.local_world_size,
+            args.num_redundant_experts,
+            args.expert_loads.as_deref(),
+        )?
+    }
     .map(std::sync::Arc::new);
+    let eplb_shape = match &placements {
+        Some(p) => Some(p.shape()),
+        None if args.stats_interval() > 0 => Some(
+            crate::placements::ExpertPlacements::plan_always(
+                &cfg,
+                info.world_size,
+                info.local_world_size,
+                0,
+                None,
+            )?
+            .shape(),
+        ),
+        None => None,
+    };
     let mut buffer_cfg = buffer_config(
         &cfg,
         info.world_size,
@@ -405,7 +469,9 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     };
     let loaded = match source {
         Source::Checkpoint(dir) => loader::load(&dir, opts)?,
-        Source::Random => loader::load_random(cfg, args.init_seed, opts)?,
+        Source::Random => {
+            loader::load_random_skewed(cfg, args.init_seed, args.init_router_skew, opts)?
+        }
     };
     let r = &loaded.report;
     // One line per rank at load: what the weights take, by kind.
@@ -453,14 +519,40 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
         loaded.model.max_positions(),
         kv_bytes as f64 / (1 << 20) as f64
     );
-    Ok((
-        Cluster {
-            engine: Engine::new(loaded.model, info.rank, args.max_batch)?
-                .with_decode_graphs(!args.eager_decode),
-            dist,
-        },
-        loaded.tokenizer,
-    ))
+    let mut model = loaded.model;
+    // Load statistics switched on before any step is captured.
+    let eplb = match eplb_shape.filter(|_| args.stats_interval() > 0) {
+        Some(shape) => {
+            // Re-placed weights travel on a mesh of their own, beside the steps.
+            let transport = if args.eplb_interval > 0 {
+                dist.side_transport("eplb-weights")?
+            } else {
+                None
+            };
+            Some(crate::eplb::Eplb::new(
+                crate::eplb::EplbOptions {
+                    stats_interval: args.stats_interval(),
+                    replace_interval: args.eplb_interval,
+                    window: args.eplb_window,
+                    min_gain: args.eplb_min_gain,
+                    shape,
+                },
+                &mut model,
+                transport,
+                // Gigabytes of weights may be on the way: longer than a step's timeout.
+                Duration::from_secs(args.timeout_secs.saturating_mul(10)),
+            )?)
+        }
+        None => None,
+    };
+    let engine =
+        Engine::new(model, info.rank, args.max_batch)?.with_decode_graphs(!args.eager_decode);
+    let cluster = Cluster::new(engine, dist);
+    let cluster = match eplb {
+        Some(e) => cluster.with_eplb(e),
+        None => cluster,
+    };
+    Ok((cluster, loaded.tokenizer))
 }
 
 impl Cluster {
