@@ -102,7 +102,6 @@ impl Buffer {
                 &buffer.device,
                 buffer.topology,
                 &buffer.config,
-                buffer.id,
                 &buffer,
             )?;
             buffer.backend = Backend::Cuda(Box::new(cuda));

@@ -1,9 +1,10 @@
 //! `get_dispatch_layout`: where each token goes, computed locally.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, LayoutInput, LayoutParts};
 use crate::buffer::{check_dtype, check_shape, Buffer};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
+use crate::host::layout as host_layout;
 use candle_core::{DType, Tensor};
 use ep_kernels::layout::{self as kl, ExpertPlacement};
 
@@ -38,17 +39,32 @@ impl DispatchLayout {
     }
 }
 
-/// Host copy of a `[T, K]` i64 `topk_idx`, validated against `num_experts`.
-pub(crate) fn read_topk_idx(
-    topk_idx: &Tensor,
-    placement: &ExpertPlacement,
-) -> Result<(Vec<i64>, usize, usize)> {
-    check_shape("topk_idx", topk_idx, &[None, None])?;
-    check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
-    let (t, k) = topk_idx.dims2()?;
-    let idx = topk_idx.flatten_all()?.to_vec1::<i64>()?;
-    placement.check_topk_idx(&idx)?;
-    Ok((idx, t, k))
+impl DispatchLayout {
+    /// The layout of `num_tokens` tokens for `num_experts` experts from a backend's parts.
+    fn from_parts(p: LayoutParts, num_experts: usize, num_tokens: usize) -> Self {
+        Self {
+            num_tokens_per_rank: p.num_tokens_per_rank,
+            num_tokens_per_node: p.num_tokens_per_node,
+            num_tokens_per_expert: p.num_tokens_per_expert,
+            is_token_in_rank: p.is_token_in_rank,
+            event: p.event,
+            host: p.host,
+            num_experts,
+            num_tokens,
+        }
+    }
+
+    /// The layout as a fresh dispatch reads it.
+    pub(crate) fn input(&self) -> LayoutInput<'_> {
+        LayoutInput {
+            num_tokens_per_rank: &self.num_tokens_per_rank,
+            num_tokens_per_node: self.num_tokens_per_node.as_ref(),
+            num_tokens_per_expert: &self.num_tokens_per_expert,
+            is_token_in_rank: &self.is_token_in_rank,
+            host: self.host.as_ref(),
+            num_tokens: self.num_tokens,
+        }
+    }
 }
 
 impl Buffer {
@@ -80,54 +96,19 @@ impl Buffer {
             ));
         }
         let placement = self.placement(num_experts)?;
-        match &self.backend {
-            Backend::Host => self.dispatch_layout_host(topk_idx, num_experts, placement),
+        check_shape("topk_idx", topk_idx, &[None, None])?;
+        check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
+        let t = topk_idx.dims2()?.0;
+        let parts = match &self.backend {
+            Backend::Host => host_layout::dispatch_layout(topk_idx, &placement, &self.device)?,
             // CUDA buffers: the layout kernel reads the routing on the device (entries outside
             // [0, num_experts) other than -1 are skipped there); nothing comes back to the host.
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
-                check_shape("topk_idx", topk_idx, &[None, None])?;
-                check_dtype("topk_idx", topk_idx, &[DType::I64], "i64")?;
                 let k = topk_idx.dims2()?.1;
-                c.get_dispatch_layout(topk_idx, k, &placement)
+                c.get_dispatch_layout(topk_idx, k, &placement)?
             }
-        }
-    }
-
-    /// The layout on the host backend (arguments checked): the routing is read back and the
-    /// host twin computes the layout.
-    fn dispatch_layout_host(
-        &self,
-        topk_idx: &Tensor,
-        num_experts: usize,
-        placement: ExpertPlacement,
-    ) -> Result<DispatchLayout> {
-        let (idx, t, k) = read_topk_idx(topk_idx, &placement)?;
-        let host = kl::get_dispatch_layout(&idx, t, k, &placement)?;
-        let dev = &self.device;
-        let r = self.topology.num_ranks;
-        let in_rank: Vec<u8> = host.is_token_in_rank.iter().map(|&b| b as u8).collect();
-        Ok(DispatchLayout {
-            num_tokens_per_rank: Tensor::from_slice(&host.num_tokens_per_rank, r, dev)?,
-            num_tokens_per_node: if placement.num_nodes() > 1 {
-                Some(Tensor::from_slice(
-                    &host.num_tokens_per_node,
-                    placement.num_nodes(),
-                    dev,
-                )?)
-            } else {
-                None
-            },
-            num_tokens_per_expert: Tensor::from_slice(
-                &host.num_tokens_per_expert,
-                num_experts,
-                dev,
-            )?,
-            is_token_in_rank: Tensor::from_vec(in_rank, (t, r), dev)?,
-            event: EventOverlap::complete(),
-            host: Some(host),
-            num_experts,
-            num_tokens: t,
-        })
+        };
+        Ok(DispatchLayout::from_parts(parts, num_experts, t))
     }
 }

@@ -59,6 +59,7 @@ mod cuda;
 pub mod error;
 pub mod event;
 mod group;
+mod host;
 pub mod layout;
 pub mod low_latency;
 pub mod normal;

@@ -1,21 +1,7 @@
-//! What the CUDA normal paths (one node: `normal.rs`; across nodes: `internode.rs`) take
-//! and leave behind: a checked fresh dispatch, and the CUDA side of a handle per path.
+//! What the CUDA normal paths (one node: `normal.rs`; across nodes: `internode.rs`) leave
+//! behind in a handle's record: its CUDA side, per transfer path.
 
-use crate::normal::DispatchArgs;
 use candle_core::Tensor;
-use ep_kernels::layout::ExpertPlacement;
-
-/// The inputs of `CudaBuffer::dispatch_fresh` checked by the shared argument checks.
-pub(crate) struct FreshDispatch<'a> {
-    pub args: &'a DispatchArgs<'a>,
-    pub num_tokens: usize,
-    pub hidden: usize,
-    pub fp8: bool,
-    pub num_experts: usize,
-    pub placement: ExpertPlacement,
-    /// Top-k of `topk_idx` (0 when no routing is sent).
-    pub num_topk: usize,
-}
 
 /// What a handle made by a CUDA buffer holds besides the host backend's tensors: the state
 /// its combine (and cached dispatches) need, for the transfer path its dispatch took.

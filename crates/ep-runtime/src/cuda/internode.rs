@@ -5,16 +5,19 @@
 //! Outputs, handle and receive order are those of the one-node path.
 
 use super::common::{kernel_err, lock};
-use super::handle_data::{CudaHandleData, FreshDispatch, InternodeHandle};
+use super::handle_data::{CudaHandleData, InternodeHandle};
+use super::normal::cuda_record;
 use super::normal_launch::{
     check_payload_dtype, combine_output, payload, x_tensors, RecvRows, TopkTensors,
 };
 use super::tensor::{alloc, alloc_uninit, hand_to, wrap, DeviceTensor};
 use super::CudaBuffer;
+use crate::backend::parts::{
+    CachedDispatch, CachedParts, CombineInput, CombineParts, DispatchParts, FreshDispatch,
+    HandleTensors,
+};
 use crate::config::InternodeSizing;
 use crate::error::{Error, Result};
-use crate::normal::handle::HandleTensors;
-use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 use crate::topology::Topology;
 use cudarc::driver::CudaStream;
 use ep_kernels::internode as kn;
@@ -65,21 +68,22 @@ impl CudaBuffer {
         &self,
         inn: &InternodeCuda,
         f: FreshDispatch<'_>,
-    ) -> Result<DispatchOutput> {
-        let args = f.args;
+        num_topk: usize,
+    ) -> Result<DispatchParts> {
+        let args = &f;
         check_payload_dtype(args.x)?;
         let _op = lock(&self.op);
         inn.buf.check_error().map_err(|e| self.kerr(e))?;
         let lay = inn.buf.layout();
-        let (r, t, h, k) = (self.num_ranks, f.num_tokens, f.hidden, f.num_topk);
+        let (r, t, h, k) = (self.num_ranks, f.num_tokens, f.hidden, num_topk);
         let (nodes, p, m) = (lay.num_nodes(), lay.gpus_per_node, lay.max_tokens);
         let l = f.num_experts / r;
         self.begin(args.previous_event)?;
         let comm = &self.comm;
-        let (ntpr, ntpn, ntpe, itir) = match args.layout {
+        let (ntpr, ntpn, ntpe, itir) = match &args.layout {
             Some(lay) => (
                 lay.num_tokens_per_rank.clone(),
-                lay.num_tokens_per_node.clone().ok_or_else(|| {
+                lay.num_tokens_per_node.cloned().ok_or_else(|| {
                     Error::invalid(
                         "layout",
                         "a layout without num_tokens_per_node",
@@ -127,8 +131,8 @@ impl CudaBuffer {
                 }),
             )
             .map_err(|e| self.kerr(e))?;
-            let (x_d, xs_d) = x_tensors(args)?;
-            let topk_d = TopkTensors::new(args, k)?;
+            let (x_d, xs_d) = x_tensors(args.x, args.x_scales)?;
+            let topk_d = TopkTensors::new(args.topk_idx, args.topk_weights, k)?;
             let topk = topk_d.views(zero_w.as_ref(), t, k)?;
             kn::dispatch_send_cuda(
                 comm,
@@ -205,12 +209,12 @@ impl CudaBuffer {
         let recv_src_idx = wrap(recv_src_idx, n, dev);
         // One channel: the channel prefix is the per-destination count.
         let cpm = ntpr.reshape((r, 1))?;
-        let handle = self.cuda_handle(
+        let handle = cuda_record(
             (t, n),
             HandleTensors {
                 rank_prefix_matrix: wrap(rpm, (r, r), dev),
                 channel_prefix_matrix: cpm,
-                recv_src_idx: recv_src_idx.clone(),
+                recv_src_idx,
                 is_token_in_rank: itir,
                 send_head: wrap(send_head, (t, r), dev),
             },
@@ -222,12 +226,11 @@ impl CudaBuffer {
                 origin: wrap(origin, n, dev),
             }),
         );
-        Ok(DispatchOutput {
+        Ok(DispatchParts {
             recv_x,
             recv_x_scales,
             recv_topk_idx,
             recv_topk_weights,
-            recv_src_idx,
             num_recv_tokens_per_expert: counts.per_expert,
             handle,
             event,
@@ -239,14 +242,11 @@ impl CudaBuffer {
     pub(super) fn internode_dispatch_cached(
         &self,
         inn: &InternodeCuda,
-        args: &DispatchArgs<'_>,
-        hidden: usize,
-        fp8: bool,
-        handle: &Handle,
+        args: &CachedDispatch<'_>,
         ih: &InternodeHandle,
-    ) -> Result<DispatchOutput> {
+    ) -> Result<CachedParts> {
         check_payload_dtype(args.x)?;
-        let hi = &handle.inner;
+        let (hi, hidden, fp8) = (args.handle, args.hidden, args.fp8);
         let _op = lock(&self.op);
         inn.buf.check_error().map_err(|e| self.kerr(e))?;
         let lay = inn.buf.layout();
@@ -257,7 +257,7 @@ impl CudaBuffer {
         let mut recv_rows = RecvRows::default();
         {
             let seq = kn::notify_cuda(comm, &inn.buf, None).map_err(|e| self.kerr(e))?;
-            let (x_d, xs_d) = x_tensors(args)?;
+            let (x_d, xs_d) = x_tensors(args.x, args.x_scales)?;
             let nsi = DeviceTensor::new("handle.node_send_index", &ih.node_send_index)?;
             let itir = DeviceTensor::new("handle.is_token_in_rank", &hi.tensors.is_token_in_rank)?;
             let bc = DeviceTensor::new("handle.block_count", &ih.block_count)?;
@@ -300,17 +300,21 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
-        Ok(DispatchOutput::cached(recv_x, recv_x_scales, handle, event))
+        Ok(CachedParts {
+            recv_x,
+            recv_x_scales,
+            event,
+        })
     }
 
     /// Combine across nodes along `args.handle`.
     pub(super) fn internode_combine(
         &self,
         inn: &InternodeCuda,
-        args: &CombineArgs<'_>,
+        args: &CombineInput<'_>,
         ih: &InternodeHandle,
-    ) -> Result<CombineOutput> {
-        let hi = &args.handle.inner;
+    ) -> Result<CombineParts> {
+        let hi = args.handle;
         let (t, n) = (hi.num_tokens, hi.num_recv_tokens);
         let h = args.x.dims2()?.1;
         let k = match args.topk_weights {

@@ -33,8 +33,7 @@ mod normal_launch;
 pub mod tensor;
 
 pub(crate) use common::kernel_err;
-pub(crate) use handle_data::FreshDispatch;
-pub(crate) use ll_ops::{LlCombineDims, LlDispatched, LlHostPlan};
+pub(crate) use ll_ops::{LlCombineDims, LlHostPlan};
 pub(crate) use ll_recv::CudaLlDispatchData;
 pub(crate) use low_latency::LowLatencyCuda;
 
@@ -59,8 +58,6 @@ use std::time::Duration;
 #[derive(Debug)]
 pub(crate) struct CudaBuffer {
     dev: CudaDevice,
-    /// The id of the buffer this belongs to (stamped into handles).
-    buffer_id: u64,
     /// candle's stream (the caller's compute stream).
     compute: Arc<CudaStream>,
     /// The communication stream (same context).
@@ -109,7 +106,7 @@ pub(crate) struct NormalCuda {
 }
 
 impl CudaBuffer {
-    /// Builds the CUDA state of buffer `buffer_id` on `device` for rank `topo` of `group` (a
+    /// Builds the CUDA state of a buffer on `device` for rank `topo` of `group` (a
     /// collective: every rank of the group calls it once, in the same order as its other
     /// buffers). On one node both modes run over NVLink; across nodes (feature `nvshmem`) the
     /// low-latency mode runs over NVSHMEM, and the normal mode too when configured.
@@ -117,7 +114,6 @@ impl CudaBuffer {
         device: &Device,
         topo: Topology,
         cfg: &BufferConfig,
-        buffer_id: u64,
         group: &dyn Group,
     ) -> Result<Self> {
         let Device::Cuda(dev) = device else {
@@ -186,7 +182,6 @@ impl CudaBuffer {
         let ll = ll.with_nvshmem(nvshmem);
         let this = Self {
             dev: dev.clone(),
-            buffer_id,
             compute,
             comm,
             rank: topo.rank,

@@ -1,18 +1,19 @@
 //! Normal mode on CUDA tensors: layout kernel, notify + poll, dispatch, combine (intranode).
 
 use super::common::{kernel_err, lock};
-use super::handle_data::{CudaHandleData, FreshDispatch};
+use super::handle_data::CudaHandleData;
 use super::normal_launch::{
     check_payload_dtype, combine_output, payload, x_tensors, DispatchPath, DispatchRows, RecvRows,
     TopkTensors,
 };
 use super::tensor::{alloc, alloc_uninit, hand_to, wrap, DeviceTensor};
 use super::CudaBuffer;
+use crate::backend::parts::{
+    CachedDispatch, CachedParts, CombineInput, CombineParts, DispatchParts, FreshDispatch,
+    HandleRecord, HandleTensors, LayoutParts,
+};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
-use crate::layout::DispatchLayout;
-use crate::normal::handle::{HandleInner, HandleTensors};
-use crate::normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 use candle_core::{DType, Tensor};
 use ep_kernels::intranode as ki;
 use ep_kernels::layout::{self as kl, ExpertPlacement};
@@ -31,12 +32,12 @@ impl CudaBuffer {
         topk_idx: &Tensor,
         num_topk: usize,
         placement: &ExpertPlacement,
-    ) -> Result<DispatchLayout> {
+    ) -> Result<LayoutParts> {
         let t = topk_idx.dims2()?.0;
         let (ntpr, ntpn, ntpe, itir) =
             self.device_layout(&self.compute, topk_idx, t, num_topk, placement)?;
         let event = EventOverlap::from_cuda(Arc::new(self.compute.record_event(None)?));
-        Ok(DispatchLayout {
+        Ok(LayoutParts {
             num_tokens_per_rank: ntpr,
             num_tokens_per_node: if placement.num_nodes() > 1 {
                 Some(ntpn)
@@ -47,8 +48,6 @@ impl CudaBuffer {
             is_token_in_rank: itir,
             event,
             host: None,
-            num_experts: placement.num_experts,
-            num_tokens: t,
         })
     }
 
@@ -112,8 +111,12 @@ impl CudaBuffer {
     /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch. With
     /// `num_worst_tokens` the outputs are allocated for that many rows before the notify and
     /// the host reads nothing: notify and dispatch are queued back to back (SM rings only).
-    pub(crate) fn dispatch_fresh(&self, f: FreshDispatch<'_>) -> Result<DispatchOutput> {
-        let worst = f.args.num_worst_tokens;
+    pub(crate) fn dispatch_fresh(
+        &self,
+        f: FreshDispatch<'_>,
+        num_topk: usize,
+    ) -> Result<DispatchParts> {
+        let worst = f.num_worst_tokens;
         #[cfg(feature = "nvshmem")]
         if let Some(inn) = &self.internode {
             if worst > 0 {
@@ -123,20 +126,14 @@ impl CudaBuffer {
                         .into(),
                 ));
             }
-            return self.internode_dispatch_fresh(inn, f);
+            return self.internode_dispatch_fresh(inn, f, num_topk);
         }
         let nm = self.normal_mode()?;
-        let args = f.args;
+        let args = &f;
         check_payload_dtype(args.x)?;
         let _op = lock(&self.op);
         self.check_nvl_error()?;
-        let (r, me, t, h, k) = (
-            self.num_ranks,
-            self.rank,
-            f.num_tokens,
-            f.hidden,
-            f.num_topk,
-        );
+        let (r, me, t, h, k) = (self.num_ranks, self.rank, f.num_tokens, f.hidden, num_topk);
         let c = nm.kdispatch.num_channels();
         let l = f.num_experts / r;
         if l > ki::MAX_LOCAL_EXPERTS {
@@ -151,7 +148,7 @@ impl CudaBuffer {
         }
         self.begin(args.previous_event)?;
         let comm = &self.comm;
-        let (ntpr, ntpe, itir) = match args.layout {
+        let (ntpr, ntpe, itir) = match &args.layout {
             Some(lay) => (
                 lay.num_tokens_per_rank.clone(),
                 lay.num_tokens_per_expert.clone(),
@@ -247,8 +244,8 @@ impl CudaBuffer {
         let mut recv_w = alloc_uninit::<f32>(comm, n * k)?;
         let mut recv_rows = RecvRows::default();
         {
-            let (x_d, xs_d) = x_tensors(args)?;
-            let topk_d = TopkTensors::new(args, k)?;
+            let (x_d, xs_d) = x_tensors(args.x, args.x_scales)?;
+            let topk_d = TopkTensors::new(args.topk_idx, args.topk_weights, k)?;
             let itir_d = DeviceTensor::new("layout.is_token_in_rank", &itir)?;
             let payload = payload(&x_d, xs_d.as_ref(), f.fp8)?;
             let recv_payload = recv_rows.alloc(comm, f.fp8, n, h)?;
@@ -325,74 +322,39 @@ impl CudaBuffer {
                 )
             }
         };
-        let handle = self.cuda_handle(
+        let handle = cuda_record(
             (t, n),
             HandleTensors {
                 rank_prefix_matrix: wrap(rpm, (r, r), dev),
                 channel_prefix_matrix: wrap(cpm, (r, c), dev),
-                recv_src_idx: recv_src_idx.clone(),
+                recv_src_idx,
                 is_token_in_rank: itir,
                 send_head,
             },
             cuda,
         );
-        Ok(DispatchOutput {
+        Ok(DispatchParts {
             recv_x,
             recv_x_scales,
             recv_topk_idx,
             recv_topk_weights,
-            recv_src_idx,
             num_recv_tokens_per_expert: per_expert,
             handle,
             event,
         })
     }
 
-    /// The handle of a fresh dispatch of `t` tokens that received `n` (host-side copies of the
-    /// matrices stay empty: CUDA handles keep them on the device).
-    pub(super) fn cuda_handle(
-        &self,
-        (t, n): (usize, usize),
-        tensors: HandleTensors,
-        cuda: CudaHandleData,
-    ) -> Handle {
-        Handle {
-            inner: Arc::new(HandleInner {
-                buffer_id: self.buffer_id,
-                num_ranks: self.num_ranks,
-                num_tokens: t,
-                num_recv_tokens: n,
-                rank_prefix_matrix: Vec::new(),
-                is_token_in_rank: Vec::new(),
-                tensors,
-                cuda: Some(cuda),
-            }),
-        }
-    }
-
     /// Cached dispatch: reuses the handle's routing (barrier, then dispatch of `x` only).
-    pub(crate) fn dispatch_cached(
-        &self,
-        args: &DispatchArgs<'_>,
-        hidden: usize,
-        fp8: bool,
-        handle: &Handle,
-    ) -> Result<DispatchOutput> {
-        let cd = handle.cuda_data()?;
+    pub(crate) fn dispatch_cached(&self, args: CachedDispatch<'_>) -> Result<CachedParts> {
+        let hi = args.handle;
+        let (hidden, fp8) = (args.hidden, args.fp8);
+        let cd = hi.cuda_data()?;
         #[cfg(feature = "nvshmem")]
         if let CudaHandleData::Internode(ih) = cd {
-            return self.internode_dispatch_cached(
-                self.internode()?,
-                args,
-                hidden,
-                fp8,
-                handle,
-                ih,
-            );
+            return self.internode_dispatch_cached(self.internode()?, &args, ih);
         }
         let nm = self.normal_mode()?;
         check_payload_dtype(args.x)?;
-        let hi = &handle.inner;
         let _op = lock(&self.op);
         self.check_nvl_error()?;
         let (r, t, n, h) = (self.num_ranks, hi.num_tokens, hi.num_recv_tokens, hidden);
@@ -421,7 +383,7 @@ impl CudaBuffer {
         let mut scratch_head = alloc::<i32>(comm, t * r)?;
         let mut recv_rows = RecvRows::default();
         {
-            let (x_d, xs_d) = x_tensors(args)?;
+            let (x_d, xs_d) = x_tensors(args.x, args.x_scales)?;
             let itir = DeviceTensor::new("handle.is_token_in_rank", &hi.tensors.is_token_in_rank)?;
             let rpm =
                 DeviceTensor::new("handle.rank_prefix_matrix", &hi.tensors.rank_prefix_matrix)?;
@@ -466,11 +428,15 @@ impl CudaBuffer {
         }
         let event = self.finish(args.async_finish)?;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, &self.dev);
-        Ok(DispatchOutput::cached(recv_x, recv_x_scales, handle, event))
+        Ok(CachedParts {
+            recv_x,
+            recv_x_scales,
+            event,
+        })
     }
 
     /// Combine along `args.handle` (barrier, then the combine kernel).
-    pub(crate) fn combine(&self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
+    pub(crate) fn combine(&self, args: CombineInput<'_>) -> Result<CombineParts> {
         if args.x.dtype() != DType::BF16 {
             return Err(Error::DType {
                 arg: "x",
@@ -478,20 +444,16 @@ impl CudaBuffer {
                 got: args.x.dtype(),
             });
         }
-        let handle = args.handle;
-        let cd = handle.cuda_data()?;
+        let hi = args.handle;
+        let cd = hi.cuda_data()?;
         #[cfg(feature = "nvshmem")]
         if let CudaHandleData::Internode(ih) = cd {
-            return self.internode_combine(self.internode()?, args, ih);
+            return self.internode_combine(self.internode()?, &args, ih);
         }
         let nm = self.normal_mode()?;
-        let hi = &handle.inner;
         let (t, n) = (hi.num_tokens, hi.num_recv_tokens);
-        let h = args.x.dims2()?.1;
-        let k = match args.topk_weights {
-            Some(w) => w.dims2()?.1,
-            None => 0,
-        };
+        let h = args.hidden;
+        let k = args.num_topk.unwrap_or(0);
         let _op = lock(&self.op);
         self.check_nvl_error()?;
         self.begin(args.previous_event)?;
@@ -591,5 +553,22 @@ impl CudaBuffer {
             )
         };
         Ok(combine_output(combined, combined_w, (t, h, k), dev, event))
+    }
+}
+
+/// The record of a fresh dispatch of `t` tokens that received `n` (host-side copies of the
+/// matrices stay empty: CUDA handles keep them on the device).
+pub(super) fn cuda_record(
+    (t, n): (usize, usize),
+    tensors: HandleTensors,
+    cuda: CudaHandleData,
+) -> HandleRecord {
+    HandleRecord {
+        num_tokens: t,
+        num_recv_tokens: n,
+        rank_prefix_matrix: Vec::new(),
+        is_token_in_rank: Vec::new(),
+        tensors,
+        cuda: Some(cuda),
     }
 }

@@ -6,8 +6,8 @@
 use super::common::kernel_err;
 use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
+use crate::backend::parts::CombineParts;
 use crate::error::{Error, Result};
-use crate::normal::DispatchArgs;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -17,11 +17,11 @@ use std::sync::Arc;
 
 /// `x` and its optional scales of a dispatch, borrowed for the launch.
 pub(super) fn x_tensors<'a>(
-    args: &DispatchArgs<'a>,
+    x: &'a Tensor,
+    x_scales: Option<&'a Tensor>,
 ) -> Result<(DeviceTensor<'a>, Option<DeviceTensor<'a>>)> {
-    let x_d = DeviceTensor::new("x", args.x)?;
-    let xs_d = args
-        .x_scales
+    let x_d = DeviceTensor::new("x", x)?;
+    let xs_d = x_scales
         .map(|s| DeviceTensor::new("x_scales", s))
         .transpose()?;
     Ok((x_d, xs_d))
@@ -64,15 +64,17 @@ pub(super) struct TopkTensors<'a> {
 }
 
 impl<'a> TopkTensors<'a> {
-    pub(super) fn new(args: &DispatchArgs<'a>, k: usize) -> Result<Self> {
+    pub(super) fn new(
+        topk_idx: Option<&'a Tensor>,
+        topk_weights: Option<&'a Tensor>,
+        k: usize,
+    ) -> Result<Self> {
         Ok(Self {
-            idx: args
-                .topk_idx
+            idx: topk_idx
                 .filter(|_| k > 0)
                 .map(|i| DeviceTensor::new("topk_idx", i))
                 .transpose()?,
-            weights: args
-                .topk_weights
+            weights: topk_weights
                 .filter(|_| k > 0)
                 .map(|w| DeviceTensor::new("topk_weights", w))
                 .transpose()?,
@@ -108,15 +110,15 @@ impl<'a> TopkTensors<'a> {
     }
 }
 
-/// A combine's output from the kernels' `[T, H]` rows and `[T, K]` weights (`K` = 0: none).
+/// A combine's parts from the kernels' `[T, H]` rows and `[T, K]` weights (`K` = 0: none).
 pub(super) fn combine_output(
     combined: CudaSlice<half::bf16>,
     combined_w: CudaSlice<f32>,
     (t, h, k): (usize, usize, usize),
     dev: &CudaDevice,
     event: crate::event::EventOverlap,
-) -> crate::normal::CombineOutput {
-    crate::normal::CombineOutput {
+) -> CombineParts {
+    CombineParts {
         combined_x: wrap(combined, (t, h), dev),
         combined_topk_weights: (k > 0).then(|| wrap(combined_w, (t, k), dev)),
         event,

@@ -1,7 +1,7 @@
 //! Normal-mode combine.
 
 use super::handle::Handle;
-use crate::backend::Backend;
+use crate::backend::{Backend, CombineInput};
 use crate::buffer::{check_dtype, check_shape, Buffer};
 use crate::error::Result;
 use crate::event::EventOverlap;
@@ -116,10 +116,25 @@ impl Buffer {
             }
             None => None,
         };
-        match &self.backend {
-            Backend::Host => self.combine_host(args, hidden, k),
+        let input = CombineInput {
+            x: args.x,
+            topk_weights: args.topk_weights,
+            bias: args.bias,
+            previous_event: args.previous_event,
+            async_finish: args.async_finish,
+            hidden,
+            num_topk: k,
+            handle: hi,
+        };
+        let parts = match &self.backend {
+            Backend::Host => self.host_combine(input)?,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.combine(args),
-        }
+            Backend::Cuda(c) => c.combine(input)?,
+        };
+        Ok(CombineOutput {
+            combined_x: parts.combined_x,
+            combined_topk_weights: parts.combined_topk_weights,
+            event: parts.event,
+        })
     }
 }

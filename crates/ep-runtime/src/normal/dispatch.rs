@@ -1,7 +1,7 @@
 //! Normal-mode dispatch.
 
 use super::handle::Handle;
-use crate::backend::Backend;
+use crate::backend::{Backend, CachedDispatch, CachedParts, DispatchParts, FreshDispatch};
 use crate::buffer::{check_dtype, check_shape, Buffer};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
@@ -150,32 +150,42 @@ pub struct DispatchOutput {
 }
 
 impl DispatchOutput {
+    /// The output of a fresh dispatch from a backend's parts, its handle made by `buf`.
+    fn fresh(buf: &Buffer, p: DispatchParts) -> Self {
+        let handle = Handle::new(buf.id, p.handle);
+        Self {
+            recv_x: p.recv_x,
+            recv_x_scales: p.recv_x_scales,
+            recv_topk_idx: p.recv_topk_idx,
+            recv_topk_weights: p.recv_topk_weights,
+            recv_src_idx: handle.inner.tensors.recv_src_idx.clone(),
+            num_recv_tokens_per_expert: p.num_recv_tokens_per_expert,
+            handle,
+            event: p.event,
+        }
+    }
+
     /// The output of a cached dispatch along `handle`: the received rows (and scales), the
     /// handle's source indices, no routing and no counts.
-    pub(crate) fn cached(
-        recv_x: Tensor,
-        recv_x_scales: Option<Tensor>,
-        handle: &Handle,
-        event: EventOverlap,
-    ) -> Self {
+    fn cached(p: CachedParts, handle: &Handle) -> Self {
         Self {
-            recv_x,
-            recv_x_scales,
+            recv_x: p.recv_x,
+            recv_x_scales: p.recv_x_scales,
             recv_topk_idx: None,
             recv_topk_weights: None,
             recv_src_idx: handle.inner.tensors.recv_src_idx.clone(),
             num_recv_tokens_per_expert: Vec::new(),
             handle: handle.clone(),
-            event,
+            event: p.event,
         }
     }
 }
 
 /// What [`check_x`] learnt about `x`.
-pub(super) struct CheckedX {
-    pub(super) num_tokens: usize,
-    pub(super) hidden: usize,
-    pub(super) fp8: bool,
+struct CheckedX {
+    num_tokens: usize,
+    hidden: usize,
+    fp8: bool,
 }
 
 fn check_x(buf: &Buffer, x: &Tensor, x_scales: Option<&Tensor>) -> Result<CheckedX> {
@@ -303,25 +313,33 @@ impl Buffer {
                 format!("must be a positive multiple of num_ranks = {r}"),
             ));
         }
-        let placement = self.placement(num_experts)?;
-        match &self.backend {
-            Backend::Host => self.dispatch_fresh_host(args, cx, num_experts, placement),
+        let fresh = FreshDispatch {
+            x: args.x,
+            x_scales: args.x_scales,
+            topk_idx: args.topk_idx,
+            topk_weights: args.topk_weights,
+            layout: args.layout.map(DispatchLayout::input),
+            expert_alignment: args.expert_alignment,
+            num_worst_tokens: args.num_worst_tokens,
+            previous_event: args.previous_event,
+            async_finish: args.async_finish,
+            num_tokens: cx.num_tokens,
+            hidden: cx.hidden,
+            fp8: cx.fp8,
+            num_experts,
+            placement: self.placement(num_experts)?,
+        };
+        let parts = match &self.backend {
+            // The host backend reads the routing back and checks it there.
+            Backend::Host => self.host_dispatch_fresh(fresh)?,
             // CUDA buffers: shapes and dtypes only; the routing stays on the device.
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
-                let t = cx.num_tokens;
-                let num_topk = self.check_routing_cuda(args, t)?;
-                c.dispatch_fresh(crate::cuda::FreshDispatch {
-                    args,
-                    num_tokens: t,
-                    hidden: cx.hidden,
-                    fp8: cx.fp8,
-                    num_experts,
-                    placement,
-                    num_topk,
-                })
+                let num_topk = self.check_routing_cuda(args, cx.num_tokens)?;
+                c.dispatch_fresh(fresh, num_topk)?
             }
-        }
+        };
+        Ok(DispatchOutput::fresh(self, parts))
     }
 
     /// The routing checks of a fresh dispatch on a CUDA buffer (shapes and dtypes only: the
@@ -374,10 +392,10 @@ impl Buffer {
 
     /// Checks that `handle` was made by this buffer.
     pub(crate) fn check_handle(&self, handle: &Handle) -> Result<()> {
-        if handle.inner.buffer_id != self.id {
+        if handle.buffer_id != self.id {
             return Err(Error::HandleMismatch(format!(
                 "the handle was made by another buffer (id {}, this buffer is {})",
-                handle.inner.buffer_id, self.id
+                handle.buffer_id, self.id
             )));
         }
         Ok(())
@@ -404,10 +422,20 @@ impl Buffer {
                 cx.num_tokens, hi.num_tokens
             )));
         }
-        match &self.backend {
-            Backend::Host => self.dispatch_cached_host(args, cx, h),
+        let cached = CachedDispatch {
+            x: args.x,
+            x_scales: args.x_scales,
+            previous_event: args.previous_event,
+            async_finish: args.async_finish,
+            hidden: cx.hidden,
+            fp8: cx.fp8,
+            handle: hi,
+        };
+        let parts = match &self.backend {
+            Backend::Host => self.host_dispatch_cached(cached)?,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.dispatch_cached(args, cx.hidden, cx.fp8, h),
-        }
+            Backend::Cuda(c) => c.dispatch_cached(cached)?,
+        };
+        Ok(DispatchOutput::cached(parts, h))
     }
 }

@@ -1,5 +1,6 @@
 //! The dispatch handle: everything combine and cached dispatch need to retrace a dispatch.
 
+use crate::backend::HandleRecord;
 use candle_core::Tensor;
 use std::sync::Arc;
 
@@ -11,33 +12,9 @@ use std::sync::Arc;
 /// it.
 #[derive(Debug, Clone)]
 pub struct Handle {
-    pub(crate) inner: Arc<HandleInner>,
-}
-
-#[derive(Debug)]
-pub(crate) struct HandleInner {
-    pub buffer_id: u64,
-    pub num_ranks: usize,
-    pub num_tokens: usize,
-    pub num_recv_tokens: usize,
-    /// `[R, R]` inclusive prefix over sources (row = source, column = destination).
-    pub rank_prefix_matrix: Vec<i32>,
-    /// `[T, R]`.
-    pub is_token_in_rank: Vec<bool>,
-    pub tensors: HandleTensors,
-    /// What the CUDA kernels need besides `tensors` (handles made by CUDA buffers). Those
-    /// handles leave `rank_prefix_matrix` and `is_token_in_rank` above empty (host-only).
-    #[cfg(feature = "cuda")]
-    pub cuda: Option<crate::cuda::handle_data::CudaHandleData>,
-}
-
-#[derive(Debug)]
-pub(crate) struct HandleTensors {
-    pub rank_prefix_matrix: Tensor,
-    pub channel_prefix_matrix: Tensor,
-    pub recv_src_idx: Tensor,
-    pub is_token_in_rank: Tensor,
-    pub send_head: Tensor,
+    /// The buffer that made it.
+    pub(crate) buffer_id: u64,
+    pub(crate) inner: Arc<HandleRecord>,
 }
 
 impl Handle {
@@ -79,32 +56,11 @@ impl Handle {
         &self.inner.tensors.send_head
     }
 
-    /// The CUDA side of a handle made by a CUDA buffer.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda_data(
-        &self,
-    ) -> crate::error::Result<&crate::cuda::handle_data::CudaHandleData> {
-        self.inner.cuda.as_ref().ok_or_else(|| {
-            crate::error::Error::HandleMismatch(
-                "the handle was made by a CPU buffer; a CUDA buffer needs its own handle".into(),
-            )
-        })
+    /// The handle of `record`, made by buffer `buffer_id`.
+    pub(crate) fn new(buffer_id: u64, record: HandleRecord) -> Self {
+        Self {
+            buffer_id,
+            inner: Arc::new(record),
+        }
     }
-
-    /// Rows received from each source rank, `[R]`, for this rank as destination.
-    pub(crate) fn recv_counts_from(&self, me: usize) -> Vec<usize> {
-        recv_counts(&self.inner.rank_prefix_matrix, self.inner.num_ranks, me)
-    }
-}
-
-/// Rows rank `me` receives from each source, `[R]`, from the inclusive `[R, R]` prefix matrix.
-pub(crate) fn recv_counts(rank_prefix_matrix: &[i32], num_ranks: usize, me: usize) -> Vec<usize> {
-    let (p, r) = (rank_prefix_matrix, num_ranks);
-    (0..r)
-        .map(|s| {
-            let hi = p[s * r + me];
-            let lo = if s == 0 { 0 } else { p[(s - 1) * r + me] };
-            (hi - lo) as usize
-        })
-        .collect()
 }

@@ -7,13 +7,13 @@
 //! the [`Handle`] of the dispatch, and sums them on the tokens' home ranks.
 //!
 //! `dispatch` and `combine` hold the public ops and their argument checks; each op then
-//! matches on the buffer's backend once: `host` moves the
-//! payloads through the transport, and CUDA buffers run the NVLink kernels of `crate::cuda`.
+//! matches on the buffer's backend once (the host backend, `crate::host`, moves the payloads
+//! through the transport; CUDA buffers run the NVLink kernels of `crate::cuda`) and assembles
+//! its outputs from the raw parts the backend returns.
 
 mod combine;
 mod dispatch;
 pub(crate) mod handle;
-mod host;
 
 pub use combine::{CombineArgs, CombineOutput};
 pub use dispatch::{DispatchArgs, DispatchOutput};

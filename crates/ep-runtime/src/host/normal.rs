@@ -1,44 +1,40 @@
 //! Normal mode on the host backend: the transport moves the payloads.
 //!
 //! [`Buffer::dispatch`] and [`Buffer::combine`] check their arguments, then call these for CPU
-//! buffers (CUDA buffers go to `crate::cuda` instead). Dispatch exchanges the layout counts
+//! buffers (CUDA buffers go to `crate::cuda` instead), which return the raw parts of the
+//! outputs. Dispatch exchanges the layout counts
 //! (notify), plans with the host twins of `ep_kernels::intranode`, and sends each destination
 //! its tokens in one message; cached dispatch resends `x` along a handle's routing; combine
 //! sends each source its rows back and sums them in rank order, in f32.
 
-use super::combine::{CombineArgs, CombineOutput};
-use super::dispatch::{CheckedX, DispatchArgs, DispatchOutput};
-use super::handle::{Handle, HandleInner, HandleTensors};
+use super::layout::read_topk_idx;
+use crate::backend::{
+    recv_counts, CachedDispatch, CachedParts, CombineInput, CombineParts, DispatchParts,
+    FreshDispatch, HandleRecord, HandleTensors,
+};
 use crate::buffer::{check_dtype, check_shape, Buffer};
 use crate::codec::{i32_bytes, i32s, pack, tensor_bytes, tensor_from_bytes, unpack};
 use crate::error::{Error, Result};
 use crate::event::EventOverlap;
-use crate::layout::read_topk_idx;
 use candle_core::{DType, Tensor};
 use ep_kernels::intranode as ki;
-use ep_kernels::layout::ExpertPlacement;
 use ep_kernels::FP8_GROUP;
-use std::sync::Arc;
 
 impl Buffer {
     /// Fresh dispatch on the host backend (`x`, `num_experts` and the placement checked):
     /// reads and checks the routing, takes or computes the layout, exchanges the counts, then
     /// the tokens.
-    pub(super) fn dispatch_fresh_host(
-        &self,
-        args: &DispatchArgs<'_>,
-        cx: &CheckedX,
-        num_experts: usize,
-        placement: ExpertPlacement,
-    ) -> Result<DispatchOutput> {
+    pub(crate) fn host_dispatch_fresh(&self, args: FreshDispatch<'_>) -> Result<DispatchParts> {
         let r = self.topology.num_ranks;
         let me = self.topology.rank;
-        let t = cx.num_tokens;
+        let t = args.num_tokens;
+        let num_experts = args.num_experts;
+        let placement = &args.placement;
         let topk = match args.topk_idx {
             Some(idx) => {
                 self.check_device("topk_idx", idx)?;
                 check_shape("topk_idx", idx, &[Some(t), None])?;
-                let (v, _, k) = read_topk_idx(idx, &placement)?;
+                let (v, _, k) = read_topk_idx(idx, placement)?;
                 Some((v, k))
             }
             None => None,
@@ -60,7 +56,7 @@ impl Buffer {
             (None, _) => None,
         };
         let computed;
-        let layout = match args.layout {
+        let layout = match &args.layout {
             Some(l) => {
                 if l.num_tokens != t {
                     return Err(Error::invalid(
@@ -69,7 +65,7 @@ impl Buffer {
                         format!("must be for x's {t} tokens"),
                     ));
                 }
-                l.host.as_ref().ok_or_else(|| {
+                l.host.ok_or_else(|| {
                     Error::invalid(
                         "layout",
                         "a layout made by a CUDA buffer",
@@ -85,7 +81,7 @@ impl Buffer {
                         "needed to compute the layout when none is given",
                     ));
                 };
-                computed = ep_kernels::layout::get_dispatch_layout(idx, t, *k, &placement)?;
+                computed = ep_kernels::layout::get_dispatch_layout(idx, t, *k, placement)?;
                 &computed
             }
         };
@@ -116,7 +112,7 @@ impl Buffer {
             me,
             &per_rank_all,
             &per_expert_all,
-            &placement,
+            placement,
             args.expert_alignment,
         )?;
         // Worst-case outputs: every rank holds the whole matrix, so all of them stop here
@@ -145,8 +141,12 @@ impl Buffer {
             Some(s) => Some(tensor_bytes(s)?),
             None => None,
         };
-        let row = cx.hidden * args.x.dtype().size_in_bytes();
-        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
+        let row = args.hidden * args.x.dtype().size_in_bytes();
+        let srow = if args.fp8 {
+            args.hidden / FP8_GROUP * 4
+        } else {
+            0
+        };
         let k = topk.as_ref().map_or(0, |(_, k)| *k);
         let mut msgs = Vec::with_capacity(r);
         let mut local_idx = vec![0i64; k];
@@ -175,7 +175,7 @@ impl Buffer {
                         &idx[i * k..(i + 1) * k],
                         w,
                         d,
-                        &placement,
+                        placement,
                         &mut local_idx,
                         &mut local_w,
                     );
@@ -193,7 +193,7 @@ impl Buffer {
         }
         let got = self.exchange("dispatch", msgs, None)?;
 
-        let recv_counts = super::handle::recv_counts(&notify.rank_prefix_matrix, r, me);
+        let recv_counts = recv_counts(&notify.rank_prefix_matrix, r, me);
         let n = if worst > 0 {
             worst
         } else {
@@ -239,7 +239,7 @@ impl Buffer {
         rids.resize(n * k, -1);
         rws.resize(n * k, 0.0);
         let dev = &self.device;
-        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
+        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, args.hidden)?;
         let (recv_topk_idx, recv_topk_weights) = if topk.is_some() {
             (
                 Some(Tensor::from_vec(rids, (n, k), dev)?),
@@ -254,29 +254,24 @@ impl Buffer {
         let tensors = HandleTensors {
             rank_prefix_matrix: Tensor::from_slice(&notify.rank_prefix_matrix, (r, r), dev)?,
             channel_prefix_matrix: Tensor::from_slice(&channel_prefix, (r, nch), dev)?,
-            recv_src_idx: recv_src_idx.clone(),
+            recv_src_idx,
             is_token_in_rank: Tensor::from_vec(in_rank_u8, (t, r), dev)?,
             send_head: Tensor::from_slice(&send_slots, (t, r), dev)?,
         };
-        let handle = Handle {
-            inner: Arc::new(HandleInner {
-                buffer_id: self.id,
-                num_ranks: r,
-                num_tokens: t,
-                num_recv_tokens: n,
-                rank_prefix_matrix: notify.rank_prefix_matrix,
-                is_token_in_rank: layout.is_token_in_rank.clone(),
-                tensors,
-                #[cfg(feature = "cuda")]
-                cuda: None,
-            }),
+        let handle = HandleRecord {
+            num_tokens: t,
+            num_recv_tokens: n,
+            rank_prefix_matrix: notify.rank_prefix_matrix,
+            is_token_in_rank: layout.is_token_in_rank.clone(),
+            tensors,
+            #[cfg(feature = "cuda")]
+            cuda: None,
         };
-        Ok(DispatchOutput {
+        Ok(DispatchParts {
             recv_x,
             recv_x_scales,
             recv_topk_idx,
             recv_topk_weights,
-            recv_src_idx,
             num_recv_tokens_per_expert: if worst > 0 {
                 Vec::new()
             } else {
@@ -293,23 +288,22 @@ impl Buffer {
 
     /// Cached dispatch on the host backend (arguments and handle checked): sends `x` (and its
     /// scales) along the handle's routing.
-    pub(super) fn dispatch_cached_host(
-        &self,
-        args: &DispatchArgs<'_>,
-        cx: &CheckedX,
-        h: &Handle,
-    ) -> Result<DispatchOutput> {
-        let hi = &h.inner;
+    pub(crate) fn host_dispatch_cached(&self, args: CachedDispatch<'_>) -> Result<CachedParts> {
+        let hi = args.handle;
         let r = self.topology.num_ranks;
         let me = self.topology.rank;
-        let t = cx.num_tokens;
+        let t = hi.num_tokens;
         let x_bytes = tensor_bytes(args.x)?;
         let scale_bytes = match args.x_scales {
             Some(s) => Some(tensor_bytes(s)?),
             None => None,
         };
-        let row = cx.hidden * args.x.dtype().size_in_bytes();
-        let srow = if cx.fp8 { cx.hidden / FP8_GROUP * 4 } else { 0 };
+        let row = args.hidden * args.x.dtype().size_in_bytes();
+        let srow = if args.fp8 {
+            args.hidden / FP8_GROUP * 4
+        } else {
+            0
+        };
         let msgs = (0..r)
             .map(|d| {
                 let mut xs = Vec::new();
@@ -324,7 +318,7 @@ impl Buffer {
             })
             .collect();
         let got = self.exchange("cached_dispatch", msgs, None)?;
-        let counts = h.recv_counts_from(me);
+        let counts = hi.recv_counts_from(r, me);
         let n = hi.num_recv_tokens;
         let mut rx = Vec::with_capacity(n * row);
         let mut rs = Vec::with_capacity(n * srow);
@@ -347,25 +341,18 @@ impl Buffer {
         // A worst-case handle's rows past the received ones (no-ops for exact ones).
         rx.resize(n * row, 0);
         rs.resize(n * srow, 0);
-        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, cx)?;
-        Ok(DispatchOutput::cached(
+        let (recv_x, recv_x_scales) = recv_rows(&rx, &rs, args.x.dtype(), n, args.hidden)?;
+        Ok(CachedParts {
             recv_x,
             recv_x_scales,
-            h,
-            EventOverlap::complete(),
-        ))
+            event: EventOverlap::complete(),
+        })
     }
 
-    /// Combine on the host backend (arguments checked): `hidden` is `x`'s row size and `k` the
-    /// top-k of `topk_weights`, when given.
-    pub(super) fn combine_host(
-        &self,
-        args: &CombineArgs<'_>,
-        hidden: usize,
-        k: Option<usize>,
-    ) -> Result<CombineOutput> {
-        let h = args.handle;
-        let hi = &h.inner;
+    /// Combine on the host backend (arguments checked).
+    pub(crate) fn host_combine(&self, args: CombineInput<'_>) -> Result<CombineParts> {
+        let (hidden, k) = (args.hidden, args.num_topk);
+        let hi = args.handle;
         if let Some(e) = args.previous_event {
             e.wait()?;
         }
@@ -379,7 +366,7 @@ impl Buffer {
             None => Vec::new(),
         };
         let wrow = k.unwrap_or(0) * 4;
-        let counts = h.recv_counts_from(me);
+        let counts = hi.recv_counts_from(r, me);
         let mut off = 0;
         let msgs = (0..r)
             .map(|s| {
@@ -438,7 +425,7 @@ impl Buffer {
             }
         }
         let dev = &self.device;
-        Ok(CombineOutput {
+        Ok(CombineParts {
             combined_x: Tensor::from_vec(acc, (t, hidden), dev)?.to_dtype(args.x.dtype())?,
             combined_topk_weights: match k {
                 Some(k) => Some(Tensor::from_vec(wacc, (t, k), dev)?),
@@ -474,15 +461,11 @@ fn recv_rows(
     rs: &[u8],
     dtype: DType,
     n: usize,
-    cx: &CheckedX,
+    hidden: usize,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let recv_x = tensor_from_bytes(rx, dtype, &[n, cx.hidden])?;
-    let scales = if cx.fp8 {
-        Some(tensor_from_bytes(
-            rs,
-            DType::F32,
-            &[n, cx.hidden / FP8_GROUP],
-        )?)
+    let recv_x = tensor_from_bytes(rx, dtype, &[n, hidden])?;
+    let scales = if dtype == DType::F8E4M3 {
+        Some(tensor_from_bytes(rs, DType::F32, &[n, hidden / FP8_GROUP])?)
     } else {
         None
     };

@@ -2,21 +2,24 @@
 //! moves its tensors.
 //!
 //! A buffer holds exactly one backend, chosen by its device when it is built:
-//! - [`Backend::Host`]: CPU tensors; payloads go through the buffer's transport and the
-//!   host twins of `ep-kernels` compute layouts and reductions (the op modules hold that code);
-//! - `Backend::Cuda` (feature `cuda`): CUDA tensors; the kernels of `ep-kernels` over NVLink,
-//!   on the buffer's communication stream ([`crate::cuda`]).
+//! - [`Backend::Host`]: CPU tensors; payloads go through the buffer's transport and the host
+//!   twins of `ep-kernels` compute layouts, plans and reductions (`crate::host`);
+//! - `Backend::Cuda` (feature `cuda`): CUDA tensors; the kernels of `ep-kernels` over NVLink
+//!   (and NVSHMEM across nodes), on the buffer's communication stream (`crate::cuda`).
 //!
 //! Each op of the op modules (`layout`, `normal`, `low_latency`) checks its arguments once,
-//! then matches on the backend once: the `Host` arm runs the op's host code (the layout's
-//! `dispatch_layout_host`, the functions of `normal::host`, the host send and finish steps of
-//! `low_latency`), the `Cuda` arm the op of `crate::cuda::CudaBuffer` (after any checks that
-//! only CUDA buffers need). Low-latency dispatch also asks [`Backend::is_host`] whether to
-//! plan on the host before that. The calls that need no op module's code are methods here. Backends see the buffer only
-//! through [`Group`], so no backend module imports the buffer. The low-latency CUDA ops return
-//! raw parts (tensors, events, backend data), which the op modules assemble into the public
-//! outputs; the layout and normal-mode CUDA ops take the public arguments and build the public
-//! outputs themselves (`crate::cuda::normal`).
+//! hands the checked inputs (the types of this module) to its backend in one `match`, and
+//! assembles the public outputs from the raw parts that come back: the same convention for
+//! both backends and every op. The backends import these types and never the op modules.
+//! The calls that need no op module's code are methods here. Backends see the rank group
+//! only through [`Group`] (the host backend, being the transport's user, is written as
+//! methods of the buffer).
+
+pub(crate) mod ll_parts;
+pub(crate) mod parts;
+
+pub(crate) use ll_parts::*;
+pub(crate) use parts::*;
 
 use crate::error::Result;
 use crate::group::Group;
