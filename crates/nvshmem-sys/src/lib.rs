@@ -90,6 +90,8 @@ pub mod unique_id;
 #[cfg(feature = "cuda")]
 mod nvshmem;
 #[cfg(feature = "cuda")]
+mod session;
+#[cfg(feature = "cuda")]
 mod shim;
 #[cfg(feature = "cuda")]
 mod symmetric;

@@ -1,71 +1,14 @@
-//! [`Nvshmem`]: this process's NVSHMEM instance (one PE), and the process-wide lifecycle.
+//! [`Nvshmem`]: this process's NVSHMEM instance (one PE).
 
 use crate::error::{Error, Result};
 use crate::locate::Located;
+use crate::session::{lifecycle, Lifecycle, Session};
 use crate::shim::{RawStream, Shim};
 use crate::symmetric::SymmetricBuffer;
 use crate::unique_id::UniqueId;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
-
-/// Where NVSHMEM stands in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Lifecycle {
-    Uninitialized,
-    Live {
-        rank: usize,
-        device: usize,
-    },
-    Finalized,
-    /// An init failed inside NVSHMEM, which may have left it half set up.
-    Failed,
-}
-
-static LIFECYCLE: Mutex<Lifecycle> = Mutex::new(Lifecycle::Uninitialized);
-
-fn lifecycle() -> MutexGuard<'static, Lifecycle> {
-    LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The live NVSHMEM session, shared by the [`Nvshmem`] handle and its buffers; finalised when
-/// the last of them is dropped.
-pub(crate) struct Session {
-    pub(crate) shim: &'static Shim,
-    pub(crate) pe: usize,
-    pub(crate) n_pes: usize,
-    pub(crate) device: usize,
-    /// Serialises calls into NVSHMEM (initialised with `NVSHMEM_THREAD_SERIALIZED`).
-    lock: Mutex<()>,
-    finalized: bool,
-}
-
-impl Session {
-    /// Holds the call lock for one NVSHMEM call (or a few that belong together).
-    pub(crate) fn serialize(&self) -> MutexGuard<'_, ()> {
-        self.lock.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn finalize(&mut self) -> Result<()> {
-        if self.finalized {
-            return Ok(());
-        }
-        self.finalized = true;
-        let result = {
-            let _guard = self.serialize();
-            self.shim.finalize()
-        };
-        *lifecycle() = Lifecycle::Finalized;
-        result
-    }
-}
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        // Errors cannot be returned from drop; `Nvshmem::finalize` reports them.
-        let _ = self.finalize();
-    }
-}
+use std::sync::Arc;
 
 /// This process's NVSHMEM instance: one processing element (PE) of a job of `n_pes`, on one
 /// CUDA device.
@@ -168,14 +111,12 @@ impl Nvshmem {
         }
         *state = Lifecycle::Live { rank, device };
         let (pe, n_pes) = (shim.my_pe(), shim.n_pes());
-        let session = Session {
+        let session = Session::new(
             shim,
-            pe: usize::try_from(pe).unwrap_or(rank),
-            n_pes: usize::try_from(n_pes).unwrap_or(nranks),
+            usize::try_from(pe).unwrap_or(rank),
+            usize::try_from(n_pes).unwrap_or(nranks),
             device,
-            lock: Mutex::new(()),
-            finalized: false,
-        };
+        );
         Ok(Self {
             session: Arc::new(session),
         })

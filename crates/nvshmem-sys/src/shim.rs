@@ -464,3 +464,15 @@ fn open_shim_file(path: &str) -> std::result::Result<Library, String> {
     // is never unloaded.
     unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| e.to_string())
 }
+
+// Made here, where NVSHMEM is loaded, so that the id's type needs nothing of the shim.
+impl UniqueId {
+    /// Asks NVSHMEM for a fresh id (`nvshmemx_get_uniqueid`). Loads NVSHMEM (see the crate
+    /// docs); needs no GPU. The network interface of the bootstrap listener is chosen by
+    /// `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME` (e.g. `lo` for one node), its address by
+    /// `NVSHMEM_BOOTSTRAP_UID_SESSION_ID` (`<ip>:<port>`) if set.
+    pub fn new() -> Result<Self> {
+        let bytes = Shim::get()?.get_uniqueid()?;
+        Self::from_bytes(&bytes)
+    }
+}

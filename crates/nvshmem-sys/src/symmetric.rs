@@ -1,7 +1,7 @@
 //! [`SymmetricBuffer`]: memory on NVSHMEM's symmetric heap, and [`DevicePtr`], its address.
 
 use crate::error::{Error, Result};
-use crate::nvshmem::Session;
+use crate::session::Session;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ptr::NonNull;

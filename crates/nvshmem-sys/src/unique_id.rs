@@ -24,16 +24,6 @@ pub struct UniqueId {
 }
 
 impl UniqueId {
-    /// Asks NVSHMEM for a fresh id (`nvshmemx_get_uniqueid`). Loads NVSHMEM (see the crate
-    /// docs); needs no GPU. The network interface of the bootstrap listener is chosen by
-    /// `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME` (e.g. `lo` for one node), its address by
-    /// `NVSHMEM_BOOTSTRAP_UID_SESSION_ID` (`<ip>:<port>`) if set.
-    #[cfg(feature = "cuda")]
-    pub fn new() -> Result<Self> {
-        let bytes = crate::shim::Shim::get()?.get_uniqueid()?;
-        Self::from_bytes(&bytes)
-    }
-
     /// The id from its bytes, as written by [`UniqueId::to_bytes`]: exactly
     /// [`UNIQUE_ID_BYTES`] bytes starting with the version word [`UNIQUE_ID_VERSION`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
