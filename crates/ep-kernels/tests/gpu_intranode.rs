@@ -566,10 +566,10 @@ fn run_rank(
         },
     )?;
     let timeout = Duration::from_secs(30);
-    let n = recv_counter.poll_nonneg(0, timeout, rank)? as usize;
+    let n = recv_counter.poll_nonneg(0, timeout, rank, intranode::NOTIFY_KERNEL)? as usize;
     let l = e / r;
     let recv_per_expert: Vec<i32> = (0..l)
-        .map(|i| expert_counter.poll_nonneg(i, timeout, rank))
+        .map(|i| expert_counter.poll_nonneg(i, timeout, rank, intranode::NOTIFY_KERNEL))
         .collect::<Result<_, _>>()?;
     let recv_per_source: Vec<i32> = (0..r).map(|s| recv_counter.get(1 + s)).collect();
     let per_source: Vec<usize> = recv_per_source.iter().map(|&v| v.max(0) as usize).collect();
@@ -1119,7 +1119,7 @@ fn main() {
         runner.case(&format!("r{r}/host-poll-timeout"), |_| {
             let ctx = cudarc::driver::CudaContext::new(0)?;
             let m = HostMappedI32::new(&ctx, 1, -1)?;
-            match m.poll_nonneg(0, Duration::from_millis(20), 3) {
+            match m.poll_nonneg(0, Duration::from_millis(20), 3, intranode::NOTIFY_KERNEL) {
                 Err(Error::PeerTimeout { rank: 3, .. }) => Ok(()),
                 other => Err(format!("expected PeerTimeout for rank 3, got {other:?}").into()),
             }

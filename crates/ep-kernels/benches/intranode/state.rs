@@ -165,9 +165,12 @@ pub fn notify_all(
                 send_index: Some(h.send_index.as_view_mut()),
             },
         )?;
-        let n = counters[rank]
-            .0
-            .poll_nonneg(0, std::time::Duration::from_secs(30), rank)? as usize;
+        let n = counters[rank].0.poll_nonneg(
+            0,
+            std::time::Duration::from_secs(30),
+            rank,
+            ep_kernels::intranode::NOTIFY_KERNEL,
+        )? as usize;
         h.per_source = (0..r)
             .map(|s| counters[rank].0.get(1 + s) as usize)
             .collect();

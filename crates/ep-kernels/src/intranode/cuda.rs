@@ -57,7 +57,7 @@ pub(crate) use super::MAX_LOCAL_EXPERTS;
 pub const HEADER_ZERO_BYTES: usize = RING_BASE;
 
 /// Kernel names by the ids the device writes into error records (`KernelId` in
-/// `csrc/intranode.cuh`; [`HostMappedI32::poll_nonneg`] names entry 1).
+/// `csrc/intranode.cuh`).
 pub(crate) const KERNEL_NAMES: [&str; 8] = [
     "intranode_unknown",
     "intranode_notify_dispatch",
@@ -68,6 +68,10 @@ pub(crate) const KERNEL_NAMES: [&str; 8] = [
     "intranode_ce_combine",
     "intranode_ce_dispatch",
 ];
+
+/// The kernel that writes the notify counters, as a timeout names it
+/// ([`HostMappedI32::poll_nonneg`]).
+pub const NOTIFY_KERNEL: &str = KERNEL_NAMES[1];
 
 /// `value` as the `i32` a params struct holds, or an error naming `arg`.
 fn to_i32(arg: &'static str, value: usize) -> Result<i32> {

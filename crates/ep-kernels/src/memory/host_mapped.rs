@@ -10,7 +10,6 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::CudaContext;
 
 use crate::error::{Error, Result};
-use crate::intranode::KERNEL_NAMES;
 
 /// `i32`s in page-locked host memory mapped into every context (`cuMemHostAlloc` with
 /// `DEVICEMAP | PORTABLE`): the host reads what kernels write while they run.
@@ -101,10 +100,17 @@ impl HostMappedI32 {
         (0..self.len).map(|i| self.get(i)).collect()
     }
 
-    /// Polls word `i` until it is `>= 0` (the notify kernel's counters start at `-1`), for at
-    /// most `timeout`; returns the value, or [`Error::PeerTimeout`] naming `rank` and
-    /// `notify_dispatch` if it never arrives.
-    pub fn poll_nonneg(&self, i: usize, timeout: Duration, rank: usize) -> Result<i32> {
+    /// Polls word `i` until it is `>= 0` (the notify kernels' counters start at `-1`), for at
+    /// most `timeout`; returns the value, or [`Error::PeerTimeout`] naming `rank` and the
+    /// kernel that was to write it (e.g. [`crate::intranode::NOTIFY_KERNEL`]) if it never
+    /// arrives.
+    pub fn poll_nonneg(
+        &self,
+        i: usize,
+        timeout: Duration,
+        rank: usize,
+        kernel: &'static str,
+    ) -> Result<i32> {
         let start = Instant::now();
         loop {
             let v = self.get(i);
@@ -112,10 +118,7 @@ impl HostMappedI32 {
                 return Ok(v);
             }
             if start.elapsed() > timeout {
-                return Err(Error::PeerTimeout {
-                    rank,
-                    kernel: KERNEL_NAMES[1],
-                });
+                return Err(Error::PeerTimeout { rank, kernel });
             }
             std::hint::spin_loop();
         }
