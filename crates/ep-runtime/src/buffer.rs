@@ -230,8 +230,10 @@ impl Buffer {
         &self.device
     }
 
-    /// Which ranks take part in low-latency ops (`false` = masked: timed out or masked on
-    /// purpose; their contributions are treated as zero).
+    /// Which ranks take part in the collectives (`false` = masked: timed out or masked on
+    /// purpose). Masked ranks are neither sent to nor waited for: in low-latency mode and in
+    /// the host backend's normal mode their experts contribute zero; the host all-gathers skip
+    /// them; normal mode on CUDA buffers refuses to run while a rank is masked.
     pub fn active_ranks(&self) -> Vec<bool> {
         self.active
             .lock()
@@ -239,7 +241,7 @@ impl Buffer {
             .clone()
     }
 
-    /// Masks `rank` out of the low-latency ops on purpose.
+    /// Masks `rank` out of the collectives on purpose (see [`Buffer::active_ranks`]).
     pub fn mask_rank(&self, rank: usize) -> Result<()> {
         self.check_rank(rank)?;
         if rank == self.topology.rank {
@@ -258,6 +260,17 @@ impl Buffer {
             .for_each(|a| *a = true);
     }
 
+    /// The masked ranks, in order.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn masked_ranks(&self) -> Vec<usize> {
+        self.active_ranks()
+            .iter()
+            .enumerate()
+            .filter(|(_, &a)| !a)
+            .map(|(r, _)| r)
+            .collect()
+    }
+
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.topology.num_ranks {
             return Err(Error::invalid(
@@ -270,15 +283,21 @@ impl Buffer {
     }
 
     /// Gathers a small control message from every rank (index = rank), e.g. a serving
-    /// loop's per-step batch sizes. A collective: every rank must call it.
+    /// loop's per-step batch sizes. A collective: every active rank must call it. Masked ranks
+    /// ([`Buffer::active_ranks`]) are skipped (their entries are empty); a rank that does not
+    /// answer within the timeout is masked and named in the error.
     pub fn host_all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Ok(self
+            .gather_active(data)?
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .collect())
+    }
+
+    /// [`Buffer::host_all_gather`] with `None` for the masked ranks.
+    fn gather_active(&self, data: &[u8]) -> Result<Vec<Option<Vec<u8>>>> {
         let n = self.topology.num_ranks;
-        let got = self.exchange(
-            "all_gather",
-            (0..n).map(|_| Some(data.to_vec())).collect(),
-            None,
-        )?;
-        Ok(got.into_iter().map(|m| m.unwrap_or_default()).collect())
+        self.exchange_active("all_gather", (0..n).map(|_| Some(data.to_vec())).collect())
     }
 
     /// Sends `send[p]` to rank `p` (`None`: nothing) and returns what each rank sent this one
@@ -307,7 +326,7 @@ impl Buffer {
                 (false, None) => Some(vec![0u8]),
             })
             .collect();
-        let got = self.exchange("exchange", framed, None)?;
+        let got = self.exchange_active("exchange", framed)?;
         Ok(got
             .into_iter()
             .map(|m| {
@@ -324,11 +343,13 @@ impl Buffer {
         self.seq.load(Ordering::Relaxed)
     }
 
-    /// The largest `value` over all ranks (a collective), e.g. to pick one mode for a step.
+    /// The largest `value` over all active ranks (a collective), e.g. to pick one mode for a
+    /// step.
     pub fn max_over_ranks(&self, value: u64) -> Result<u64> {
-        let all = self.host_all_gather(&value.to_le_bytes())?;
+        let all = self.gather_active(&value.to_le_bytes())?;
         all.iter()
             .enumerate()
+            .filter_map(|(r, b)| b.as_ref().map(|b| (r, b)))
             .map(|(r, b)| {
                 b.as_slice()
                     .try_into()
@@ -354,6 +375,23 @@ impl Buffer {
     ) -> Result<Vec<Option<Vec<u8>>>> {
         let posted = self.post(what, send, masking.as_deref_mut())?;
         self.complete(posted, masking)
+    }
+
+    /// One round of point-to-point messages among the active ranks: masked ranks are neither
+    /// sent to nor waited for (their slots come back `None`), and a peer that fails is masked
+    /// and named in the error (the round's other messages are still delivered, so the healthy
+    /// peers finish the round too).
+    pub(crate) fn exchange_active(
+        &self,
+        what: &str,
+        send: Vec<Option<Vec<u8>>>,
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let mut fails = Vec::new();
+        let got = self.exchange(what, send, Some(&mut fails))?;
+        match fails.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(got),
+        }
     }
 
     /// The send half of [`Buffer::exchange`].

@@ -527,6 +527,65 @@ fn a_stuck_rank_times_out_naming_it() {
     assert!(matches!(e, Error::Timeout { rank: 1, .. }), "{e}");
 }
 
+/// A rank that stalls is masked by every survivor at the op that waited for it (the error names
+/// it); the next normal ops and all-gathers run without it: no token goes to its experts (they
+/// contribute zero, as in low-latency mode), nothing is awaited from it, and the other ranks'
+/// rows move exactly. A handle made before the masking that exchanged rows with it is refused.
+#[test]
+fn a_stalled_rank_is_masked_and_the_others_go_on() {
+    let timeout = std::time::Duration::from_millis(400);
+    let cfg = BufferConfig::default().with_timeout(timeout);
+    let (r, h) = (3usize, 8usize);
+    let res = run_ranks(r, r, cfg, move |buf| {
+        let me = buf.topology().rank;
+        // Token i of every rank goes to expert i (one per rank) with weight 1.
+        let x = tensor((0..3 * h).map(|v| (me * 100 + v) as f32).collect(), &[3, h]);
+        let idx = tensor(vec![0i64, 1, 2], &[3, 1]);
+        let w = tensor(vec![1f32; 3], &[3, 1]);
+        let args = DispatchArgs::new(&x).topk(&idx, &w).num_experts(3);
+        let before = buf.dispatch(&args).unwrap();
+        if me == 2 {
+            // Stalls past every survivor's timeout, its buffer alive (not a disconnect).
+            std::thread::sleep(timeout * 4);
+            return None;
+        }
+        let err = buf.dispatch(&args).map(|_| ()).unwrap_err();
+        let active = buf.active_ranks();
+        // The same routing again: rank 2's expert takes nothing now.
+        let out = buf.dispatch(&args).unwrap();
+        let back = buf
+            .combine(&CombineArgs::new(&out.recv_x, &out.handle))
+            .unwrap()
+            .combined_x;
+        let gathered = buf.host_all_gather(&[me as u8]).unwrap();
+        let stale = buf
+            .combine(&CombineArgs::new(&before.recv_x, &before.handle))
+            .map(|_| ())
+            .unwrap_err();
+        Some((err, active, out.recv_x.dims()[0], back, x, gathered, stale))
+    });
+    for (me, got) in res.into_iter().enumerate() {
+        let Some((err, active, received, back, x, gathered, stale)) = got else {
+            assert_eq!(me, 2);
+            continue;
+        };
+        assert_eq!(err.rank(), Some(2), "rank {me}: {err}");
+        assert_eq!(active, vec![true, true, false], "rank {me}");
+        // Ranks 0 and 1 each send their token `me` to rank `me`: two rows.
+        assert_eq!(received, 2, "rank {me}");
+        // Tokens 0 and 1 come back as sent; token 2 (rank 2's expert) as zeros.
+        let back: Vec<f32> = back.flatten_all().unwrap().to_vec1().unwrap();
+        let x: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&back[..2 * h], &x[..2 * h], "rank {me}");
+        assert!(back[2 * h..].iter().all(|&v| v == 0.0), "rank {me}");
+        assert_eq!(gathered, vec![vec![0u8], vec![1u8], vec![]], "rank {me}");
+        assert!(
+            matches!(&stale, Error::RanksMasked { ranks } if ranks == &vec![2]),
+            "rank {me}: {stale}"
+        );
+    }
+}
+
 /// Worst-case outputs (`num_worst_tokens`): the exact dispatch's rows first, then rows from
 /// nowhere (zeros, source -1, routing -1, weight 0), no counts per expert; combine and a cached
 /// dispatch along the handle give what the exact ones give. Too small a worst case fails on

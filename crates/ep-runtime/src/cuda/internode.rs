@@ -7,10 +7,8 @@
 use super::common::{kernel_err, lock};
 use super::handle_data::{CudaHandleData, InternodeHandle};
 use super::normal::cuda_record;
-use super::normal_launch::{
-    check_payload_dtype, combine_output, payload, x_tensors, RecvRows, TopkTensors,
-};
-use super::tensor::{alloc, alloc_uninit, hand_to, wrap, DeviceTensor};
+use super::normal_launch::{check_payload_dtype, payload, x_tensors, RecvRows, TopkTensors};
+use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::backend::parts::{
     CachedDispatch, CachedParts, CombineInput, CombineParts, DispatchParts, FreshDispatch,
@@ -372,17 +370,6 @@ impl CudaBuffer {
             )
             .map_err(|e| self.kerr(e))?;
         }
-        let event = self.finish(args.async_finish)?;
-        let dev = &self.dev;
-        let (combined, combined_w) = if args.async_finish {
-            (combined, combined_w)
-        } else {
-            // candle's stream has waited for the combine: the outputs become its own.
-            (
-                hand_to(combined, &self.compute),
-                hand_to(combined_w, &self.compute),
-            )
-        };
-        Ok(combine_output(combined, combined_w, (t, h, k), dev, event))
+        self.combine_output(combined, combined_w, (t, h, k), args.async_finish)
     }
 }

@@ -4,7 +4,7 @@
 //! combine the copy-engine configs of a copy-engine handle.
 
 use super::common::kernel_err;
-use super::tensor::{alloc_uninit, wrap, DeviceTensor};
+use super::tensor::{alloc_uninit, hand_to, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::backend::parts::CombineParts;
 use crate::error::{Error, Result};
@@ -107,21 +107,6 @@ impl<'a> TopkTensors<'a> {
             idx: i.view::<i64>()?,
             weights,
         }))
-    }
-}
-
-/// A combine's parts from the kernels' `[T, H]` rows and `[T, K]` weights (`K` = 0: none).
-pub(super) fn combine_output(
-    combined: CudaSlice<half::bf16>,
-    combined_w: CudaSlice<f32>,
-    (t, h, k): (usize, usize, usize),
-    dev: &CudaDevice,
-    event: crate::event::EventOverlap,
-) -> CombineParts {
-    CombineParts {
-        combined_x: wrap(combined, (t, h), dev),
-        combined_topk_weights: (k > 0).then(|| wrap(combined_w, (t, k), dev)),
-        event,
     }
 }
 
@@ -240,6 +225,33 @@ impl CeConfigs {
 }
 
 impl CudaBuffer {
+    /// Ends a combine launched on the communication stream: its event, and its parts from the
+    /// kernels' `[T, H]` rows and `[T, K]` weights (`K` = 0: none).
+    pub(super) fn combine_output(
+        &self,
+        combined: CudaSlice<half::bf16>,
+        combined_w: CudaSlice<f32>,
+        (t, h, k): (usize, usize, usize),
+        async_finish: bool,
+    ) -> Result<CombineParts> {
+        let event = self.finish(async_finish)?;
+        let (combined, combined_w) = if async_finish {
+            (combined, combined_w)
+        } else {
+            // candle's stream has waited for the combine: the outputs become its own.
+            (
+                hand_to(combined, &self.compute),
+                hand_to(combined_w, &self.compute),
+            )
+        };
+        let dev = &self.dev;
+        Ok(CombineParts {
+            combined_x: wrap(combined, (t, h), dev),
+            combined_topk_weights: (k > 0).then(|| wrap(combined_w, (t, k), dev)),
+            event,
+        })
+    }
+
     /// The copy-engine configs, or the error for a handle of a copy-engine dispatch when this
     /// buffer has the copy-engine path off.
     pub(super) fn ce_configs(&self) -> Result<&CeConfigs> {

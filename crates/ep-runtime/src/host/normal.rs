@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::event::EventOverlap;
 use candle_core::{DType, Tensor};
 use ep_kernels::intranode as ki;
+use ep_kernels::layout::{self as kl, ExpertPlacement};
 use ep_kernels::FP8_GROUP;
 
 impl Buffer {
@@ -85,16 +86,29 @@ impl Buffer {
                 &computed
             }
         };
+        // Masked ranks take no tokens: their experts contribute zero, as in low-latency mode.
+        let active = self.active_ranks();
+        let unmasked;
+        let layout = if active.iter().all(|&a| a) {
+            layout
+        } else {
+            unmasked = without_masked(layout, &active, placement);
+            &unmasked
+        };
 
         // Notify: every rank learns every rank's counts.
         let mut counts = layout.num_tokens_per_rank.clone();
         counts.extend_from_slice(&layout.num_tokens_per_expert);
         let msg = i32_bytes(&counts);
-        let all = self.exchange("notify", (0..r).map(|_| Some(msg.clone())).collect(), None)?;
+        let all = self.exchange_active("notify", (0..r).map(|_| Some(msg.clone())).collect())?;
         let mut per_rank_all = Vec::with_capacity(r * r);
         let mut per_expert_all = Vec::with_capacity(r * num_experts);
         for (src, m) in all.into_iter().enumerate() {
-            let v = i32s(&m.unwrap_or_default());
+            // A masked rank sends nothing and is sent nothing.
+            let v = match m {
+                Some(m) => i32s(&m),
+                None => vec![0; r + num_experts],
+            };
             if v.len() != r + num_experts {
                 return Err(Error::Protocol {
                     rank: src,
@@ -136,17 +150,12 @@ impl Buffer {
         )?;
 
         // Payload.
-        let x_bytes = tensor_bytes(args.x)?;
-        let scale_bytes = match args.x_scales {
-            Some(s) => Some(tensor_bytes(s)?),
-            None => None,
-        };
-        let row = args.hidden * args.x.dtype().size_in_bytes();
-        let srow = if args.fp8 {
-            args.hidden / FP8_GROUP * 4
-        } else {
-            0
-        };
+        let SendRows {
+            x_bytes,
+            scale_bytes,
+            row,
+            srow,
+        } = SendRows::new(args.x, args.x_scales, args.hidden)?;
         let k = topk.as_ref().map_or(0, |(_, k)| *k);
         let mut msgs = Vec::with_capacity(r);
         let mut local_idx = vec![0i64; k];
@@ -191,7 +200,7 @@ impl Buffer {
                 bytemuck::cast_slice(&ws),
             ])));
         }
-        let got = self.exchange("dispatch", msgs, None)?;
+        let got = self.exchange_active("dispatch", msgs)?;
 
         let recv_counts = recv_counts(&notify.rank_prefix_matrix, r, me);
         let n = if worst > 0 {
@@ -205,9 +214,9 @@ impl Buffer {
         let mut rids: Vec<i64> = Vec::with_capacity(n * k);
         let mut rws: Vec<f32> = Vec::with_capacity(n * k);
         for (s, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
-            let parts = unpack(&m, 5, s)?;
             let c = recv_counts[s];
+            let Some(m) = m else { continue };
+            let parts = unpack(&m, 5, s)?;
             let expect = [c * row, c * srow, c * 4, c * k * 8, c * k * 4];
             for (i, (p, e)) in parts.iter().zip(expect).enumerate() {
                 if p.len() != e {
@@ -293,17 +302,12 @@ impl Buffer {
         let r = self.topology.num_ranks;
         let me = self.topology.rank;
         let t = hi.num_tokens;
-        let x_bytes = tensor_bytes(args.x)?;
-        let scale_bytes = match args.x_scales {
-            Some(s) => Some(tensor_bytes(s)?),
-            None => None,
-        };
-        let row = args.hidden * args.x.dtype().size_in_bytes();
-        let srow = if args.fp8 {
-            args.hidden / FP8_GROUP * 4
-        } else {
-            0
-        };
+        let SendRows {
+            x_bytes,
+            scale_bytes,
+            row,
+            srow,
+        } = SendRows::new(args.x, args.x_scales, args.hidden)?;
         let msgs = (0..r)
             .map(|d| {
                 let mut xs = Vec::new();
@@ -317,13 +321,14 @@ impl Buffer {
                 Some(pack(&[&xs, &ss]))
             })
             .collect();
-        let got = self.exchange("cached_dispatch", msgs, None)?;
+        let got = self.exchange_active("cached_dispatch", msgs)?;
         let counts = hi.recv_counts_from(r, me);
+        check_unmasked_since(&got, &counts)?;
         let n = hi.num_recv_tokens;
         let mut rx = Vec::with_capacity(n * row);
         let mut rs = Vec::with_capacity(n * srow);
         for (s, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
+            let Some(m) = m else { continue };
             let parts = unpack(&m, 2, s)?;
             if parts[0].len() != counts[s] * row || parts[1].len() != counts[s] * srow {
                 return Err(Error::Protocol {
@@ -379,7 +384,11 @@ impl Buffer {
                 Some(m)
             })
             .collect();
-        let got = self.exchange("combine", msgs, None)?;
+        let got = self.exchange_active("combine", msgs)?;
+        let sent: Vec<usize> = (0..r)
+            .map(|d| (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]).count())
+            .collect();
+        check_unmasked_since(&got, &sent)?;
 
         // The sums start from the bias rows (zero without a bias).
         let mut acc = match args.bias {
@@ -389,7 +398,7 @@ impl Buffer {
         let kk = k.unwrap_or(0);
         let mut wacc = vec![0f32; t * kk];
         for (d, m) in got.into_iter().enumerate() {
-            let m = m.unwrap_or_default();
+            let Some(m) = m else { continue };
             let parts = unpack(&m, 2, d)?;
             let tokens: Vec<usize> = (0..t).filter(|&i| hi.is_token_in_rank[i * r + d]).collect();
             if parts[0].len() != tokens.len() * row || parts[1].len() != tokens.len() * wrow {
@@ -432,6 +441,75 @@ impl Buffer {
                 None => None,
             },
             event: EventOverlap::complete(),
+        })
+    }
+}
+
+/// `layout` with the masked ranks (`active[d] == false`) taking no token.
+fn without_masked(
+    layout: &kl::DispatchLayout,
+    active: &[bool],
+    placement: &ExpertPlacement,
+) -> kl::DispatchLayout {
+    let r = active.len();
+    let mut out = layout.clone();
+    for (d, _) in active.iter().enumerate().filter(|(_, &a)| !a) {
+        out.num_tokens_per_rank[d] = 0;
+        out.is_token_in_rank
+            .iter_mut()
+            .skip(d)
+            .step_by(r)
+            .for_each(|b| *b = false);
+        let l = placement.experts_per_rank();
+        out.num_tokens_per_expert[d * l..(d + 1) * l].fill(0);
+    }
+    // Per node: the tokens with a rank of that node still taking them.
+    let p = placement.gpus_per_node;
+    let t = out.is_token_in_rank.len() / r.max(1);
+    for (n, c) in out.num_tokens_per_node.iter_mut().enumerate() {
+        *c = (0..t)
+            .filter(|&i| (n * p..(n + 1) * p).any(|d| out.is_token_in_rank[i * r + d]))
+            .count() as i32;
+    }
+    out
+}
+
+/// Fails an op along a handle when a rank it exchanges rows with (`rows[s] > 0`) was masked
+/// after the dispatch that made the handle: its rows are missing.
+fn check_unmasked_since(got: &[Option<Vec<u8>>], rows: &[usize]) -> Result<()> {
+    let ranks: Vec<usize> = got
+        .iter()
+        .zip(rows)
+        .enumerate()
+        .filter(|(_, (m, &n))| m.is_none() && n > 0)
+        .map(|(s, _)| s)
+        .collect();
+    if ranks.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::RanksMasked { ranks })
+    }
+}
+
+/// A dispatch's rows as bytes: `x` (`row` bytes a token) and its fp8 scales (`srow`).
+struct SendRows {
+    x_bytes: Vec<u8>,
+    scale_bytes: Option<Vec<u8>>,
+    row: usize,
+    srow: usize,
+}
+
+impl SendRows {
+    fn new(x: &Tensor, x_scales: Option<&Tensor>, hidden: usize) -> Result<Self> {
+        Ok(Self {
+            x_bytes: tensor_bytes(x)?,
+            scale_bytes: x_scales.map(tensor_bytes).transpose()?,
+            row: hidden * x.dtype().size_in_bytes(),
+            srow: if x_scales.is_some() {
+                hidden / FP8_GROUP * 4
+            } else {
+                0
+            },
         })
     }
 }

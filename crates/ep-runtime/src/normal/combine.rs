@@ -129,7 +129,10 @@ impl Buffer {
         let parts = match &self.backend {
             Backend::Host => self.host_combine(input)?,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.combine(input)?,
+            Backend::Cuda(c) => {
+                self.check_none_masked_cuda("combine")?;
+                c.combine(input)?
+            }
         };
         Ok(CombineOutput {
             combined_x: parts.combined_x,

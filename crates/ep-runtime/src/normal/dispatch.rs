@@ -335,6 +335,7 @@ impl Buffer {
             // CUDA buffers: shapes and dtypes only; the routing stays on the device.
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
+                self.check_none_masked_cuda("dispatch")?;
                 let num_topk = self.check_routing_cuda(args, cx.num_tokens)?;
                 c.dispatch_fresh(fresh, num_topk)?
             }
@@ -390,6 +391,19 @@ impl Buffer {
         Ok(num_topk)
     }
 
+    /// Normal mode on CUDA buffers exchanges with every rank: refused while one is masked.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn check_none_masked_cuda(&self, op: &str) -> Result<()> {
+        let masked = self.masked_ranks();
+        if masked.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "normal-mode {op} on a CUDA buffer while ranks {masked:?} are masked (its kernels \
+             exchange with every rank): use the low-latency mode, or reset_active_ranks"
+        )))
+    }
+
     /// Checks that `handle` was made by this buffer.
     pub(crate) fn check_handle(&self, handle: &Handle) -> Result<()> {
         if handle.buffer_id != self.id {
@@ -434,7 +448,10 @@ impl Buffer {
         let parts = match &self.backend {
             Backend::Host => self.host_dispatch_cached(cached)?,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.dispatch_cached(cached)?,
+            Backend::Cuda(c) => {
+                self.check_none_masked_cuda("dispatch")?;
+                c.dispatch_cached(cached)?
+            }
         };
         Ok(DispatchOutput::cached(parts, h))
     }

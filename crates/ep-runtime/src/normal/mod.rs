@@ -6,6 +6,12 @@
 //! [`Buffer::combine`](crate::Buffer::combine) sends rows back along the same path, using
 //! the [`Handle`] of the dispatch, and sums them on the tokens' home ranks.
 //!
+//! Masked ranks ([`Buffer::active_ranks`](crate::Buffer::active_ranks)) take no part: on the
+//! host backend no token goes to them (their experts contribute zero, as in low-latency mode)
+//! and nothing is awaited from them; an op along a handle that exchanged rows with a rank
+//! masked since fails with [`Error::RanksMasked`](crate::Error::RanksMasked). CUDA buffers
+//! refuse normal mode while a rank is masked.
+//!
 //! `dispatch` and `combine` hold the public ops and their argument checks; each op then
 //! matches on the buffer's backend once (the host backend, `crate::host`, moves the payloads
 //! through the transport; CUDA buffers run the NVLink kernels of `crate::cuda`) and assembles
