@@ -10,6 +10,8 @@
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
 //! - [`placement`] and [`replacement`]: redundant experts placed by DeepSeek's EPLB from the
 //!   layer's load statistics, and re-placed while serving (weights moved between ranks);
+//! - [`MoeLayer::exclude_ranks`]: serving on when ranks are lost, each expert from its
+//!   replicas on the ranks that remain;
 //! - [`dense`]: the single-process reference layer EP results are tested against;
 //! - [`WeightBytes::planned`]: what a layer's weights will take on a rank, before loading.
 //!
@@ -45,6 +47,7 @@ pub mod experts;
 pub mod fp8;
 pub mod fp8_linear;
 mod layer;
+mod lost_ranks;
 mod modes;
 mod options;
 pub mod placement;

@@ -77,6 +77,47 @@ impl Placement {
         imbalance(&self.gpu_loads(loads, num_gpus))
     }
 
+    /// This placement with no token routed to the slots of the GPUs marked `lost` (one flag
+    /// per GPU): each logical expert keeps only its replicas on the other GPUs. The slots stay
+    /// (`phy_to_log` unchanged): they hold their weights but take no token. Fails, naming the
+    /// experts, when one would keep no replica.
+    pub fn without_gpus(&self, lost: &[bool]) -> Result<Placement> {
+        let (p, g) = (self.num_physical(), lost.len());
+        if g == 0 || p % g != 0 {
+            return Err(Error::invalid(
+                "lost",
+                format!("{g} GPU flags"),
+                format!("one per GPU, dividing the {p} slots"),
+            ));
+        }
+        let per_gpu = p / g;
+        let log_to_phy: Vec<Vec<usize>> = self
+            .log_to_phy
+            .iter()
+            .map(|v| v.iter().copied().filter(|&s| !lost[s / per_gpu]).collect())
+            .collect();
+        let orphans: Vec<usize> = (0..log_to_phy.len())
+            .filter(|&x| log_to_phy[x].is_empty())
+            .collect();
+        if !orphans.is_empty() {
+            let ranks: Vec<usize> = (0..g).filter(|&r| lost[r]).collect();
+            return Err(Error::invalid(
+                "lost ranks",
+                format!("{ranks:?}"),
+                format!(
+                    "logical experts {orphans:?} have no replica on another rank (more \
+                     redundant experts, or a placement that spreads replicas over ranks, \
+                     would keep them)"
+                ),
+            ));
+        }
+        Ok(Placement {
+            phy_to_log: self.phy_to_log.clone(),
+            replica: self.replica.clone(),
+            log_to_phy,
+        })
+    }
+
     /// This placement with the slots of each of `num_gpus` GPUs reordered so that as many as
     /// can keep the expert they hold in `current`: every GPU holds the same experts as before
     /// the reordering (the same balance), and a re-placement from `current` moves only the

@@ -254,6 +254,8 @@ impl MoeLayer {
                 format!("this rank needs slots {mine:?}, each once"),
             ));
         }
+        // Checked before any slot is written: the lost ranks' slots stay out of the map.
+        let placement = self.routed_around_masked(placement)?;
         for (slot, bytes) in &slots {
             self.experts.write_slot_bytes(slot - me * per_rank, bytes)?;
         }
