@@ -3,9 +3,12 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use moe_layer::MoeConfig;
+use moe_layer::ep_runtime::Buffer;
+use moe_layer::placement::Placement;
+use moe_layer::{Mode, MoeConfig, MoeLayer, MoeLayerOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The prefix of the layer inside the checkpoint.
 pub const PREFIX: &str = "model.layers.3.mlp";
@@ -111,4 +114,29 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     } else {
         num / den
     }
+}
+
+/// This rank's layer of the checkpoint at `path` on `buf`, in `Mode::Auto` with low-latency
+/// steps of up to `max_tokens` tokens, its experts placed by `placement` (`None`: `E / R`
+/// fixed experts a rank).
+pub fn load_layer(
+    path: &Path,
+    cfg: &MoeConfig,
+    buf: Buffer,
+    max_tokens: usize,
+    placement: Option<&Placement>,
+) -> MoeLayer {
+    let opts = MoeLayerOptions {
+        mode: Mode::Auto,
+        low_latency_max_tokens: max_tokens,
+        ..Default::default()
+    };
+    MoeLayer::load_placed(
+        var_builder(path, DType::F32),
+        cfg,
+        Arc::new(buf),
+        opts,
+        placement,
+    )
+    .expect("layer")
 }

@@ -2,7 +2,7 @@
 //! single-process MoE layer; also with the two-batch overlap and the per-expert combine.
 
 use candle_core::{DType, Device, Tensor};
-use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
+use ep_moe_tests::{config, load_layer, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_kernels::gemm::GemmGrid;
 use moe_layer::ep_runtime::{Buffer, BufferConfig, Reduction};
@@ -508,21 +508,9 @@ fn redundant_experts_equal_dense_and_count_the_load() {
                 .map(|buf| {
                     s.spawn(move || {
                         let rank = buf.topology().rank;
-                        let opts = MoeLayerOptions {
-                            mode: Mode::Auto,
-                            low_latency_max_tokens: max_tokens,
-                            ..Default::default()
-                        };
-                        let layer = MoeLayer::load_placed(
-                            var_builder(path_ref, DType::F32),
-                            cfg_ref,
-                            Arc::new(buf),
-                            opts,
-                            Some(pl),
-                        )
-                        .unwrap()
-                        .with_load_stats()
-                        .unwrap();
+                        let layer = load_layer(path_ref, cfg_ref, buf, max_tokens, Some(pl))
+                            .with_load_stats()
+                            .unwrap();
                         assert_eq!(layer.experts().num_local(), physical / ranks);
                         let dense =
                             DenseMoe::load(var_builder(path_ref, DType::F32), cfg_ref).unwrap();
@@ -604,19 +592,8 @@ fn re_placed_experts_equal_dense() {
                 .map(|buf| {
                     s.spawn(move || {
                         let rank = buf.topology().rank;
-                        let opts = MoeLayerOptions {
-                            mode: Mode::Auto,
-                            low_latency_max_tokens: max_tokens,
-                            ..Default::default()
-                        };
-                        let mut layer = MoeLayer::load_placed(
-                            var_builder(path_ref, DType::F32),
-                            cfg_ref,
-                            Arc::new(buf),
-                            opts,
-                            Some(&plans_ref[0]),
-                        )
-                        .unwrap();
+                        let mut layer =
+                            load_layer(path_ref, cfg_ref, buf, max_tokens, Some(&plans_ref[0]));
                         let dense =
                             DenseMoe::load(var_builder(path_ref, DType::F32), cfg_ref).unwrap();
                         let mut errs = Vec::new();

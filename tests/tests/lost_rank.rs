@@ -3,7 +3,7 @@
 //! on the other ranks, and the next steps equal the dense layer (CPU, ranks as threads).
 
 use candle_core::{DType, Device, Tensor};
-use ep_moe_tests::{config, rel_err, var_builder, write_checkpoint};
+use ep_moe_tests::{config, load_layer, rel_err, var_builder, write_checkpoint};
 use moe_layer::dense::DenseMoe;
 use moe_layer::ep_runtime::{Buffer, BufferConfig};
 use moe_layer::placement::Placement;
@@ -43,19 +43,8 @@ fn a_lost_rank_is_routed_around_and_the_layer_equals_dense() {
             .map(|buf| {
                 s.spawn(move || {
                     let rank = buf.topology().rank;
-                    let opts = MoeLayerOptions {
-                        mode: Mode::Auto,
-                        low_latency_max_tokens: max_tokens,
-                        ..Default::default()
-                    };
-                    let mut layer = MoeLayer::load_placed(
-                        var_builder(path_ref, DType::F32),
-                        cfg_ref,
-                        Arc::new(buf),
-                        opts,
-                        Some(placement_ref),
-                    )
-                    .unwrap();
+                    let mut layer =
+                        load_layer(path_ref, cfg_ref, buf, max_tokens, Some(placement_ref));
                     loaded_ref.wait();
                     if rank == lost_rank {
                         // Gone: its buffer is dropped and never answers again.
