@@ -8,11 +8,14 @@ use crate::group::Group;
 use crate::topology::Topology;
 use crate::transport::{LocalTransport, TcpTransport, Transport};
 use candle_core::{DType, Device, Tensor};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// How often a waiting receive looks at the cancel flag ([`Buffer::cancel_collectives`]).
+const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 /// One rank's expert-parallel communication buffer, in the shape of DeepEP's `Buffer`.
 ///
@@ -36,6 +39,9 @@ pub struct Buffer {
     pub(crate) device: Device,
     seq: AtomicU64,
     active: Mutex<Vec<bool>>,
+    /// Set by [`Buffer::cancel_collectives`]: receives fail at once until
+    /// [`Buffer::resume_collectives`].
+    cancelled: AtomicBool,
     /// What moves the tensors: the host backend, or the CUDA backend (NVLink buffers,
     /// streams) for buffers on a CUDA device.
     pub(crate) backend: Backend,
@@ -92,6 +98,7 @@ impl Buffer {
             device: device.clone(),
             seq: AtomicU64::new(0),
             active: Mutex::new(vec![true; topology.num_ranks]),
+            cancelled: AtomicBool::new(false),
             config,
             backend: Backend::Host,
         };
@@ -258,6 +265,72 @@ impl Buffer {
             .unwrap_or_else(|e| e.into_inner())
             .iter_mut()
             .for_each(|a| *a = true);
+    }
+
+    /// Cancels this rank's host collectives: a receive waiting now, and every later one, fails
+    /// at once with [`Error::Cancelled`] (its peer is not masked) until
+    /// [`Buffer::resume_collectives`]. Called when another rank has started a failure
+    /// agreement ([`crate::Membership`]), so that no survivor waits out its timeout on a peer
+    /// that has left the step to agree.
+    pub fn cancel_collectives(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+
+    /// Whether the host collectives are cancelled ([`Buffer::cancel_collectives`]).
+    pub fn collectives_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Resumes the host collectives after a failure agreement: the ranks of `lost` masked,
+    /// every other rank active again, and the next round numbered `next_round` (the same on
+    /// every survivor, so that their messages match again whatever rounds each had run when
+    /// the step broke off).
+    pub fn resume_collectives(&self, lost: &[usize], next_round: u64) -> Result<()> {
+        for &r in lost {
+            self.check_rank(r)?;
+            if r == self.topology.rank {
+                return Err(Error::invalid("lost", r, "a rank cannot mask itself"));
+            }
+        }
+        {
+            let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+            active.iter_mut().for_each(|a| *a = true);
+            lost.iter().for_each(|&r| active[r] = false);
+        }
+        self.seq.store(next_round, Ordering::Relaxed);
+        self.cancelled.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    /// A receive from `peer` that gives up at `deadline` or as soon as the collectives are
+    /// cancelled.
+    fn recv_or_cancel(
+        &self,
+        peer: usize,
+        tag: u64,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        let started = Instant::now();
+        loop {
+            if self.collectives_cancelled() {
+                return Err(Error::Cancelled {
+                    what: format!("{what} (waiting for rank {peer})"),
+                });
+            }
+            let slice = deadline.min(Instant::now() + CANCEL_POLL);
+            match self.transport.recv(peer, tag, slice) {
+                Err(Error::Timeout { .. }) if slice < deadline => continue,
+                Err(Error::Timeout { rank, what, .. }) => {
+                    return Err(Error::Timeout {
+                        rank,
+                        what,
+                        waited: started.elapsed(),
+                    })
+                }
+                r => return r,
+            }
+        }
     }
 
     /// The masked ranks, in order.
@@ -453,8 +526,10 @@ impl Buffer {
             if masking.is_some() && !self.active_ranks()[p] {
                 continue;
             }
-            match self.transport.recv(p, posted.tag, deadline) {
+            match self.recv_or_cancel(p, posted.tag, deadline, &posted.what) {
                 Ok(m) => out[p] = Some(m),
+                // Not the peer's doing: it is not masked.
+                Err(e @ Error::Cancelled { .. }) => return Err(e),
                 Err(e) => match masking.as_deref_mut() {
                     Some(fails) => {
                         tracing::warn!(rank = p, op = %posted.what, "peer failed; masking it: {e}");

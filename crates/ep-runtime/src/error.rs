@@ -94,6 +94,13 @@ pub enum Error {
         /// The inactive ranks.
         ranks: Vec<usize>,
     },
+    /// This rank's collectives were cancelled for a failure agreement
+    /// ([`crate::Buffer::cancel_collectives`]): another rank saw a peer fail.
+    #[error("cancelled: another rank is agreeing on a failed rank; {what} broke off")]
+    Cancelled {
+        /// The collective that broke off.
+        what: String,
+    },
     /// The bootstrap store failed.
     #[error("bootstrap store: {0}")]
     Store(String),

@@ -62,6 +62,7 @@ mod group;
 mod host;
 pub mod layout;
 pub mod low_latency;
+mod membership;
 pub mod normal;
 pub mod topology;
 pub mod transport;
@@ -82,6 +83,7 @@ pub use low_latency::{
     LowLatencyCombineArgs, LowLatencyCombineOutput, LowLatencyDispatchArgs,
     LowLatencyDispatchOutput, LowLatencyHandle, RecvHook,
 };
+pub use membership::{Agreement, Membership};
 pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Handle};
 pub use topology::Topology;
 #[cfg(feature = "nvshmem")]
