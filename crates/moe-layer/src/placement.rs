@@ -218,10 +218,17 @@ pub fn place(loads: &[f64], shape: PlacementShape) -> Result<Placement> {
             .map(|&m| node_loads[m] / counts[m] as f64)
             .collect();
         let gpu_packs = pack(&slot_loads, gpus_per_node);
+        let mut gpu_slots = vec![vec![0usize; slots_per_gpu]; gpus_per_node];
         for (slot, &(gpu, rank)) in gpu_packs.iter().enumerate() {
-            let s = node * slots_per_node + gpu * slots_per_gpu + rank;
-            phy_to_log[s] = experts[slot_expert[slot]];
-            replica[s] = slot_replica[slot];
+            gpu_slots[gpu][rank] = slot;
+        }
+        spread_replicas(&mut gpu_slots, &slot_expert, &slot_loads);
+        for (gpu, slots) in gpu_slots.iter().enumerate() {
+            for (rank, &slot) in slots.iter().enumerate() {
+                let s = node * slots_per_node + gpu * slots_per_gpu + rank;
+                phy_to_log[s] = experts[slot_expert[slot]];
+                replica[s] = slot_replica[slot];
+            }
         }
     }
     let mut log_to_phy = vec![Vec::new(); e];
@@ -240,6 +247,47 @@ pub fn place(loads: &[f64], shape: PlacementShape) -> Result<Placement> {
         replica,
         log_to_phy,
     })
+}
+
+/// Swaps slots of equal load between GPUs (`gpus[g]`: the slots of GPU `g`; `expert[slot]`,
+/// `load[slot]`) so that no GPU holds two replicas of one expert where such a swap allows it.
+/// Every GPU's load stays exactly as packed; what it buys is that a lost GPU leaves each of its
+/// experts a replica on another GPU (`Placement::without_gpus`) whenever the slots allow.
+fn spread_replicas(gpus: &mut [Vec<usize>], expert: &[usize], load: &[f64]) {
+    let holds = |g: &[usize], x: usize| g.iter().filter(|&&s| expert[s] == x).count();
+    let slots: usize = gpus.iter().map(Vec::len).sum();
+    // Each swap lowers the number of doubled replicas by at least one.
+    for _ in 0..=slots {
+        let mut swapped = false;
+        for a in 0..gpus.len() {
+            for i in 0..gpus[a].len() {
+                let s = gpus[a][i];
+                let x = expert[s];
+                if holds(&gpus[a], x) < 2 {
+                    continue;
+                }
+                let partner = (0..gpus.len())
+                    .filter(|&b| b != a && holds(&gpus[b], x) == 0)
+                    .find_map(|b| {
+                        (0..gpus[b].len())
+                            .find(|&j| {
+                                let t = gpus[b][j];
+                                load[t] == load[s] && holds(&gpus[a], expert[t]) == 0
+                            })
+                            .map(|j| (b, j))
+                    });
+                if let Some((b, j)) = partner {
+                    let t = gpus[b][j];
+                    gpus[b][j] = s;
+                    gpus[a][i] = t;
+                    swapped = true;
+                }
+            }
+        }
+        if !swapped {
+            return;
+        }
+    }
 }
 
 /// Checks the loads and the shape; errors name the value and the limit.
@@ -408,6 +456,25 @@ mod tests {
         for (loads, want) in layers.iter().zip(want) {
             let p = place(loads, shape(16, 4, 2, 8)).unwrap();
             assert_eq!(p.phy_to_log, want);
+        }
+    }
+
+    #[test]
+    fn equal_loads_put_an_expert_s_replicas_on_different_gpus() {
+        // 16 experts twice over 4 GPUs (a rank lost keeps every expert served), one node, and
+        // over 2 nodes of 2 GPUs (4 groups).
+        for (groups, nodes) in [(1, 1), (4, 2)] {
+            let p = place(&[1.0; 16], shape(32, groups, nodes, 4)).unwrap();
+            for g in 0..4 {
+                let mut held: Vec<usize> = p.phy_to_log[g * 8..(g + 1) * 8].to_vec();
+                held.sort_unstable();
+                held.dedup();
+                assert_eq!(held.len(), 8, "gpu {g} of {:?}", p.phy_to_log);
+                let mut lost = vec![false; 4];
+                lost[g] = true;
+                p.without_gpus(&lost).unwrap();
+            }
+            assert_eq!(p.gpu_loads(&[1.0; 16], 4), vec![4.0; 4]);
         }
     }
 
