@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use moe_layer::ep_runtime::{Buffer, BufferConfig, Store, StoreConfig, TcpTransport, Topology};
+use moe_layer::ep_runtime::{
+    Buffer, BufferConfig, Membership, Store, StoreConfig, TcpTransport, Topology,
+};
 
 /// Who this process is: the variables `launch` (or torchrun) sets. With none set, a job of one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +80,7 @@ pub struct Dist {
     pub info: RankInfo,
     /// The buffer every MoE layer of this rank uses.
     pub buffer: Arc<Buffer>,
-    store: Option<Store>,
+    store: Option<Arc<Store>>,
 }
 
 impl Dist {
@@ -109,8 +111,19 @@ impl Dist {
         Ok(Self {
             info,
             buffer: Arc::new(buffer),
-            store: Some(store),
+            store: Some(Arc::new(store)),
         })
+    }
+
+    /// This rank's part in agreeing on lost ranks with the others (a watcher thread that
+    /// cancels the collectives when another rank opens an agreement); `None` in a job of one.
+    pub fn membership(&self) -> Result<Option<Membership>> {
+        let Some(store) = &self.store else {
+            return Ok(None);
+        };
+        Membership::new(store.clone(), self.buffer.clone())
+            .map(Some)
+            .with_context(|| format!("rank {}: cannot watch the job's ranks", self.info.rank))
     }
 
     /// A TCP mesh of its own among the job's ranks, named `group` (a collective: every rank
@@ -136,8 +149,8 @@ impl Dist {
 
     /// Ends the job cleanly: every rank but 0 reports that it has received everything, and rank
     /// 0 (which hosts the store and the other end of every connection) waits for all of them
-    /// before it may exit.
-    pub fn finish(&self, timeout: Duration) -> Result<()> {
+    /// but the `lost` ones before it may exit.
+    pub fn finish(&self, timeout: Duration, lost: usize) -> Result<()> {
         let Some(store) = &self.store else {
             return Ok(());
         };
@@ -146,7 +159,7 @@ impl Dist {
             return Ok(());
         }
         let start = Instant::now();
-        let others = (self.info.world_size - 1) as i64;
+        let others = (self.info.world_size - 1 - lost) as i64;
         while store.add("deepseek-v3/finished", 0)? < others {
             if start.elapsed() > timeout {
                 bail!("rank 0: other ranks did not finish within {timeout:?}");

@@ -16,7 +16,9 @@ use crate::dist::Dist;
 use crate::eplb::{Eplb, EplbReport};
 use crate::kv_cache::KvCache;
 use crate::model::{DeepSeekV3, SeqInput, StepKind, StepShape};
+use crate::recovery::RankLoss;
 use crate::sampling::{Sampler, SamplingParams};
+use moe_layer::ep_runtime::Membership;
 
 /// Sequence id, unique for the lifetime of a job.
 pub type SeqId = u64;
@@ -50,15 +52,27 @@ pub enum StepOp {
 /// One step, as rank 0 sends it to every rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepPlan {
+    /// The step's number, counted by rank 0 ([`Cluster::lead_step`] sets it): after a rank is
+    /// lost, the step rank 0 did not complete is rolled back on every rank (`crate::recovery`).
+    pub step: u64,
     /// Sequences to drop before the step.
     pub free: Vec<SeqId>,
     /// The work.
     pub op: StepOp,
 }
 
+#[derive(Clone)]
 struct SeqState {
     last: u32,
     sampler: Sampler,
+}
+
+/// What a step changed in an engine, kept until it is known to stand: the sequences before it
+/// and their cached lengths.
+struct Undo {
+    step: u64,
+    seqs: HashMap<SeqId, SeqState>,
+    lens: Vec<(SeqId, usize)>,
 }
 
 /// One rank's model, its KV cache and the sequences it owns.
@@ -67,6 +81,8 @@ pub struct Engine {
     cache: KvCache,
     rank: usize,
     seqs: HashMap<SeqId, SeqState>,
+    /// How to undo the last step this engine ran.
+    undo: Option<Undo>,
     /// Captured whole decode steps (CUDA models), if used.
     #[cfg(feature = "cuda")]
     decode_graphs: Option<crate::decode_graph::DecodeGraphs>,
@@ -84,6 +100,7 @@ impl Engine {
             cache,
             rank,
             seqs: HashMap::new(),
+            undo: None,
             #[cfg(feature = "cuda")]
             decode_graphs: None,
         })
@@ -133,12 +150,71 @@ impl Engine {
         self.seqs.len()
     }
 
-    /// Runs this rank's part of `plan` and returns the tokens sampled for its sequences.
+    /// Runs this rank's part of `plan` and returns the tokens sampled for its sequences. A step
+    /// that fails leaves the engine as it was before it (but for the freed sequences); one that
+    /// succeeds can still be undone by [`Engine::roll_back`] until the next.
     pub fn run(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
         for id in &plan.free {
             self.seqs.remove(id);
             self.cache.remove(*id)?;
         }
+        let undo = Undo {
+            step: plan.step,
+            seqs: self.seqs.clone(),
+            lens: self
+                .cache
+                .keys()
+                .iter()
+                .map(|&k| (k, self.cache.len_of(k).unwrap_or(0)))
+                .collect(),
+        };
+        self.undo = None;
+        match self.run_op(plan) {
+            Ok(tokens) => {
+                self.undo = Some(undo);
+                Ok(tokens)
+            }
+            Err(e) => {
+                self.restore(undo)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Undoes the last step this engine ran if it is newer than `committed` (the last step
+    /// rank 0 completed); returns whether it did.
+    pub fn roll_back(&mut self, committed: u64) -> Result<bool> {
+        match self.undo.take() {
+            Some(undo) if undo.step > committed => {
+                self.restore(undo)?;
+                Ok(true)
+            }
+            other => {
+                self.undo = other;
+                Ok(false)
+            }
+        }
+    }
+
+    fn restore(&mut self, undo: Undo) -> Result<()> {
+        let started: Vec<SeqId> = self
+            .cache
+            .keys()
+            .iter()
+            .copied()
+            .filter(|k| !undo.seqs.contains_key(k))
+            .collect();
+        for id in started {
+            self.cache.remove(id)?;
+        }
+        for (id, len) in undo.lens {
+            self.cache.truncate(id, len)?;
+        }
+        self.seqs = undo.seqs;
+        Ok(())
+    }
+
+    fn run_op(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
         match &plan.op {
             StepOp::Idle | StepOp::Shutdown => Ok(Vec::new()),
             StepOp::Prefill(new) => {
@@ -252,6 +328,22 @@ pub struct Cluster {
     pub eplb: Option<Eplb>,
     /// The last report of [`Cluster::eplb`] not yet taken.
     eplb_report: Option<EplbReport>,
+    /// Agreeing with the other ranks on lost ones (jobs of several ranks).
+    pub(crate) membership: Option<Membership>,
+    /// Rank 0: the number of the next step.
+    next_step: u64,
+    /// Rank 0: the last step every rank completed.
+    pub(crate) committed: u64,
+}
+
+/// What a step came to, seen from rank 0.
+#[derive(Debug)]
+pub enum StepOutcome {
+    /// Every rank ran it: the tokens sampled for every rank's sequences.
+    Done(Vec<(SeqId, u32)>),
+    /// It broke off because ranks were lost: the ranks that remain agreed on which, rolled the
+    /// step back and go on without them.
+    Recovered(RankLoss),
 }
 
 impl Cluster {
@@ -262,12 +354,23 @@ impl Cluster {
             dist,
             eplb: None,
             eplb_report: None,
+            membership: None,
+            next_step: 1,
+            committed: 0,
         }
     }
 
     /// With expert load statistics and re-placement ([`Eplb`]).
     pub fn with_eplb(mut self, eplb: Eplb) -> Self {
         self.eplb = Some(eplb);
+        self
+    }
+
+    /// Going on without ranks that are lost (`crate::recovery`): with `membership`, a step
+    /// that breaks off because ranks fail is rolled back and the others go on without them;
+    /// without it, such a step is an error.
+    pub fn with_membership(mut self, membership: Option<Membership>) -> Self {
+        self.membership = membership;
         self
     }
 
@@ -281,16 +384,40 @@ impl Cluster {
         self.dist.info.world_size
     }
 
-    /// Rank 0: runs `plan` on every rank and returns all sampled tokens (every rank's).
-    pub fn lead_step(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
+    /// The ranks lost so far, one flag per rank.
+    pub fn lost_ranks(&self) -> Vec<bool> {
+        match &self.membership {
+            Some(m) => m.lost().to_vec(),
+            None => vec![false; self.world_size()],
+        }
+    }
+
+    /// Rank 0: runs `plan` (its step number set here) on every rank; a step that breaks off
+    /// because ranks are lost is rolled back on the others, which go on without them.
+    pub fn lead_step(&mut self, plan: &StepPlan) -> Result<StepOutcome> {
         if self.dist.info.rank != 0 {
             bail!("only rank 0 plans steps");
         }
-        let bytes = serde_json::to_vec(plan)?;
-        self.dist
-            .all_gather(&bytes)
-            .context("rank 0: cannot send the step plan")?;
-        self.run_and_gather(plan)
+        let plan = StepPlan {
+            step: self.next_step,
+            ..plan.clone()
+        };
+        self.next_step += 1;
+        let run = serde_json::to_vec(&plan)
+            .map_err(anyhow::Error::from)
+            .and_then(|bytes| {
+                self.dist
+                    .all_gather(&bytes)
+                    .context("rank 0: cannot send the step plan")
+            })
+            .and_then(|_| self.run_and_gather(&plan));
+        match run {
+            Ok(tokens) => {
+                self.committed = plan.step;
+                Ok(StepOutcome::Done(tokens))
+            }
+            Err(e) => self.recover(e).map(StepOutcome::Recovered),
+        }
     }
 
     fn run_and_gather(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
@@ -303,9 +430,10 @@ impl Cluster {
             .dist
             .all_gather(&serde_json::to_vec(&mine)?)
             .with_context(|| format!("rank {rank}: cannot gather the sampled tokens"))?;
+        let lost = self.lost_ranks();
         let mut tokens = Vec::new();
         let mut all_ready = true;
-        for (rank, bytes) in all.iter().enumerate() {
+        for (rank, bytes) in all.iter().enumerate().filter(|(r, _)| !lost[*r]) {
             let part: StepResult = serde_json::from_slice(bytes)
                 .with_context(|| format!("bad step result from rank {rank}"))?;
             tokens.extend(part.tokens);
@@ -324,24 +452,40 @@ impl Cluster {
         Ok(tokens)
     }
 
-    /// Ranks other than 0: follow rank 0's plans until it shuts the job down.
+    /// Ranks other than 0: follow rank 0's plans until it shuts the job down, going on without
+    /// ranks that are lost (as rank 0 does).
     pub fn follow(&mut self) -> Result<()> {
         loop {
-            let rank = self.dist.info.rank;
-            let all = self
-                .dist
-                .all_gather(&[])
-                .with_context(|| format!("rank {rank}: cannot receive the step plan"))?;
-            let plan: StepPlan = serde_json::from_slice(
-                all.first()
-                    .context("all-gather returned no message from rank 0")?,
-            )
-            .context("bad step plan from rank 0")?;
-            self.run_and_gather(&plan)?;
-            if plan.op == StepOp::Shutdown {
-                return Ok(());
+            match self.follow_step() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    self.recover(e)?;
+                }
             }
         }
+    }
+
+    /// Receives and runs one step; returns whether it was the last.
+    fn follow_step(&mut self) -> Result<bool> {
+        let rank = self.dist.info.rank;
+        let all = self
+            .dist
+            .all_gather(&[])
+            .with_context(|| format!("rank {rank}: cannot receive the step plan"))?;
+        let plan: StepPlan = serde_json::from_slice(
+            all.first()
+                .context("all-gather returned no message from rank 0")?,
+        )
+        .context("bad step plan from rank 0")?;
+        self.run_and_gather(&plan)?;
+        Ok(plan.op == StepOp::Shutdown)
+    }
+
+    /// Ends the job cleanly (see [`Dist::finish`]), not waiting for lost ranks.
+    pub fn finish(&self, timeout: std::time::Duration) -> Result<()> {
+        let lost = self.lost_ranks().iter().filter(|&&l| l).count();
+        self.dist.finish(timeout, lost)
     }
 }
 

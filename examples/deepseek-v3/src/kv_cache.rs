@@ -165,6 +165,21 @@ impl KvCache {
         Ok(true)
     }
 
+    /// Forgets sequence `key`'s positions from `len` on (a step rolled back); a no-op for a
+    /// sequence not in the cache.
+    pub fn truncate(&mut self, key: SeqKey, len: usize) -> Result<()> {
+        if let Some(slot) = self.slot_of(key) {
+            if len > self.lens[slot] {
+                candle_core::bail!(
+                    "KvCache: cannot truncate sequence {key} of {} positions to {len}",
+                    self.lens[slot]
+                );
+            }
+            self.lens[slot] = len;
+        }
+        Ok(())
+    }
+
     /// Records that the sequences of `plan` grew by their new tokens (after a forward pass).
     pub(crate) fn advance(&mut self, plan: &BatchPlan) {
         for (i, seq) in plan.seqs().iter().enumerate() {

@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod model;
 pub mod placements;
 pub mod progress;
+pub mod recovery;
 pub mod rotary;
 pub mod sampling;
 pub mod scheduler;

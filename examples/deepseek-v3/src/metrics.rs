@@ -64,6 +64,34 @@ pub struct Metrics {
     pub eplb_moved: IntCounter,
     /// `deepseek_v3_eplb_duration_seconds`: rank 0's time in each re-placement.
     pub eplb_duration: Histogram,
+    /// `deepseek_v3_rank_failures_total`: ranks lost while serving (the others went on).
+    pub rank_failures: IntCounter,
+    /// `deepseek_v3_ranks_lost`: ranks lost so far.
+    pub ranks_lost: IntGauge,
+    /// `deepseek_v3_request_failed_total`: sequences that failed because their rank was lost.
+    pub failed_sequences: IntCounter,
+    /// The lost ranks, in order (for `/health`).
+    lost: std::sync::Mutex<Vec<usize>>,
+}
+
+impl Metrics {
+    /// Records that `ranks` were lost (the service goes on without them).
+    pub fn record_rank_loss(&self, ranks: &[usize]) {
+        let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+        for &r in ranks {
+            if !lost.contains(&r) {
+                lost.push(r);
+                self.rank_failures.inc();
+            }
+        }
+        lost.sort_unstable();
+        self.ranks_lost.set(lost.len() as i64);
+    }
+
+    /// The ranks lost so far, in order.
+    pub fn lost_ranks(&self) -> Vec<usize> {
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// The `batch` label of [`Metrics::decode_step`] for `n` sequences.
@@ -143,6 +171,16 @@ impl Metrics {
             .register(Box::new(expert_imbalance.clone()))
             .expect("unique name");
         let m = Self {
+            rank_failures: counter(
+                "deepseek_v3_rank_failures_total",
+                "Ranks lost while serving (the others went on without them).",
+            ),
+            ranks_lost: gauge("deepseek_v3_ranks_lost", "Ranks lost so far."),
+            failed_sequences: counter(
+                "deepseek_v3_request_failed_total",
+                "Sequences that failed because the rank that held them was lost.",
+            ),
+            lost: std::sync::Mutex::new(Vec::new()),
             decode_step,
             expert_imbalance,
             eplb_layers: counter(

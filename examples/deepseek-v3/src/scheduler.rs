@@ -11,8 +11,9 @@ use anyhow::Result;
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Cluster, NewSeq, SeqId, StepOp, StepPlan};
+use crate::engine::{Cluster, NewSeq, SeqId, StepOp, StepOutcome, StepPlan};
 use crate::metrics::Metrics;
+use crate::recovery::RankLoss;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::TextTokenizer;
 
@@ -79,6 +80,13 @@ pub enum GenEvent {
         prompt_tokens: usize,
         /// When it got its first and last tokens.
         timing: SeqTiming,
+    },
+    /// Sequence `index` cannot go on (the rank that held it was lost); nothing more comes.
+    Failed {
+        /// The request's sequence index.
+        index: usize,
+        /// Why, a sentence for the client.
+        message: String,
     },
 }
 
@@ -258,10 +266,19 @@ pub fn run(
                 Err(RecvTimeoutError::Timeout) => {
                     if world > 1 {
                         let plan = StepPlan {
+                            step: 0,
                             free: std::mem::take(&mut free),
                             op: StepOp::Idle,
                         };
-                        cluster.lead_step(&plan)?;
+                        if let StepOutcome::Recovered(loss) = cluster.lead_step(&plan)? {
+                            Broken::new(plan).settle(
+                                &loss,
+                                &mut active,
+                                &mut waiting,
+                                &mut free,
+                                metrics,
+                            );
+                        }
                         // Moved experts may land in an idle step.
                         if let Some(r) = cluster.take_eplb_report() {
                             metrics.record_eplb(&r);
@@ -285,6 +302,10 @@ pub fn run(
         let mut load = vec![0usize; world];
         for a in active.values() {
             load[a.rank] += 1;
+        }
+        // Lost ranks take no new sequence.
+        for (r, _) in cluster.lost_ranks().iter().enumerate().filter(|(_, &l)| l) {
+            load[r] = cfg.max_batch_per_rank;
         }
         let mut new = Vec::new();
         let mut prefill_tokens = vec![0usize; world];
@@ -333,11 +354,19 @@ pub fn run(
             continue;
         };
         let plan = StepPlan {
+            step: 0,
             free: std::mem::take(&mut free),
             op,
         };
         let start = Instant::now();
-        let tokens = cluster.lead_step(&plan)?;
+        let tokens = match cluster.lead_step(&plan)? {
+            StepOutcome::Done(tokens) => tokens,
+            StepOutcome::Recovered(loss) => {
+                Broken::new(plan).settle(&loss, &mut active, &mut waiting, &mut free, metrics);
+                metrics.running.set(active.len() as i64);
+                continue;
+            }
+        };
         let now = Instant::now();
         // A re-placement of the experts after the step is the load balancer's time, not the
         // step's (its own metric).
@@ -366,11 +395,77 @@ pub fn run(
         }
         metrics.running.set(active.len() as i64);
     }
-    cluster.lead_step(&StepPlan {
-        free,
-        op: StepOp::Shutdown,
-    })?;
-    Ok(())
+    loop {
+        let plan = StepPlan {
+            step: 0,
+            free: std::mem::take(&mut free),
+            op: StepOp::Shutdown,
+        };
+        match cluster.lead_step(&plan)? {
+            StepOutcome::Done(_) => return Ok(()),
+            StepOutcome::Recovered(loss) => {
+                Broken::new(plan).settle(&loss, &mut active, &mut waiting, &mut free, metrics)
+            }
+        }
+    }
+}
+
+/// A step that broke off because ranks were lost (every rank has rolled it back).
+struct Broken {
+    plan: StepPlan,
+}
+
+impl Broken {
+    fn new(plan: StepPlan) -> Self {
+        Self { plan }
+    }
+
+    /// Settles the scheduler's books after `loss`: the sequences that lived on lost ranks fail
+    /// (their clients get an error event); the new sequences the broken step was prefilling on
+    /// the other ranks wait again at the front of the queue; the sequences it freed are freed
+    /// again in the next step; the metrics count the lost ranks.
+    fn settle(
+        self,
+        loss: &RankLoss,
+        active: &mut BTreeMap<SeqId, Active>,
+        waiting: &mut VecDeque<GenRequest>,
+        free: &mut Vec<SeqId>,
+        metrics: &Metrics,
+    ) {
+        free.extend(self.plan.free);
+        if !loss.newly_lost.is_empty() {
+            tracing::warn!(
+                "ranks {:?} lost ({}); their sequences fail, the others go on",
+                loss.newly_lost,
+                loss.cause
+            );
+            metrics.record_rank_loss(&loss.newly_lost);
+        }
+        let lost: Vec<SeqId> = active
+            .iter()
+            .filter(|(_, a)| loss.lost[a.rank])
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lost {
+            let a = active.remove(&id).expect("listed above");
+            let _ = a.req.events.send(GenEvent::Failed {
+                index: a.req.index,
+                message: format!(
+                    "rank {}, which held this sequence, was lost: {}",
+                    a.rank, loss.cause
+                ),
+            });
+            metrics.failed_sequences.inc();
+        }
+        if let StepOp::Prefill(new) = self.plan.op {
+            // Back to the queue in their order, ahead of the later arrivals.
+            for n in new.iter().rev() {
+                if let Some(a) = active.remove(&n.id) {
+                    waiting.push_front(a.req);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,30 +10,9 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Server, BIN};
+use common::{rank_pid, Server, BIN};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-
-/// The pid of the child of `parent` whose environment has `RANK=rank`.
-fn rank_pid(parent: u32, rank: usize) -> i32 {
-    let want = format!("RANK={rank}");
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
-        let tasks = std::fs::read_dir(format!("/proc/{parent}/task")).unwrap();
-        for task in tasks.flatten() {
-            let children =
-                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-            for pid in children.split_whitespace() {
-                let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-                if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
-                    return pid.parse().unwrap();
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("no child of {parent} with {want}");
-}
 
 /// Opens a long greedy stream on `server`, kills the process `victim()` names once the stream
 /// has started, reads the stream to its end, and returns its error event.

@@ -138,28 +138,37 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     )?;
     let elapsed = arrival.elapsed();
     let mut results: Vec<Option<Outcome>> = (0..args.prompts.len()).map(|_| None).collect();
+    let mut failed: Vec<Option<String>> = vec![None; args.prompts.len()];
     while let Ok(ev) = ev_rx.try_recv() {
-        if let GenEvent::Done {
-            index,
-            text,
-            tokens,
-            finish_reason,
-            timing,
-            ..
-        } = ev
-        {
-            results[index] = Some(Outcome {
+        match ev {
+            GenEvent::Done {
+                index,
                 text,
                 tokens,
-                reason: finish_reason,
+                finish_reason,
                 timing,
-            });
+                ..
+            } => {
+                results[index] = Some(Outcome {
+                    text,
+                    tokens,
+                    reason: finish_reason,
+                    timing,
+                });
+            }
+            GenEvent::Failed { index, message } => failed[index] = Some(message),
+            GenEvent::Delta { .. } => {}
         }
     }
     let results = results
         .into_iter()
         .enumerate()
-        .map(|(i, r)| r.with_context(|| format!("prompt {i} got no result")))
+        .map(|(i, r)| {
+            r.with_context(|| match &failed[i] {
+                Some(m) => format!("prompt {i} failed: {m}"),
+                None => format!("prompt {i} got no result"),
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
     let terminal = std::io::stdout().is_terminal();
     for (i, r) in results.iter().enumerate() {
@@ -178,9 +187,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     }
     let prompt_tokens: usize = prompt_ids.iter().map(Vec::len).sum();
     report(&results, prompt_tokens, elapsed, args.json);
-    cluster
-        .dist
-        .finish(Duration::from_secs(args.model.timeout_secs))?;
+    cluster.finish(Duration::from_secs(args.model.timeout_secs))?;
     Ok(())
 }
 

@@ -547,7 +547,8 @@ pub fn start(args: &ModelArgs, max_positions: usize) -> Result<(Cluster, TextTok
     };
     let engine =
         Engine::new(model, info.rank, args.max_batch)?.with_decode_graphs(!args.eager_decode);
-    let cluster = Cluster::new(engine, dist);
+    let membership = dist.membership()?;
+    let cluster = Cluster::new(engine, dist).with_membership(membership);
     let cluster = match eplb {
         Some(e) => cluster.with_eplb(e),
         None => cluster,
@@ -559,7 +560,7 @@ impl Cluster {
     /// Ranks other than 0: follow rank 0's steps, then finish the job cleanly.
     pub fn engine_follow(&mut self) -> Result<()> {
         self.follow()?;
-        self.dist.finish(Duration::from_secs(60))
+        self.finish(Duration::from_secs(60))
     }
 }
 

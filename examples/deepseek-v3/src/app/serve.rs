@@ -108,7 +108,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         .name("scheduler".into())
         .spawn(move || {
             let result = scheduler::run(&mut cluster, &tokenizer, rx, cfg, &metrics)
-                .and_then(|_| cluster.dist.finish(Duration::from_secs(60)));
+                .and_then(|_| cluster.finish(Duration::from_secs(60)));
             let err = match result {
                 Ok(()) => anyhow::anyhow!("the generation loop ended"),
                 Err(e) => e,

@@ -1,6 +1,8 @@
 //! A torchrun-like launcher: starts `--nproc-per-node` copies of this binary with the rank
-//! variables set, prefixes their output lines with their rank, and stops them all as soon as
-//! one fails, naming that rank and how it ended ([`supervise`]).
+//! variables set, prefixes their output lines with their rank, and names a rank that fails and
+//! how it ended ([`supervise`]). By default the others go on without a failed rank (they decide
+//! themselves whether they can: `crate::recovery`) and only rank 0's end stops them all;
+//! `--on-rank-failure stop` stops them all at the first failure.
 
 mod supervise;
 
@@ -66,9 +68,24 @@ pub struct LaunchArgs {
     /// Seconds the other ranks get to stop (SIGTERM) once one failed, before SIGKILL.
     #[arg(long, default_value_t = 5)]
     pub grace_secs: u64,
+    /// When a rank other than 0 fails: `continue` leaves the others running, which go on
+    /// without it when its experts have replicas on other ranks (`--num-redundant-experts`)
+    /// and end the job with an error naming it otherwise; `stop` stops them all at once. Rank
+    /// 0's end (it hosts the store and the HTTP front end) always stops the job.
+    #[arg(long, value_enum, default_value_t = OnRankFailure::Continue)]
+    pub on_rank_failure: OnRankFailure,
     /// The subcommand each rank runs, after `--` (e.g. `-- generate --prompt hi`).
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// What the launcher does when a rank other than 0 fails.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnRankFailure {
+    /// The others go on (if they can).
+    Continue,
+    /// Every rank is stopped.
+    Stop,
 }
 
 /// Whether a rank's stderr line reports why it stopped: this program's `error: ...` or a panic.
@@ -183,7 +200,11 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             last_error,
         });
     }
-    let code = supervise::supervise(&mut ranks, Duration::from_secs(args.grace_secs));
+    let code = supervise::supervise(
+        &mut ranks,
+        Duration::from_secs(args.grace_secs),
+        args.on_rank_failure == OnRankFailure::Continue,
+    );
     drop(stdins);
     for p in pumps
         .into_iter()

@@ -1,9 +1,10 @@
 //! Watching a node's ranks: each rank has a thread that waits for it to exit without reaping it
 //! (`waitid` with `WNOWAIT`), so exits arrive in the order they happened and a rank's pid stays
-//! valid for signals until the launcher reaps it. The first rank to fail is the one reported
-//! (a peer already killed by a signal is preferred to a rank that exited with an error),
-//! with its real cause (exit code or signal) and its last error line; the others get SIGTERM,
-//! then SIGKILL once the grace period is over.
+//! valid for signals until the launcher reaps it. A rank that fails is reported (a peer already
+//! killed by a signal is preferred to a rank that exited with an error), with its real cause
+//! (exit code or signal) and its last error line; then either the others go on (a rank other
+//! than 0, when going on is asked for) or they get SIGTERM, then SIGKILL once the grace period
+//! is over.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};
@@ -132,10 +133,11 @@ fn last_error(r: &Rank) -> Option<String> {
     r.last_error.lock().ok().and_then(|l| l.clone())
 }
 
-/// Waits for every rank. When one fails, reports it on stderr, sends SIGTERM to the others and
-/// SIGKILL to those still running after `grace`. Returns the exit code: 0 when every rank
-/// succeeded, else the first failure's (see [`exit_code`]).
-pub fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
+/// Waits for every rank. When one fails, reports it on stderr; unless it is not rank 0 and
+/// `keep_going` is set, sends SIGTERM to the others and SIGKILL to those still running after
+/// `grace`. Returns the exit code: 0 when every rank succeeded, else the first failure's (see
+/// [`exit_code`]).
+pub fn supervise(ranks: &mut [Rank], grace: Duration, keep_going: bool) -> i32 {
     let (tx, rx) = channel();
     for (i, r) in ranks.iter().enumerate() {
         watch(i, Pid::from_raw(r.child.id() as i32), tx.clone());
@@ -170,7 +172,7 @@ pub fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
         let Some((mut what, mut c)) = failure else {
             continue;
         };
-        if code != 0 || deadline.is_some() {
+        if deadline.is_some() {
             // Stopping already: later exits are consequences, not causes.
             tracing::debug!(rank = r.rank, "{what}");
             continue;
@@ -189,6 +191,17 @@ pub fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
         }
         let detail = last_error(&ranks[i]).map_or(String::new(), |l| format!(": {l}"));
         let others = ranks.len() - reaped.iter().filter(|d| **d).count();
+        if code == 0 {
+            code = c;
+        }
+        if keep_going && ranks[i].rank != 0 && others > 0 {
+            eprintln!(
+                "launch: rank {} {what}{detail}; the other ranks go on without it \
+                 (--on-rank-failure continue)",
+                ranks[i].rank
+            );
+            continue;
+        }
         eprintln!(
             "launch: rank {} {what}{detail}{}",
             ranks[i].rank,
@@ -198,7 +211,6 @@ pub fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
                 ""
             }
         );
-        code = c;
         signal_all(ranks, &reaped, Signal::SIGTERM);
         deadline = Some(Instant::now() + grace);
     }

@@ -220,8 +220,11 @@ async fn authorize(
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let lost = st.metrics.lost_ranks();
     match st.failure() {
-        None => Json(json!({"status": "ok"})).into_response(),
+        None if lost.is_empty() => Json(json!({"status": "ok"})).into_response(),
+        // Still answering, on fewer ranks.
+        None => Json(json!({"status": "degraded", "ranks_lost": lost})).into_response(),
         Some(msg) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "error", "error": &*msg})),

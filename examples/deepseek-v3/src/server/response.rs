@@ -168,6 +168,10 @@ pub async fn whole(
                 }
             }
             Some(GenEvent::Delta { .. }) => {}
+            Some(GenEvent::Failed { message, .. }) => {
+                tracing::warn!("{}: {message}", meta.id);
+                return ApiError::server(message).into_response();
+            }
             None => {
                 await_reason(&mut failure).await;
                 return ApiError::unavailable(failure_message(&failure)).into_response();
@@ -238,6 +242,7 @@ impl Events {
                         .push_back(self.meta.chunk(index, None, &text, None));
                 }
             }
+            GenEvent::Failed { message, .. } => self.on_sequence_failure(message),
             GenEvent::Done {
                 index,
                 tokens,
@@ -262,6 +267,15 @@ impl Events {
                 }
             }
         }
+    }
+
+    /// One of the request's sequences failed: the stream ends with its error.
+    fn on_sequence_failure(&mut self, message: String) {
+        tracing::warn!("{}: {message}", self.meta.id);
+        self.pending
+            .push_back(ApiError::server(message).to_json().to_string());
+        self.pending.push_back("[DONE]".to_string());
+        self.ended = true;
     }
 
     fn on_failure(&mut self) {

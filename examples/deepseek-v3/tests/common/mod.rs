@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_deepseek-v3");
@@ -99,7 +99,7 @@ impl Server {
 
     /// Waits up to `timeout` for the process to exit; its status, or `None` if still running.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         while start.elapsed() < timeout {
             if let Some(s) = self.child.try_wait().unwrap() {
                 return Some(s);
@@ -196,4 +196,25 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(str::to_string)
         .collect()
+}
+
+/// The pid of the child of `parent` whose environment has `RANK=rank`.
+pub fn rank_pid(parent: u32, rank: usize) -> i32 {
+    let want = format!("RANK={rank}");
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let tasks = std::fs::read_dir(format!("/proc/{parent}/task")).unwrap();
+        for task in tasks.flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for pid in children.split_whitespace() {
+                let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+                if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+                    return pid.parse().unwrap();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no child of {parent} with {want}");
 }
