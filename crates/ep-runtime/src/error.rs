@@ -101,6 +101,16 @@ pub enum Error {
         /// The collective that broke off.
         what: String,
     },
+    /// The other ranks agreed that this rank is lost (it did not check in to their agreement
+    /// within the timeout, e.g. it was stalled): it must leave the job.
+    #[error(
+        "the other ranks found rank {rank} lost (it did not answer within the timeout); it must \
+         leave the job"
+    )]
+    FoundLost {
+        /// This rank.
+        rank: usize,
+    },
     /// The bootstrap store failed.
     #[error("bootstrap store: {0}")]
     Store(String),
@@ -168,6 +178,7 @@ impl Error {
             Self::Timeout { rank, .. }
             | Self::PeerLost { rank, .. }
             | Self::PeerFailed { rank, .. }
+            | Self::FoundLost { rank }
             | Self::Protocol { rank, .. } => Some(*rank),
             Self::RanksMasked { ranks } => ranks.first().copied(),
             _ => None,

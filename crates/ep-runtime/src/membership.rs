@@ -155,7 +155,7 @@ impl Membership {
         let epoch = *lock(&self.epoch);
         self.buffer.cancel_collectives();
         let gone = |e: Error| match e {
-            e @ Error::InvalidArgument { .. } => e,
+            e @ (Error::InvalidArgument { .. } | Error::FoundLost { .. }) => e,
             e => Error::PeerLost {
                 rank: 0,
                 what: format!(
@@ -183,12 +183,7 @@ impl Membership {
             .map_err(gone)?;
         let (next_round, lost) = decode(&got[0], n, 0)?;
         if lost[me] {
-            return Err(Error::invalid(
-                "rank",
-                me,
-                "the other ranks found this rank lost (it did not check in within the timeout); \
-                 it must leave the job",
-            ));
+            return Err(Error::FoundLost { rank: me });
         }
         let newly_lost: Vec<usize> = (0..n).filter(|&r| lost[r] && !self.lost[r]).collect();
         let lost_ranks: Vec<usize> = (0..n).filter(|&r| lost[r]).collect();

@@ -129,7 +129,8 @@ fn a_stalled_rank_is_found_lost_and_told_so_when_it_wakes() {
         match got {
             Err(e) => {
                 assert_eq!(me, 2);
-                assert!(e.to_string().contains("found this rank lost"), "{e}");
+                assert!(matches!(e, Error::FoundLost { rank: 2 }), "{e}");
+                assert!(e.to_string().contains("found rank 2 lost"), "{e}");
             }
             Ok((agreement, after, again)) => {
                 assert_eq!(agreement.lost, vec![false, false, true], "rank {me}");

@@ -1,9 +1,9 @@
-//! Serving goes on without a killed rank: four ranks on the CPU under `launch`, every expert with
+//! Serving goes on without a lost rank: four ranks on the CPU under `launch`, every expert with
 //! a replica on another rank (`--num-redundant-experts`), clients sending requests all along,
-//! and `kill -9` of rank 2 in the middle. Every request completes or gets an error naming the
-//! lost rank (none hangs), requests sent after the kill succeed within 10 s of it, the
-//! throughput afterwards is at least 0.6 x the throughput before, and `/health` and `/metrics`
-//! report the loss.
+//! and rank 2 killed (`kill -9`) or stopped (`SIGSTOP`, past the timeout, then woken) in the
+//! middle. Every request completes or gets an error naming the lost rank (none hangs), requests
+//! sent after the loss succeed within 10 s of it, the throughput afterwards is at least 0.6 x
+//! the throughput before, and `/health` and `/metrics` report the loss.
 
 mod common;
 
@@ -63,6 +63,30 @@ fn throughput(log: &[Outcome], from: Instant, to: Instant) -> f64 {
 
 #[test]
 fn a_killed_rank_s_sequences_fail_and_the_others_go_on() {
+    let report = serve_through_a_loss(Signal::SIGKILL, "20");
+    assert!(
+        report.contains(
+            "launch: rank 2 killed by signal 9 (SIGKILL); the other ranks go on without it"
+        ),
+        "{report}"
+    );
+}
+
+/// A rank stopped past the timeout is found lost; woken up, it learns so and leaves.
+#[test]
+fn a_stalled_rank_is_found_lost_and_leaves_when_it_wakes() {
+    let report = serve_through_a_loss(Signal::SIGSTOP, "3");
+    assert!(
+        report.contains("launch: rank 2 exited with code 1")
+            && report.contains("found rank 2 lost")
+            && report.contains("the other ranks go on without it"),
+        "{report}"
+    );
+}
+
+/// Serves under load, sends `signal` to rank 2 (then SIGCONT) and checks the service (see the
+/// module docs); returns the launcher's stderr.
+fn serve_through_a_loss(signal: Signal, timeout_secs: &str) -> String {
     let master = common::free_port().to_string();
     let mut server = Server::start(
         &[
@@ -84,7 +108,7 @@ fn a_killed_rank_s_sequences_fail_and_the_others_go_on() {
             "--max-tokens-limit",
             "64",
             "--timeout-secs",
-            "20",
+            timeout_secs,
         ],
     );
     let port = server.port;
@@ -99,12 +123,12 @@ fn a_killed_rank_s_sequences_fail_and_the_others_go_on() {
     let started = Instant::now();
     std::thread::sleep(Duration::from_secs(8));
     let killed = Instant::now();
-    kill(
-        Pid::from_raw(rank_pid(server.child.id(), 2)),
-        Signal::SIGKILL,
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_secs(14));
+    let victim = Pid::from_raw(rank_pid(server.child.id(), 2));
+    kill(victim, signal).unwrap();
+    std::thread::sleep(Duration::from_secs(12));
+    // A stopped rank wakes up (a killed one ignores it).
+    let _ = kill(victim, Signal::SIGCONT);
+    std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         if c.join().is_err() {
@@ -164,17 +188,10 @@ fn a_killed_rank_s_sequences_fail_and_the_others_go_on() {
         metrics.contains("deepseek_v3_rank_failures_total 1"),
         "{metrics}"
     );
-    let report = server.stderr_text();
-    assert!(
-        report.contains(
-            "launch: rank 2 killed by signal 9 (SIGKILL); the other ranks go on without it"
-        ),
-        "{report}"
-    );
-
-    // The job still stops cleanly.
+    // The job still stops.
     kill(Pid::from_raw(server.child.id() as i32), Signal::SIGTERM).unwrap();
     server
         .wait_exit(Duration::from_secs(60))
         .expect("the launcher did not exit");
+    server.stderr_text()
 }
