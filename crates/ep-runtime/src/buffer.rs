@@ -145,11 +145,12 @@ impl Buffer {
         self.backend.low_latency_note_replay()
     }
 
-    /// Whether normal-mode [`Buffer::dispatch`] / [`Buffer::combine`] are available: always on
-    /// CPU and on one node; for a CUDA buffer across nodes (feature `nvshmem`) only with
-    /// [`BufferConfig::with_internode`] (without it the buffer runs the low-latency ops only).
+    /// Whether normal-mode [`Buffer::dispatch`] / [`Buffer::combine`] are available now: always
+    /// on CPU; for a CUDA buffer while no rank is masked (its normal mode refuses then), and
+    /// across nodes (feature `nvshmem`) only with [`BufferConfig::with_internode`]. Without it,
+    /// callers run the low-latency ops only (as `MoeLayer` does, in chunks).
     pub fn has_normal_mode(&self) -> bool {
-        self.backend.has_normal_mode()
+        self.backend.has_normal_mode() && (self.device.is_cpu() || self.masked_ranks().is_empty())
     }
 
     /// Most tokens a rank may dispatch in one normal-mode op: across nodes, the
@@ -334,7 +335,6 @@ impl Buffer {
     }
 
     /// The masked ranks, in order.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn masked_ranks(&self) -> Vec<usize> {
         self.active_ranks()
             .iter()
