@@ -5,6 +5,12 @@
 //! table `CUBINS: &[(&str, &[u8])]` of `("<path under src without .cu>", include_bytes!(..))`,
 //! e.g. `("layout/layout", ..)`, which `src/cuda/` loads at run time.
 //!
+//! Headers (`.cuh`) are never compiled on their own. A header of one mode lives beside its
+//! kernels (`src/intranode/intranode.cuh`), found by quoted includes relative to the including
+//! file (`"../intranode/intranode.cuh"` from `src/internode/`); `csrc/` holds the headers every
+//! mode shares (`common.cuh`). A cubin is rebuilt when its source, a header of its folder, a
+//! header it includes from another folder, or a header of `csrc/` changes.
+//!
 //! Files that include an NVSHMEM header (`#include <nvshmem...>`) are built with the `nvshmem`
 //! feature only: compiled with `-rdc=true` and device-linked with `libnvshmem_device.a` (from
 //! `NVSHMEM_HOME`, else `$CUDA_ROOT/nvshmem`) into the cubin.
@@ -16,7 +22,7 @@
 //! `scripts/cuda-toolchain.sh` links to the pinned `nvidia-cutlass` wheel), the objects are
 //! archived into `libep_kernels_host.a`, and the crate links it with the static CUDA runtime
 //! (`libcudart_static.a` of the toolchain) and the C++ standard library. Their C entry points
-//! are declared in the Rust launchers (`src/gemm/cuda.rs`).
+//! are declared in the Rust launchers (`src/gemm/cuda/`, `src/gemm/fp8/cuda/`).
 //!
 //! Environment: `CUDA_ROOT` / `CUDA_HOME` / `CUDA_PATH` (else `nvcc` on `PATH`) locate the
 //! toolchain (`scripts/cuda-toolchain.sh` prints them); `EP_NVCC_FLAGS` adds flags (e.g. `-G`,
@@ -132,6 +138,10 @@ fn build() -> Result<(), String> {
     // Watch `src/` too (cargo scans it recursively), so that a new .cu file is picked up. Any
     // Rust edit then reruns this script, which is why unchanged cubins come from the cache.
     println!("cargo:rerun-if-changed={}", src.display());
+    // The mode headers beside the kernels (covered by `src/` already; named for clarity).
+    for header in list_files(&src, &["cuh", "h"])? {
+        println!("cargo:rerun-if-changed={}", header.display());
+    }
     let mut headers_text = String::new();
     for header in list_files(&csrc, &["cuh", "h"])? {
         headers_text.push_str(
@@ -293,8 +303,8 @@ impl Ctx<'_> {
     /// Compiles one source into `$OUT_DIR/<key with / -> __>.cubin`; returns the cubin path
     /// and the compiler log.
     ///
-    /// A cubin whose inputs (source, the files of its folder, shared headers, nvcc path and
-    /// flags) hash to the value
+    /// A cubin whose inputs (source, the files of its folder, the headers it includes from
+    /// other folders, shared headers, nvcc path and flags) hash to the value
     /// stored beside it is reused, and its saved compiler log replayed.
     fn compile(&self, source: &Source) -> Result<(PathBuf, String), String> {
         let stem = source.key.replace('/', "__");
@@ -324,11 +334,23 @@ impl Ctx<'_> {
                 }
             }
         }
+        // Headers of other folders it includes (`../intranode/intranode.cuh`), directly or
+        // through a header.
+        let mut included = String::new();
+        for file in quoted_includes(&source.path)? {
+            if file.parent() != source.path.parent() {
+                included.push_str(
+                    &fs::read_to_string(&file)
+                        .map_err(|e| format!("cannot read {}: {e}", file.display()))?,
+                );
+            }
+        }
         let key = {
             let mut h = DefaultHasher::new();
             (
                 text.as_str(),
                 siblings.as_str(),
+                included.as_str(),
                 self.headers_text,
                 self.nvcc,
                 self.include_flags,
@@ -463,6 +485,60 @@ fn find_cutlass(cuda_root: &Path) -> Result<PathBuf, String> {
                  run `eval \"$(scripts/cuda-toolchain.sh)\"` (pins nvidia-cutlass) or set CUTLASS_HOME"
             )
         })
+}
+
+/// The files that `path` includes with `#include "..."`, directly or through one of them, each
+/// name taken relative to the folder of the file that includes it (where nvcc looks first);
+/// names not found there (`common.cuh` from `-I csrc`, CUTLASS) are left out. Sorted, each
+/// once (`..` resolved lexically).
+fn quoted_includes(path: &Path) -> Result<Vec<PathBuf>, String> {
+    let mut found: Vec<PathBuf> = Vec::new();
+    let mut todo = vec![path.to_path_buf()];
+    while let Some(file) = todo.pop() {
+        let text = fs::read_to_string(&file)
+            .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+        let Some(dir) = file.parent() else {
+            continue;
+        };
+        for line in text.lines() {
+            let Some(rest) = line.trim_start().strip_prefix("#include") else {
+                continue;
+            };
+            let Some(name) = rest
+                .trim_start()
+                .strip_prefix('"')
+                .and_then(|r| r.split('"').next())
+            else {
+                continue;
+            };
+            let included = normalize(&dir.join(name));
+            if included.is_file() && !found.contains(&included) {
+                found.push(included.clone());
+                todo.push(included);
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// `path` with its `.` and `name/..` components removed (no file system access), so that one
+/// header reached along two routes is one path.
+fn normalize(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for component in path.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir
+                if matches!(out.components().next_back(), Some(Component::Normal(_))) =>
+            {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// Files under `dir` (recursively) with one of `exts`, sorted.

@@ -1,6 +1,6 @@
-// Expert-major order (see src/expert_order/mod.rs): count the (token, slot) pairs per local
-// expert, place every pair at a row of its expert's group (atomics) and copy the token's row
-// there, and the weighted sum back per token. Launchers: src/expert_order/cuda.rs; host twins:
+// Expert-major order (see src/expert_order/mod.rs): count the (token, slot) pairs per local expert,
+// place every pair at a row of its expert's group (atomics) and copy the token's row there, and the
+// weighted sum back per token. Launchers: src/expert_order/cuda/expert_order.rs; host twins:
 // src/expert_order/host.rs.
 //
 // Rows are bf16 vectors of a multiple of 16 bytes, copied with 16-byte accesses. A local
@@ -19,7 +19,7 @@ constexpr int kPerThread = kMaxLocal / kThreads;
 
 }  // namespace
 
-// Mirrors `PermuteParams` in src/expert_order/cuda.rs.
+// Mirrors `PermuteParams` in src/expert_order/cuda/expert_order.rs.
 struct PermuteParams {
     const int4* x;           // [num_tokens, row_vectors]
     const int64_t* topk_idx; // [num_tokens, top_k]
@@ -121,7 +121,7 @@ EP_KERNEL void __launch_bounds__(kThreads) expert_permute(const __grid_constant_
     }
 }
 
-// Mirrors `UnpermuteParams` in src/expert_order/cuda.rs.
+// Mirrors `UnpermuteParams` in src/expert_order/cuda/expert_order.rs.
 struct UnpermuteParams {
     const int4* y;           // [y_rows, row_vectors] bf16
     const int32_t* positions;// [num_tokens, top_k]
@@ -183,7 +183,7 @@ EP_KERNEL void __launch_bounds__(kThreads) expert_unpermute(const __grid_constan
     }
 }
 
-// Mirrors `ScatterParams` in src/expert_order/cuda.rs.
+// Mirrors `ScatterParams` in src/expert_order/cuda/expert_order.rs.
 struct ScatterParams {
     const uint32_t* src;      // [num_tokens, row_words]
     const int32_t* positions; // [num_tokens, top_k] (from expert_permute)

@@ -13,8 +13,8 @@
 //!
 //! Kernels `expert_order.cu` (counts, then placement and copy with atomics, so the order of
 //! rows within an expert may differ between runs; every row is computed independently by the
-//! GEMM, so results do not), launchers `cuda.rs`, host twins [`host`] (rows of an expert in
-//! (token, slot) order).
+//! GEMM, so results do not), launchers `cuda/expert_order.rs`, host twins [`host`] (rows of an
+//! expert in (token, slot) order).
 
 pub mod host;
 

@@ -1,4 +1,4 @@
-// Per-token 1x128 fp8 e4m3 casts. Host twin: `src/fp8/host.rs`; launchers: `src/fp8/cuda.rs`
+// Per-token 1x128 fp8 e4m3 casts. Host twin: `src/fp8/host.rs`; launchers: `src/fp8/cuda/fp8.rs`
 // (`quantize_cuda`, `dequantize_cuda`).
 //
 // A group is 128 consecutive channels of one token; `[T, H]` holds `T * H / 128` groups laid
@@ -21,7 +21,7 @@ static_assert(kPerLane == 4, "the vector widths below assume 4 channels per lane
 
 }  // namespace
 
-// Mirrors `QuantizeParams` in src/fp8/cuda.rs.
+// Mirrors `QuantizeParams` in src/fp8/cuda/fp8.rs.
 struct QuantizeParams {
     const __nv_bfloat16* x;  // [num_groups * 128], 8-byte aligned
     uint8_t* q;              // [num_groups * 128], 4-byte aligned
@@ -32,7 +32,7 @@ struct QuantizeParams {
 };
 EP_CHECK_PARAMS_SIZE(QuantizeParams, 40);
 
-// Mirrors `DequantizeParams` in src/fp8/cuda.rs.
+// Mirrors `DequantizeParams` in src/fp8/cuda/fp8.rs.
 struct DequantizeParams {
     const uint8_t* q;       // [num_groups * 128], 4-byte aligned
     const float* scales;    // [num_groups]

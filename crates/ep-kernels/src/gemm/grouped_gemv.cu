@@ -1,8 +1,8 @@
 // Masked grouped GEMM for blocks of a few valid rows (decode): D[g, r, :] = A[g, r, :] x B[g]^T
 // for r < counts[g], the same function as the CUTLASS grouped GEMMs (and the host twin
 // `grouped_gemm_extra` in src/gemm/host.rs), shaped for the case where reading each active
-// group's weight once is the whole cost. Launcher: `grouped_gemm_bf16_extra_cuda` in
-// src/gemm/cuda.rs with `GemmTiles::Gemv`.
+// group's weight once is the whole cost. Launcher: src/gemm/cuda/grouped_gemv.rs, from
+// `grouped_gemm_bf16_extra_cuda` (src/gemm/cuda/mod.rs) with `GemmTiles::Gemv`.
 //
 // At one decode token per rank a block holds one row, and a 64-row WGMMA tile spends its
 // time waiting for the weights it streams through shared memory. Here there is no tile: a warp
@@ -18,7 +18,7 @@
 //
 // `grouped_gemv_swiglu_bf16` is the experts' first GEMM with SwiGLU fused: B is the gate_up
 // weight ([n = 2I, k] per group) in the blocked layout of the CUTLASS SwiGLU epilogue
-// (csrc/swiglu_epilogue_sm90.cuh: gate rows 8b..8b+7 at rows 16b..16b+7, the matching up rows
+// (swiglu_epilogue_sm90.cuh: gate rows 8b..8b+7 at rows 16b..16b+7, the matching up rows
 // right after them), a warp takes the gate and the up row of one output column j, and the block
 // writes act[r, j] = bf16(silu(gate) * up) ([rows, I], gate and up in f32, one rounding, as
 // the CUTLASS epilogue) instead of [gate | up]: one launch and no [rows, 2I] round trip.
@@ -42,7 +42,7 @@ constexpr int kVec = 8;  // bf16 per 16-byte vector
 
 }  // namespace
 
-// Mirrors `GemvParams` in src/gemm/cuda.rs.
+// Mirrors `GemvParams` in src/gemm/cuda/grouped_gemv.rs.
 struct GemvParams {
     const __nv_bfloat16* a;        // [groups (or first_extra), m_max, k]
     const __nv_bfloat16* b;        // [first_extra, n, k]

@@ -15,9 +15,9 @@
 //! `act = silu(gate) * up` (`[rows, I]`) for the `down` GEMM (`N = H`, `K = I`); the
 //! `[rows, 2I]` product is never stored.
 //!
-//! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3 ptr-array kernels for sm_90a (TMA, WGMMA,
-//! persistent grouped scheduler; `csrc/grouped_gemm_sm90.cuh`, the SwiGLU epilogue in
-//! `csrc/swiglu_epilogue_sm90.cuh`) in three tile configurations ([`GemmTiles`]); a setup
+//! On CUDA (`cuda/`) the GEMMs are CUTLASS 3 ptr-array kernels for sm_90a (TMA, WGMMA,
+//! persistent grouped scheduler; `grouped_gemm_sm90.cuh`, the SwiGLU epilogue in
+//! `swiglu_epilogue_sm90.cuh`) in three tile configurations ([`GemmTiles`]); a setup
 //! kernel writes each group's shape and pointers from the device counts, so no count is read
 //! by the host; for masked blocks of a few rows (decode) a hand-written kernel streams each
 //! active group's weights once instead ([`GemmTiles::Gemv`], `grouped_gemv.cu`). The host
@@ -33,10 +33,6 @@ pub mod host;
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
-#[cfg(feature = "cuda")]
-mod swiglu_rows_cuda;
-#[cfg(feature = "cuda")]
-pub use swiglu_rows_cuda::swiglu_rows_bf16_cuda;
 
 pub use host::{
     group_starts, grouped_gemm, grouped_gemm_extra, grouped_gemm_swiglu, swiglu_rows,
@@ -51,7 +47,7 @@ pub const MAX_GROUPS: usize = 1024;
 /// Rows per block of the blocked gate_up layout the SwiGLU GEMMs read: an expert's `[2I, H]`
 /// gate_up weight holds `gate_proj` rows `8b .. 8b + 8` at rows `16b .. 16b + 8` and the
 /// `up_proj` rows of the same indices right after them, so that one thread of a WGMMA tile
-/// holds both operands of each SwiGLU product (`csrc/swiglu_epilogue_sm90.cuh`). `I` must be a
+/// holds both operands of each SwiGLU product (`swiglu_epilogue_sm90.cuh`). `I` must be a
 /// multiple of it.
 pub const GATE_UP_BLOCK: usize = 8;
 

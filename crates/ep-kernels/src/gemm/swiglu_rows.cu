@@ -1,16 +1,16 @@
 // SwiGLU over dense rows of a blocked gate_up product: act[r, j] = silu(h[r, gate(j)]) *
-// h[r, up(j)], h = [rows, 2I] in the blocked column order of csrc/swiglu_epilogue_sm90.cuh
+// h[r, up(j)], h = [rows, 2I] in the blocked column order of swiglu_epilogue_sm90.cuh
 // (columns 16b .. 16b + 7 the gates of act columns 8b .. 8b + 7, the next 8 their ups), act =
 // [rows, I]. For an MLP whose gate_up GEMM is a dense cuBLAS GEMM (a MoE layer's shared experts
 // beside the dispatch): one pass instead of strided views. Launcher and host twin:
-// src/gemm/swiglu_rows_cuda.rs (`swiglu_rows_bf16_cuda`), src/gemm/host.rs (`swiglu_rows`).
+// src/gemm/cuda/swiglu_rows.rs (`swiglu_rows_bf16_cuda`), src/gemm/host.rs (`swiglu_rows`).
 //
 // One thread per block of 8 act columns: two 16-byte loads (its gates and its ups, contiguous)
 // and one 16-byte store, in a grid-stride loop. silu in f32, one rounding, as the epilogue.
 
 #include "common.cuh"
 
-// Mirrors `SwigluRowsParams` in src/gemm/swiglu_rows_cuda.rs.
+// Mirrors `SwigluRowsParams` in src/gemm/cuda/swiglu_rows.rs.
 struct SwigluRowsParams {
     const __nv_bfloat16* h;  // [rows, 2 * inter]
     __nv_bfloat16* act;      // [rows, inter]

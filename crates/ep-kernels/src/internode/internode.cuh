@@ -42,11 +42,11 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "intranode.cuh"
+#include "../intranode/intranode.cuh"
 
 namespace {
 
-// Kernel ids in error records (Rust: `KERNEL_NAMES` in src/internode/cuda.rs).
+// Kernel ids in error records (Rust: `KERNEL_NAMES` in src/internode/cuda/buffer.rs).
 constexpr int kInNotify = 1;
 constexpr int kInDispatchRecv = 2;
 constexpr int kInCombineForward = 3;

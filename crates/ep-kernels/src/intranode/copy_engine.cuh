@@ -1,7 +1,7 @@
 // Shared pieces of the copy-engine path of the intranode (NVLink) normal mode: the dispatch
 // (`copy_engine_dispatch.cu`) and the combine (`copy_engine_combine.cu`). Launchers:
-// `src/intranode/cuda/copy_engine/`; design: docs/design.md; the NVLink buffer (flags, chunk
-// counters, work queues, slots): `csrc/intranode.cuh`. Run after a notify kernel (`notify.cu`).
+// `src/intranode/cuda/copy_engine_{dispatch,combine}.rs`; design: docs/design.md; the NVLink
+// buffer (flags, chunk counters, work queues, slots): `intranode.cuh`. Run after `notify.cu`.
 //
 // The NVLink bytes of `copy_engine_peers` peers move by copy engines (cuMemcpyDtoDAsync), those
 // of the others by SM warps (next section); `intranode_ce_dispatch` = pack + SM pulls,

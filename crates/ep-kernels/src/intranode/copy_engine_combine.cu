@@ -1,6 +1,6 @@
 // Combine of the copy-engine path (reduce + SM pushes, or both roles in every block); shared
 // pieces and the protocol: `copy_engine.cuh`. Launchers:
-// `src/intranode/cuda/copy_engine/combine.rs`.
+// `src/intranode/cuda/copy_engine_combine.rs`.
 
 #include "copy_engine.cuh"
 

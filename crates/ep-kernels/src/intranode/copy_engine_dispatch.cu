@@ -1,6 +1,6 @@
 // Dispatch of the copy-engine path (pack + SM pulls, and the copy streams' wait kernel);
 // shared pieces and the protocol: `copy_engine.cuh`. Launchers:
-// `src/intranode/cuda/copy_engine/dispatch.rs`.
+// `src/intranode/cuda/copy_engine_dispatch.rs`.
 
 #include "copy_engine.cuh"
 

@@ -10,8 +10,8 @@
 //! - `cuda` (feature `cuda`): the typed launchers of the kernels in `notify.cu` (count
 //!   exchange), `rings_dispatch.cu` / `rings_combine.cu` (SM-ring dispatch and combine, shared
 //!   pieces in `rings.cuh`) and `copy_engine_dispatch.cu` / `copy_engine_combine.cu` (the
-//!   copy-engine path, shared pieces in `copy_engine.cuh`), whose NVLink buffer layout is
-//!   `csrc/intranode.cuh`.
+//!   copy-engine path, shared pieces in `copy_engine.cuh`), one module `cuda/X.rs` per `X.cu`,
+//!   whose NVLink buffer layout is `intranode.cuh` (also included by the internode kernels).
 
 pub mod ce_layout;
 pub mod host;

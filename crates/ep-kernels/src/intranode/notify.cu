@@ -1,5 +1,5 @@
 // Notify kernels of the intranode (NVLink) normal mode. Host twins: `src/intranode/host.rs`;
-// launchers: `src/intranode/cuda/notify.rs`; the NVLink buffer: `csrc/intranode.cuh`.
+// launchers: `src/intranode/cuda/notify.rs`; the NVLink buffer: `intranode.cuh`.
 //
 // Kernels (each takes ONE by-value params struct mirrored by its launcher):
 //   * intranode_notify_dispatch: exchange per-rank / per-expert counts with every peer, compute

@@ -1,5 +1,5 @@
 //! Bytes of the SM-ring path's NVLink buffer (host-side geometry of the layout in
-//! `csrc/intranode.cuh`): a header, then one dispatch or combine ring per (channel, peer).
+//! `intranode.cuh`): a header, then one dispatch or combine ring per (channel, peer).
 //! What `buffer_size_hint` (feature `cuda`) sizes buffers by, and what a runtime plans with
 //! before it allocates anything.
 

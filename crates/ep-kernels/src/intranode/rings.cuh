@@ -1,7 +1,7 @@
 // Shared pieces of the SM-ring dispatch (`rings_dispatch.cu`) and combine (`rings_combine.cu`)
 // of the intranode (NVLink) normal mode. Host twins: `src/intranode/host.rs`; launchers:
-// `src/intranode/cuda/dispatch.rs` and `src/intranode/cuda/combine.rs`; the NVLink buffer (and
-// the rings' place in it): `csrc/intranode.cuh`. Both run after a notify kernel (`notify.cu`).
+// `src/intranode/cuda/rings_{dispatch,combine}.rs`; the NVLink buffer (and the rings' place in
+// it): `intranode.cuh`. Both run after a notify kernel (`notify.cu`).
 //
 // Flow control: the sender of ring (c, s -> d) waits until `Q - (sent - head) >= chunk`, copies
 // up to `num_max_send_tokens` tokens (warps of its group in parallel), group barrier, then
@@ -17,7 +17,7 @@ namespace {
 
 EP_HOST_DEVICE size_t align16(size_t v) { return (v + 15) & ~size_t{15}; }
 
-// Byte offsets of the arrays inside one ring (mirrored by `RingLayout` in cuda.rs).
+// Byte offsets of the arrays inside one ring (mirrored by `src/intranode/ring_bytes.rs`).
 struct RingLayout {
     size_t src_idx;
     size_t topk_idx;

@@ -11,7 +11,7 @@ constexpr int kCombineWarps = kCombineThreads / ep::kWarpSize;
 
 }  // namespace
 
-// Mirrors `CombineParams` in src/intranode/cuda/combine.rs.
+// Mirrors `CombineParams` in src/intranode/cuda/rings_combine.rs.
 struct CombineParams {
     uint64_t buffer_ptrs[kMaxRanks];
     const int4* x;                    // [N, hidden_int4] bf16 rows in receive order

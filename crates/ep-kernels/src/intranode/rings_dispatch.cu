@@ -20,8 +20,8 @@ constexpr int kDispatchUnroll = 5;
 // u64[S], destinations u64[S], sizes u32[S]. Rows are split into equal 16-byte-multiple
 // chunks of at most kTmaStageBytes (a 7168-bf16 row: 7 x 2048 B; 7168 fp8: 4 x 1792 B). Up to
 // S - 1 chunk loads are in flight per warp; the last stage lets stores drain.
-// Mirrored by `DISPATCH_SMEM_BYTES` in cuda.rs (24 warps x 9344 B = 224256 B dynamic smem,
-// within the 227 KiB opt-in limit of sm_90 with the kernel's static smem).
+// Mirrored by `DISPATCH_SMEM_BYTES` in cuda/rings_dispatch.rs (24 warps x 9344 B = 224256 B
+// dynamic smem, within the 227 KiB opt-in limit of sm_90 with the kernel's static smem).
 constexpr int kTmaStages = 4;
 constexpr int kTmaStageBytes = 2304;
 constexpr int kTmaWarpMetaBytes = 128;
@@ -30,7 +30,7 @@ constexpr int kDispatchSmemBytes = kDispatchWarps * kTmaWarpBytes;
 static_assert(kTmaStages >= 2 && kTmaStages <= 4, "TmaPipe::push waits with at most 3 newer groups");
 static_assert(kTmaStageBytes % 16 == 0 && kTmaWarpBytes % 16 == 0, "bulk copies need 16 B units");
 static_assert(kTmaStages * (8 + 8 + 4) <= kTmaWarpMetaBytes, "TMA metadata");
-static_assert(kDispatchSmemBytes == 224256, "update DISPATCH_SMEM_BYTES in cuda.rs");
+static_assert(kDispatchSmemBytes == 224256, "update DISPATCH_SMEM_BYTES in cuda/rings_dispatch.rs");
 
 // A warp's bulk-copy pipeline. Every method but `init` is called by lane 0 only (it alone
 // issues and tracks the bulk operations). Chunk i uses stage i % S: its load completes phase i / S of
@@ -125,7 +125,7 @@ struct TmaPipe {
 };
 }  // namespace
 
-// Mirrors `DispatchParams` in src/intranode/cuda/dispatch.rs.
+// Mirrors `DispatchParams` in src/intranode/cuda/rings_dispatch.rs.
 struct DispatchParams {
     uint64_t buffer_ptrs[kMaxRanks];
     const int4* x;                      // [T, hidden_int4]

@@ -1,6 +1,6 @@
 // Dispatch layout on the device: per-rank, per-node and per-expert token counts and the
 // `is_token_in_rank` matrix, from `topk_idx`. Host twin: `src/layout/host.rs`; launcher:
-// `src/layout/cuda.rs` (`get_dispatch_layout_cuda`).
+// `src/layout/cuda/layout.rs` (`get_dispatch_layout_cuda`).
 //
 // One thread per token, as many blocks as the tokens need: each thread reads its token's K
 // expert ids once, writes its `is_token_in_rank` row (every byte: zeros, then its ranks' ones)
@@ -22,7 +22,7 @@ constexpr int kThreads = 256;
 
 }  // namespace
 
-// Mirrors `LayoutParams` in src/layout/cuda.rs.
+// Mirrors `LayoutParams` in src/layout/cuda/layout.rs.
 struct LayoutParams {
     const int64_t* topk_idx;         // [num_tokens, num_topk]
     int32_t* num_tokens_per_rank;    // [num_ranks], zeroed by the launcher

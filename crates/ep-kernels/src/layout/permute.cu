@@ -1,5 +1,5 @@
-// Row gather ("permute"): dst[i, :] = src[index[i], :] for i in [0, num_rows).
-// Launcher and host twin: `src/layout/permute.rs` (`gather_rows_cuda`, `gather_rows`).
+// Row gather ("permute"): dst[i, :] = src[index[i], :] for i in [0, num_rows). Launcher:
+// `cuda/permute.rs` (`gather_rows_cuda`); host twin: `permute.rs` (`gather_rows`).
 //
 // Rows are opaque bytes (`row_bytes` each). One warp copies one row per grid-stride step:
 //   * vectorised path (row_bytes % 16 == 0 and both bases 16-byte aligned, checked by the

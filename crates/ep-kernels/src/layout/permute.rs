@@ -1,17 +1,20 @@
 //! Row gather ("permute"): `dst[i, :] = src[index[i], :]`, the packing step of a dispatch
 //! built from collectives (gather the rows bound for each rank into one contiguous send
-//! buffer). Kernel: `permute.cu`; typed launcher: `gather_rows_cuda` (`cuda` feature); host
-//! twin: [`gather_rows`].
+//! buffer). Kernel: `permute.cu`; typed launcher: `gather_rows_cuda` (`cuda/permute.rs`,
+//! `cuda` feature); host twin: [`gather_rows`].
 
 use crate::error::{Error, Result};
 
 #[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
-pub use cuda::gather_rows_cuda;
+pub use super::cuda::permute::gather_rows_cuda;
 
 /// Checks the shapes shared by the kernel and its host twin; returns the number of source rows.
-fn check_shapes(src_len: usize, index_len: usize, row_len: usize, dst_len: usize) -> Result<usize> {
+pub(super) fn check_shapes(
+    src_len: usize,
+    index_len: usize,
+    row_len: usize,
+    dst_len: usize,
+) -> Result<usize> {
     if row_len == 0 {
         return Err(Error::invalid("row_len", row_len, "must be positive"));
     }

@@ -1,7 +1,7 @@
 // Low-latency combine (protocol: `protocol.cuh`): per expert (DeepEP's, one row per (token, k)
 // back to the home) or per rank (one partial sum per (token, rank) from the dispatch's records),
 // the flags, and the home's weighted reduction. Host twins: `host.rs` (`combine`,
-// `combine_per_rank`); launcher: `cuda.rs` (`combine_cuda`).
+// `combine_per_rank`); launcher: `cuda/combine.rs` (`combine_cuda`).
 #include "protocol.cuh"
 
 namespace {

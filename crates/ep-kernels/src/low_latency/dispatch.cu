@@ -1,7 +1,7 @@
 // Low-latency dispatch (protocol: `protocol.cuh`): each token once per destination rank with an
 // index entry per (token, k), the count signals, and the receive phase's packed layout, rows and
 // (with the top-k weights) the per-rank combine's records. Host twins: `host.rs`,
-// `src/fp8/host.rs`; launcher: `cuda.rs` (`dispatch_cuda`).
+// `src/fp8/host.rs`; launcher: `cuda/dispatch.rs` (`dispatch_cuda`).
 #include "protocol.cuh"
 
 namespace {

@@ -1,8 +1,8 @@
-// The protocol of the low-latency (decode) dispatch (`dispatch.cu`) and combine (`combine.cu`)
-// over NVLink peer pointers, and through NVSHMEM puts to ranks of other nodes in the
-// `*_nvshmem.cu` builds: constants, the buffer and parameter structs (mirrored in
-// `cuda.rs`), addresses, the per-peer write path, op sequencing and waits. `control.cu` holds
-// the buffer reset and the benchmarks' delay.
+// The protocol of the low-latency (decode) dispatch (`dispatch.cu`) and combine (`combine.cu`) over
+// NVLink peer pointers, and through NVSHMEM puts to ranks of other nodes in the `*_nvshmem.cu`
+// builds: constants, the buffer and parameter structs (mirrored in `cuda/mod.rs`,
+// `cuda/buffer.rs`), addresses, the per-peer write path, op sequencing and waits. `control.cu`
+// holds the buffer reset and the benchmarks' delay.
 //
 // Dispatch sends each token once per destination rank (however many of its experts live
 // there) plus a 4-byte index entry per (token, k) in the expert's slot; the receiver follows
@@ -21,7 +21,7 @@
 //
 // Host twins: `src/low_latency/host.rs` (slots, packed receive layout, weighted combine) and
 // `src/fp8/host.rs` (the 1x128 cast fused into the dispatch send). Launchers and the buffer
-// layout (offsets passed in `LlBuffer`): `src/low_latency/cuda.rs`, `cuda/layout.rs`.
+// layout (offsets passed in `LlBuffer`): `src/low_latency/cuda/`, `layout.rs`.
 //
 // Buffer of one rank (byte offsets in `LlBuffer`; the same layout on every rank):
 //
@@ -108,7 +108,7 @@ constexpr int kKindCombine = 1;
 
 }  // namespace
 
-// Where this rank's buffer lies and how it is laid out; mirrors `LlBuffer` in cuda.rs.
+// Where this rank's buffer lies and how it is laid out; mirrors `LlBuffer` in cuda/buffer.rs.
 struct LlBuffer {
     uint8_t* local;          // this rank's buffer
     const uint64_t* peers;   // [num_ranks] every rank's buffer as this GPU addresses it

@@ -1,6 +1,6 @@
 // Gate logits for a few tokens: logits[T, E] = x[T, H] . W[E, H]^T, f32 accumulation, x in
 // bf16 / f16 / f32 converted in registers, W in f32. Launcher and host twin:
-// src/routing/cuda.rs (`gate_logits_cuda`), src/routing/gate.rs (`gate_logits`).
+// src/routing/cuda/gate.rs (`gate_logits_cuda`), src/routing/gate.rs (`gate_logits`).
 //
 // Memory-bound design for decode batches. The work is split into tiles of TC tokens x EB
 // experts; a block of 256 threads owns one tile at a time (grid-stride over the tiles). Its
@@ -61,7 +61,7 @@ EP_DEVICE void load_w(const float* p, float (&out)[V]) {
 
 }  // namespace
 
-// Mirrors `GateLogitsParams` in src/routing/cuda.rs.
+// Mirrors `GateLogitsParams` in src/routing/cuda/gate.rs.
 struct GateLogitsParams {
     const void* x;        // [T, H], the instance's element type
     const float* weight;  // [E, H]

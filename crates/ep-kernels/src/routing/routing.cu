@@ -1,7 +1,7 @@
-// Routing: each token's top-k experts and weights from its expert scores, or from its gate
-// logits scored here first (sigmoid or softmax), one warp per token. Launcher and host twin:
-// src/routing/cuda.rs (`route_topk_cuda`), src/routing/host.rs (`route_topk`); the rule is in
-// src/routing/mod.rs, the scoring functions in src/routing/scoring.rs, which the device
+// Routing: each token's top-k experts and weights from its expert scores, or from its gate logits
+// scored here first (sigmoid or softmax), one warp per token. Launcher and host twin:
+// src/routing/cuda/routing.rs (`route_topk_cuda`), src/routing/host.rs (`route_topk`); the rule is
+// in src/routing/mod.rs, the scoring functions in src/routing/scoring.rs, which the device
 // functions below mirror operation for operation (explicitly rounded intrinsics, so that no
 // multiply-add is contracted differently): the same bits on both sides.
 //
@@ -174,7 +174,7 @@ EP_DEVICE float sum_in_order(float w, int k) {
 
 }  // namespace
 
-// Mirrors `RouteTopkParams` in src/routing/cuda.rs.
+// Mirrors `RouteTopkParams` in src/routing/cuda/routing.rs.
 struct RouteTopkParams {
     const float* scores;  // [T, E] scores or logits (`input`)
     const float* bias;    // [E] or null

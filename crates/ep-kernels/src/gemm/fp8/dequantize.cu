@@ -1,7 +1,7 @@
 // Block-scaled e4m3 weights to bf16: y[r, c] = bf16_rn(f32(q[r, c]) * scales[r / scale_rows,
 // c / 128]), DeepSeek's `weight_dequant` with the rounding of the host twin
 // (`gemm::fp8::dequantize_weight` then `bf16::from_f32`), bit for bit. For weights kept in bf16
-// on the device (loaded once). Launcher: src/gemm/fp8/cuda.rs (`dequantize_weight_cuda`).
+// on the device (loaded once). Launcher: `dequantize_weight_cuda` in cuda/dequantize.rs.
 
 #include "common.cuh"
 
@@ -12,7 +12,7 @@ constexpr int kPerThread = 16;  // one 16-byte vector of e4m3
 
 }  // namespace
 
-// Mirrors `DequantizeWeightParams` in src/gemm/fp8/cuda.rs.
+// Mirrors `DequantizeWeightParams` in src/gemm/fp8/cuda/dequantize.rs.
 struct DequantizeWeightParams {
     const uint8_t* q;       // [n, k], 16-byte aligned
     const float* scales;    // [ceil(n / scale_rows), scale_cols]

@@ -46,14 +46,14 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "grouped_gemm_sm90.cuh"
+#include "../grouped_gemm_sm90.cuh"
 
 namespace ep::gemm {
 
 // Channels of K, and rows of B, sharing one scale (Rust: `FP8_BLOCK`).
 constexpr int kFp8ScaleBlock = 128;
 
-// Mirrors `GroupedGemmFp8Args` in src/gemm/cuda_fp8.rs.
+// Mirrors `GroupedGemmFp8Args` in src/gemm/fp8/cuda/mod.rs.
 struct GroupedGemmFp8Args {
     const void* a;           // e4m3 [rows, k]
     const float* sfa;        // f32 [rows, ceil(k / 128)]

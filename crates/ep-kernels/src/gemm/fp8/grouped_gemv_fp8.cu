@@ -2,8 +2,8 @@
 // g and valid row r < counts[g], d[g, r, :] = bf16(deq(a)[g, r, :] x deq(b[g])^T), the function
 // of the CUTLASS fp8 GEMMs (fp8/grouped_gemm_fp8_sm90.cuh) and of the host twin
 // `gemm::fp8::grouped_gemm_fp8`, shaped for the case where reading each active group's
-// weights once is the whole cost. Launcher: `grouped_gemm_fp8_cuda` in src/gemm/fp8/cuda.rs
-// with `GemmTiles::Gemv`.
+// weights once is the whole cost. Launcher: src/gemm/fp8/cuda/grouped_gemv_fp8.rs, from
+// `grouped_gemm_fp8_cuda` (src/gemm/fp8/cuda/mod.rs) with `GemmTiles::Gemv`.
 //
 // No tile and no shared memory for the operands: a warp owns 16 weight rows (output columns) and
 // streams them from global memory in 16-byte vectors, four lanes covering 64 channels of a row;
@@ -48,7 +48,7 @@ constexpr int kBlocksPerSm = 2;  // 128 registers a thread at most
 
 }  // namespace
 
-// Mirrors `GemvFp8Params` in src/gemm/fp8/cuda.rs.
+// Mirrors `GemvFp8Params` in src/gemm/fp8/cuda/grouped_gemv_fp8.rs.
 struct GemvFp8Params {
     const uint8_t* a;        // [first_extra (or groups) * m_max, k] e4m3
     const float* sfa;        // [.., k / 128 rounded up]

@@ -17,7 +17,7 @@
 //! 128-column act group in one thread block; the blockwise-scaling mainloop holds two copies
 //! of its accumulators, which leaves no registers for tiles that wide.)
 //!
-//! On CUDA (`cuda.rs`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a
+//! On CUDA (`cuda/`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a
 //! (`fp8/grouped_gemm_fp8_sm90.cuh`, `quantize_rows.cu`, `dequantize.cu`); the host twins
 //! ([`host`]) compute the same functions in f32 from the dequantized operands (DeepSeek's
 //! `weight_dequant`) and are the CPU path.

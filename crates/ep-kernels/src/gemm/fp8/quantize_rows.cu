@@ -10,7 +10,7 @@
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
 // In a masked layout (both kernels) blockIdx.y is the group and only its first counts[group]
 // rows are visited. Host twin: `gemm::fp8::swiglu_quantize` (expf may differ from the host's exp in
-// the last bit, so results agree to one e4m3 step); launcher: src/gemm/fp8/cuda.rs.
+// the last bit, so results agree to one e4m3 step); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
 
 #include "common.cuh"
 
@@ -22,7 +22,7 @@ constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
 
 }  // namespace
 
-// Mirrors `RowsParams` in src/gemm/fp8/cuda.rs (both kernels).
+// Mirrors `RowsParams` in src/gemm/fp8/cuda/quantize_rows.rs (both kernels).
 struct RowsParams {
     const __nv_bfloat16* in; // [rows, cols] (quantize_rows) or [rows, 2 * cols] (swiglu: gate
                              // columns, then up columns); 8-byte aligned

@@ -10,28 +10,26 @@
 //! One op on every rank of a node, each rank on its own stream (plus its [`CopyStreams`]):
 //!
 //! 1. dispatch: [`super::notify_dispatch_cuda`] with `send_index`, poll the counters (word
-//!    `1 + s` = rows from source `s`), allocate, then [`ce_dispatch_cuda`];
-//! 2. combine: [`super::cached_notify_cuda`], then [`ce_combine_cuda`] with the dispatch's
-//!    `send_index` and per-source counts.
+//!    `1 + s` = rows from source `s`), allocate, then [`super::ce_dispatch_cuda`];
+//! 2. combine: [`super::cached_notify_cuda`], then [`super::ce_combine_cuda`] with the
+//!    dispatch's `send_index` and per-source counts.
 //!
 //! Results equal the ring path's (and the host twins'): the same receive order, the same
 //! combine sums in rank order.
 //!
-//! Modules: `config` ([`CeConfig`]), `streams` ([`CopyStreams`] and the copies), `params`
-//! (the kernels' params mirrors), `dispatch` and `combine` (the launchers).
+//! This module holds what the two launchers share (`super::copy_engine_dispatch` and
+//! `super::copy_engine_combine`, one per kernel source): `config` ([`CeConfig`]), `streams`
+//! ([`CopyStreams`] and the copies), `params` (the kernels' params mirrors), the op checks and
+//! the fused kernels' launch.
 
-mod combine;
 mod config;
-mod dispatch;
-mod params;
-mod streams;
+pub(super) mod params;
+pub(super) mod streams;
 
-pub use combine::{ce_combine_cuda, CeCombineArgs};
 pub use config::{
     CeConfig, COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, FP8_PACK_LOCAL_BLOCKS, MAX_COPY_LANES,
     PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
 };
-pub use dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use streams::CopyStreams;
 
 use cudarc::driver::sys::CUdeviceptr;
@@ -45,15 +43,12 @@ use params::CeFusedParams;
 
 const _: () = assert!(CE_SLOT_BASE == RING_BASE);
 
-/// The cubins of `copy_engine_dispatch.cu` and `copy_engine_combine.cu`.
-const DISPATCH_FILE: &str = "intranode/copy_engine_dispatch";
-const COMBINE_FILE: &str = "intranode/copy_engine_combine";
 /// Threads of the pack and reduce kernel blocks (`kCeThreads`).
 const CE_THREADS: u32 = 768;
 
 /// The checks every copy-engine op starts with: the config, `send_index` `[T, R]`, the `[R, R]`
 /// prefixes and one count per source. Returns `(R, rank, T, N)`, `N` the rows received.
-fn op_sizes(
+pub(super) fn op_sizes(
     config: &CeConfig,
     buffers: &PeerBuffers,
     send_index_len: usize,
@@ -70,7 +65,7 @@ fn op_sizes(
 }
 
 /// The blocks of a fused kernel (`launch_fused`).
-struct FusedGrid {
+pub(super) struct FusedGrid {
     /// Blocks running `main` (pack or reduce): `CeConfig::num_sms`.
     main_blocks: usize,
     /// Blocks running `copies` (SM pull or push) after them: `CeConfig::sm_blocks` when some
@@ -82,7 +77,7 @@ struct FusedGrid {
 }
 
 impl FusedGrid {
-    fn new(config: &CeConfig, sm_copies: bool, role_warps: usize) -> Self {
+    pub(super) fn new(config: &CeConfig, sm_copies: bool, role_warps: usize) -> Self {
         Self {
             main_blocks: config.num_sms,
             copy_blocks: if sm_copies { config.sm_blocks } else { 0 },
@@ -100,7 +95,7 @@ impl FusedGrid {
 ///
 /// As for [`Kernel::launch`]: `CeFusedParams<M, C>` must be `kernel`'s params type, and
 /// `main` and `copies` must point only into memory that holds what the kernel touches.
-unsafe fn launch_fused<M, C>(
+pub(super) unsafe fn launch_fused<M, C>(
     stream: &CudaStream,
     kernel: &Kernel,
     grid: FusedGrid,
@@ -131,7 +126,7 @@ where
 }
 
 /// Errors unless the slots of `lay` hold this rank's `t` tokens and every source's block.
-fn check_slot_capacity(
+pub(super) fn check_slot_capacity(
     buffers: &PeerBuffers,
     lay: &CeSlotLayout,
     t: usize,
@@ -163,7 +158,7 @@ fn check_slot_capacity(
     Ok(())
 }
 
-fn dptr<T>(v: &CudaView<'_, T>, stream: &CudaStream) -> CUdeviceptr {
+pub(super) fn dptr<T>(v: &CudaView<'_, T>, stream: &CudaStream) -> CUdeviceptr {
     let (p, _g) = v.device_ptr(stream);
     p
 }

@@ -191,8 +191,8 @@ impl LowLatencyBuffer {
         buffer.set_active_ranks(stream, &vec![true; n])?;
         let kernels = crate::cuda::Kernels::for_stream(stream)?;
         for (file, name) in [
-            (super::DISPATCH_NVSHMEM_FILE, "ll_dispatch"),
-            (super::COMBINE_NVSHMEM_FILE, "ll_combine"),
+            (super::dispatch::DISPATCH_NVSHMEM_FILE, "ll_dispatch"),
+            (super::combine::COMBINE_NVSHMEM_FILE, "ll_combine"),
         ] {
             let kernel = kernels.kernel(file, name)?;
             buffer.bind(&kernel)?;

@@ -11,40 +11,40 @@ use crate::intranode::CE_MAX_CHUNKS;
 /// Mirror of `CePackParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CePackParams {
-    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
-    pub(super) x: CUdeviceptr,
-    pub(super) x_scales: CUdeviceptr,
-    pub(super) topk_idx: CUdeviceptr,
-    pub(super) topk_weights: CUdeviceptr,
-    pub(super) send_index: CUdeviceptr,
-    pub(super) rank_prefix_matrix: CUdeviceptr,
-    pub(super) recv_x: CUdeviceptr,
-    pub(super) recv_x_scales: CUdeviceptr,
-    pub(super) recv_src_idx: CUdeviceptr,
-    pub(super) recv_topk_idx: CUdeviceptr,
-    pub(super) recv_topk_weights: CUdeviceptr,
-    pub(super) slot_bytes: i64,
-    pub(super) off_scales: i64,
-    pub(super) off_src: i64,
-    pub(super) off_topk_idx: i64,
-    pub(super) off_topk_weights: i64,
-    pub(super) rank: i32,
-    pub(super) num_ranks: i32,
-    pub(super) num_tokens: i32,
-    pub(super) row_int4: i32,
-    pub(super) num_scales: i32,
-    pub(super) num_topk: i32,
-    pub(super) experts_per_rank: i32,
-    pub(super) first_chunk_rows: i32,
-    pub(super) max_chunk_rows: i32,
-    pub(super) sm_push_mask: i32,
-    pub(super) own_rows_last: i32,
-    pub(super) local_warps: i32,
-    pub(super) local_blocks: i32,
-    pub(super) push_first_chunk_rows: i32,
-    pub(super) push_max_chunk_rows: i32,
-    pub(super) pad: i32,
+pub(crate) struct CePackParams {
+    pub(crate) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(crate) x: CUdeviceptr,
+    pub(crate) x_scales: CUdeviceptr,
+    pub(crate) topk_idx: CUdeviceptr,
+    pub(crate) topk_weights: CUdeviceptr,
+    pub(crate) send_index: CUdeviceptr,
+    pub(crate) rank_prefix_matrix: CUdeviceptr,
+    pub(crate) recv_x: CUdeviceptr,
+    pub(crate) recv_x_scales: CUdeviceptr,
+    pub(crate) recv_src_idx: CUdeviceptr,
+    pub(crate) recv_topk_idx: CUdeviceptr,
+    pub(crate) recv_topk_weights: CUdeviceptr,
+    pub(crate) slot_bytes: i64,
+    pub(crate) off_scales: i64,
+    pub(crate) off_src: i64,
+    pub(crate) off_topk_idx: i64,
+    pub(crate) off_topk_weights: i64,
+    pub(crate) rank: i32,
+    pub(crate) num_ranks: i32,
+    pub(crate) num_tokens: i32,
+    pub(crate) row_int4: i32,
+    pub(crate) num_scales: i32,
+    pub(crate) num_topk: i32,
+    pub(crate) experts_per_rank: i32,
+    pub(crate) first_chunk_rows: i32,
+    pub(crate) max_chunk_rows: i32,
+    pub(crate) sm_push_mask: i32,
+    pub(crate) own_rows_last: i32,
+    pub(crate) local_warps: i32,
+    pub(crate) local_blocks: i32,
+    pub(crate) push_first_chunk_rows: i32,
+    pub(crate) push_max_chunk_rows: i32,
+    pub(crate) pad: i32,
 }
 assert_params_layout!(
     CePackParams,
@@ -62,12 +62,12 @@ assert_params_layout!(
 /// Mirror of `CeWaitParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeWaitParams {
-    pub(super) flag: CUdeviceptr,
-    pub(super) error_info: CUdeviceptr,
-    pub(super) timeout_ns: u64,
-    pub(super) rank: i32,
-    pub(super) awaited: i32,
+pub(crate) struct CeWaitParams {
+    pub(crate) flag: CUdeviceptr,
+    pub(crate) error_info: CUdeviceptr,
+    pub(crate) timeout_ns: u64,
+    pub(crate) rank: i32,
+    pub(crate) awaited: i32,
 }
 assert_params_layout!(
     CeWaitParams,
@@ -80,28 +80,28 @@ unsafe impl KernelParams for CeWaitParams {}
 /// Mirror of `CeReduceParams` in copy_engine_combine.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeReduceParams {
-    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
-    pub(super) x: CUdeviceptr,
-    pub(super) topk_weights: CUdeviceptr,
-    pub(super) send_index: CUdeviceptr,
-    pub(super) rank_prefix_matrix: CUdeviceptr,
-    pub(super) combined_x: CUdeviceptr,
-    pub(super) combined_topk_weights: CUdeviceptr,
-    pub(super) error_info: CUdeviceptr,
-    pub(super) timeout_ns: u64,
-    pub(super) slot_bytes: i64,
-    pub(super) off_weights: i64,
-    pub(super) rank: i32,
-    pub(super) num_ranks: i32,
-    pub(super) num_tokens: i32,
-    pub(super) row_int4: i32,
-    pub(super) num_topk: i32,
-    pub(super) first_chunk_rows: i32,
-    pub(super) max_chunk_rows: i32,
-    pub(super) pad: i32,
+pub(crate) struct CeReduceParams {
+    pub(crate) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(crate) x: CUdeviceptr,
+    pub(crate) topk_weights: CUdeviceptr,
+    pub(crate) send_index: CUdeviceptr,
+    pub(crate) rank_prefix_matrix: CUdeviceptr,
+    pub(crate) combined_x: CUdeviceptr,
+    pub(crate) combined_topk_weights: CUdeviceptr,
+    pub(crate) error_info: CUdeviceptr,
+    pub(crate) timeout_ns: u64,
+    pub(crate) slot_bytes: i64,
+    pub(crate) off_weights: i64,
+    pub(crate) rank: i32,
+    pub(crate) num_ranks: i32,
+    pub(crate) num_tokens: i32,
+    pub(crate) row_int4: i32,
+    pub(crate) num_topk: i32,
+    pub(crate) first_chunk_rows: i32,
+    pub(crate) max_chunk_rows: i32,
+    pub(crate) pad: i32,
     /// `[T, H]` bf16 added to every combined row, or 0.
-    pub(super) bias: CUdeviceptr,
+    pub(crate) bias: CUdeviceptr,
 }
 assert_params_layout!(
     CeReduceParams,
@@ -116,22 +116,22 @@ assert_params_layout!(
 /// Mirror of `CeSmPushParams` in copy_engine_combine.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeSmPushParams {
-    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
-    pub(super) x: CUdeviceptr,
-    pub(super) topk_weights: CUdeviceptr,
-    pub(super) slot_bytes: i64,
-    pub(super) off_weights: i64,
-    pub(super) row_begin: [i32; MAX_NVL_RANKS],
-    pub(super) rows: [i32; MAX_NVL_RANKS],
-    pub(super) rank: i32,
-    pub(super) num_ranks: i32,
-    pub(super) row_int4: i32,
-    pub(super) num_topk: i32,
-    pub(super) first_chunk_rows: i32,
-    pub(super) max_chunk_rows: i32,
-    pub(super) combine_ce_tail_chunks: i32,
-    pub(super) pad: i32,
+pub(crate) struct CeSmPushParams {
+    pub(crate) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(crate) x: CUdeviceptr,
+    pub(crate) topk_weights: CUdeviceptr,
+    pub(crate) slot_bytes: i64,
+    pub(crate) off_weights: i64,
+    pub(crate) row_begin: [i32; MAX_NVL_RANKS],
+    pub(crate) rows: [i32; MAX_NVL_RANKS],
+    pub(crate) rank: i32,
+    pub(crate) num_ranks: i32,
+    pub(crate) row_int4: i32,
+    pub(crate) num_topk: i32,
+    pub(crate) first_chunk_rows: i32,
+    pub(crate) max_chunk_rows: i32,
+    pub(crate) combine_ce_tail_chunks: i32,
+    pub(crate) pad: i32,
 }
 assert_params_layout!(
     CeSmPushParams,
@@ -144,34 +144,34 @@ assert_params_layout!(
 /// Mirror of `CeSmPullParams` in copy_engine_dispatch.cu.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeSmPullParams {
-    pub(super) buffer_ptrs: [u64; MAX_NVL_RANKS],
-    pub(super) recv_x: CUdeviceptr,
-    pub(super) recv_x_scales: CUdeviceptr,
-    pub(super) recv_src_idx: CUdeviceptr,
-    pub(super) recv_topk_idx: CUdeviceptr,
-    pub(super) recv_topk_weights: CUdeviceptr,
-    pub(super) error_info: CUdeviceptr,
-    pub(super) timeout_ns: u64,
-    pub(super) slot_bytes: i64,
-    pub(super) off_scales: i64,
-    pub(super) off_src: i64,
-    pub(super) off_topk_idx: i64,
-    pub(super) off_topk_weights: i64,
-    pub(super) row_begin: [i32; MAX_NVL_RANKS],
-    pub(super) rows: [i32; MAX_NVL_RANKS],
-    pub(super) rank: i32,
-    pub(super) num_ranks: i32,
-    pub(super) row_int4: i32,
-    pub(super) num_scales: i32,
-    pub(super) num_topk: i32,
-    pub(super) first_chunk_rows: i32,
-    pub(super) max_chunk_rows: i32,
-    pub(super) sm_rows_mask: i32,
-    pub(super) local_mask: i32,
-    pub(super) push_first_chunk_rows: i32,
-    pub(super) push_max_chunk_rows: i32,
-    pub(super) pad: i32,
+pub(crate) struct CeSmPullParams {
+    pub(crate) buffer_ptrs: [u64; MAX_NVL_RANKS],
+    pub(crate) recv_x: CUdeviceptr,
+    pub(crate) recv_x_scales: CUdeviceptr,
+    pub(crate) recv_src_idx: CUdeviceptr,
+    pub(crate) recv_topk_idx: CUdeviceptr,
+    pub(crate) recv_topk_weights: CUdeviceptr,
+    pub(crate) error_info: CUdeviceptr,
+    pub(crate) timeout_ns: u64,
+    pub(crate) slot_bytes: i64,
+    pub(crate) off_scales: i64,
+    pub(crate) off_src: i64,
+    pub(crate) off_topk_idx: i64,
+    pub(crate) off_topk_weights: i64,
+    pub(crate) row_begin: [i32; MAX_NVL_RANKS],
+    pub(crate) rows: [i32; MAX_NVL_RANKS],
+    pub(crate) rank: i32,
+    pub(crate) num_ranks: i32,
+    pub(crate) row_int4: i32,
+    pub(crate) num_scales: i32,
+    pub(crate) num_topk: i32,
+    pub(crate) first_chunk_rows: i32,
+    pub(crate) max_chunk_rows: i32,
+    pub(crate) sm_rows_mask: i32,
+    pub(crate) local_mask: i32,
+    pub(crate) push_first_chunk_rows: i32,
+    pub(crate) push_max_chunk_rows: i32,
+    pub(crate) pad: i32,
 }
 assert_params_layout!(
     CeSmPullParams,
@@ -189,20 +189,20 @@ assert_params_layout!(
 /// or push).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub(super) struct CeFusedParams<M, C> {
+pub(crate) struct CeFusedParams<M, C> {
     /// `pack` or `reduce`.
-    pub(super) main: M,
+    pub(crate) main: M,
     /// `pull` or `push`.
-    pub(super) copies: C,
+    pub(crate) copies: C,
     /// `pack_blocks` or `reduce_blocks`.
-    pub(super) main_blocks: i32,
+    pub(crate) main_blocks: i32,
     /// Dispatch: `pad` (0). Combine: `push_warps` (> 0: every block's first `push_warps` warps
     /// push, then reduce, and the others reduce).
-    pub(super) role_warps: i32,
+    pub(crate) role_warps: i32,
 }
 
 /// Mirror of `CeDispatchParams` in copy_engine_dispatch.cu: pack blocks, then SM pull blocks.
-pub(super) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
+pub(crate) type CeDispatchParams = CeFusedParams<CePackParams, CeSmPullParams>;
 assert_params_layout!(
     CeDispatchParams,
     536;
@@ -212,7 +212,7 @@ assert_params_layout!(
 unsafe impl KernelParams for CeDispatchParams {}
 
 /// Mirror of `CeCombineParams` in copy_engine_combine.cu: reduce blocks, then SM push blocks.
-pub(super) type CeCombineParams = CeFusedParams<CeReduceParams, CeSmPushParams>;
+pub(crate) type CeCombineParams = CeFusedParams<CeReduceParams, CeSmPushParams>;
 assert_params_layout!(
     CeCombineParams,
     384;
@@ -221,7 +221,7 @@ assert_params_layout!(
 // SAFETY: repr(C) plain data mirroring `CeCombineParams` in copy_engine_combine.cu.
 unsafe impl KernelParams for CeCombineParams {}
 
-/// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in `csrc/intranode.cuh`).
-pub(super) fn flag_offset(peer: usize, chunk: usize) -> u64 {
+/// Byte offset of flag `[peer][chunk]` in a buffer (`ce_flag` in `intranode.cuh`).
+pub(crate) fn flag_offset(peer: usize, chunk: usize) -> u64 {
     (17408 + 4 * (peer * CE_MAX_CHUNKS + chunk)) as u64
 }

@@ -26,7 +26,7 @@ impl CopyStreams {
     }
 
     /// Copy stream `lane` of `peer`.
-    pub(super) fn get(&self, peer: usize, lane: usize) -> Result<&Arc<CudaStream>> {
+    pub(crate) fn get(&self, peer: usize, lane: usize) -> Result<&Arc<CudaStream>> {
         self.streams
             .get(peer * MAX_COPY_LANES + lane % MAX_COPY_LANES)
             .ok_or_else(|| {
@@ -40,7 +40,7 @@ impl CopyStreams {
 }
 
 /// Makes each copy stream wait for `stream`'s work so far; returns nothing.
-pub(super) fn fork(
+pub(crate) fn fork(
     stream: &CudaStream,
     copies: &CopyStreams,
     peers: impl Iterator<Item = usize>,
@@ -56,7 +56,7 @@ pub(super) fn fork(
 }
 
 /// Makes `stream` wait for the copy streams of `peers`.
-pub(super) fn join(
+pub(crate) fn join(
     stream: &CudaStream,
     copies: &CopyStreams,
     peers: impl Iterator<Item = usize>,
@@ -77,7 +77,7 @@ pub(super) fn join(
 ///
 /// Both ranges must be valid device memory in `stream`'s context (own or peer-mapped) for
 /// the copy's duration, not written concurrently by anything unordered with it.
-pub(super) unsafe fn copy(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+pub(crate) unsafe fn copy(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }

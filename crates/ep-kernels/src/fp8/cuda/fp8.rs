@@ -1,13 +1,13 @@
-//! Typed launchers of the fp8 cast kernels (`fp8.cu`); host twins: [`super::host`].
+//! Typed launchers of the fp8 cast kernels (`fp8.cu`); host twins: [`crate::fp8::host`].
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use float8::F8E4M3;
 use half::bf16;
 
-use super::host::ScaleFormat;
 use crate::cuda::{assert_params_layout, check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::fp8::host::ScaleFormat;
 use crate::FP8_GROUP;
 
 /// The cubin of `fp8.cu`.
@@ -88,7 +88,7 @@ fn launch_config(groups: usize, kernels: &Kernels) -> LaunchConfig {
 
 /// Quantises `x: [num_tokens, hidden]` bf16 into `q: [num_tokens, hidden]` fp8 e4m3 and
 /// `scales: [num_tokens, hidden / 128]` f32 on `stream`, bit-identical to the host twin
-/// [`super::quantize`]. `x` must be 8-byte and `q` 4-byte aligned (true of whole cudarc
+/// [`crate::fp8::quantize`]. `x` must be 8-byte and `q` 4-byte aligned (true of whole cudarc
 /// allocations and of views starting at a multiple of 128 elements).
 pub fn quantize_cuda(
     stream: &CudaStream,
@@ -130,7 +130,7 @@ pub fn quantize_cuda(
 
 /// Dequantises `q: [num_tokens, hidden]` fp8 e4m3 with `scales: [num_tokens, hidden / 128]`
 /// into `out: [num_tokens, hidden]` bf16 on `stream`, bit-identical to the host twin
-/// [`super::dequantize`]. `q` must be 4-byte and `out` 8-byte aligned.
+/// [`crate::fp8::dequantize`]. `q` must be 4-byte and `out` 8-byte aligned.
 pub fn dequantize_cuda(
     stream: &CudaStream,
     q: &impl DevicePtr<F8E4M3>,

@@ -1,11 +1,12 @@
-//! Typed launcher of the row gather kernel (`permute.cu`); host twin: [`super::gather_rows`].
+//! Typed launcher of the row gather kernel (`permute.cu`); host twin:
+//! [`crate::layout::permute::gather_rows`].
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
-use super::check_shapes;
 use crate::cuda::{assert_params_layout, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::layout::permute::check_shapes;
 
 /// The cubin of `permute.cu`.
 const FILE: &str = "layout/permute";
@@ -43,7 +44,7 @@ unsafe impl KernelParams for GatherRowsParams {}
 
 /// Gathers rows on `stream`: `dst[i, :] = src[index[i], :]` with `src: [S, row_len]`,
 /// `index: [N]` i32 and `dst: [N, row_len]`, elements of any plain type `T` (bf16 for a
-/// dispatch). Same result as the host twin [`super::gather_rows`].
+/// dispatch). Same result as the host twin [`crate::layout::permute::gather_rows`].
 ///
 /// Rows whose size is a multiple of 16 bytes, with 16-byte aligned `src` and `dst` (whole
 /// cudarc allocations, and views starting at a row boundary), are copied with 16-byte vector

@@ -1,4 +1,5 @@
-//! Launchers of the expert-order kernels (`expert_order.cu`); host twins: [`super::host`].
+//! Launchers of the expert-order kernels (`expert_order.cu`); host twins:
+//! [`crate::expert_order::host`].
 
 use std::sync::Arc;
 
@@ -6,9 +7,9 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
-use super::MAX_LOCAL_EXPERTS;
 use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::expert_order::MAX_LOCAL_EXPERTS;
 
 /// The cubin of `expert_order.cu`.
 const FILE: &str = "expert_order/expert_order";
@@ -158,7 +159,7 @@ pub fn permute_cuda<T>(
             "0 rows",
             format!(
                 "must hold the routing's rows (at most rows_bound = {})",
-                super::rows_bound(n, k, num_local, alignment)
+                crate::expert_order::rows_bound(n, k, num_local, alignment)
             ),
         ));
     }
@@ -223,7 +224,7 @@ pub fn permute_cuda<T>(
 /// The weighted un-permute on `stream`: `out[t] = bf16(sum_k w[t, k] * y[positions[t, k]])`
 /// in f32 over the valid slots, slot order (zero for a token without one); `y` is
 /// `[rows, row]` bf16, `positions` `[n, k]` (from [`permute_cuda`]), `weights` `[n, k]` f32,
-/// `out` `[n, row]`. Same result as the host twin [`super::unpermute`], bit for bit.
+/// `out` `[n, row]`. Same result as the host twin [`crate::expert_order::unpermute`], bit for bit.
 pub fn unpermute_cuda(
     stream: &Arc<CudaStream>,
     y: &impl DevicePtr<bf16>,
@@ -310,7 +311,7 @@ unsafe impl KernelParams for ScatterParams {}
 /// valid slot, `dst[positions[t, s]] = src[t]`; `src` is `[n, row]`, `dst` `[rows, row]` of
 /// `T` whose rows are whole 4-byte words (e.g. the fp8 rows' f32 scales), `positions`
 /// `[n, k]`. Rows of `dst` no slot lands on are not written; a position past `dst` traps.
-/// Host twin: [`super::scatter`].
+/// Host twin: [`crate::expert_order::scatter`].
 pub fn scatter_cuda<T>(
     stream: &Arc<CudaStream>,
     src: &impl DevicePtr<T>,

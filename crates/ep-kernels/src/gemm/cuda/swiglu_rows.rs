@@ -1,5 +1,5 @@
 //! Launcher of `swiglu_rows.cu`: SwiGLU over dense rows of a blocked gate_up product. Host
-//! twin: [`super::host::swiglu_rows`].
+//! twin: [`crate::gemm::host::swiglu_rows`].
 
 use std::sync::Arc;
 
@@ -7,9 +7,9 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
-use super::GATE_UP_BLOCK;
 use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::gemm::GATE_UP_BLOCK;
 
 /// The cubin of `swiglu_rows.cu`.
 const FILE: &str = "gemm/swiglu_rows";
@@ -34,7 +34,7 @@ unsafe impl KernelParams for SwigluRowsParams {}
 /// SwiGLU on `stream` over `rows` dense rows of `h` (`[rows, 2 * inter]`, the product of rows
 /// with a gate_up weight in the blocked layout, [`GATE_UP_BLOCK`]) into `act`
 /// (`[rows, inter]`): `act[r, j] = bf16(silu(gate) * up)` with the gate and up columns of `j`
-/// (`super::gate_up_rows`). Checked before launch: `inter` a positive multiple of 8, the
+/// (`crate::gemm::gate_up_rows`). Checked before launch: `inter` a positive multiple of 8, the
 /// lengths, 16-byte aligned operands.
 pub fn swiglu_rows_bf16_cuda(
     stream: &Arc<CudaStream>,

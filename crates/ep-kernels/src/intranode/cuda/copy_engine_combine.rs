@@ -4,17 +4,19 @@
 use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr};
 
-use super::params::{flag_offset, CeReduceParams, CeSmPushParams};
-use super::streams::{copy, fork, join};
-use super::{
+use super::copy_engine::params::{flag_offset, CeReduceParams, CeSmPushParams};
+use super::copy_engine::streams::{copy, fork, join};
+use super::copy_engine::{
     check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
-    COMBINE_FILE,
 };
 use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
 use crate::intranode::cuda::payload::combine_weights_ptrs;
 use crate::intranode::cuda::{to_i32, PeerBuffers, MAX_NVL_RANKS, RING_BASE};
 use crate::intranode::{chunk_bounds, copy_engine_peer, CeSlotLayout};
+
+/// The cubin of `copy_engine_combine.cu`.
+const COMBINE_FILE: &str = "intranode/copy_engine_combine";
 
 /// Inputs and outputs of [`ce_combine_cuda`] (`N` rows this rank holds in dispatch receive
 /// order, `T` tokens this rank owns, `H` hidden, `K` top-k).

@@ -1,13 +1,13 @@
-//! Typed launcher of the dispatch-layout kernel (`layout.cu`); host twin: [`super::host`].
+//! Typed launcher of the dispatch-layout kernel (`layout.cu`); host twin: [`crate::layout::host`].
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
-use super::host::{DispatchLayout, ExpertPlacement};
 use crate::cuda::{assert_params_layout, fill_i32_cuda, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::layout::host::{DispatchLayout, ExpertPlacement};
 
 /// The cubin of `layout.cu`.
 const FILE: &str = "layout/layout";
@@ -99,8 +99,9 @@ fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
 /// Computes the dispatch layout of `topk_idx` (`[num_tokens, num_topk]` i64, row-major, `-1` =
 /// no expert) on `stream` into freshly allocated device buffers.
 ///
-/// Same results as the host twin [`super::get_dispatch_layout`]. Expert ids are not validated
-/// on the device (that would need a synchronisation): entries outside `[-1, E)` are ignored.
+/// Same results as the host twin [`crate::layout::get_dispatch_layout`]. Expert ids are not
+/// validated on the device (that would need a synchronisation): entries outside `[-1, E)` are
+/// ignored.
 pub fn get_dispatch_layout_cuda(
     stream: &Arc<CudaStream>,
     topk_idx: &impl DevicePtr<i64>,

@@ -1,19 +1,31 @@
 //! Launchers of the grouped GEMMs: CUTLASS kernels of the host library (see
-//! `csrc/grouped_gemm_sm90.cuh`, plain or with the SwiGLU epilogue) and the tile-less GEMV
+//! `grouped_gemm_sm90.cuh`, plain or with the SwiGLU epilogue) and the tile-less GEMV
 //! (`grouped_gemv.cu`). Host twins: [`super::host`].
+//!
+//! One module per kernel source: the C entry points of each CUTLASS configuration
+//! (`grouped_bf16_{wide,wide_m,narrow}.cu`, `swiglu_bf16_{wide,wide_m,narrow}.cu`) in the
+//! module of the same name, launched by the grouped GEMMs here (which share the workspace, the
+//! checks and the arguments); `grouped_gemv` (`grouped_gemv.cu`); `swiglu_rows`
+//! (`swiglu_rows.cu`, SwiGLU over dense rows).
+
+mod grouped_gemv;
+mod swiglu_rows;
+
+pub use swiglu_rows::swiglu_rows_bf16_cuda;
 
 use std::ffi::{c_char, CStr};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::{GemmGrid, GemmTiles, GroupLayout, GroupedGemmShape, MAX_GROUPS};
-use crate::cuda::{check_align, grid_for, KernelParams, Kernels};
+use crate::cuda::{check_align, Kernels};
 use crate::error::{Error, Result};
+use grouped_gemv::{launch_gemv, GemvParams};
 
-/// Mirror of `ep::gemm::GroupedGemmArgs` in `csrc/grouped_gemm_sm90.cuh`.
+/// Mirror of `ep::gemm::GroupedGemmArgs` in `grouped_gemm_sm90.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct GroupedGemmArgs {
@@ -46,17 +58,18 @@ const _: () = assert!(std::mem::offset_of!(GroupedGemmArgs, sm_count) == 80);
 type RunFn = unsafe extern "C" fn(*const GroupedGemmArgs, CUstream, *mut c_char, u64) -> i32;
 type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
 
-/// Declares the two C entry points of each CUTLASS configuration (`EP_GROUPED_GEMM_BF16` in
-/// `csrc/grouped_gemm_sm90.cuh`): its workspace size and its run function.
+/// Declares the two C entry points of a CUTLASS configuration (`EP_GROUPED_GEMM_BF16` in
+/// `grouped_gemm_sm90.cuh`): its workspace size and its run function. Used by the module of
+/// each configuration's source.
 macro_rules! cutlass_entry_points {
     ($($workspace:ident, $run:ident;)*) => {
         extern "C" {
             $(
-                fn $workspace(groups: i32, sm_count: i32) -> u64;
-                fn $run(
-                    args: *const GroupedGemmArgs,
-                    stream: CUstream,
-                    message: *mut c_char,
+                pub(super) fn $workspace(groups: i32, sm_count: i32) -> u64;
+                pub(super) fn $run(
+                    args: *const super::GroupedGemmArgs,
+                    stream: cudarc::driver::sys::CUstream,
+                    message: *mut std::ffi::c_char,
                     message_len: u64,
                 ) -> i32;
             )*
@@ -64,14 +77,12 @@ macro_rules! cutlass_entry_points {
     };
 }
 
-cutlass_entry_points! {
-    ep_grouped_gemm_bf16_wide_workspace, ep_grouped_gemm_bf16_wide_run;
-    ep_grouped_gemm_bf16_wide_m_workspace, ep_grouped_gemm_bf16_wide_m_run;
-    ep_grouped_gemm_bf16_narrow_workspace, ep_grouped_gemm_bf16_narrow_run;
-    ep_grouped_gemm_bf16_swiglu_wide_workspace, ep_grouped_gemm_bf16_swiglu_wide_run;
-    ep_grouped_gemm_bf16_swiglu_wide_m_workspace, ep_grouped_gemm_bf16_swiglu_wide_m_run;
-    ep_grouped_gemm_bf16_swiglu_narrow_workspace, ep_grouped_gemm_bf16_swiglu_narrow_run;
-}
+mod grouped_bf16_narrow;
+mod grouped_bf16_wide;
+mod grouped_bf16_wide_m;
+mod swiglu_bf16_narrow;
+mod swiglu_bf16_wide;
+mod swiglu_bf16_wide_m;
 
 /// What a grouped GEMM writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,33 +108,33 @@ fn entry_points(tiles: GemmTiles, epilogue: Epilogue) -> (&'static str, Workspac
     match (tiles, epilogue) {
         (GemmTiles::Narrow, Epilogue::Plain) => (
             "grouped_gemm_bf16_narrow",
-            ep_grouped_gemm_bf16_narrow_workspace,
-            ep_grouped_gemm_bf16_narrow_run,
+            grouped_bf16_narrow::ep_grouped_gemm_bf16_narrow_workspace,
+            grouped_bf16_narrow::ep_grouped_gemm_bf16_narrow_run,
         ),
         (GemmTiles::WideM, Epilogue::Plain) => (
             "grouped_gemm_bf16_wide_m",
-            ep_grouped_gemm_bf16_wide_m_workspace,
-            ep_grouped_gemm_bf16_wide_m_run,
+            grouped_bf16_wide_m::ep_grouped_gemm_bf16_wide_m_workspace,
+            grouped_bf16_wide_m::ep_grouped_gemm_bf16_wide_m_run,
         ),
         (GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv, Epilogue::Plain) => (
             "grouped_gemm_bf16_wide",
-            ep_grouped_gemm_bf16_wide_workspace,
-            ep_grouped_gemm_bf16_wide_run,
+            grouped_bf16_wide::ep_grouped_gemm_bf16_wide_workspace,
+            grouped_bf16_wide::ep_grouped_gemm_bf16_wide_run,
         ),
         (GemmTiles::Narrow, Epilogue::Swiglu) => (
             "grouped_gemm_bf16_swiglu_narrow",
-            ep_grouped_gemm_bf16_swiglu_narrow_workspace,
-            ep_grouped_gemm_bf16_swiglu_narrow_run,
+            swiglu_bf16_narrow::ep_grouped_gemm_bf16_swiglu_narrow_workspace,
+            swiglu_bf16_narrow::ep_grouped_gemm_bf16_swiglu_narrow_run,
         ),
         (GemmTiles::WideM, Epilogue::Swiglu) => (
             "grouped_gemm_bf16_swiglu_wide_m",
-            ep_grouped_gemm_bf16_swiglu_wide_m_workspace,
-            ep_grouped_gemm_bf16_swiglu_wide_m_run,
+            swiglu_bf16_wide_m::ep_grouped_gemm_bf16_swiglu_wide_m_workspace,
+            swiglu_bf16_wide_m::ep_grouped_gemm_bf16_swiglu_wide_m_run,
         ),
         (GemmTiles::Wide | GemmTiles::Auto | GemmTiles::Gemv, Epilogue::Swiglu) => (
             "grouped_gemm_bf16_swiglu_wide",
-            ep_grouped_gemm_bf16_swiglu_wide_workspace,
-            ep_grouped_gemm_bf16_swiglu_wide_run,
+            swiglu_bf16_wide::ep_grouped_gemm_bf16_swiglu_wide_workspace,
+            swiglu_bf16_wide::ep_grouped_gemm_bf16_swiglu_wide_run,
         ),
     }
 }
@@ -610,79 +621,4 @@ fn run_grouped(
         });
     }
     Ok(())
-}
-
-/// The cubin of `grouped_gemv.cu`.
-const GEMV_FILE: &str = "gemm/grouped_gemv";
-/// Threads per block (`kThreads` in `grouped_gemv.cu`).
-const GEMV_THREADS: u32 = 256;
-/// Output columns per work item of a block (`kColsPerItem`).
-const GEMV_COLS_PER_ITEM: usize = 16;
-/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride loops over the items).
-const GEMV_BLOCKS_PER_SM: u32 = 2;
-
-/// Mirror of `struct GemvParams` in `grouped_gemv.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct GemvParams {
-    a: CUdeviceptr,
-    b: CUdeviceptr,
-    d: CUdeviceptr,
-    counts: CUdeviceptr,
-    extra_a: CUdeviceptr,
-    extra_b: CUdeviceptr,
-    extra_a_rows: i64,
-    groups: i32,
-    n: i32,
-    k: i32,
-    m_max: i32,
-    first_extra: i32,
-    reserved: i32,
-}
-const _: () = assert!(std::mem::size_of::<GemvParams>() == 80);
-const _: () = assert!(std::mem::offset_of!(GemvParams, extra_b) == 40);
-const _: () = assert!(std::mem::offset_of!(GemvParams, extra_a_rows) == 48);
-const _: () = assert!(std::mem::offset_of!(GemvParams, groups) == 56);
-const _: () = assert!(std::mem::offset_of!(GemvParams, first_extra) == 72);
-
-// SAFETY: `repr(C)` plain data mirroring `GemvParams` in grouped_gemv.cu (size asserted both
-// sides, field offsets here).
-unsafe impl KernelParams for GemvParams {}
-
-/// Launches `grouped_gemv_bf16` (or, with `swiglu`, `grouped_gemv_swiglu_bf16`) with `params`
-/// filled and checked by [`run_grouped`]: one grid of blocks sized to the device, which take
-/// (active group, column slab) items in turn.
-fn launch_gemv(
-    stream: &Arc<CudaStream>,
-    params: GemvParams,
-    groups: usize,
-    n: usize,
-    swiglu: bool,
-) -> Result<()> {
-    let kernels = Kernels::for_stream(stream)?;
-    let name = if swiglu {
-        "grouped_gemv_swiglu_bf16"
-    } else {
-        "grouped_gemv_bf16"
-    };
-    let kernel = kernels.kernel(GEMV_FILE, name)?;
-    // A SwiGLU item covers 8 output columns (16 weight rows), a plain one 16 columns.
-    let items = (groups * n.div_ceil(GEMV_COLS_PER_ITEM)) as u64;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            grid_for(items, 1, kernels.props(), GEMV_BLOCKS_PER_SM),
-            1,
-            1,
-        ),
-        block_dim: (GEMV_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `params` matches `GemvParams`; the caller checked every operand's length against
-    // the shape (`a` its blocks, `b` and `extra_b` `[groups, n, k]` in two parts, `d`
-    // `[groups * m_max, n]` or with `swiglu` `[groups * m_max, n / 2]`, `counts` `[groups]`,
-    // `extra_a` its rows) and their 16-byte
-    // alignment, and holds their guards until this returns, after the launch is queued; the
-    // kernel reads only rows below each group's count, which it checks against `m_max` and the
-    // rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
-    unsafe { kernel.launch(stream, cfg, params) }
 }

@@ -78,7 +78,7 @@ static_assert(kNotifyOffset + sizeof(int) * kMaxRanks * (kMaxRanks + kMaxLocalEx
 
 enum CounterArray : int { kStart = 0, kEnd = 1, kTail = 2, kHead = 3 };
 
-// Kernel ids in error records (Rust: `KERNEL_NAMES` in src/intranode/cuda.rs).
+// Kernel ids in error records (Rust: `KERNEL_NAMES` in src/intranode/cuda/mod.rs).
 enum KernelId : int {
     kNotifyKernel = 1,
     kCachedNotifyKernel = 2,

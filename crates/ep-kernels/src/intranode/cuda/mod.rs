@@ -14,37 +14,44 @@
 //! [`Error::PeerTimeout`](crate::Error::PeerTimeout).
 //!
 //! Modules, one concern each (kernels in `src/intranode/*.cu`, the NVLink buffer layout they
-//! share in `csrc/intranode.cuh`):
+//! share in `src/intranode/intranode.cuh`); each kernel source `X.cu` has its launchers in
+//! module `X`:
 //! - `buffers`: [`PeerBuffers`], the node's buffers and this rank's error record;
 //! - [`HostMappedI32`], counters the host polls while kernels run, lives in [`crate::memory`]
 //!   (re-exported here);
 //! - `config`: [`Config`] of the SM rings and [`buffer_size_hint`];
 //! - `payload`: the rows, scales and routing a dispatch moves ([`Payload`], [`TopK`], ...);
-//! - `notify`, `dispatch`, `combine`: the launchers of `notify.cu`, `rings_dispatch.cu` and `rings_combine.cu`;
+//! - `notify`, `rings_dispatch`, `rings_combine`: the launchers of `notify.cu`,
+//!   `rings_dispatch.cu` and `rings_combine.cu`;
 //! - `checks`: the argument checks these launchers share;
-//! - `copy_engine`: the copy-engine path (`copy_engine_dispatch.cu`, `copy_engine_combine.cu`).
+//! - `copy_engine_dispatch`, `copy_engine_combine`: the launchers of the copy-engine path
+//!   (`copy_engine_dispatch.cu`, `copy_engine_combine.cu`); `copy_engine`: what they share
+//!   (its config, copy streams, params mirrors and fused launch).
 
 mod buffers;
 mod checks;
-mod combine;
 mod config;
 mod copy_engine;
-mod dispatch;
+mod copy_engine_combine;
+mod copy_engine_dispatch;
 mod notify;
 mod payload;
+mod rings_combine;
+mod rings_dispatch;
 
 pub use crate::memory::HostMappedI32;
 pub use buffers::{PeerBuffers, DEFAULT_TIMEOUT};
-pub use combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
 pub use config::{buffer_size_hint, Config, MAX_CHANNELS};
 pub use copy_engine::{
-    ce_combine_cuda, ce_dispatch_cuda, CeCombineArgs, CeConfig, CeDispatchArgs, CopyStreams,
-    COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, FP8_PACK_LOCAL_BLOCKS, MAX_COPY_LANES,
-    PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
+    CeConfig, CopyStreams, COMBINE_CE_TAIL_CHUNKS, COMBINE_PUSH_WARPS, FP8_PACK_LOCAL_BLOCKS,
+    MAX_COPY_LANES, PACK_LOCAL_WARPS, PUSH_CHUNK_ROWS,
 };
-pub use dispatch::{dispatch_cuda, DispatchArgs};
+pub use copy_engine_combine::{ce_combine_cuda, CeCombineArgs};
+pub use copy_engine_dispatch::{ce_dispatch_cuda, CeDispatchArgs};
 pub use notify::{cached_notify_cuda, notify_dispatch_cuda, NotifyArgs};
 pub use payload::{Payload, RecvPayload, RecvTopK, TopK};
+pub use rings_combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
+pub use rings_dispatch::{dispatch_cuda, DispatchArgs};
 
 use crate::error::{Error, Result};
 
@@ -57,7 +64,7 @@ pub(crate) use super::MAX_LOCAL_EXPERTS;
 pub const HEADER_ZERO_BYTES: usize = RING_BASE;
 
 /// Kernel names by the ids the device writes into error records (`KernelId` in
-/// `csrc/intranode.cuh`).
+/// `intranode.cuh`).
 pub(crate) const KERNEL_NAMES: [&str; 8] = [
     "intranode_unknown",
     "intranode_notify_dispatch",

@@ -21,7 +21,7 @@
 // One translation unit per tile configuration and epilogue (plain, or SwiGLU for the experts'
 // first GEMM: swiglu_epilogue_sm90.cuh) includes this header and instantiates
 // `EP_GROUPED_GEMM_BF16(name, ...)`, which defines two C functions the Rust launcher
-// (src/gemm/cuda.rs) calls:
+// (src/gemm/cuda/; declared in the module named for the source) calls:
 //   uint64_t ep_grouped_gemm_bf16_<name>_workspace(int32_t groups, int32_t sm_count);
 //   int32_t  ep_grouped_gemm_bf16_<name>_run(const ep::gemm::GroupedGemmArgs*, cudaStream_t,
 //                                             char* message, uint64_t message_len);
@@ -59,7 +59,7 @@ constexpr int32_t kMasked = 1;
 // Most groups one call takes (one block of `setup_groups` scans them all).
 constexpr int kMaxGroups = 1024;
 
-// Mirrors `GroupedGemmArgs` in src/gemm/cuda.rs.
+// Mirrors `GroupedGemmArgs` in src/gemm/cuda/mod.rs.
 struct GroupedGemmArgs {
     const void* a;           // bf16 [rows, k]
     const void* b;           // bf16 [groups, n, k]

@@ -2,6 +2,20 @@
 //! `fp8/grouped_gemm_fp8_sm90.cuh`), of the experts' row quantizations (their input rows, and
 //! SwiGLU with its quantization: `quantize_rows.cu`) and of the weight dequantization
 //! (`dequantize.cu`). Host twins: [`super::host`].
+//!
+//! One module per kernel source: the C entry points of each CUTLASS configuration
+//! (`grouped_fp8_wide.cu`, `grouped_fp8_narrow.cu`) in the module of the same name, launched
+//! by [`grouped_gemm_fp8_cuda`] here; `grouped_gemv_fp8` (`grouped_gemv_fp8.cu`, the
+//! tile-less GEMV); `dequantize` (`dequantize.cu`); `quantize_rows` (`quantize_rows.cu`).
+
+mod dequantize;
+mod grouped_fp8_narrow;
+mod grouped_fp8_wide;
+mod grouped_gemv_fp8;
+mod quantize_rows;
+
+pub use dequantize::dequantize_weight_cuda;
+pub use quantize_rows::{quantize_rows_fp8_cuda, swiglu_quantize_fp8_cuda, RowsMask};
 
 use std::ffi::{c_char, CStr};
 use std::sync::Arc;
@@ -11,11 +25,14 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use float8::F8E4M3;
 use half::bf16;
 
-use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK, GEMV_K_MULTIPLE};
+use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK};
 use crate::cuda::check_align;
 use crate::error::{Error, Result};
 use crate::gemm::cuda::check_workspace;
 use crate::gemm::{GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
+use grouped_fp8_narrow::{ep_grouped_gemm_fp8_narrow_run, ep_grouped_gemm_fp8_narrow_workspace};
+use grouped_fp8_wide::{ep_grouped_gemm_fp8_wide_run, ep_grouped_gemm_fp8_wide_workspace};
+use grouped_gemv_fp8::{check_gemv, launch_gemv, GemvFp8Params};
 
 /// Mirror of `ep::gemm::GroupedGemmFp8Args` in `fp8/grouped_gemm_fp8_sm90.cuh`.
 #[repr(C)]
@@ -52,23 +69,6 @@ const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, extra_a_rows) == 
 
 type RunFn = unsafe extern "C" fn(*const GroupedGemmFp8Args, CUstream, *mut c_char, u64) -> i32;
 type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
-
-extern "C" {
-    fn ep_grouped_gemm_fp8_wide_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_fp8_wide_run(
-        args: *const GroupedGemmFp8Args,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-    fn ep_grouped_gemm_fp8_narrow_workspace(groups: i32, sm_count: i32) -> u64;
-    fn ep_grouped_gemm_fp8_narrow_run(
-        args: *const GroupedGemmFp8Args,
-        stream: CUstream,
-        message: *mut c_char,
-        message_len: u64,
-    ) -> i32;
-}
 
 /// The fp8 tile configurations: `(tile, cluster)` of [`Fp8Tiles::Wide`] and
 /// [`Fp8Tiles::Narrow`].
@@ -402,359 +402,4 @@ fn run(
         });
     }
     Ok(())
-}
-
-/// What the tile-less GEMV takes beyond the GEMMs' checks: the masked layout, `k` a multiple of
-/// [`GEMV_K_MULTIPLE`] (`n` is a multiple of 16 for every fp8 GEMM).
-fn check_gemv(layout: GroupLayout, k: usize) -> Result<()> {
-    if !matches!(layout, GroupLayout::Masked { .. }) {
-        return Err(Error::invalid(
-            "tiles",
-            "GemmTiles::Gemv",
-            "the tile-less fp8 GEMV takes the masked layout only",
-        ));
-    }
-    if k % GEMV_K_MULTIPLE != 0 {
-        return Err(Error::invalid(
-            "k",
-            k,
-            format!("the tile-less fp8 GEMV needs a multiple of {GEMV_K_MULTIPLE}"),
-        ));
-    }
-    Ok(())
-}
-
-/// The cubin of `fp8/grouped_gemv_fp8.cu`.
-const GEMV_FILE: &str = "gemm/fp8/grouped_gemv_fp8";
-/// Threads per block (`kThreads`).
-const GEMV_THREADS: u32 = 256;
-/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride over the units).
-const GEMV_BLOCKS_PER_SM: u32 = 2;
-
-/// Mirror of `struct GemvFp8Params` in `fp8/grouped_gemv_fp8.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct GemvFp8Params {
-    a: CUdeviceptr,
-    sfa: CUdeviceptr,
-    b: CUdeviceptr,
-    sfb: CUdeviceptr,
-    d: CUdeviceptr,
-    counts: CUdeviceptr,
-    extra_a: CUdeviceptr,
-    extra_sfa: CUdeviceptr,
-    extra_b: CUdeviceptr,
-    extra_sfb: CUdeviceptr,
-    extra_a_rows: i64,
-    groups: i32,
-    n: i32,
-    k: i32,
-    m_max: i32,
-    first_extra: i32,
-    k_split: i32,
-}
-crate::cuda::assert_params_layout!(
-    GemvFp8Params,
-    112;
-    a = 0, sfa = 8, b = 16, sfb = 24, d = 32, counts = 40, extra_a = 48, extra_sfa = 56,
-    extra_b = 64, extra_sfb = 72, extra_a_rows = 80, groups = 88, n = 92, k = 96, m_max = 100,
-    first_extra = 104, k_split = 108,
-);
-
-// SAFETY: `repr(C)` plain data mirroring `GemvFp8Params` in grouped_gemv_fp8.cu (size asserted
-// both sides, offsets here).
-unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
-
-/// Launches `grouped_gemv_fp8` with `params` filled and checked by [`run`]: one grid sized to
-/// the device, whose warps (or teams of warps sharing K, [`super::gemv_k_split`]) take (active group,
-/// 16 weight rows) units in turn.
-fn launch_gemv(stream: &Arc<CudaStream>, mut params: GemvFp8Params) -> Result<()> {
-    let kernels = crate::cuda::Kernels::for_stream(stream)?;
-    let warps = GEMV_THREADS / 32;
-    let units = params.groups as u64 * (params.n as u64 / 16);
-    let resident = u64::from(kernels.props().sm_count) * u64::from(GEMV_BLOCKS_PER_SM * warps);
-    let split = super::gemv_k_split(units, (params.k as u64).div_ceil(128), resident);
-    params.k_split = split as i32;
-    let name = if split > 1 {
-        "grouped_gemv_fp8_split_k"
-    } else {
-        "grouped_gemv_fp8"
-    };
-    let kernel = kernels.kernel(GEMV_FILE, name)?;
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (
-            crate::cuda::grid_for(
-                units * u64::from(split),
-                u64::from(warps),
-                kernels.props(),
-                GEMV_BLOCKS_PER_SM,
-            ),
-            1,
-            1,
-        ),
-        block_dim: (GEMV_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `params` mirrors `GemvFp8Params`; the caller checked every operand's length
-    // against the shape (`a` and its scales by block, `b` and `extra_b` with their scales
-    // `[groups, n, k]` in two parts, `d` `[groups * m_max, n]`, `counts` `[groups]`, `extra_a`
-    // its rows), the 16-byte alignment of the e4m3 operands and `d` and the 4-byte alignment of
-    // the scales, the masked layout and `k % 64 == 0`, and holds their guards until the launch
-    // is queued; the kernel reads only rows below each group's count, which it checks against
-    // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
-    unsafe { kernel.launch(stream, cfg, params) }
-}
-
-/// The cubin of `fp8/dequantize.cu`.
-const DEQUANTIZE_FILE: &str = "gemm/fp8/dequantize";
-/// Threads per block (`kThreads` in `dequantize.cu`).
-const DEQUANTIZE_THREADS: u32 = 256;
-/// Values per thread and grid-stride step (`kPerThread`).
-const DEQUANTIZE_PER_THREAD: u64 = 16;
-
-/// Mirror of `struct DequantizeWeightParams` in `fp8/dequantize.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct DequantizeWeightParams {
-    q: CUdeviceptr,
-    scales: CUdeviceptr,
-    out: CUdeviceptr,
-    n: i64,
-    k: i64,
-    scale_rows: i32,
-    scale_cols: i32,
-}
-crate::cuda::assert_params_layout!(
-    DequantizeWeightParams,
-    48;
-    q = 0, scales = 8, out = 16, n = 24, k = 32, scale_rows = 40, scale_cols = 44,
-);
-
-// SAFETY: `repr(C)` plain data mirroring `DequantizeWeightParams` in dequantize.cu (size
-// asserted both sides, offsets here).
-unsafe impl crate::cuda::KernelParams for DequantizeWeightParams {}
-
-/// Dequantizes a `[n, k]` e4m3 weight with `scale_rows x 128` scale blocks
-/// (`[ceil(n / scale_rows), ceil(k / 128)]` f32) into `out` (`[n, k]` bf16) on `stream`:
-/// `bf16(f32(q) * scale)`, bit-identical to [`super::dequantize_weight`] rounded to bf16.
-/// `k` must be a multiple of 16, `q` and `out` 16-byte aligned.
-pub fn dequantize_weight_cuda(
-    stream: &Arc<CudaStream>,
-    q: &impl DevicePtr<F8E4M3>,
-    scales: &impl DevicePtr<f32>,
-    n: usize,
-    k: usize,
-    scale_rows: usize,
-    out: &mut impl DevicePtrMut<bf16>,
-) -> Result<()> {
-    if k == 0 || k % 16 != 0 {
-        return Err(Error::invalid("k", k, "must be a positive multiple of 16"));
-    }
-    if scale_rows == 0 || scale_rows > i32::MAX as usize {
-        return Err(Error::invalid(
-            "scale_rows",
-            scale_rows,
-            "must be in 1..2^31",
-        ));
-    }
-    let (sr, sc) = weight_scale_dims(n, k, scale_rows);
-    Error::check_len("q", n * k, q.len())?;
-    Error::check_len("scales", sr * sc, scales.len())?;
-    Error::check_len("out", n * k, out.len())?;
-    if n == 0 {
-        return Ok(());
-    }
-    let kernels = crate::cuda::Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(DEQUANTIZE_FILE, "dequantize_weight_fp8")?;
-    stream.context().bind_to_thread()?;
-    let (q_ptr, _gq) = q.device_ptr(stream);
-    let (s_ptr, _gs) = scales.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_align("q", q_ptr, 16)?;
-    check_align("out", o_ptr, 16)?;
-    check_align("scales", s_ptr, 4)?;
-    let params = DequantizeWeightParams {
-        q: q_ptr,
-        scales: s_ptr,
-        out: o_ptr,
-        n: n as i64,
-        k: k as i64,
-        scale_rows: scale_rows as i32,
-        scale_cols: sc as i32,
-    };
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (
-            crate::cuda::grid_for(
-                (n * k) as u64 / DEQUANTIZE_PER_THREAD,
-                u64::from(DEQUANTIZE_THREADS),
-                kernels.props(),
-                8,
-            ),
-            1,
-            1,
-        ),
-        block_dim: (DEQUANTIZE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `params` mirrors `DequantizeWeightParams`; `q`, `scales` and `out` hold the
-    // elements of a `[n, k]` weight and its scales (checked above), `q` and `out` are 16-byte
-    // aligned, and their guards keep them alive and in stream order until the launch is
-    // queued; the kernel touches `n * k / 16` vectors of each.
-    unsafe { kernel.launch(stream, cfg, params) }
-}
-
-/// The cubin of `fp8/quantize_rows.cu`.
-const ROWS_FILE: &str = "gemm/fp8/quantize_rows";
-
-/// Mirror of `struct RowsParams` in `fp8/quantize_rows.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct RowsParams {
-    input: CUdeviceptr,
-    q: CUdeviceptr,
-    scales: CUdeviceptr,
-    counts: CUdeviceptr,
-    rows: i64,
-    cols: i32,
-    m_max: i32,
-}
-crate::cuda::assert_params_layout!(
-    RowsParams,
-    48;
-    input = 0, q = 8, scales = 16, counts = 24, rows = 32, cols = 40, m_max = 44,
-);
-
-// SAFETY: `repr(C)` plain data mirroring `RowsParams` in quantize_rows.cu (size asserted both
-// sides, offsets here).
-unsafe impl crate::cuda::KernelParams for RowsParams {}
-
-/// The mask of a masked layout: the device counts (`[rows / m_max]` i32) and `m_max`; the row
-/// kernels visit only the rows within each block's count.
-pub type RowsMask<'a> = (&'a dyn DevicePtr<i32>, usize);
-
-/// The experts' input rows quantized on `stream`: `x` (`[rows, cols]` bf16) to `q`
-/// (`[rows, cols]` e4m3) and `scales` (`[rows, cols / 128]` f32), 1 x 128 as the per-token
-/// fp8 cast, bit for bit; with `mask` only the rows within each block's count (the others'
-/// outputs are not written). Host twin: [`super::quantize_rows`].
-pub fn quantize_rows_fp8_cuda(
-    stream: &Arc<CudaStream>,
-    x: &impl DevicePtr<bf16>,
-    rows: usize,
-    cols: usize,
-    mask: Option<RowsMask<'_>>,
-    q: &mut impl DevicePtrMut<F8E4M3>,
-    scales: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    Error::check_len("x", rows * cols, x.len())?;
-    launch_rows(stream, "quantize_rows_fp8", x, rows, cols, mask, q, scales)
-}
-
-/// The fp8 experts' SwiGLU and its quantization for the down GEMM on `stream`: for every row of
-/// `h` (`[rows, 2 * inter]` bf16, gate columns then up columns) and every 128 columns of
-/// `act = silu(gate) * up`, writes `q` (`[rows, inter]` e4m3) and `scales`
-/// (`[rows, inter / 128]` f32) as the per-token fp8 cast would; with `mask` only the rows
-/// within each block's count. Host twin: [`super::swiglu_quantize`].
-pub fn swiglu_quantize_fp8_cuda(
-    stream: &Arc<CudaStream>,
-    h: &impl DevicePtr<bf16>,
-    rows: usize,
-    inter: usize,
-    mask: Option<RowsMask<'_>>,
-    q: &mut impl DevicePtrMut<F8E4M3>,
-    scales: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    Error::check_len("h", rows * 2 * inter, h.len())?;
-    launch_rows(
-        stream,
-        "swiglu_quantize_fp8",
-        h,
-        rows,
-        inter,
-        mask,
-        q,
-        scales,
-    )
-}
-
-/// The checks and launch of a row kernel of `quantize_rows.cu` over `rows` rows of `cols`
-/// outputs (its input's length checked by the caller).
-#[allow(clippy::too_many_arguments)]
-fn launch_rows(
-    stream: &Arc<CudaStream>,
-    kernel: &str,
-    input: &impl DevicePtr<bf16>,
-    rows: usize,
-    cols: usize,
-    mask: Option<RowsMask<'_>>,
-    q: &mut impl DevicePtrMut<F8E4M3>,
-    scales: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    if cols == 0 || cols % FP8_BLOCK != 0 || cols > i32::MAX as usize {
-        return Err(Error::invalid(
-            "cols",
-            cols,
-            format!("must be a positive multiple of {FP8_BLOCK} below 2^31"),
-        ));
-    }
-    Error::check_len("q", rows * cols, q.len())?;
-    Error::check_len("scales", rows * cols / FP8_BLOCK, scales.len())?;
-    let m_max = match mask {
-        Some((counts, m_max)) => {
-            if m_max == 0 || m_max > i32::MAX as usize || counts.len() * m_max != rows {
-                return Err(Error::invalid(
-                    "mask",
-                    format!("{} counts of m_max {m_max}", counts.len()),
-                    format!("must cover the {rows} rows"),
-                ));
-            }
-            if counts.len() > 65535 {
-                return Err(Error::invalid("mask", counts.len(), "at most 65535 blocks"));
-            }
-            m_max as i32
-        }
-        None => 0,
-    };
-    if rows == 0 {
-        return Ok(());
-    }
-    let kernels = crate::cuda::Kernels::for_stream(stream)?;
-    let function = kernels.kernel(ROWS_FILE, kernel)?;
-    stream.context().bind_to_thread()?;
-    let mut guards = Vec::new();
-    let c_ptr = opt_ptr(mask.map(|(c, _)| c), stream, &mut guards);
-    let (i_ptr, _gi) = input.device_ptr(stream);
-    let (q_ptr, _gq) = q.device_ptr_mut(stream);
-    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_align("input", i_ptr, 8)?;
-    check_align("q", q_ptr, 4)?;
-    check_align("scales", s_ptr, 4)?;
-    let params = RowsParams {
-        input: i_ptr,
-        q: q_ptr,
-        scales: s_ptr,
-        counts: c_ptr,
-        rows: rows as i64,
-        cols: cols as i32,
-        m_max,
-    };
-    // One warp per (row, 128 columns); masked: one grid row per block (blockIdx.y), each
-    // sized for a full block of rows.
-    let warps_per_block = 256 / 32;
-    let (row_items, grid_y) = match mask {
-        Some((counts, m)) => (m * cols / FP8_BLOCK, counts.len() as u32),
-        None => (rows * cols / FP8_BLOCK, 1),
-    };
-    let blocks = crate::cuda::grid_for(row_items as u64, warps_per_block, kernels.props(), 8);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks.div_ceil(grid_y).max(1), grid_y, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `params` mirrors `RowsParams`; the input, `q` and `scales` hold the elements of
-    // `rows` rows (checked here and by the caller) with the alignments the kernels' vector
-    // accesses need, and `counts` (when given) one entry per block of `m_max` rows; their
-    // guards keep them alive and in stream order until the launch is queued.
-    let launched = unsafe { function.launch(stream, cfg, params) };
-    drop(guards);
-    launched
 }

@@ -3,11 +3,10 @@
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
-use super::params::{flag_offset, CePackParams, CeSmPullParams, CeWaitParams};
-use super::streams::{copy, fork, join};
-use super::{
+use super::copy_engine::params::{flag_offset, CePackParams, CeSmPullParams, CeWaitParams};
+use super::copy_engine::streams::{copy, fork, join};
+use super::copy_engine::{
     check_slot_capacity, dptr, launch_fused, op_sizes, CeConfig, CopyStreams, FusedGrid,
-    DISPATCH_FILE,
 };
 use crate::cuda::Kernels;
 use crate::error::{Error, Result};
@@ -16,6 +15,9 @@ use crate::intranode::cuda::payload::dispatch_row_shape;
 use crate::intranode::cuda::{to_i32, Payload, PeerBuffers, RecvPayload, RecvTopK, TopK};
 use crate::intranode::cuda::{MAX_NVL_RANKS, RING_BASE};
 use crate::intranode::{chunk_bounds, copy_engine_peer, CeSlotLayout};
+
+/// The cubin of `copy_engine_dispatch.cu`.
+const DISPATCH_FILE: &str = "intranode/copy_engine_dispatch";
 
 /// Inputs and outputs of [`ce_dispatch_cuda`] (`T` tokens, `H` hidden, `K` top-k, `R` ranks,
 /// `N` tokens received).

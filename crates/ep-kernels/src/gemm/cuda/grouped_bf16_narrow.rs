@@ -1,0 +1,7 @@
+//! The C entry points of `grouped_bf16_narrow.cu` (host library, CUTLASS): the plain grouped bf16
+//! GEMM, 64 x 128 tiles ([`GemmTiles::Narrow`](crate::gemm::GemmTiles::Narrow)). Launched by the
+//! grouped GEMMs of [`super`].
+
+cutlass_entry_points! {
+    ep_grouped_gemm_bf16_narrow_workspace, ep_grouped_gemm_bf16_narrow_run;
+}

@@ -1,0 +1,113 @@
+//! Launcher of the tile-less block-scaled fp8 grouped GEMV (`grouped_gemv_fp8.cu`): masked
+//! blocks of a few rows ([`GemmTiles::Gemv`](crate::gemm::GemmTiles::Gemv)), launched by
+//! [`super::grouped_gemm_fp8_cuda`] with its checked arguments.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaStream;
+
+use crate::error::{Error, Result};
+use crate::gemm::fp8::GEMV_K_MULTIPLE;
+use crate::gemm::GroupLayout;
+
+/// What the tile-less GEMV takes beyond the GEMMs' checks: the masked layout, `k` a multiple of
+/// [`GEMV_K_MULTIPLE`] (`n` is a multiple of 16 for every fp8 GEMM).
+pub(super) fn check_gemv(layout: GroupLayout, k: usize) -> Result<()> {
+    if !matches!(layout, GroupLayout::Masked { .. }) {
+        return Err(Error::invalid(
+            "tiles",
+            "GemmTiles::Gemv",
+            "the tile-less fp8 GEMV takes the masked layout only",
+        ));
+    }
+    if k % GEMV_K_MULTIPLE != 0 {
+        return Err(Error::invalid(
+            "k",
+            k,
+            format!("the tile-less fp8 GEMV needs a multiple of {GEMV_K_MULTIPLE}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The cubin of `fp8/grouped_gemv_fp8.cu`.
+const GEMV_FILE: &str = "gemm/fp8/grouped_gemv_fp8";
+/// Threads per block (`kThreads`).
+const GEMV_THREADS: u32 = 256;
+/// Resident blocks per SM the grid is sized to (`kBlocksPerSm`; grid-stride over the units).
+const GEMV_BLOCKS_PER_SM: u32 = 2;
+
+/// Mirror of `struct GemvFp8Params` in `fp8/grouped_gemv_fp8.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GemvFp8Params {
+    pub(super) a: CUdeviceptr,
+    pub(super) sfa: CUdeviceptr,
+    pub(super) b: CUdeviceptr,
+    pub(super) sfb: CUdeviceptr,
+    pub(super) d: CUdeviceptr,
+    pub(super) counts: CUdeviceptr,
+    pub(super) extra_a: CUdeviceptr,
+    pub(super) extra_sfa: CUdeviceptr,
+    pub(super) extra_b: CUdeviceptr,
+    pub(super) extra_sfb: CUdeviceptr,
+    pub(super) extra_a_rows: i64,
+    pub(super) groups: i32,
+    pub(super) n: i32,
+    pub(super) k: i32,
+    pub(super) m_max: i32,
+    pub(super) first_extra: i32,
+    pub(super) k_split: i32,
+}
+crate::cuda::assert_params_layout!(
+    GemvFp8Params,
+    112;
+    a = 0, sfa = 8, b = 16, sfb = 24, d = 32, counts = 40, extra_a = 48, extra_sfa = 56,
+    extra_b = 64, extra_sfb = 72, extra_a_rows = 80, groups = 88, n = 92, k = 96, m_max = 100,
+    first_extra = 104, k_split = 108,
+);
+
+// SAFETY: `repr(C)` plain data mirroring `GemvFp8Params` in grouped_gemv_fp8.cu (size asserted
+// both sides, offsets here).
+unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
+
+/// Launches `grouped_gemv_fp8` with `params` filled and checked by `run` ([`super`]): one grid
+/// sized to the device, whose warps (or teams of warps sharing K,
+/// [`crate::gemm::fp8::gemv_k_split`]) take (active group, 16 weight rows) units in turn.
+pub(super) fn launch_gemv(stream: &Arc<CudaStream>, mut params: GemvFp8Params) -> Result<()> {
+    let kernels = crate::cuda::Kernels::for_stream(stream)?;
+    let warps = GEMV_THREADS / 32;
+    let units = params.groups as u64 * (params.n as u64 / 16);
+    let resident = u64::from(kernels.props().sm_count) * u64::from(GEMV_BLOCKS_PER_SM * warps);
+    let split = crate::gemm::fp8::gemv_k_split(units, (params.k as u64).div_ceil(128), resident);
+    params.k_split = split as i32;
+    let name = if split > 1 {
+        "grouped_gemv_fp8_split_k"
+    } else {
+        "grouped_gemv_fp8"
+    };
+    let kernel = kernels.kernel(GEMV_FILE, name)?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (
+            crate::cuda::grid_for(
+                units * u64::from(split),
+                u64::from(warps),
+                kernels.props(),
+                GEMV_BLOCKS_PER_SM,
+            ),
+            1,
+            1,
+        ),
+        block_dim: (GEMV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `params` mirrors `GemvFp8Params`; the caller checked every operand's length
+    // against the shape (`a` and its scales by block, `b` and `extra_b` with their scales
+    // `[groups, n, k]` in two parts, `d` `[groups * m_max, n]`, `counts` `[groups]`, `extra_a`
+    // its rows), the 16-byte alignment of the e4m3 operands and `d` and the 4-byte alignment of
+    // the scales, the masked layout and `k % 64 == 0`, and holds their guards until the launch
+    // is queued; the kernel reads only rows below each group's count, which it checks against
+    // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
+    unsafe { kernel.launch(stream, cfg, params) }
+}
