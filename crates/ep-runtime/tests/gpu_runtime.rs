@@ -608,7 +608,9 @@ fn normal_worst_case(c: &Ctx, round: usize) -> TestResult {
         .map(|r| worst_case_tokens(r, round))
         .max()
         .unwrap_or(0);
-    let worst = most * c.world;
+    // At least a row a rank: `num_worst_tokens(0)` would ask for exact outputs (one rank, whose
+    // only rank sends nothing in round 2).
+    let worst = most.max(1) * c.world;
     let (x, idx, w) = inputs(c, t, round, 3)?;
     let (xd, idxd, wd) = (gpu(c, &x)?, gpu(c, &idx)?, gpu(c, &w)?);
     let exact = c
