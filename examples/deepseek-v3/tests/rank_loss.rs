@@ -195,3 +195,52 @@ fn serve_through_a_loss(signal: Signal, timeout_secs: &str) -> String {
         .expect("the launcher did not exit");
     server.stderr_text()
 }
+
+/// Rank 0 hosts the bootstrap store and the HTTP front end: when it is killed the service ends
+/// (the others cannot agree without it), and the launcher names it and stops the rest.
+#[test]
+fn losing_rank_0_ends_the_service_and_is_named() {
+    let master = common::free_port().to_string();
+    let mut server = Server::start(
+        &[
+            "launch",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            &master,
+            "--",
+        ],
+        &[
+            "--init",
+            "random",
+            "--max-batch",
+            "4",
+            "--num-redundant-experts",
+            "16",
+            "--timeout-secs",
+            "20",
+        ],
+    );
+    let ok = common::http(server.port, "GET", "/health", None);
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    kill(
+        Pid::from_raw(rank_pid(server.child.id(), 0)),
+        Signal::SIGKILL,
+    )
+    .unwrap();
+    let status = server
+        .wait_exit(Duration::from_secs(60))
+        .expect("the launcher did not exit");
+    assert_eq!(status.code(), Some(128 + 9), "{status:?}");
+    let report = server.stderr_text();
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("launch: rank "))
+        .unwrap_or_else(|| panic!("no launcher report in:\n{report}"));
+    assert!(
+        line.starts_with("launch: rank 0 killed by signal 9 (SIGKILL)")
+            && line.ends_with("stopping the other ranks"),
+        "{line}"
+    );
+    assert!(std::net::TcpStream::connect(("127.0.0.1", server.port)).is_err());
+}
