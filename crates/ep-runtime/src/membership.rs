@@ -155,7 +155,7 @@ impl Membership {
         let epoch = *lock(&self.epoch);
         self.buffer.cancel_collectives();
         let gone = |e: Error| match e {
-            e @ (Error::InvalidArgument { .. } | Error::FoundLost { .. }) => e,
+            e @ Error::InvalidArgument { .. } => e,
             e => Error::PeerLost {
                 rank: 0,
                 what: format!(

@@ -81,6 +81,8 @@ pub struct Engine {
     cache: KvCache,
     rank: usize,
     seqs: HashMap<SeqId, SeqState>,
+    /// Whether steps keep what undoes them (jobs that go on without lost ranks).
+    keeps_undo: bool,
     /// How to undo the last step this engine ran.
     undo: Option<Undo>,
     /// Captured whole decode steps (CUDA models), if used.
@@ -100,6 +102,7 @@ impl Engine {
             cache,
             rank,
             seqs: HashMap::new(),
+            keeps_undo: false,
             undo: None,
             #[cfg(feature = "cuda")]
             decode_graphs: None,
@@ -150,13 +153,18 @@ impl Engine {
         self.seqs.len()
     }
 
-    /// Runs this rank's part of `plan` and returns the tokens sampled for its sequences. A step
-    /// that fails leaves the engine as it was before it (but for the freed sequences); one that
-    /// succeeds can still be undone by [`Engine::roll_back`] until the next.
+    /// Runs this rank's part of `plan` and returns the tokens sampled for its sequences. With
+    /// [`Engine::keep_undo`], a step that fails leaves the engine as it was before it (but for
+    /// the freed sequences), and one that succeeds can still be undone by
+    /// [`Engine::roll_back`] until the next.
     pub fn run(&mut self, plan: &StepPlan) -> Result<Vec<(SeqId, u32)>> {
         for id in &plan.free {
             self.seqs.remove(id);
             self.cache.remove(*id)?;
+        }
+        self.undo = None;
+        if !self.keeps_undo {
+            return self.run_op(plan);
         }
         let undo = Undo {
             step: plan.step,
@@ -165,10 +173,10 @@ impl Engine {
                 .cache
                 .keys()
                 .iter()
-                .map(|&k| (k, self.cache.len_of(k).unwrap_or(0)))
+                .copied()
+                .zip(self.cache.lens().iter().copied())
                 .collect(),
         };
-        self.undo = None;
         match self.run_op(plan) {
             Ok(tokens) => {
                 self.undo = Some(undo);
@@ -178,6 +186,15 @@ impl Engine {
                 self.restore(undo)?;
                 Err(e)
             }
+        }
+    }
+
+    /// Keeps, from the next step on, what undoes each step ([`Engine::roll_back`]): a job
+    /// that goes on without lost ranks needs it; otherwise steps skip that host work.
+    pub fn keep_undo(&mut self, on: bool) {
+        self.keeps_undo = on;
+        if !on {
+            self.undo = None;
         }
     }
 
@@ -370,6 +387,7 @@ impl Cluster {
     /// that breaks off because ranks fail is rolled back and the others go on without them;
     /// without it, such a step is an error.
     pub fn with_membership(mut self, membership: Option<Membership>) -> Self {
+        self.engine.keep_undo(membership.is_some());
         self.membership = membership;
         self
     }

@@ -197,7 +197,6 @@ impl KvCache {
     }
 
     /// Cached positions of each live sequence, in slot order.
-    #[cfg(feature = "cuda")]
     pub(crate) fn lens(&self) -> &[usize] {
         &self.lens
     }
