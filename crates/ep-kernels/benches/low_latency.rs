@@ -184,7 +184,7 @@ fn make_rank(
         x: stream.clone_htod(&x)?,
         topk: stream.clone_htod(&topk)?,
         w: stream.clone_htod(&w)?,
-        recv: LowLatencyRecv::alloc(&stream, &layout, FORMAT)?,
+        recv: LowLatencyRecv::alloc(&stream, &layout, FORMAT, true)?,
         expert_out: stream.clone_htod(&expert_out)?,
         out: stream.alloc_zeros(tokens * HIDDEN)?,
         tokens,

@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 
 use common::{compare, compare_bits, CaseResult, Runner, POISON_BYTE};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut};
 use ep_kernels::fp8::quantize;
 use ep_kernels::layout::ExpertPlacement;
 use ep_kernels::low_latency::{
     clean_buffer_cuda, combine, combine_cuda, combine_per_rank, delay_cuda, dispatch_cuda,
     enable_peer_access, send_slots, LowLatencyBuffer, LowLatencyFormat, LowLatencyLayout,
-    LowLatencyRecv, Phases, RecvLayout, Reduction,
+    LowLatencyRecv, LowLatencyRecvMut, Phases, RecvLayout, RecvXMut, Reduction,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -309,12 +309,9 @@ fn upload<T: cudarc::driver::DeviceRepr + Copy>(
     Ok(())
 }
 
-fn poison_bytes<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    stream: &Arc<CudaStream>,
-    dst: &mut CudaSlice<T>,
-) -> TResult<()> {
+fn poison_bytes<T>(stream: &Arc<CudaStream>, mut dst: CudaViewMut<'_, T>) -> TResult<()> {
     let bytes = dst.len() * std::mem::size_of::<T>();
-    // SAFETY: u8 view of the whole allocation; every byte pattern is written as u8.
+    // SAFETY: u8 view of the whole view; every byte pattern is written as u8.
     let mut view = unsafe { dst.transmute_mut::<u8>(bytes) }.ok_or("transmute")?;
     stream.memcpy_htod(&vec![POISON_BYTE; bytes], &mut view)?;
     Ok(())
@@ -335,7 +332,7 @@ impl Dev {
             x: stream.alloc_zeros(m * h)?,
             topk: stream.alloc_zeros(m * TOPK)?,
             w: stream.alloc_zeros(m * TOPK)?,
-            recv: LowLatencyRecv::alloc(stream, layout, format)?,
+            recv: LowLatencyRecv::alloc(stream, layout, format, true)?,
             comb_x: stream.alloc_zeros(rows * h)?,
             out: stream.alloc_zeros(m * h)?,
             red,
@@ -355,14 +352,19 @@ impl Dev {
     }
 
     fn poison(&mut self, stream: &Arc<CudaStream>) -> TResult<()> {
-        poison_bytes(stream, &mut self.recv.recv_x)?;
-        poison_bytes(stream, &mut self.recv.recv_x_scales)?;
-        poison_bytes(stream, &mut self.recv.recv_count)?;
-        poison_bytes(stream, &mut self.recv.recv_src_info)?;
-        poison_bytes(stream, &mut self.recv.recv_src_topk)?;
-        poison_bytes(stream, &mut self.recv.recv_layout_range)?;
-        poison_bytes(stream, &mut self.recv.ranks.rank_records)?;
-        poison_bytes(stream, &mut self.out)
+        let recv = LowLatencyRecvMut::from(&mut self.recv);
+        match recv.recv_x {
+            RecvXMut::Bf16(v) => poison_bytes(stream, v)?,
+            RecvXMut::Fp8(v) => poison_bytes(stream, v)?,
+        }
+        if let Some(v) = recv.recv_x_scales {
+            poison_bytes(stream, v)?;
+        }
+        poison_bytes(stream, recv.block)?;
+        if let Some(r) = recv.ranks {
+            poison_bytes(stream, r.rank_records)?;
+        }
+        poison_bytes(stream, self.out.as_view_mut())
     }
 
     fn dispatch(
@@ -428,12 +430,15 @@ impl Dev {
 
     fn download(&self, stream: &Arc<CudaStream>, t: usize, h: usize) -> TResult<Got> {
         Ok(Got {
-            recv_x: stream.clone_dtoh(&self.recv.recv_x)?,
-            scales: stream.clone_dtoh(&self.recv.recv_x_scales)?,
-            count: stream.clone_dtoh(&self.recv.recv_count)?,
-            src_info: stream.clone_dtoh(&self.recv.recv_src_info)?,
-            src_topk: stream.clone_dtoh(&self.recv.recv_src_topk)?,
-            range: stream.clone_dtoh(&self.recv.recv_layout_range)?,
+            recv_x: stream.clone_dtoh(&self.recv.recv_x_bytes())?,
+            scales: match self.recv.recv_x_scales() {
+                Some(s) => stream.clone_dtoh(&s)?,
+                None => Vec::new(),
+            },
+            count: stream.clone_dtoh(&self.recv.recv_count())?,
+            src_info: stream.clone_dtoh(&self.recv.recv_src_info())?,
+            src_topk: stream.clone_dtoh(&self.recv.recv_src_topk())?,
+            range: stream.clone_dtoh(&self.recv.recv_layout_range())?,
             out: if t == 0 {
                 Vec::new()
             } else {

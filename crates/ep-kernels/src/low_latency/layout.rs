@@ -26,6 +26,8 @@
 //! `M = max_tokens_per_rank`. `tag = (op sequence mod 2^31) + 1` is never 0, so zeroed
 //! signals and flags never look written.
 
+use std::ops::Range;
+
 use crate::error::{Error, Result};
 use crate::FP8_GROUP;
 
@@ -211,6 +213,82 @@ impl LowLatencyLayout {
     }
 }
 
+/// Where the `i32` outputs of one dispatch lie in their one allocation (in elements, every part
+/// 16-byte aligned: the combine kernel reads the ranges as pairs), in address order:
+/// `recv_src_info` `[L, R*M]`, `recv_count` `[L]`, `recv_src_topk` `[L, R*M]`,
+/// `recv_layout_range` `[L, R, 2]`; the gaps between them are padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvI32Block {
+    count: usize,
+    src_topk: usize,
+    range: usize,
+    /// `L`, `R * M` (rows per local expert), `R`.
+    l: usize,
+    rows_per_expert: usize,
+    r: usize,
+}
+
+impl RecvI32Block {
+    /// The block of a dispatch laid out as `layout`.
+    pub fn new(layout: &LowLatencyLayout) -> Self {
+        let (l, r) = (layout.num_local_experts(), layout.num_ranks);
+        let rows_per_expert = layout.recv_rows_per_expert();
+        let up = |v: usize| v.div_ceil(4) * 4;
+        let rows = l * rows_per_expert;
+        let count = up(rows);
+        let src_topk = count + up(l);
+        Self {
+            count,
+            src_topk,
+            range: src_topk + up(rows),
+            l,
+            rows_per_expert,
+            r,
+        }
+    }
+
+    /// Elements of the whole block.
+    pub fn total_len(&self) -> usize {
+        self.range + 2 * self.l * self.r
+    }
+
+    /// `L`: local experts.
+    pub fn num_local_experts(&self) -> usize {
+        self.l
+    }
+
+    /// `R * M`: rows per local expert.
+    pub fn rows_per_expert(&self) -> usize {
+        self.rows_per_expert
+    }
+
+    /// `R`: ranks.
+    pub fn num_ranks(&self) -> usize {
+        self.r
+    }
+
+    /// `recv_src_info` `[L, R*M]`: the source token of each packed row, `-1` past the counts.
+    pub fn src_info(&self) -> Range<usize> {
+        0..self.l * self.rows_per_expert
+    }
+
+    /// `recv_count` `[L]`: rows per local expert.
+    pub fn count(&self) -> Range<usize> {
+        self.count..self.count + self.l
+    }
+
+    /// `recv_src_topk` `[L, R*M]`: the top-k position of each packed row at its source.
+    pub fn src_topk(&self) -> Range<usize> {
+        self.src_topk..self.src_topk + self.l * self.rows_per_expert
+    }
+
+    /// `recv_layout_range` `[L, R, 2]`: `(offset, count)` of each source's rows per local
+    /// expert.
+    pub fn layout_range(&self) -> Range<usize> {
+        self.range..self.total_len()
+    }
+}
+
 /// Bytes of the low-latency buffer each rank needs for up to `max_tokens_per_rank` tokens of
 /// hidden size `hidden`, `num_ranks` ranks and `num_experts` experts (top-k up to
 /// [`LL_MAX_TOPK`]); two buffer sets included.
@@ -280,5 +358,27 @@ mod tests {
         assert!(LowLatencyLayout::new(8, 128, 0, 4).is_err());
         // E * M past i32 (the per-rank records' slot numbers).
         assert!(LowLatencyLayout::new(1 << 24, 128, 2, 256).is_err());
+    }
+
+    #[test]
+    fn recv_i32_block_parts_are_aligned_and_disjoint() {
+        for (m, r, e) in [(1, 1, 1), (128, 1, 256), (5, 2, 6), (7, 8, 256)] {
+            let lay = LowLatencyLayout::new(m, 128, r, e).unwrap();
+            let b = RecvI32Block::new(&lay);
+            let (l, rows) = (e / r, e / r * r * m);
+            let parts = [b.src_info(), b.count(), b.src_topk(), b.layout_range()];
+            let lens = [rows, l, rows, 2 * l * r];
+            for (i, (p, len)) in parts.iter().zip(lens).enumerate() {
+                assert_eq!(
+                    p.start % 4,
+                    0,
+                    "part {i} of {m}x{r}x{e} not 16-byte aligned"
+                );
+                assert_eq!(p.len(), len, "part {i} of {m}x{r}x{e}");
+                let end = parts.get(i + 1).map_or(b.total_len(), |q| q.start);
+                assert!(p.end <= end, "part {i} of {m}x{r}x{e} overlaps the next");
+            }
+            assert_eq!(b.layout_range().end, b.total_len());
+        }
     }
 }

@@ -24,4 +24,4 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::*;
-pub use layout::{buffer_size_hint, LowLatencyLayout, LL_MAX_TOPK, LL_RECORD_WORDS};
+pub use layout::{buffer_size_hint, LowLatencyLayout, RecvI32Block, LL_MAX_TOPK, LL_RECORD_WORDS};

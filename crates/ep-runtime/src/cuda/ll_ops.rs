@@ -3,7 +3,7 @@
 //! event, the handle's device data) that the `low_latency` op module assembles.
 
 use super::common::{kernel_err, lock};
-use super::ll_recv::{CudaLlDispatchData, DispatchOutputs, RecvSlices};
+use super::ll_recv::{into_outputs, CudaLlDispatchData, DispatchOutputs};
 use super::low_latency::{LlState, LowLatencyCuda};
 use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use crate::error::{Error, Result};
@@ -12,7 +12,9 @@ use crate::group::Group;
 use candle_core::{DType, Tensor};
 use cudarc::driver::CudaSlice;
 use ep_kernels::layout::ExpertPlacement;
-use ep_kernels::low_latency::{self as kll, LowLatencyBuffer, LowLatencyFormat, Phases, Reduction};
+use ep_kernels::low_latency::{
+    self as kll, LowLatencyBuffer, LowLatencyFormat, LowLatencyRecv, Phases, Reduction,
+};
 use half::bf16;
 use std::sync::Arc;
 
@@ -36,7 +38,7 @@ pub(crate) struct LlHostPlan {
 /// A low-latency dispatch whose send phase is on the stream.
 pub(crate) struct LlDispatchPending {
     /// The receive buffers (tensors once the receive phase is on the stream).
-    recv: RecvSlices,
+    recv: LowLatencyRecv,
     x: Tensor,
     topk: Tensor,
     /// `[T, K]` f32 when the dispatch carries the weights (per-rank combines).
@@ -185,7 +187,7 @@ impl LowLatencyCuda {
     fn launch_dispatch(
         &self,
         buffer: &LowLatencyBuffer,
-        recv: &mut RecvSlices,
+        recv: &mut LowLatencyRecv,
         x: &Tensor,
         topk_idx: &Tensor,
         weights: Option<&Tensor>,
@@ -200,8 +202,19 @@ impl LowLatencyCuda {
             .transpose()?;
         let w_v = w_d.as_ref().map(|w| w.view::<f32>()).transpose()?;
         let (x_v, i_v) = (x_d.view::<bf16>()?, i_d.view::<i64>()?);
-        recv.dispatch(&self.comm, buffer, &x_v, &i_v, w_v.as_ref(), t, k, phases)
-            .map_err(|e| kernel_err(e, self.timeout))
+        kll::dispatch_cuda(
+            &self.comm,
+            buffer,
+            &x_v,
+            &i_v,
+            w_v.as_ref(),
+            t,
+            k,
+            recv.format(),
+            phases,
+            recv,
+        )
+        .map_err(|e| kernel_err(e, self.timeout))
     }
 
     /// Launches `phases` of the low-latency combine of `x` (`[T, H]` bf16) with its routing
@@ -262,8 +275,6 @@ impl LowLatencyCuda {
         let h = padded_hidden(hidden);
         let x = &pad_hidden(x, h)?;
         let e = plan.placement.num_experts;
-        let r = self.num_ranks;
-        let l = e / r;
         let _op = lock(&self.op);
         let mut g = self.state_for(group, m, h, e)?;
         let st = g.as_mut().expect("built by state_for");
@@ -276,7 +287,8 @@ impl LowLatencyCuda {
         // it: the frees then land on the compute stream too, which keeps a captured step's
         // streams joined and orders frees after the kernels without event tracking.
         let weights = topk_weights.map(Tensor::contiguous).transpose()?;
-        let mut recv = RecvSlices::alloc(&self.compute, format, l, r, m, h, weights.is_some())?;
+        let layout = st.buffer.layout();
+        let mut recv = LowLatencyRecv::alloc(&self.compute, layout, format, weights.is_some())?;
         let (phases, recv_phase) = self.send_phases(group, st, "low_latency_dispatch");
         self.begin()?;
         self.launch_dispatch(
@@ -339,7 +351,7 @@ impl LowLatencyCuda {
             recv_count,
             src_info,
             data,
-        } = recv.into_outputs(&self.dev)?;
+        } = into_outputs(recv, &self.dev)?;
         let recv_x = cut_hidden(recv_x, hidden)?;
         masked.map(|()| LlDispatched {
             recv_x,

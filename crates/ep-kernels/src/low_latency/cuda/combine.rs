@@ -4,6 +4,8 @@
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::bf16;
 
+use super::layout::RecvI32Block;
+use super::recv::block_part;
 use super::{
     align16, check_tokens, comm_config, local, CombineParams, LowLatencyBuffer, LowLatencyRecvRef,
     Phases, LL_MAX_TOPK,
@@ -70,9 +72,13 @@ pub fn combine_cuda<'h>(
     let buf = buffer.desc(stream)?;
     let kernels = Kernels::for_stream(stream)?;
     let (x_ptr, _gx) = x.device_ptr(stream);
-    let (si, _g0) = handle.recv_src_info.device_ptr(stream);
-    let (sk, _g1) = handle.recv_src_topk.device_ptr(stream);
-    let (lr, _g2) = handle.recv_layout_range.device_ptr(stream);
+    let at = RecvI32Block::new(layout);
+    let (block, _g0) = handle.block.device_ptr(stream);
+    let (si, sk) = (
+        block_part(block, at.src_info()),
+        block_part(block, at.src_topk()),
+    );
+    let lr = block_part(block, at.layout_range());
     let (t_ptr, _g3) = topk_idx.device_ptr(stream);
     let (w_ptr, _g4) = topk_weights.device_ptr(stream);
     let (o_ptr, _g5) = out.device_ptr_mut(stream);
@@ -82,6 +88,7 @@ pub fn combine_cuda<'h>(
     };
     check_align("x", x_ptr, 16)?;
     check_align("out", o_ptr, 16)?;
+    check_align("handle.block", block, 16)?;
     let params = CombineParams {
         buf,
         x: x_ptr,
@@ -117,7 +124,8 @@ pub fn combine_cuda<'h>(
     let recv_smem = LL_MAX_TOPK * 8 + 4 * layout.num_ranks;
     let cfg = comm_config(&kernels, align16(send_smem.max(recv_smem)))?;
     // SAFETY: `params` matches `CombineParams`; every slice has the length the kernel uses
-    // (checked above; the records are null exactly when `reduce` is 0, and only read
+    // (checked above; the handle's parts lie inside `handle.block` at the offsets of
+    // `RecvI32Block`; the records are null exactly when `reduce` is 0, and only read
     // then) and the vector-accessed ones are 16-byte aligned; the buffer outlives
     // the launch (it synchronises its context before freeing); the guards keep cudarc's
     // stream ordering until the launch is queued.

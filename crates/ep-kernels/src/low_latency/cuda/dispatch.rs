@@ -4,7 +4,8 @@
 use cudarc::driver::{CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::bf16;
 
-use super::layout::{LowLatencyLayout, LL_MAX_TOPK};
+use super::layout::{LowLatencyLayout, RecvI32Block, LL_MAX_TOPK};
+use super::recv::block_part;
 use super::{
     align16, check_tokens, comm_config, local, DispatchParams, LowLatencyBuffer, LowLatencyFormat,
     LowLatencyRecvMut, Phases,
@@ -89,10 +90,16 @@ pub fn dispatch_cuda<'o>(
         Some(s) => s.device_ptr_mut(stream),
         None => (0, SyncOnDrop::Sync(None)),
     };
-    let (rc, _g2) = out.recv_count.device_ptr_mut(stream);
-    let (ri, _g3) = out.recv_src_info.device_ptr_mut(stream);
-    let (rk, _g4) = out.recv_src_topk.device_ptr_mut(stream);
-    let (rl, _g5) = out.recv_layout_range.device_ptr_mut(stream);
+    let at = RecvI32Block::new(layout);
+    let (block, _g2) = out.block.device_ptr_mut(stream);
+    let (rc, ri) = (
+        block_part(block, at.count()),
+        block_part(block, at.src_info()),
+    );
+    let (rk, rl) = (
+        block_part(block, at.src_topk()),
+        block_part(block, at.layout_range()),
+    );
     let (w_ptr, _g6) = match topk_weights {
         Some(w) => w.device_ptr(stream),
         None => (0, SyncOnDrop::Sync(None)),
@@ -105,6 +112,7 @@ pub fn dispatch_cuda<'o>(
     check_align("x", x_ptr, 16)?;
     check_align("topk_idx", t_ptr, 8)?;
     check_align("recv_x", rx, 16)?;
+    check_align("out.block", block, 16)?;
     let params = DispatchParams {
         buf,
         x: x_ptr,
@@ -140,9 +148,10 @@ pub fn dispatch_cuda<'o>(
     let cfg = comm_config(&kernels, smem)?;
     // SAFETY: `params` matches `DispatchParams`; x holds T*H bf16, topk_idx T*K i64 and the
     // weights (if any) T*K f32, the outputs are sized for the buffer's layout and format
-    // (checked above; the scales may be null only for bf16, where the kernel does not touch
-    // them; the records are null exactly when the weights are, and the kernel writes
-    // them only then), all 16-byte aligned where the
+    // (checked above; the `i32` outputs are the parts of `out.block` at the offsets of
+    // `RecvI32Block`, disjoint and inside it; the scales may be null only for bf16, where the
+    // kernel does not touch them; the records are null exactly when the weights are, and the
+    // kernel writes them only then), all 16-byte aligned where the
     // kernel uses vectors; every pointer comes from a borrowed slice or view, so its memory
     // lives until the launch is queued, and its owner frees it stream-ordered (after the
     // kernel); the buffer and its peer table outlive the launch because the buffer

@@ -60,8 +60,8 @@ pub use combine::combine_cuda;
 pub use control::{clean_buffer_cuda, delay_cuda};
 pub use dispatch::dispatch_cuda;
 pub use recv::{
-    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvRef, Phases, RankRecords,
-    RankRecordsMut, RankRecordsRef, RecvXMut,
+    LowLatencyFormat, LowLatencyRecv, LowLatencyRecvMut, LowLatencyRecvParts, LowLatencyRecvRef,
+    Phases, RankRecords, RankRecordsMut, RankRecordsRef, RecvRows, RecvXMut,
 };
 
 // `buffer` reaches the layout as `super::layout`.
