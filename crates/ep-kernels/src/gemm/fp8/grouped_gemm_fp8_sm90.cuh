@@ -47,6 +47,7 @@
 #include "cutlass/util/packed_stride.hpp"
 
 #include "../grouped_gemm_sm90.cuh"
+#include "overlapped_promotion_sm90.cuh"
 
 namespace ep::gemm {
 
@@ -81,7 +82,10 @@ struct GroupedGemmFp8Args {
 };
 static_assert(sizeof(GroupedGemmFp8Args) == 144, "GroupedGemmFp8Args must match its Rust mirror");
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// `kOverlapPromotion`: the math warpgroups overlap each k-tile's promotion with the next
+// k-tile's WGMMAs (overlapped_promotion_sm90.cuh); otherwise CUTLASS's own loop.
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool kOverlapPromotion>
 struct GroupedGemmFp8 {
     using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
     using Shape3 = typename ProblemShape::UnderlyingProblemShape;
@@ -106,7 +110,7 @@ struct GroupedGemmFp8 {
         EpilogueSchedule,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
 
-    using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
         ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
         ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB,
@@ -114,6 +118,9 @@ struct GroupedGemmFp8 {
         cutlass::gemm::collective::StageCountAutoCarveout<
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
         KernelSchedule>::CollectiveOp;
+    using CollectiveMainloop =
+        cute::conditional_t<kOverlapPromotion, OverlappedPromotionMainloop<BuiltMainloop>,
+                            BuiltMainloop>;
 
     using Kernel =
         cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -310,10 +317,12 @@ int32_t run_grouped_gemm_fp8(const GroupedGemmFp8Args* args, cudaStream_t stream
 }  // namespace ep::gemm
 
 // Defines the two C entry points of one fp8 configuration.
-#define EP_GROUPED_GEMM_FP8(name, TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, KERNEL, EPILOGUE) \
+#define EP_GROUPED_GEMM_FP8(name, TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, KERNEL, EPILOGUE, \
+                            OVERLAP)                                                            \
     using EpGroupedGemmFp8_##name = ep::gemm::GroupedGemmFp8<                                   \
         cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::Int<TILE_K>>,                   \
-        cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>, KERNEL, EPILOGUE>;   \
+        cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>, KERNEL, EPILOGUE,     \
+        OVERLAP>;                                                                               \
     extern "C" uint64_t ep_grouped_gemm_fp8_##name##_workspace(int32_t groups, int32_t sm_count) { \
         return EpGroupedGemmFp8_##name::workspace_bytes(groups, sm_count);                      \
     }                                                                                           \
