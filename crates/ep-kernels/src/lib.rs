@@ -20,7 +20,8 @@
 //! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a),
 //!   SwiGLU in the first one's epilogue.
 //!
-//! With the `cuda` feature, `memory` owns the device memory the kernels use (raw
+//! With the `cuda` feature, `notify` holds what the notify steps of the two normal modes
+//! share, and `memory` owns the device memory the kernels use (raw
 //! allocations, host-mapped words, CUDA IPC handles, peer access); launchers take pointers and
 //! sizes and own nothing.
 
@@ -40,6 +41,8 @@ pub mod cublas_sms;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod memory;
+#[cfg(feature = "cuda")]
+pub mod notify;
 
 pub use error::{Error, Result};
 

@@ -231,6 +231,11 @@ impl Kernel {
     }
 }
 
+/// `value` as the `i32` a params struct holds, or an error naming `arg`.
+pub(crate) fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::invalid(arg, value, "must fit in an i32"))
+}
+
 /// Checks that the device pointer of argument `arg` is aligned to `align` bytes (vectorised
 /// kernels need it; views at odd offsets break it).
 pub fn check_align(arg: &'static str, ptr: CUdeviceptr, align: u64) -> Result<()> {

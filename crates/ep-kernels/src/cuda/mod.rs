@@ -26,7 +26,7 @@ mod launch;
 
 pub use device_props::DeviceProps;
 pub use kernels::{cubin, cubin_entry_points, cubin_names, Kernels};
-pub(crate) use launch::assert_params_layout;
+pub(crate) use launch::{assert_params_layout, to_i32};
 pub use launch::{
     check_align, fill_bytes_cuda, fill_i32_cuda, free_memory_trimmed, grid_for, new_comm_stream,
     retain_pool_memory, Kernel, KernelParams, DEFAULT_DYNAMIC_SMEM_LIMIT,

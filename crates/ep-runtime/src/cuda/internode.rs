@@ -7,7 +7,9 @@
 use super::common::{kernel_err, lock};
 use super::handle_data::{CudaHandleData, InternodeHandle};
 use super::normal::cuda_record;
-use super::normal_launch::{check_payload_dtype, payload, x_tensors, RecvRows, TopkTensors};
+use super::normal_launch::{
+    check_payload_dtype, payload, wrap_recv_topk, x_tensors, zero_weights, RecvRows, TopkTensors,
+};
 use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::backend::parts::{
@@ -102,10 +104,7 @@ impl CudaBuffer {
         let mut block_count = alloc::<i32>(comm, p * nodes)?;
         let mut nsi = alloc::<i32>(comm, t * nodes)?;
         let mut send_head = alloc::<i32>(comm, t * r)?;
-        let zero_w = match (k > 0, args.topk_weights) {
-            (true, None) => Some(alloc::<f32>(comm, t * k)?),
-            _ => None,
-        };
+        let zero_w = zero_weights(comm, args.topk_weights, t, k)?;
         let seq = {
             let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
             let ntpn_d = DeviceTensor::new("layout.num_tokens_per_node", &ntpn)?;
@@ -196,14 +195,8 @@ impl CudaBuffer {
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, dev);
-        let (recv_topk_idx, recv_topk_weights) = if with_topk {
-            (
-                Some(wrap(recv_idx, (n, k), dev)),
-                Some(wrap(recv_w, (n, k), dev)),
-            )
-        } else {
-            (None, None)
-        };
+        let (recv_topk_idx, recv_topk_weights) =
+            wrap_recv_topk(recv_idx, recv_w, with_topk, (n, k), dev);
         let recv_src_idx = wrap(recv_src_idx, n, dev);
         // One channel: the channel prefix is the per-destination count.
         let cpm = ntpr.reshape((r, 1))?;

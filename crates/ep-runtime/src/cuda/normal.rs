@@ -3,7 +3,8 @@
 use super::common::{kernel_err, lock};
 use super::handle_data::CudaHandleData;
 use super::normal_launch::{
-    check_payload_dtype, payload, x_tensors, DispatchPath, DispatchRows, RecvRows, TopkTensors,
+    check_payload_dtype, payload, wrap_recv_topk, x_tensors, zero_weights, DispatchPath,
+    DispatchRows, RecvRows, TopkTensors,
 };
 use super::tensor::{alloc, alloc_uninit, wrap, DeviceTensor};
 use super::CudaBuffer;
@@ -18,11 +19,6 @@ use ep_kernels::intranode as ki;
 use ep_kernels::layout::{self as kl, ExpertPlacement};
 use ep_kernels::FP8_GROUP;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// Extra time the host waits for the notify counters beyond the device timeout, so that the
-/// device's error record (naming the late rank) arrives first.
-const HOST_GRACE: Duration = Duration::from_secs(2);
 
 impl CudaBuffer {
     /// Layout kernel on candle's stream (no host read).
@@ -81,30 +77,6 @@ impl CudaBuffer {
             wrap(out.num_tokens_per_expert, e, &self.dev),
             wrap(out.is_token_in_rank, (t, r), &self.dev),
         ))
-    }
-
-    /// Polls word `i` of `counter` until the notify kernel wrote it (`>= 0`), failing with the
-    /// rank the device waited for in vain.
-    fn poll(&self, counter: &ki::HostMappedI32, i: usize, start: Instant) -> Result<usize> {
-        loop {
-            let v = counter.get(i);
-            if v >= 0 {
-                return Ok(v as usize);
-            }
-            self.check_nvl_error()?;
-            if start.elapsed() > self.timeout + HOST_GRACE {
-                // The device never reported: blame the first peer, the barrier's first wait.
-                let rank = (0..self.num_ranks)
-                    .find(|&p| p != self.rank)
-                    .unwrap_or(self.rank);
-                return Err(Error::Timeout {
-                    rank,
-                    what: "notify_dispatch (receive counts never arrived)".into(),
-                    waited: start.elapsed(),
-                });
-            }
-            std::thread::yield_now();
-        }
     }
 
     /// Fresh (non-cached) dispatch: notify, poll the counts, allocate, dispatch. With
@@ -193,10 +165,7 @@ impl CudaBuffer {
         let mut recv_channel_offset = alloc_uninit::<i32>(comm, r * c)?;
         // Zeroed: the own rank's entries after its last token are not written.
         let mut send_head = alloc::<i32>(comm, t * r)?;
-        let zero_w = match (k > 0, args.topk_weights) {
-            (true, None) => Some(alloc::<f32>(comm, t * k)?),
-            _ => None,
-        };
+        let zero_w = zero_weights(comm, args.topk_weights, t, k)?;
         {
             let ntpr_d = DeviceTensor::new("layout.num_tokens_per_rank", &ntpr)?;
             let ntpe_d = DeviceTensor::new("layout.num_tokens_per_expert", &ntpe)?;
@@ -224,17 +193,25 @@ impl CudaBuffer {
         let (n, recv_per_source, per_expert) = if worst > 0 {
             (worst, Vec::new(), Vec::new())
         } else {
-            let start = Instant::now();
-            let n = self.poll(&nm.recv_counter, 0, start)?;
-            // Written before word 0.
-            let recv_per_source: Vec<usize> = (0..r)
-                .map(|s| nm.recv_counter.get(1 + s).max(0) as usize)
-                .collect();
-            let per_expert = (0..l)
-                .map(|i| self.poll(&nm.expert_counter, i, start))
-                .collect::<Result<Vec<_>>>()?;
+            let counts = ep_kernels::notify::poll_recv_counts(
+                &nm.recv_counter,
+                &nm.expert_counter,
+                r,
+                l,
+                self.timeout,
+                || self.check_nvl_error(),
+                // The device never reported: blame the first peer, the barrier's first wait.
+                |waited| Error::Timeout {
+                    rank: (0..self.num_ranks)
+                        .find(|&p| p != self.rank)
+                        .unwrap_or(self.rank),
+                    what: "notify_dispatch (receive counts never arrived)".into(),
+                    waited,
+                },
+            )?;
+            let n = counts.num_recv_tokens;
             tracing::trace!(rank = me, recv = n, "notify done");
-            (n, recv_per_source, per_expert)
+            (n, counts.per_source, counts.per_expert)
         };
 
         // Outputs of the received count (exact sizes; the dispatch writes every row) and dispatch.
@@ -289,14 +266,9 @@ impl CudaBuffer {
         let event = self.finish(args.async_finish)?;
         let dev = &self.dev;
         let (recv_x, recv_x_scales) = recv_rows.wrap(n, h, dev);
-        let (recv_topk_idx, recv_topk_weights) = if k > 0 && args.topk_idx.is_some() {
-            (
-                Some(wrap(recv_idx, (n, k), dev)),
-                Some(wrap(recv_w, (n, k), dev)),
-            )
-        } else {
-            (None, None)
-        };
+        let with_topk = k > 0 && args.topk_idx.is_some();
+        let (recv_topk_idx, recv_topk_weights) =
+            wrap_recv_topk(recv_idx, recv_w, with_topk, (n, k), dev);
         let recv_src_idx = wrap(recv_src_idx, n, dev);
         let (send_head, cuda) = match send_index {
             Some(si) => {

@@ -4,7 +4,7 @@
 //! combine the copy-engine configs of a copy-engine handle.
 
 use super::common::kernel_err;
-use super::tensor::{alloc_uninit, hand_to, wrap, DeviceTensor};
+use super::tensor::{alloc, alloc_uninit, hand_to, wrap, DeviceTensor};
 use super::CudaBuffer;
 use crate::backend::parts::CombineParts;
 use crate::error::{Error, Result};
@@ -55,6 +55,39 @@ pub(super) fn payload<'a>(
     } else {
         ki::Payload::Bf16(x.view::<half::bf16>()?)
     })
+}
+
+/// `[t, k]` zeros on `comm` to stand in for the weights of a fresh dispatch that sends top-k
+/// (`k > 0`) without `topk_weights` ([`TopkTensors::views`]); `None` otherwise.
+pub(super) fn zero_weights(
+    comm: &Arc<CudaStream>,
+    topk_weights: Option<&Tensor>,
+    t: usize,
+    k: usize,
+) -> Result<Option<CudaSlice<f32>>> {
+    match (k > 0, topk_weights) {
+        (true, None) => Ok(Some(alloc::<f32>(comm, t * k)?)),
+        _ => Ok(None),
+    }
+}
+
+/// The received top-k of a fresh dispatch (`idx`, `weights`) as `[n, k]` tensors of `dev`, or
+/// `None`s when the dispatch sent none (`with_topk` false; the slices are then dropped).
+pub(super) fn wrap_recv_topk(
+    idx: CudaSlice<i64>,
+    weights: CudaSlice<f32>,
+    with_topk: bool,
+    (n, k): (usize, usize),
+    dev: &CudaDevice,
+) -> (Option<Tensor>, Option<Tensor>) {
+    if with_topk {
+        (
+            Some(wrap(idx, (n, k), dev)),
+            Some(wrap(weights, (n, k), dev)),
+        )
+    } else {
+        (None, None)
+    }
 }
 
 /// The routing a fresh dispatch sends along (`k` > 0), borrowed for the launch.

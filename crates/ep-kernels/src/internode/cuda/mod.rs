@@ -16,9 +16,10 @@ mod combine;
 mod dispatch;
 mod notify;
 
+pub use crate::notify::RecvCounts;
 pub use buffer::{InternodeBuffer, DEFAULT_TIMEOUT};
 pub use combine::{combine_cuda, InternodeCombineArgs};
 pub use dispatch::{
     dispatch_recv_cuda, dispatch_send_cuda, DispatchPlan, InternodeRecvArgs, InternodeSendArgs,
 };
-pub use notify::{notify_cuda, NotifyCounts, RecvCounts};
+pub use notify::{notify_cuda, NotifyCounts};

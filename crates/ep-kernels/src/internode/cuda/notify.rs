@@ -1,7 +1,8 @@
 //! Launchers of `notify.cu`: the op barrier (with the count exchange of a fresh dispatch),
-//! the host's poll of the receive counts, and the signal kernel.
+//! the host's poll of the receive counts, and the signal kernel. The routing checks and the
+//! read of the counts are the ones the intranode notify shares ([`crate::notify`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
@@ -9,11 +10,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig}
 use super::buffer::{InBuffer, InternodeBuffer, SignalTarget};
 use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
-use crate::intranode::MAX_LOCAL_EXPERTS;
-
-/// Extra time the host waits for the counts beyond the device timeout, so that the device's
-/// error record (naming the late rank) arrives first.
-const HOST_GRACE: Duration = Duration::from_secs(2);
+use crate::notify::{poll_recv_counts, RecvCounts, Routing};
 
 /// Mirror of `NotifyParams` in notify.cu.
 #[repr(C)]
@@ -126,48 +123,41 @@ pub fn notify_cuda(
     };
     let mut guards = Vec::new();
     if let Some(c) = &counts {
-        let (t, e) = (c.num_tokens, c.num_experts);
+        let t = c.num_tokens;
         l.check_op(t, None, None)?;
-        if e == 0 || e % r != 0 || e / r > MAX_LOCAL_EXPERTS {
-            return Err(Error::invalid(
-                "num_experts",
-                e,
-                format!("must be a positive multiple of num_ranks = {r}, at most {MAX_LOCAL_EXPERTS} per rank"),
-            ));
-        }
-        if c.expert_alignment == 0 {
-            return Err(Error::invalid("expert_alignment", 0, "must be at least 1"));
-        }
-        Error::check_len("num_tokens_per_rank", r, c.num_tokens_per_rank.len())?;
+        let routing = Routing {
+            num_tokens_per_rank: &c.num_tokens_per_rank,
+            num_tokens_per_expert: &c.num_tokens_per_expert,
+            is_token_in_rank: &c.is_token_in_rank,
+            num_tokens: t,
+            num_experts: c.num_experts,
+            expert_alignment: c.expert_alignment,
+        };
+        routing.check(r)?;
         Error::check_len("num_tokens_per_node", n, c.num_tokens_per_node.len())?;
-        Error::check_len("num_tokens_per_expert", e, c.num_tokens_per_expert.len())?;
-        Error::check_len("is_token_in_rank", t * r, c.is_token_in_rank.len())?;
         Error::check_len("rank_prefix_matrix", r * r, c.rank_prefix_matrix.len())?;
         Error::check_len("block_count", p * n, c.block_count.len())?;
         Error::check_len("node_send_index", t * n, c.node_send_index.len())?;
         Error::check_len("send_head", t * r, c.send_head.len())?;
-        let (a, g0) = c.num_tokens_per_rank.device_ptr(stream);
-        let (b, g1) = c.num_tokens_per_node.device_ptr(stream);
-        let (ce, g2) = c.num_tokens_per_expert.device_ptr(stream);
-        let (itir, g3) = c.is_token_in_rank.device_ptr(stream);
-        let (rpm, g4) = c.rank_prefix_matrix.device_ptr(stream);
-        let (bc, g5) = c.block_count.device_ptr(stream);
-        let (nsi, g6) = c.node_send_index.device_ptr(stream);
-        let (sh, g7) = c.send_head.device_ptr(stream);
-        guards.extend([g0, g1, g2, g3, g4, g5, g6, g7]);
-        params.num_tokens_per_rank = a;
+        let (rt, gr) = routing.params(stream)?;
+        let (b, g0) = c.num_tokens_per_node.device_ptr(stream);
+        let (rpm, g1) = c.rank_prefix_matrix.device_ptr(stream);
+        let (bc, g2) = c.block_count.device_ptr(stream);
+        let (nsi, g3) = c.node_send_index.device_ptr(stream);
+        let (sh, g4) = c.send_head.device_ptr(stream);
+        guards.extend(gr);
+        guards.extend([g0, g1, g2, g3, g4]);
+        params.num_tokens_per_rank = rt.num_tokens_per_rank;
         params.num_tokens_per_node = b;
-        params.num_tokens_per_expert = ce;
-        params.is_token_in_rank = itir;
+        params.num_tokens_per_expert = rt.num_tokens_per_expert;
+        params.is_token_in_rank = rt.is_token_in_rank;
         params.rank_prefix_matrix = rpm;
         params.block_count = bc;
         params.node_send_index = nsi;
         params.send_head = sh;
-        params.num_tokens = t as i32;
-        params.num_experts = e as i32;
-        params.expert_alignment = i32::try_from(c.expert_alignment).map_err(|_| {
-            Error::invalid("expert_alignment", c.expert_alignment, "must fit in an i32")
-        })?;
+        params.num_tokens = rt.num_tokens;
+        params.num_experts = rt.num_experts;
+        params.expert_alignment = rt.expert_alignment;
         params.with_counts = 1;
         buffer.recv_counter.fill(-1);
         buffer.expert_counter.fill(-1);
@@ -218,53 +208,23 @@ pub(super) fn signal_cuda(
     unsafe { kernel.launch(stream, cfg, params) }
 }
 
-/// What the notify step of a fresh dispatch tells this rank.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecvCounts {
-    /// Rows of `recv_x`.
-    pub num_recv_tokens: usize,
-    /// Rows from each source rank.
-    pub per_source: Vec<usize>,
-    /// Aligned rows per local expert.
-    pub per_expert: Vec<usize>,
-}
-
 impl InternodeBuffer {
     /// Polls the counts the notify kernel of a fresh dispatch writes (`num_local_experts`
     /// per-expert words), failing with the rank a device wait timed out on, or after the
     /// timeout plus a grace period.
     pub fn recv_counts(&self, num_local_experts: usize, timeout: Duration) -> Result<RecvCounts> {
-        let start = Instant::now();
-        let poll = |counter: &crate::memory::HostMappedI32, i: usize| -> Result<usize> {
-            loop {
-                let v = counter.get(i);
-                if v >= 0 {
-                    return Ok(v as usize);
-                }
-                self.check_error()?;
-                if start.elapsed() > timeout + HOST_GRACE {
-                    let rank = (0..self.layout().num_ranks)
-                        .find(|&p| p != self.rank())
-                        .unwrap_or(0);
-                    return Err(Error::PeerTimeout {
-                        rank,
-                        kernel: "internode_notify",
-                    });
-                }
-                std::thread::yield_now();
-            }
-        };
-        let total = poll(&self.recv_counter, 0)?;
-        let per_source = (0..self.layout().num_ranks)
-            .map(|s| self.recv_counter.get(1 + s).max(0) as usize)
-            .collect();
-        let per_expert = (0..num_local_experts)
-            .map(|e| poll(&self.expert_counter, e))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(RecvCounts {
-            num_recv_tokens: total,
-            per_source,
-            per_expert,
-        })
+        let r = self.layout().num_ranks;
+        poll_recv_counts(
+            &self.recv_counter,
+            &self.expert_counter,
+            r,
+            num_local_experts,
+            timeout,
+            || self.check_error(),
+            |_| Error::PeerTimeout {
+                rank: (0..r).find(|&p| p != self.rank()).unwrap_or(0),
+                kernel: "internode_notify",
+            },
+        )
     }
 }

@@ -5,7 +5,8 @@
 //!
 //! 1. [`notify_dispatch_cuda`] (fresh routing) or [`cached_notify_cuda`] (reusing a handle);
 //!    after `notify_dispatch_cuda` the host polls the mapped counters
-//!    ([`HostMappedI32::poll_nonneg`]) and allocates the receive buffers;
+//!    ([`crate::notify::poll_recv_counts`], or word by word [`HostMappedI32::poll_nonneg`])
+//!    and allocates the receive buffers;
 //! 2. [`dispatch_cuda`] (SM rings) or [`ce_dispatch_cuda`] (copy engines);
 //! 3. [`cached_notify_cuda`], then [`combine_cuda`] or [`ce_combine_cuda`].
 //!
@@ -53,12 +54,11 @@ pub use payload::{Payload, RecvPayload, RecvTopK, TopK};
 pub use rings_combine::{combine_cuda, CombineArgs, COMBINE_ROUND_TOKENS};
 pub use rings_dispatch::{dispatch_cuda, DispatchArgs};
 
-use crate::error::{Error, Result};
+use crate::cuda::to_i32;
 
 /// Most ranks of one node (`kMaxRanks`).
 pub const MAX_NVL_RANKS: usize = 8;
 pub use super::ring_bytes::RING_BASE;
-pub(crate) use super::MAX_LOCAL_EXPERTS;
 /// Bytes at the start of every NVLink buffer that must be zero before first use
 /// (barrier signals and counters).
 pub const HEADER_ZERO_BYTES: usize = RING_BASE;
@@ -79,8 +79,3 @@ pub(crate) const KERNEL_NAMES: [&str; 8] = [
 /// The kernel that writes the notify counters, as a timeout names it
 /// ([`HostMappedI32::poll_nonneg`]).
 pub const NOTIFY_KERNEL: &str = KERNEL_NAMES[1];
-
-/// `value` as the `i32` a params struct holds, or an error naming `arg`.
-fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid(arg, value, "must fit in an i32"))
-}

@@ -5,9 +5,10 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig};
 
 use super::checks::{check_prefix_matrices, ring_sizes};
-use super::{to_i32, Config, HostMappedI32, PeerBuffers, MAX_LOCAL_EXPERTS, MAX_NVL_RANKS};
+use super::{to_i32, Config, HostMappedI32, PeerBuffers, MAX_NVL_RANKS};
 use crate::cuda::{assert_params_layout, KernelParams, Kernels};
 use crate::error::{Error, Result};
+use crate::notify::Routing;
 
 /// The cubin of `notify.cu`.
 const FILE: &str = "intranode/notify";
@@ -118,7 +119,9 @@ pub struct NotifyArgs<'a> {
 /// with the same `num_experts`, `expert_alignment` and channel count).
 ///
 /// Writes `rank_prefix_matrix` and `channel_prefix_matrix` (device), and the receive totals to
-/// the mapped counters, which the host polls with [`HostMappedI32::poll_nonneg`].
+/// the mapped counters, which the host polls with [`crate::notify::poll_recv_counts`] (or word
+/// by word with [`HostMappedI32::poll_nonneg`]). The routing checks and fields are the ones
+/// the internode notify shares ([`crate::notify`]).
 pub fn notify_dispatch_cuda(
     stream: &CudaStream,
     buffers: &PeerBuffers,
@@ -127,31 +130,15 @@ pub fn notify_dispatch_cuda(
 ) -> Result<()> {
     let (r, c) = ring_sizes(config, buffers)?;
     let t = args.num_tokens;
-    if args.num_experts == 0 || args.num_experts % r != 0 {
-        return Err(Error::invalid(
-            "num_experts",
-            args.num_experts,
-            format!("must be a positive multiple of num_ranks = {r}"),
-        ));
-    }
-    let l = args.num_experts / r;
-    if l > MAX_LOCAL_EXPERTS {
-        return Err(Error::invalid(
-            "num_experts",
-            args.num_experts,
-            format!("num_experts / num_ranks must be <= {MAX_LOCAL_EXPERTS}"),
-        ));
-    }
-    if args.expert_alignment == 0 {
-        return Err(Error::invalid("expert_alignment", 0, "must be at least 1"));
-    }
-    Error::check_len("num_tokens_per_rank", r, args.num_tokens_per_rank.len())?;
-    Error::check_len(
-        "num_tokens_per_expert",
-        args.num_experts,
-        args.num_tokens_per_expert.len(),
-    )?;
-    Error::check_len("is_token_in_rank", t * r, args.is_token_in_rank.len())?;
+    let routing = Routing {
+        num_tokens_per_rank: &args.num_tokens_per_rank,
+        num_tokens_per_expert: &args.num_tokens_per_expert,
+        is_token_in_rank: &args.is_token_in_rank,
+        num_tokens: t,
+        num_experts: args.num_experts,
+        expert_alignment: args.expert_alignment,
+    };
+    let l = routing.check(r)?;
     check_prefix_matrices(
         r,
         c,
@@ -170,12 +157,10 @@ pub fn notify_dispatch_cuda(
 
     let kernels = Kernels::for_stream(stream)?;
     let kernel = kernels.kernel(FILE, "intranode_notify_dispatch")?;
-    let (ntpr, _g0) = args.num_tokens_per_rank.device_ptr(stream);
-    let (ntpe, _g1) = args.num_tokens_per_expert.device_ptr(stream);
-    let (itir, _g2) = args.is_token_in_rank.device_ptr(stream);
-    let (rpm, _g3) = args.rank_prefix_matrix.device_ptr(stream);
-    let (cpm, _g4) = args.channel_prefix_matrix.device_ptr(stream);
-    let (send_index, _g5) = match &args.send_index {
+    let (rt, _gr) = routing.params(stream)?;
+    let (rpm, _g0) = args.rank_prefix_matrix.device_ptr(stream);
+    let (cpm, _g1) = args.channel_prefix_matrix.device_ptr(stream);
+    let (send_index, _g2) = match &args.send_index {
         Some(si) => {
             let (p, g) = si.device_ptr(stream);
             (p, Some(g))
@@ -184,9 +169,9 @@ pub fn notify_dispatch_cuda(
     };
     let params = NotifyParams {
         buffer_ptrs: buffers.ptrs(),
-        num_tokens_per_rank: ntpr,
-        num_tokens_per_expert: ntpe,
-        is_token_in_rank: itir,
+        num_tokens_per_rank: rt.num_tokens_per_rank,
+        num_tokens_per_expert: rt.num_tokens_per_expert,
+        is_token_in_rank: rt.is_token_in_rank,
         rank_prefix_matrix: rpm,
         channel_prefix_matrix: cpm,
         moe_recv_counter: args.moe_recv_counter.map_or(0, HostMappedI32::device_ptr),
@@ -198,10 +183,10 @@ pub fn notify_dispatch_cuda(
         timeout_ns: buffers.timeout_ns(),
         rank: to_i32("rank", buffers.rank())?,
         num_ranks: to_i32("num_ranks", r)?,
-        num_tokens: to_i32("num_tokens", t)?,
-        num_experts: to_i32("num_experts", args.num_experts)?,
+        num_tokens: rt.num_tokens,
+        num_experts: rt.num_experts,
         num_channels: to_i32("num_channels", c)?,
-        expert_alignment: to_i32("expert_alignment", args.expert_alignment)?,
+        expert_alignment: rt.expert_alignment,
     };
     let cfg = LaunchConfig {
         grid_dim: (1 + r as u32, 1, 1),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
-use crate::cuda::{assert_params_layout, fill_i32_cuda, KernelParams, Kernels};
+use crate::cuda::{assert_params_layout, fill_i32_cuda, to_i32, KernelParams, Kernels};
 use crate::error::{Error, Result};
 use crate::layout::host::{DispatchLayout, ExpertPlacement};
 
@@ -90,10 +90,6 @@ impl DeviceDispatchLayout {
                 .collect(),
         })
     }
-}
-
-fn to_i32(arg: &'static str, value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid(arg, value, "must fit in an i32"))
 }
 
 /// Computes the dispatch layout of `topk_idx` (`[num_tokens, num_topk]` i64, row-major, `-1` =
