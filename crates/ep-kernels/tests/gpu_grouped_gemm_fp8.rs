@@ -581,7 +581,12 @@ fn main() {
     };
     let contiguous = GroupLayout::Contiguous { alignment: 1 };
     let masked = |m_max| GroupLayout::Masked { m_max };
-    for tiles in [GemmTiles::Wide, GemmTiles::WideM, GemmTiles::Narrow, GemmTiles::Auto] {
+    for tiles in [
+        GemmTiles::Wide,
+        GemmTiles::WideM,
+        GemmTiles::Narrow,
+        GemmTiles::Auto,
+    ] {
         let t = format!("{tiles:?}").to_lowercase();
         fn case(
             counts: &[i32],
