@@ -597,11 +597,6 @@ fn main() -> Result<(), BoxError> {
                 Box::new(ours_fp8(GemmTiles::Wide, true)),
             ),
             (
-                "ours fp8 wide-m 128x128 2x1",
-                iters,
-                Box::new(ours_fp8(GemmTiles::WideM, true)),
-            ),
-            (
                 "ours fp8 narrow 64x128",
                 iters,
                 Box::new(ours_fp8(GemmTiles::Narrow, true)),

@@ -17,9 +17,19 @@ event-timed runs after warm-up. Prints a table and one JSON line per row (prefix
 
 Usage: python3 scripts/gpu/anchors/fp8_grouped_mm.py [--iters N] [--only torch|deepgemm]
 (run DeepGEMM in its own process: a crash there then leaves the torch rows standing).
+`EP_ANCHOR_CASES=a,b` keeps the cases whose name contains one of the words (as
+bench_grouped_gemm's `EP_BENCH_CASES`).
+
+DeepGEMM on the GPU machine (its source with CUTLASS's and fmt's headers in `third-party/`):
+build it with the system compiler, `CC=/usr/bin/gcc CXX=/usr/bin/g++ bash develop.sh` (with
+`CUDA_HOME` set and `CPATH` at CUDA's `include/cccl`). Python's default compiler there
+(`/opt/gcc/bin/g++`) links its own libstdc++ code into the extension while compiling against
+the system's GCC 13 headers; that extension segfaults in libstdc++ (`std::regex`,
+`ostream::operator<<`) at import or at its first GEMM.
 """
 import argparse
 import json
+import os
 import traceback
 
 import torch
@@ -101,6 +111,9 @@ def main():
         ("masked 256 x 4 (m_max 128)", balanced_counts(128, 256), 128),
         ("masked 32 x 32 (m_max 1024)", balanced_counts(128, 32), 1024),
     ]
+    only_cases = os.environ.get("EP_ANCHOR_CASES")
+    if only_cases:
+        cases = [c for c in cases if any(w in c[0] for w in only_cases.split(","))]
     have_dg = False
     if args.only != "torch":
         try:

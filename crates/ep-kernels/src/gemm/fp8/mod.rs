@@ -14,11 +14,13 @@
 //! (`[2I, H]`, `I` a multiple of 128 so that no weight scale block mixes the two), then
 //! [`swiglu_quantize`]: `act = silu(gate) * up` quantized 1 x 128 in one pass, the down GEMM's
 //! rows. (A SwiGLU epilogue as the bf16 GEMMs have would need the gate and up columns of one
-//! 128-column act group in one thread block; the blockwise-scaling mainloop holds two copies
-//! of its accumulators, which leaves no registers for tiles that wide.)
+//! 128-column act group in one thread block; the blockwise-scaling mainloop holds two or three
+//! copies of its accumulators, which leaves no registers for tiles that wide.)
 //!
-//! On CUDA (`cuda/`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a
-//! (`fp8/grouped_gemm_fp8_sm90.cuh`, `quantize_rows.cu`, `dequantize.cu`); the host twins
+//! On CUDA (`cuda/`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a,
+//! the cooperative tiles with our own math loop that overlaps each k-tile's promotion with the
+//! next k-tile's WGMMAs (`fp8/grouped_gemm_fp8_sm90.cuh`, `fp8/overlapped_promotion_sm90.cuh`,
+//! `quantize_rows.cu`, `dequantize.cu`); the host twins
 //! ([`host`]) compute the same functions in f32 from the dequantized operands (DeepSeek's
 //! `weight_dequant`) and are the CPU path.
 

@@ -4,14 +4,13 @@
 //! (`dequantize.cu`). Host twins: [`super::host`].
 //!
 //! One module per kernel source: the C entry points of each CUTLASS configuration
-//! (`grouped_fp8_wide.cu`, `grouped_fp8_wide_m.cu`, `grouped_fp8_narrow.cu`) in the module of the same name, launched
+//! (`grouped_fp8_wide.cu`, `grouped_fp8_narrow.cu`) in the module of the same name, launched
 //! by [`grouped_gemm_fp8_cuda`] here; `grouped_gemv_fp8` (`grouped_gemv_fp8.cu`, the
 //! tile-less GEMV); `dequantize` (`dequantize.cu`); `quantize_rows` (`quantize_rows.cu`).
 
 mod dequantize;
 mod grouped_fp8_narrow;
 mod grouped_fp8_wide;
-mod grouped_fp8_wide_m;
 mod grouped_gemv_fp8;
 mod quantize_rows;
 
@@ -33,7 +32,6 @@ use crate::gemm::cuda::check_workspace;
 use crate::gemm::{GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
 use grouped_fp8_narrow::{ep_grouped_gemm_fp8_narrow_run, ep_grouped_gemm_fp8_narrow_workspace};
 use grouped_fp8_wide::{ep_grouped_gemm_fp8_wide_run, ep_grouped_gemm_fp8_wide_workspace};
-use grouped_fp8_wide_m::{ep_grouped_gemm_fp8_wide_m_run, ep_grouped_gemm_fp8_wide_m_workspace};
 use grouped_gemv_fp8::{check_gemv, launch_gemv, GemvFp8Params};
 
 /// Mirror of `ep::gemm::GroupedGemmFp8Args` in `fp8/grouped_gemm_fp8_sm90.cuh`.
@@ -77,8 +75,6 @@ type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
 enum Fp8Tiles {
     /// 128 x 128 cooperative tiles, clusters of 2 along N.
     Wide,
-    /// 128 x 128 cooperative tiles, clusters of 2 along M (sharing the weight tile).
-    WideM,
     /// 64 x 128 ping-pong tiles, clusters of 2 along N.
     Narrow,
 }
@@ -89,8 +85,9 @@ impl Fp8Tiles {
     fn from(tiles: GemmTiles, layout: GroupLayout, rows: usize, groups: usize) -> Result<Self> {
         match tiles.resolve(layout, rows, groups) {
             GemmTiles::Narrow => Ok(Fp8Tiles::Narrow),
-            GemmTiles::Wide => Ok(Fp8Tiles::Wide),
-            GemmTiles::WideM => Ok(Fp8Tiles::WideM),
+            // One wide configuration in fp8: clusters along M measured slower
+            // (docs/benchmarks.md, "Tried and rejected").
+            GemmTiles::Wide | GemmTiles::WideM => Ok(Fp8Tiles::Wide),
             GemmTiles::Gemv => unreachable!("the caller launches the GEMV itself"),
             GemmTiles::Auto => unreachable!("resolve() resolves Auto"),
         }
@@ -99,7 +96,6 @@ impl Fp8Tiles {
     fn shape(self) -> ((usize, usize), (usize, usize)) {
         match self {
             Fp8Tiles::Wide => ((128, 128), (1, 2)),
-            Fp8Tiles::WideM => ((128, 128), (2, 1)),
             Fp8Tiles::Narrow => ((64, 128), (1, 2)),
         }
     }
@@ -117,11 +113,6 @@ impl Fp8Tiles {
                 "grouped_gemm_fp8_wide",
                 ep_grouped_gemm_fp8_wide_workspace,
                 ep_grouped_gemm_fp8_wide_run,
-            ),
-            Fp8Tiles::WideM => (
-                "grouped_gemm_fp8_wide_m",
-                ep_grouped_gemm_fp8_wide_m_workspace,
-                ep_grouped_gemm_fp8_wide_m_run,
             ),
             Fp8Tiles::Narrow => (
                 "grouped_gemm_fp8_narrow",
@@ -148,7 +139,7 @@ fn opt_ptr<'a, T>(
 /// Bytes every fp8 configuration needs for `max_groups` groups on `ctas` CTAs (part of
 /// [`GroupedGemmWorkspace`]'s size).
 pub(crate) fn workspace_bytes(max_groups: usize, ctas: u32) -> u64 {
-    [Fp8Tiles::Wide, Fp8Tiles::WideM, Fp8Tiles::Narrow]
+    [Fp8Tiles::Wide, Fp8Tiles::Narrow]
         .into_iter()
         .map(|t| t.entry_points().1)
         // SAFETY: pure host computation on two integers (no device access).
