@@ -9,8 +9,9 @@
 //   act[c] = silu(gate[c]) * up[c]          (f32, from the bf16 products h = [gate | up])
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
 // In a masked layout (both kernels) blockIdx.y is the group and only its first counts[group]
-// rows are visited. Host twin: `gemm::fp8::swiglu_quantize` (expf may differ from the host's exp in
-// the last bit, so results agree to one e4m3 step); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
+// rows are visited. Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware
+// exponential and reciprocal, a few ulp from the host's, so results agree to one e4m3 step and
+// scales to 1e-5); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
 
 #include "common.cuh"
 
@@ -119,7 +120,10 @@ EP_KERNEL void __launch_bounds__(kThreads)
         float act[kPerLane];
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-            const float silu = __fdiv_rn(gate[i], __fadd_rn(1.0f, expf(-gate[i])));
+            // The hardware exponential and reciprocal (a few ulp; the pass is otherwise bound
+            // by these instructions, not by its bytes). silu(x) -> -0 for very negative x as
+            // the reciprocal of an infinite denominator is 0.
+            const float silu = __fdividef(gate[i], 1.0f + __expf(-gate[i]));
             act[i] = __fmul_rn(silu, up[i]);
         }
         quantize_group(act, p.q + r * p.cols + g * ep::kFp8Group,
