@@ -262,6 +262,18 @@ pub fn grid_for(
     u32::try_from(needed.clamp(1, cap)).unwrap_or(u32::MAX)
 }
 
+/// Allocates `len` (at least one) elements on `stream` without initialising them: for kernel
+/// outputs written before they are read (the caller guarantees it; reading an unwritten element
+/// reads whatever the memory held). Freed in `stream` order when dropped.
+pub fn alloc_uninit<T: cudarc::driver::DeviceRepr>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    len: usize,
+) -> Result<cudarc::driver::CudaSlice<T>> {
+    // SAFETY: a fresh device allocation; `T: DeviceRepr` is plain data for which any bit
+    // pattern is a value, and the callers only read elements after kernels wrote them.
+    Ok(unsafe { stream.alloc::<T>(len.max(1)) }?)
+}
+
 /// Sets every byte of `dst` to `byte` on `stream` (asynchronous, capturable in a CUDA graph;
 /// e.g. `0xff` makes every i32 `-1`).
 pub fn fill_bytes_cuda<T>(

@@ -78,14 +78,8 @@ pub fn wrap<T: CudaDType>(
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
-/// Allocates `len` (at least one) elements on `stream` without initialising them: for kernel
-/// outputs that are written before they are read (the caller guarantees it; reading an
-/// unwritten element reads whatever the memory held).
-pub fn alloc_uninit<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: a fresh device allocation; `T: DeviceRepr` is plain data for which any bit
-    // pattern is a value, and the contents are only read after kernels wrote them.
-    Ok(unsafe { stream.alloc::<T>(len.max(1)) }?)
-}
+/// Uninitialised device allocations for kernel outputs (one definition, in the launch layer).
+pub use ep_kernels::cuda::alloc_uninit;
 
 /// Hands `slice` (allocated on another stream) to `stream`: later stream-ordered work on the
 /// slice itself (cudarc's copies of it, its free when dropped) then runs on `stream`. A

@@ -9,13 +9,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut, DeviceRepr, SyncOnDrop,
-};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut, SyncOnDrop};
 use float8::F8E4M3;
 use half::bf16;
 
 use super::layout::{LowLatencyLayout, RecvI32Block, LL_RECORD_WORDS};
+use crate::cuda::alloc_uninit;
 use crate::error::{Error, Result};
 use crate::fp8::ScaleFormat;
 use crate::FP8_GROUP;
@@ -185,16 +184,6 @@ impl RankRecordsRef<'_> {
             self.rank_records.len(),
         )
     }
-}
-
-/// Allocates `len` (at least one) elements of `T` on `stream` without initialising them.
-/// `T` is one of the output element types (`i32`, `f32`, `bf16`, `F8E4M3`), for which every
-/// bit pattern is a value.
-fn alloc_uninit<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: a fresh device allocation of plain data (the callers' `T` take any bit pattern);
-    // reading an element before a kernel wrote it reads whatever the memory held, which the
-    // outputs document as unspecified.
-    Ok(unsafe { stream.alloc::<T>(len.max(1)) }?)
 }
 
 impl LowLatencyRecv {
