@@ -15,12 +15,17 @@
 // its own, then promoted into the f32 sums with the weight block's scale times the row's scale
 // (DeepSeek-V3's recipe: one promotion every 128 channels).
 //
-// Work: units of (active group, 16 weight rows), taken by teams of `k_split` warps of one block
-// in a grid-stride loop over the ordered list of the groups with rows (every block builds it
-// from the counts), so empty groups' weights are never read, the grid is sized to the device,
-// and units this small leave no block with a long tail. With `k_split` > 1 (few units for the
-// grid: one group of a dense layer with few output rows) the warps of a team take every
-// `k_split`-th pair of scale blocks of K and add their sums through shared memory (a named
+// Work: units of (active group, 16 weight rows) over the ordered list of the groups with rows
+// (every block builds it from the counts), so empty groups' weights are never read and the
+// grid is sized to the device. The schedule follows the units the counts make, not the launch's
+// upper bound: the grid's W warps first take whole rounds of W units, one warp a unit; the
+// units left over (fewer than W) are shared by teams of `split` warps of one block, `split`
+// doubled (up to 8) while every team still fits on the grid and each warp keeps at least two
+// pairs of scale blocks (`tail_split`; the host mirror is `gemm::fp8::gemv_tail_split`). So a
+// decode step whose units barely exceed one round (DeepSeek-V3's gate_up with the shared
+// expert: 9 x 256 units) finishes its last units on every warp instead of on a few, and one
+// group with few output rows (a dense projection) splits K across the grid. A team's warps take
+// every `split`-th pair of scale blocks of K and add their sums through shared memory (a named
 // barrier per team) before the team's first warp writes them. More than 8 valid rows are taken
 // in passes over the same weights (the next ones mostly from L2).
 //
@@ -66,9 +71,8 @@ struct GemvFp8Params {
     int32_t k;  // a multiple of 64
     int32_t m_max;
     int32_t first_extra;  // == groups without extra groups
-    int32_t k_split;      // warps sharing a unit's K: 1, 2, 4 or 8
 };
-EP_CHECK_PARAMS_SIZE(GemvFp8Params, 112);
+EP_CHECK_PARAMS_SIZE(GemvFp8Params, 112);  // 108 bytes of fields, 8-byte aligned
 
 namespace {
 
@@ -138,151 +142,168 @@ EP_DEVICE void team_sync(int team, int split) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(team + 1), "r"(split * ep::kWarpSize) : "memory");
 }
 
-// The units of the grid's teams of kSplit warps (see the file comment), after the block has
-// listed the active groups. A template, so that the one-warp teams of the experts' GEMMs carry
-// no split-K code.
-template <int kSplit>
-EP_DEVICE void gemv_units(const GemvFp8Params& p, const int* active, int num_active,
-                          float (*partial)[4][ep::kWarpSize]) {
-    constexpr int teams = kWarps / kSplit;
-    const int team = ep::warp_id() / kSplit;
-    const int sub = ep::warp_id() % kSplit;
+// Doubles a team's warps (up to the block's) while `units` teams still fit on the grid's
+// `warps` and each warp keeps at least two pairs of scale blocks of K. Mirrored by
+// `gemm::fp8::gemv_tail_split` (src/gemm/fp8/mod.rs).
+EP_DEVICE int tail_split(int64_t units, int k_blocks, int64_t warps) {
+    int split = 1;
+    while (split < kWarps && units * split * 2 <= warps && k_blocks >= 2 * split * 4) {
+        split *= 2;
+    }
+    return split;
+}
 
+// Unit `unit` (of the active groups' units, `stripes` a group) by a team of kSplit warps, this
+// warp being its `sub`-th (see the file comment). A template, so that the one-warp units of the
+// whole rounds carry no split-K code. Uniform in a team: its warps take the same unit, counts
+// and passes.
+template <int kSplit>
+EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit, int64_t stripes,
+                         int team, int sub, float (*partial)[4][ep::kWarpSize]) {
     const int lane = ep::lane_id();
     const int warp = ep::warp_id();
     const int gid = lane >> 2;  // MMA row group: weight rows gid, gid + 8; activation row gid
     const int tid = lane & 3;   // 16-byte vector of the 64-channel chunk
     const int k_blocks = (p.k + kBlock - 1) / kBlock;
     const int n_blocks = (p.n + kBlock - 1) / kBlock;
-    const int64_t stripes = p.n / kRowsPerWarp;
-    const int64_t units = static_cast<int64_t>(num_active) * stripes;
-    const int64_t all_teams = static_cast<int64_t>(gridDim.x) * teams;
-    // Uniform in a team: its warps take the same units, counts and passes.
-    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * teams + team; unit < units;
-         unit += all_teams) {
-        const int g = active[unit / stripes];
-        const int row0 = static_cast<int>(unit % stripes) * kRowsPerWarp;
-        const int count = p.counts[g];
-        const bool extra = g >= p.first_extra;
-        const int64_t wg = extra ? g - p.first_extra : g;
-        const uint8_t* w_base = (extra ? p.extra_b : p.b) + wg * p.n * p.k;
-        const float* sw_base = (extra ? p.extra_sfb : p.sfb) +
-                               (wg * n_blocks + row0 / kBlock) * static_cast<int64_t>(k_blocks);
-        const bool own_rows = !(extra && p.extra_a != nullptr);
-        const uint8_t* x_base = own_rows ? p.a + static_cast<int64_t>(g) * p.m_max * p.k : p.extra_a;
-        const float* sx_base = own_rows ? p.sfa + static_cast<int64_t>(g) * p.m_max * k_blocks
-                                        : p.extra_sfa;
-        const int4* w_lo = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid) * p.k);
-        const int4* w_hi =
-            reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid + 8) * p.k);
-        for (int r0 = 0; r0 < count; r0 += kTokensPerPass) {
-            const int rows = min(kTokensPerPass, count - r0);
-            // This lane's activation row (B column gid); rows past `rows` read zeros.
-            const bool has_x = gid < rows;
-            const int4* x = reinterpret_cast<const int4*>(x_base + static_cast<int64_t>(r0 + gid) * p.k);
-            // This lane's output columns of D: rows 2 * tid and 2 * tid + 1 of the pass.
-            const int ra = 2 * tid;
-            const int rb = 2 * tid + 1;
-            const float* sxa = sx_base + static_cast<int64_t>(r0 + min(ra, rows - 1)) * k_blocks;
-            const float* sxb = sx_base + static_cast<int64_t>(r0 + min(rb, rows - 1)) * k_blocks;
-            float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int kb0 = sub * kBlocksInFlight; kb0 < k_blocks; kb0 += kSplit * kBlocksInFlight) {
-                // Load every vector of the next scale blocks first (bytes in flight), then multiply.
-                int4 wl[kBlocksInFlight][2], wh[kBlocksInFlight][2], xv[kBlocksInFlight][2];
+    const int g = active[unit / stripes];
+    const int row0 = static_cast<int>(unit % stripes) * kRowsPerWarp;
+    const int count = p.counts[g];
+    const bool extra = g >= p.first_extra;
+    const int64_t wg = extra ? g - p.first_extra : g;
+    const uint8_t* w_base = (extra ? p.extra_b : p.b) + wg * p.n * p.k;
+    const float* sw_base = (extra ? p.extra_sfb : p.sfb) +
+                           (wg * n_blocks + row0 / kBlock) * static_cast<int64_t>(k_blocks);
+    const bool own_rows = !(extra && p.extra_a != nullptr);
+    const uint8_t* x_base = own_rows ? p.a + static_cast<int64_t>(g) * p.m_max * p.k : p.extra_a;
+    const float* sx_base = own_rows ? p.sfa + static_cast<int64_t>(g) * p.m_max * k_blocks
+                                    : p.extra_sfa;
+    const int4* w_lo = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid) * p.k);
+    const int4* w_hi =
+        reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid + 8) * p.k);
+    for (int r0 = 0; r0 < count; r0 += kTokensPerPass) {
+        const int rows = min(kTokensPerPass, count - r0);
+        // This lane's activation row (B column gid); rows past `rows` read zeros.
+        const bool has_x = gid < rows;
+        const int4* x = reinterpret_cast<const int4*>(x_base + static_cast<int64_t>(r0 + gid) * p.k);
+        // This lane's output columns of D: rows 2 * tid and 2 * tid + 1 of the pass.
+        const int ra = 2 * tid;
+        const int rb = 2 * tid + 1;
+        const float* sxa = sx_base + static_cast<int64_t>(r0 + min(ra, rows - 1)) * k_blocks;
+        const float* sxb = sx_base + static_cast<int64_t>(r0 + min(rb, rows - 1)) * k_blocks;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int kb0 = sub * kBlocksInFlight; kb0 < k_blocks; kb0 += kSplit * kBlocksInFlight) {
+            // Load every vector of the next scale blocks first (bytes in flight), then multiply.
+            int4 wl[kBlocksInFlight][2], wh[kBlocksInFlight][2], xv[kBlocksInFlight][2];
 #pragma unroll
-                for (int u = 0; u < kBlocksInFlight; ++u) {
+            for (int u = 0; u < kBlocksInFlight; ++u) {
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int chunk = (kb0 + u) * (kBlock / kChunk) + c;
-                        const bool in = chunk * kChunk < p.k;
-                        const int v = chunk * (kChunk / 16) + tid;
-                        const int4 zero = make_int4(0, 0, 0, 0);
-                        wl[u][c] = in ? ep::ld_nc_no_alloc(w_lo + v) : zero;
-                        wh[u][c] = in ? ep::ld_nc_no_alloc(w_hi + v) : zero;
-                        xv[u][c] = (in && has_x) ? __ldg(x + v) : zero;
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < kBlocksInFlight; ++u) {
-                    const int kb = kb0 + u;
-                    if (kb >= k_blocks) {
-                        break;
-                    }
-                    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_chunk(part, wl[u][0], wh[u][0], xv[u][0]);
-                    mma_chunk(part, wl[u][1], wh[u][1], xv[u][1]);
-                    const float sw = __ldg(sw_base + kb);
-                    const float sa = sw * __ldg(sxa + kb);
-                    const float sb = sw * __ldg(sxb + kb);
-                    sum[0] = fmaf(part[0], sa, sum[0]);  // weight row gid, pass row ra
-                    sum[1] = fmaf(part[1], sb, sum[1]);  // weight row gid, pass row rb
-                    sum[2] = fmaf(part[2], sa, sum[2]);  // weight row gid + 8, pass row ra
-                    sum[3] = fmaf(part[3], sb, sum[3]);  // weight row gid + 8, pass row rb
+                for (int c = 0; c < 2; ++c) {
+                    const int chunk = (kb0 + u) * (kBlock / kChunk) + c;
+                    const bool in = chunk * kChunk < p.k;
+                    const int v = chunk * (kChunk / 16) + tid;
+                    const int4 zero = make_int4(0, 0, 0, 0);
+                    wl[u][c] = in ? ep::ld_nc_no_alloc(w_lo + v) : zero;
+                    wh[u][c] = in ? ep::ld_nc_no_alloc(w_hi + v) : zero;
+                    xv[u][c] = (in && has_x) ? __ldg(x + v) : zero;
                 }
             }
-            if constexpr (kSplit > 1) {
-                if (sub != 0) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        partial[warp][i][lane] = sum[i];
-                    }
+            for (int u = 0; u < kBlocksInFlight; ++u) {
+                const int kb = kb0 + u;
+                if (kb >= k_blocks) {
+                    break;
                 }
-                team_sync(team, kSplit);
-                if (sub == 0) {
-#pragma unroll
-                    for (int s = 1; s < kSplit; ++s) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            sum[i] += partial[warp + s][i][lane];
-                        }
-                    }
-                }
-                team_sync(team, kSplit);  // `partial` is written again by the next pass
-                if (sub != 0) {
-                    continue;
-                }
-            }
-            const int64_t out0 = static_cast<int64_t>(g) * p.m_max + r0;
-            if (ra < rows) {
-                p.d[(out0 + ra) * p.n + row0 + gid] = ep::f32_to_bf16(sum[0]);
-                p.d[(out0 + ra) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[2]);
-            }
-            if (rb < rows) {
-                p.d[(out0 + rb) * p.n + row0 + gid] = ep::f32_to_bf16(sum[1]);
-                p.d[(out0 + rb) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[3]);
+                float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_chunk(part, wl[u][0], wh[u][0], xv[u][0]);
+                mma_chunk(part, wl[u][1], wh[u][1], xv[u][1]);
+                const float sw = __ldg(sw_base + kb);
+                const float sa = sw * __ldg(sxa + kb);
+                const float sb = sw * __ldg(sxb + kb);
+                sum[0] = fmaf(part[0], sa, sum[0]);  // weight row gid, pass row ra
+                sum[1] = fmaf(part[1], sb, sum[1]);  // weight row gid, pass row rb
+                sum[2] = fmaf(part[2], sa, sum[2]);  // weight row gid + 8, pass row ra
+                sum[3] = fmaf(part[3], sb, sum[3]);  // weight row gid + 8, pass row rb
             }
         }
+        if constexpr (kSplit > 1) {
+            if (sub != 0) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    partial[warp][i][lane] = sum[i];
+                }
+            }
+            team_sync(team, kSplit);
+            if (sub == 0) {
+#pragma unroll
+                for (int s = 1; s < kSplit; ++s) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        sum[i] += partial[warp + s][i][lane];
+                    }
+                }
+            }
+            team_sync(team, kSplit);  // `partial` is written again by the next pass
+            if (sub != 0) {
+                continue;
+            }
+        }
+        const int64_t out0 = static_cast<int64_t>(g) * p.m_max + r0;
+        if (ra < rows) {
+            p.d[(out0 + ra) * p.n + row0 + gid] = ep::f32_to_bf16(sum[0]);
+            p.d[(out0 + ra) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[2]);
+        }
+        if (rb < rows) {
+            p.d[(out0 + rb) * p.n + row0 + gid] = ep::f32_to_bf16(sum[1]);
+            p.d[(out0 + rb) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[3]);
+        }
+    }
+}
+
+// The units left after the whole rounds, `first .. first + count`, by teams of kSplit warps.
+template <int kSplit>
+EP_DEVICE void gemv_tail(const GemvFp8Params& p, const int* active, int64_t first, int64_t count,
+                         int64_t stripes, float (*partial)[4][ep::kWarpSize]) {
+    constexpr int teams = kWarps / kSplit;
+    const int team = ep::warp_id() / kSplit;
+    const int sub = ep::warp_id() % kSplit;
+    const int64_t all_teams = static_cast<int64_t>(gridDim.x) * teams;
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * teams + team; t < count; t += all_teams) {
+        gemv_unit<kSplit>(p, active, first + t, stripes, team, sub, partial);
     }
 }
 
 }  // namespace
 
-// One warp a unit (k_split = 1): the experts' GEMMs. No named barrier in this kernel, so that
-// its resources are what they were before the split-K kernel below existed.
 EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
     grouped_gemv_fp8(const __grid_constant__ GemvFp8Params p) {
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
-    const int num_active = active_groups(p, active, warp_totals);
-    gemv_units<1>(p, active, num_active, nullptr);
-}
-
-// Teams of k_split = 2, 4 or 8 warps a unit (one group with few output rows).
-EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
-    grouped_gemv_fp8_split_k(const __grid_constant__ GemvFp8Params p) {
-    __shared__ int active[kMaxGroups];
-    __shared__ int warp_totals[kWarps];
     __shared__ float partial[kWarps][4][ep::kWarpSize];  // split-K sums of a team's warps
     const int num_active = active_groups(p, active, warp_totals);
-    switch (p.k_split) {
+    const int64_t stripes = p.n / kRowsPerWarp;
+    const int64_t units = static_cast<int64_t>(num_active) * stripes;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    // Whole rounds: one warp a unit.
+    const int64_t whole = units / warps * warps;
+    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarps + ep::warp_id(); unit < whole;
+         unit += warps) {
+        gemv_unit<1>(p, active, unit, stripes, 0, 0, nullptr);
+    }
+    // The rest: teams sharing K.
+    const int64_t rest = units - whole;
+    switch (tail_split(rest, (p.k + kBlock - 1) / kBlock, warps)) {
+        case 1:
+            gemv_tail<1>(p, active, whole, rest, stripes, partial);
+            break;
         case 2:
-            gemv_units<2>(p, active, num_active, partial);
+            gemv_tail<2>(p, active, whole, rest, stripes, partial);
             break;
         case 4:
-            gemv_units<4>(p, active, num_active, partial);
+            gemv_tail<4>(p, active, whole, rest, stripes, partial);
             break;
         default:
-            gemv_units<8>(p, active, num_active, partial);
+            gemv_tail<8>(p, active, whole, rest, stripes, partial);
             break;
     }
 }

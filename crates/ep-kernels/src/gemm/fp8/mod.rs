@@ -64,18 +64,15 @@ pub const GEMV_ROWS_PER_PASS: usize = 8;
 /// most that can share one unit's K.
 pub const GEMV_WARPS_PER_BLOCK: u64 = 8;
 
-/// Warps sharing one unit's K in the tile-less fp8 GEMV (its `k_split`) when `units` units of
-/// 16 weight rows (an upper bound: every group active) over `k_blocks` scale blocks of K run on
-/// a device that holds `resident_warps` of its warps: doubled (up to
-/// [`GEMV_WARPS_PER_BLOCK`]) while every unit's team still fits on the device at once and each
-/// warp keeps at least two pairs of scale blocks. Many units (the experts' GEMMs) keep 1; one
-/// group with few output rows (a dense projection like `q_a_proj`) splits K.
-pub fn gemv_k_split(units: u64, k_blocks: u64, resident_warps: u64) -> u32 {
+/// Warps sharing one unit's K in the tile-less fp8 GEMV when `units` units of 16 weight rows
+/// are left after its whole rounds (the grid's `warps` warps each taking one unit a round) and
+/// K holds `k_blocks` scale blocks: doubled (up to [`GEMV_WARPS_PER_BLOCK`]) while every unit's
+/// team still fits on the grid and each warp keeps at least two pairs of scale blocks. The
+/// kernel chooses it on the device from the units its counts make (`tail_split` in
+/// `grouped_gemv_fp8.cu`, the same rule); this mirror states and tests the rule.
+pub fn gemv_tail_split(units: u64, k_blocks: u64, warps: u64) -> u32 {
     let mut split = 1u64;
-    while split < GEMV_WARPS_PER_BLOCK
-        && units * split * 2 <= resident_warps
-        && k_blocks >= 2 * split * 4
-    {
+    while split < GEMV_WARPS_PER_BLOCK && units * split * 2 <= warps && k_blocks >= 2 * split * 4 {
         split *= 2;
     }
     split as u32
@@ -128,18 +125,24 @@ mod tests {
     }
 
     #[test]
-    fn the_gemv_splits_k_only_when_units_leave_the_device_idle() {
+    fn the_gemv_splits_k_only_over_the_units_a_round_leaves() {
         // H200: 132 SMs x 2 blocks x 8 warps.
         let warps = 132 * 2 * 8;
-        // The experts' GEMMs (256 groups of 448 units): one warp a unit.
-        assert_eq!(gemv_k_split(256 * 448, 56, warps), 1);
-        // DeepSeek-V3's o_proj (448 units, K 16384), q_a_proj (96, K 7168), q_b_proj (1536).
-        assert_eq!(gemv_k_split(448, 128, warps), 4);
-        assert_eq!(gemv_k_split(96, 56, warps), 8);
-        assert_eq!(gemv_k_split(1536, 12, warps), 1);
+        // A prefill-sized step (256 groups of 448 units): whole rounds, then 256 * 448 % 2112
+        // = 640 units, in teams of 2 warps.
+        assert_eq!(gemv_tail_split(256 * 448 % warps, 56, warps), 2);
+        // One token of DeepSeek-V3 with its shared expert: gate_up (9 x 256 units) leaves 192
+        // after a round, each shared by 8 warps; down (9 x 448) leaves 1920, one warp each.
+        assert_eq!(gemv_tail_split(9 * 256 - warps, 56, warps), 8);
+        assert_eq!(gemv_tail_split(9 * 448 - warps, 16, warps), 1);
+        // DeepSeek-V3's o_proj (448 units, K 16384), q_a_proj (96, K 7168), q_b_proj (1536):
+        // no whole round.
+        assert_eq!(gemv_tail_split(448, 128, warps), 4);
+        assert_eq!(gemv_tail_split(96, 56, warps), 8);
+        assert_eq!(gemv_tail_split(1536, 12, warps), 1);
         // A short K bounds it: every warp keeps two pairs of scale blocks.
-        assert_eq!(gemv_k_split(36, 8, warps), 2);
-        assert_eq!(gemv_k_split(36, 2, warps), 1);
+        assert_eq!(gemv_tail_split(36, 8, warps), 2);
+        assert_eq!(gemv_tail_split(36, 2, warps), 1);
     }
 
     #[test]

@@ -58,14 +58,13 @@ pub(super) struct GemvFp8Params {
     pub(super) k: i32,
     pub(super) m_max: i32,
     pub(super) first_extra: i32,
-    pub(super) k_split: i32,
 }
 crate::cuda::assert_params_layout!(
     GemvFp8Params,
     112;
     a = 0, sfa = 8, b = 16, sfb = 24, d = 32, counts = 40, extra_a = 48, extra_sfa = 56,
     extra_b = 64, extra_sfb = 72, extra_a_rows = 80, groups = 88, n = 92, k = 96, m_max = 100,
-    first_extra = 104, k_split = 108,
+    first_extra = 104,
 );
 
 // SAFETY: `repr(C)` plain data mirroring `GemvFp8Params` in grouped_gemv_fp8.cu (size asserted
@@ -73,29 +72,19 @@ crate::cuda::assert_params_layout!(
 unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
 
 /// Launches `grouped_gemv_fp8` with `params` filled and checked by `run` ([`super`]): one grid
-/// sized to the device, whose warps (or teams of warps sharing K,
-/// [`crate::gemm::fp8::gemv_k_split`]) take (active group, 16 weight rows) units in turn.
-pub(super) fn launch_gemv(stream: &Arc<CudaStream>, mut params: GemvFp8Params) -> Result<()> {
+/// sized to the device (and to a team of every warp of a block per unit when there are few
+/// units), whose warps take (active group, 16 weight rows) units in whole rounds, then share K
+/// over the units left ([`crate::gemm::fp8::gemv_tail_split`], chosen on the device from the
+/// counts).
+pub(super) fn launch_gemv(stream: &Arc<CudaStream>, params: GemvFp8Params) -> Result<()> {
     let kernels = crate::cuda::Kernels::for_stream(stream)?;
-    let warps = GEMV_THREADS / 32;
+    // An upper bound (every group active): a block a unit at most, so that up to a block's
+    // warps can share each unit's K.
     let units = params.groups as u64 * (params.n as u64 / 16);
-    let resident = u64::from(kernels.props().sm_count) * u64::from(GEMV_BLOCKS_PER_SM * warps);
-    let split = crate::gemm::fp8::gemv_k_split(units, (params.k as u64).div_ceil(128), resident);
-    params.k_split = split as i32;
-    let name = if split > 1 {
-        "grouped_gemv_fp8_split_k"
-    } else {
-        "grouped_gemv_fp8"
-    };
-    let kernel = kernels.kernel(GEMV_FILE, name)?;
+    let kernel = kernels.kernel(GEMV_FILE, "grouped_gemv_fp8")?;
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (
-            crate::cuda::grid_for(
-                units * u64::from(split),
-                u64::from(warps),
-                kernels.props(),
-                GEMV_BLOCKS_PER_SM,
-            ),
+            crate::cuda::grid_for(units, 1, kernels.props(), GEMV_BLOCKS_PER_SM),
             1,
             1,
         ),

@@ -336,8 +336,6 @@ fn run(
             k: k as i32,
             m_max,
             first_extra: first_extra as i32,
-            // Set by `launch_gemv` from the grid.
-            k_split: 1,
         };
         let launched = launch_gemv(stream, params);
         drop(guards);
