@@ -385,15 +385,12 @@ fn swiglu_quantize_case(
     rows: usize,
     inter: usize,
     m_max: Option<usize>,
+    hot: bool,
 ) -> CaseResult {
     let h: Vec<bf16> = (0..rows * 2 * inter)
         .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
         .collect();
-    let counts: Vec<i32> = m_max.map_or(Vec::new(), |m| {
-        (0..rows / m)
-            .map(|_| rng.random_range(0..=m as i32))
-            .collect()
-    });
+    let counts = m_max.map_or(Vec::new(), |m| mask_counts(rng, rows / m, m, hot));
     let groups = inter / 128;
     let mut q_want = vec![F8E4M3::poison(); rows * inter];
     let mut s_want = vec![f32::poison(); rows * groups];
@@ -430,6 +427,18 @@ fn swiglu_quantize_case(
     Ok(())
 }
 
+/// Counts of `blocks` masked blocks of `m` rows: random in `0..=m`, or with `hot` one full
+/// block (a decode step's tokens all on one expert) among blocks of 0 or 1 rows.
+fn mask_counts(rng: &mut StdRng, blocks: usize, m: usize, hot: bool) -> Vec<i32> {
+    (0..blocks)
+        .map(|b| match (hot, b) {
+            (true, 1) => m as i32,
+            (true, _) => rng.random_range(0..=1),
+            (false, _) => rng.random_range(0..=m as i32),
+        })
+        .collect()
+}
+
 /// The experts' input quantization against its host twin, bit for bit (the per-token cast's
 /// arithmetic), masked blocks past their counts untouched.
 fn quantize_rows_case(
@@ -438,17 +447,14 @@ fn quantize_rows_case(
     rows: usize,
     cols: usize,
     m_max: Option<usize>,
+    hot: bool,
 ) -> CaseResult {
     let x: Vec<bf16> = (0..rows * cols)
         .map(|_| {
             bf16::from_f32(rng.random_range(-4.0f32..4.0) * 10f32.powi(rng.random_range(-2..2)))
         })
         .collect();
-    let counts: Vec<i32> = m_max.map_or(Vec::new(), |m| {
-        (0..rows / m)
-            .map(|_| rng.random_range(0..=m as i32))
-            .collect()
-    });
+    let counts = m_max.map_or(Vec::new(), |m| mask_counts(rng, rows / m, m, hot));
     let groups = cols / 128;
     let mut q_want = vec![F8E4M3::poison(); rows * cols];
     let mut s_want = vec![f32::poison(); rows * groups];
@@ -675,7 +681,7 @@ fn main() {
         ("partial-blocks", &[2, 8, 0, 9][..], 9, 400, 320, 1),
         ("all-empty", &[0, 0, 0][..], 4, 128, 128, 0),
         ("gpt-oss-2880", &[1, 2, 0, 1][..], 2, 2880, 2880, 0),
-        // One group with few units (a dense projection): warps share K (`gemv_k_split`):
+        // One group with few units (a dense projection): warps share K (`gemv_tail_split`):
         // DeepSeek-V3's kv_a_proj_with_mqa, q_a_proj and o_proj, two passes, a partial last
         // scale block of K.
         ("split-k/kv-a-576x7168", &[3][..], 3, 576, 7168, 0),
@@ -683,6 +689,16 @@ fn main() {
         ("split-k/o-proj-7168x16384", &[8][..], 8, 7168, 16384, 0),
         ("split-k/two-passes", &[13][..], 13, 256, 1024, 0),
         ("split-k/partial-k", &[5][..], 5, 144, 1088, 0),
+        // A round of one warp a unit, then the units left shared by teams (9 x 256 units on
+        // 132-SM devices: 192 left, teams of 4 at K 2048), one group of them an extra one.
+        (
+            "split-k/round-and-tail",
+            &[1, 2, 1, 1, 3, 1, 1, 1, 1][..],
+            3,
+            4096,
+            2048,
+            1,
+        ),
     ] {
         runner.case(&format!("gemv/masked/{name}"), |rng| {
             run_case(
@@ -762,20 +778,26 @@ fn main() {
             )
         });
     }
-    for (name, rows, inter, m_max) in [
-        ("contiguous/300x2048", 300, 2048, None),
-        ("masked/8x16x1408", 128, 1408, Some(16)),
+    // Masked: random counts; one hot block among nearly empty ones; more blocks than a block of
+    // threads lays out at once (the kernels' prefix of the counts runs in chunks).
+    for (name, rows, inter, m_max, hot) in [
+        ("contiguous/300x2048", 300, 2048, None, false),
+        ("masked/8x16x1408", 128, 1408, Some(16), false),
+        ("masked-hot/33x64x1024", 33 * 64, 1024, Some(64), true),
+        ("masked/300x4x256", 1200, 256, Some(4), false),
     ] {
         runner.case(&format!("swiglu-quantize/{name}"), |rng| {
-            swiglu_quantize_case(&stream, rng, rows, inter, m_max)
+            swiglu_quantize_case(&stream, rng, rows, inter, m_max, hot)
         });
     }
-    for (name, rows, cols, m_max) in [
-        ("contiguous/300x7168", 300, 7168, None),
-        ("masked/32x16x2048", 512, 2048, Some(16)),
+    for (name, rows, cols, m_max, hot) in [
+        ("contiguous/300x7168", 300, 7168, None, false),
+        ("masked/32x16x2048", 512, 2048, Some(16), false),
+        ("masked-hot/33x64x2048", 33 * 64, 2048, Some(64), true),
+        ("masked/300x4x256", 1200, 256, Some(4), false),
     ] {
         runner.case(&format!("quantize-rows/{name}"), |rng| {
-            quantize_rows_case(&stream, rng, rows, cols, m_max)
+            quantize_rows_case(&stream, rng, rows, cols, m_max, hot)
         });
     }
     runner.case("dequantize-weight", |rng| dequantize_case(&stream, rng));

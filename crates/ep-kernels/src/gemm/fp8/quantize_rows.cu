@@ -8,8 +8,11 @@
 // GEMM, in one pass: for every row r and 128-column group of act,
 //   act[c] = silu(gate[c]) * up[c]          (f32, from the bf16 products h = [gate | up])
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
-// In a masked layout (both kernels) blockIdx.y is the group and only its first counts[group]
-// rows are visited. Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware
+// In a masked layout (both kernels) only the first counts[group] rows of each group are
+// visited, and the grid's warps share the valid rows of all groups evenly: every block lays the
+// counts out as a prefix in shared memory and a warp's item (valid row, 128-column group) finds
+// its group by a binary search, so one hot group (all of a decode step's tokens on one expert)
+// is spread over the grid instead of over the few blocks a per-group grid gives it. Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware
 // exponential and reciprocal, a few ulp from the host's, so results agree to one e4m3 step and
 // scales to 1e-5); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
 
@@ -20,6 +23,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / ep::kWarpSize;
 constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
+// Most groups of a masked layout (`MAX_MASK_GROUPS` in the launcher, which checks it).
+constexpr int kMaxGroups = 4096;
 
 }  // namespace
 
@@ -36,19 +41,80 @@ struct RowsParams {
 };
 EP_CHECK_PARAMS_SIZE(RowsParams, 48);
 
-// The rows grid row blockIdx.y visits: [first, first + count) of the input.
-struct RowRange {
-    int64_t first;
-    int64_t count;
-};
-
-EP_DEVICE RowRange row_range(const RowsParams& p) {
-    if (p.counts == nullptr) {
-        return {0, p.rows};
+// The valid rows of a masked layout laid out one group after another: first[g] is the number of
+// valid rows of the groups before g (each count clamped to [0, m_max]), first[groups] all of
+// them. Every thread of the block calls it; returns the total.
+EP_DEVICE int64_t valid_rows_prefix(const RowsParams& p, int groups, int* first, int* warp_sums) {
+    const int lane = ep::lane_id();
+    const int warp = ep::warp_id();
+    int total = 0;
+    for (int base = 0; base < groups; base += kThreads) {
+        const int g = base + static_cast<int>(threadIdx.x);
+        const int c = g < groups ? min(max(__ldg(p.counts + g), 0), p.m_max) : 0;
+        int incl = c;
+#pragma unroll
+        for (int d = 1; d < ep::kWarpSize; d <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, d);
+            incl += lane >= d ? v : 0;
+        }
+        if (lane == ep::kWarpSize - 1) {
+            warp_sums[warp] = incl;
+        }
+        __syncthreads();
+        int before = total;
+        for (int w = 0; w < warp; ++w) {
+            before += warp_sums[w];
+        }
+        if (g < groups) {
+            first[g] = before + incl - c;
+        }
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+            total += warp_sums[w];
+        }
+        __syncthreads();
     }
-    const int64_t count = min(static_cast<int64_t>(__ldg(p.counts + blockIdx.y)),
-                              static_cast<int64_t>(p.m_max));
-    return {static_cast<int64_t>(blockIdx.y) * p.m_max, max(count, int64_t{0})};
+    if (threadIdx.x == 0) {
+        first[groups] = total;
+    }
+    __syncthreads();
+    return total;
+}
+
+// The input row of the v-th valid row: the last group g with first[g] <= v (empty groups share
+// their successor's first entry, so the last one holding v is the group that has it).
+EP_DEVICE int64_t valid_row(const RowsParams& p, const int* first, int groups, int v) {
+    int lo = 0;
+    int hi = groups - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= v) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return static_cast<int64_t>(lo) * p.m_max + (v - first[lo]);
+}
+
+// Calls f(r, g) for every row r the layout makes valid and every 128-column group g of it,
+// one warp per (r, g), the items shared evenly by the grid's warps (see the file comment).
+template <class F>
+EP_DEVICE void for_each_group(const RowsParams& p, F&& f) {
+    __shared__ int first[kMaxGroups + 1];
+    __shared__ int warp_sums[kWarpsPerBlock];
+    const int64_t groups_per_row = p.cols / ep::kFp8Group;
+    const int masked_groups = p.counts == nullptr ? 0 : static_cast<int>(p.rows / p.m_max);
+    const int64_t rows =
+        p.counts == nullptr ? p.rows : valid_rows_prefix(p, masked_groups, first, warp_sums);
+    const int64_t items = rows * groups_per_row;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
+         item < items; item += warps) {
+        const int64_t v = item / groups_per_row;
+        const int64_t r =
+            p.counts == nullptr ? v : valid_row(p, first, masked_groups, static_cast<int>(v));
+        f(r, item % groups_per_row);
+    }
 }
 
 // One warp per (row, 128-column group): 4 values per lane, the group's amax by a warp
@@ -86,31 +152,19 @@ EP_KERNEL void __launch_bounds__(kThreads)
     quantize_rows_fp8(const __grid_constant__ RowsParams p) {
     const int lane = ep::lane_id();
     const int64_t groups_per_row = p.cols / ep::kFp8Group;
-    const RowRange range = row_range(p);
-    const int64_t items = range.count * groups_per_row;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
-         item < items; item += warps) {
-        const int64_t r = range.first + item / groups_per_row;
-        const int64_t g = item % groups_per_row;
+    for_each_group(p, [&](int64_t r, int64_t g) {
         const int64_t at = r * p.cols + g * ep::kFp8Group;
         float v[kPerLane];
         bf16x4(p.in + at + lane * kPerLane, v);
         quantize_group(v, p.q + at, p.scales + r * groups_per_row + g, lane);
-    }
+    });
 }
 
 EP_KERNEL void __launch_bounds__(kThreads)
     swiglu_quantize_fp8(const __grid_constant__ RowsParams p) {
     const int lane = ep::lane_id();
     const int64_t groups_per_row = p.cols / ep::kFp8Group;
-    const RowRange range = row_range(p);
-    const int64_t items = range.count * groups_per_row;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
-         item < items; item += warps) {
-        const int64_t r = range.first + item / groups_per_row;
-        const int64_t g = item % groups_per_row;
+    for_each_group(p, [&](int64_t r, int64_t g) {
         const int64_t col = g * ep::kFp8Group + lane * kPerLane;
         const __nv_bfloat16* row = p.in + r * 2 * static_cast<int64_t>(p.cols);
         float gate[kPerLane];
@@ -128,5 +182,5 @@ EP_KERNEL void __launch_bounds__(kThreads)
         }
         quantize_group(act, p.q + r * p.cols + g * ep::kFp8Group,
                        p.scales + r * groups_per_row + g, lane);
-    }
+    });
 }

@@ -39,8 +39,12 @@ crate::cuda::assert_params_layout!(
 // sides, offsets here).
 unsafe impl crate::cuda::KernelParams for RowsParams {}
 
-/// The mask of a masked layout: the device counts (`[rows / m_max]` i32) and `m_max`; the row
-/// kernels visit only the rows within each block's count.
+/// Most blocks of a masked layout the row kernels take (`kMaxGroups` in `quantize_rows.cu`).
+pub const MAX_MASK_GROUPS: usize = 4096;
+
+/// The mask of a masked layout: the device counts (`[rows / m_max]` i32, at most
+/// [`MAX_MASK_GROUPS`]) and `m_max`; the row kernels visit only the rows within each block's
+/// count.
 pub type RowsMask<'a> = (&'a dyn DevicePtr<i32>, usize);
 
 /// The experts' input rows quantized on `stream`: `x` (`[rows, cols]` bf16) to `q`
@@ -118,8 +122,12 @@ fn launch_rows(
                     format!("must cover the {rows} rows"),
                 ));
             }
-            if counts.len() > 65535 {
-                return Err(Error::invalid("mask", counts.len(), "at most 65535 blocks"));
+            if counts.len() > MAX_MASK_GROUPS || rows > i32::MAX as usize {
+                return Err(Error::invalid(
+                    "mask",
+                    format!("{} blocks of {m_max} rows", counts.len()),
+                    format!("at most {MAX_MASK_GROUPS} blocks and 2^31 rows"),
+                ));
             }
             m_max as i32
         }
@@ -148,16 +156,17 @@ fn launch_rows(
         cols: cols as i32,
         m_max,
     };
-    // One warp per (row, 128 columns); masked: one grid row per block (blockIdx.y), each
-    // sized for a full block of rows.
+    // One warp per (row, 128 columns), a grid sized for every row (masked: every block full);
+    // the kernels share the valid rows over it.
     let warps_per_block = 256 / 32;
-    let (row_items, grid_y) = match mask {
-        Some((counts, m)) => (m * cols / FP8_BLOCK, counts.len() as u32),
-        None => (rows * cols / FP8_BLOCK, 1),
-    };
-    let blocks = crate::cuda::grid_for(row_items as u64, warps_per_block, kernels.props(), 8);
+    let blocks = crate::cuda::grid_for(
+        (rows * cols / FP8_BLOCK) as u64,
+        warps_per_block,
+        kernels.props(),
+        8,
+    );
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks.div_ceil(grid_y).max(1), grid_y, 1),
+        grid_dim: (blocks, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
