@@ -19,6 +19,8 @@ const THREADS: u32 = 128;
 const DISPATCH_CHANS: usize = THREADS as usize * 16;
 /// `-1` fills of `recv_src_info` per thread the dispatch grid is sized for.
 const FILL_PER_THREAD: usize = 8;
+/// Most experts one dispatch block writes the counts and fills of.
+const EXPERTS_PER_BLOCK: usize = 8;
 /// Most resident blocks per SM the grids are capped at (every block builds its own top-k
 /// table, so more blocks only repeat that work).
 const BLOCKS_PER_SM: u32 = 4;
@@ -116,10 +118,14 @@ pub(super) unsafe fn dispatch(
         b.hidden as usize,
     );
     let kernel = kernels.kernel(FILE, "ll_local_dispatch")?;
-    // Blocks for the token items, or for the per-expert `-1` fills (at most one block per
-    // expert), whichever needs more.
+    // Blocks for the token items, or for the per-expert counts and `-1` fills (at most one
+    // block per expert, at least one per EXPERTS_PER_BLOCK experts: a block walks its experts
+    // one after another), whichever needs more.
     let items = t * h.div_ceil(DISPATCH_CHANS);
-    let fill_blocks = (e * m).div_ceil(THREADS as usize * FILL_PER_THREAD).min(e);
+    let fill_blocks = (e * m)
+        .div_ceil(THREADS as usize * FILL_PER_THREAD)
+        .max(e.div_ceil(EXPERTS_PER_BLOCK))
+        .min(e);
     let grid = grid_for(
         items.max(fill_blocks) as u64,
         1,
