@@ -1,7 +1,7 @@
 //! The per-token fp8 casts of [`crate::cast`] on CUDA tensors (the `fp8.cu` kernels, run on
 //! candle's stream).
 
-use super::tensor::{alloc, wrap, DeviceTensor};
+use super::tensor::{alloc_uninit, wrap, DeviceTensor};
 use crate::error::Result;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Tensor};
@@ -20,8 +20,9 @@ pub(crate) fn quantize(
     let stream = dev.cuda_stream();
     let xb = x.to_dtype(DType::BF16)?.contiguous()?;
     let groups = h / FP8_GROUP;
-    let mut q = alloc::<float8::F8E4M3>(&stream, t * h)?;
-    let mut s = alloc::<f32>(&stream, t * groups)?;
+    // Both written whole by the kernel.
+    let mut q = alloc_uninit::<float8::F8E4M3>(&stream, t * h)?;
+    let mut s = alloc_uninit::<f32>(&stream, t * groups)?;
     {
         let xd = DeviceTensor::new("x", &xb)?;
         kf::quantize_cuda(
@@ -50,7 +51,8 @@ pub(crate) fn dequantize(
     let stream = dev.cuda_stream();
     let qc = q.contiguous()?;
     let sc = scales.contiguous()?;
-    let mut out = alloc::<half::bf16>(&stream, rows * h)?;
+    // Written whole by the kernel.
+    let mut out = alloc_uninit::<half::bf16>(&stream, rows * h)?;
     {
         let qd = DeviceTensor::new("q", &qc)?;
         let sd = DeviceTensor::new("scales", &sc)?;
