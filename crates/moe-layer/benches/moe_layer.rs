@@ -27,7 +27,9 @@
 //! two-batch overlap (`MoeLayerOptions::two_batch_overlap`). `EP_BENCH_TOKENS` overrides the token
 //! counts (comma-separated); `EP_BENCH_OUT` names a JSON-lines output file;
 //! `EP_BENCH_SMS=N` gives normal mode's dispatch and combine N SMs (`Config::num_sms`, default
-//! 24); `EP_BENCH_FP8=1` sends normal mode's rows in fp8 (`MoeLayerOptions::fp8_dispatch`);
+//! 24); the fp8-experts layer sends its rows in fp8 (`MoeLayerOptions::fp8_dispatch`, both
+//! modes: the dispatch quantizes and the fp8 GEMMs take its rows), the bf16 one in bf16;
+//! `EP_BENCH_FP8=1|0` makes both send fp8 or bf16 rows;
 //! `EP_BENCH_SHARED=grouped|overlap` forces where the shared expert runs in low-latency mode
 //! (`MoeLayerOptions::shared_placement`; default `Auto`), `EP_BENCH_TILES=gemv|narrow|wide`
 //! the low-latency grouped GEMMs' tiles (`MoeLayerOptions::low_latency_tiles`; default: the
@@ -95,11 +97,11 @@ fn graph_ms(
 }
 
 /// The layer options the environment asks for (see the file comment).
-fn bench_options() -> MoeLayerOptions {
+fn bench_options(fp8_experts: bool) -> MoeLayerOptions {
     MoeLayerOptions {
         mode: Mode::Auto,
         low_latency_max_tokens: LL_MAX,
-        fp8_dispatch: fp8_dispatch(),
+        fp8_dispatch: fp8_dispatch(fp8_experts),
         expert_alignment: 1,
         shared_placement: match std::env::var("EP_BENCH_SHARED").as_deref() {
             Ok("grouped") => moe_layer::SharedPlacement::Grouped,
@@ -215,6 +217,7 @@ fn bench_tokens(
             (false, false) => "normal",
             (false, true) => "normal, fp8 experts",
         },
+        fp8_dispatch: layer.options().fp8_dispatch,
         ..Default::default()
     };
     row.step.layer_ms = time_ms(&stream, iters, &mut || {
@@ -288,18 +291,19 @@ fn bench_tokens(
         if red == Reduction::PerRank {
             args = args.weights(w);
         }
+        if layer.options().fp8_dispatch {
+            args = args.fp8(false);
+        }
         row.dispatch_ms = part(&mut || {
             buf.low_latency_dispatch(&args)?;
             Ok(())
         })?;
         let out = buf.low_latency_dispatch(&args)?;
         row.step.gemm_ms = part(&mut || {
-            layer.low_latency_experts(&out.recv_x, &out.recv_count, &x)?;
+            layer.low_latency_experts(&out, &x)?;
             Ok(())
         })?;
-        let y = layer
-            .experts()
-            .forward_masked(&out.recv_x, &out.recv_count)?;
+        let (y, _) = layer.low_latency_experts(&out, &x)?;
         row.combine_ms = part(&mut || {
             buf.low_latency_combine(
                 &LowLatencyCombineArgs::new(&y, idx, w, &out.handle).reduction(red),
@@ -321,7 +325,7 @@ fn bench_tokens(
         // As the layer sends: bf16 rows, or fp8 rows and scales cast on the compute stream
         // (counted in the dispatch) and cast back before the GEMMs (counted in them).
         let send = |x: &Tensor| -> Result<(Tensor, Option<Tensor>), BoxError> {
-            Ok(if fp8_dispatch() {
+            Ok(if layer.options().fp8_dispatch {
                 let (q, s) = per_token_cast_to_fp8(x, false)?;
                 (q, Some(s))
             } else {
@@ -546,10 +550,10 @@ fn run_rank(
         return Err(format!("EP_BENCH_EXPERTS={which}: bf16, fp8 or both").into());
     }
     if which != "fp8" {
-        layers.push(build_layer(&dev, buffer.clone(), bench_options())?);
+        layers.push(build_layer(&dev, buffer.clone(), bench_options(false))?);
     }
     if which != "bf16" {
-        layers.push(build_layer_fp8(&dev, buffer, bench_options())?);
+        layers.push(build_layer_fp8(&dev, buffer, bench_options(true))?);
     }
     // The dense anchor: one expert's bf16 weights.
     let dense = (
@@ -624,9 +628,14 @@ fn main() -> Result<(), BoxError> {
     moe_layer_report::report(&rows, world, iters)
 }
 
-/// `EP_BENCH_FP8=1`: normal mode sends fp8 rows (`MoeLayerOptions::fp8_dispatch`).
-fn fp8_dispatch() -> bool {
-    std::env::var("EP_BENCH_FP8").as_deref() == Ok("1")
+/// Whether a layer sends fp8 rows (`MoeLayerOptions::fp8_dispatch`): `EP_BENCH_FP8=1|0` for
+/// every layer, else the fp8-experts layer only.
+fn fp8_dispatch(fp8_experts: bool) -> bool {
+    match std::env::var("EP_BENCH_FP8").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => fp8_experts,
+    }
 }
 
 /// `EP_BENCH_EXPERT_GROUPS` (default 1: no pipeline).

@@ -182,6 +182,17 @@ fn bad_fp8_tensors_are_refused_naming_them() -> Result<()> {
         err.contains("experts.2.down_proj.weight_scale_inv") && err.contains("missing"),
         "{err}"
     );
+    // e4m3 rows handed to the experts without their scales.
+    let (fp8, _) = checkpoints(&mut rng);
+    let vb = VarBuilder::from_tensors(fp8, DType::F32, &Device::Cpu);
+    let experts = Experts::load(vb.pp("experts"), &cfg(), 0, E)?;
+    let rows = Tensor::zeros((E, 2, H), DType::F8E4M3, &Device::Cpu)?;
+    let counts = Tensor::new(&[1i32; E], &Device::Cpu)?;
+    let err = experts
+        .forward_masked(&rows, &counts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("F8E4M3 rows without scales"), "{err}");
     Ok(())
 }
 

@@ -4,14 +4,16 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 
+use crate::expert_groups;
 use crate::layer_common::{BoxError, H};
-use crate::{expert_groups, fp8_dispatch};
 
 /// One row of the report.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Row {
     pub(crate) tokens: usize,
     pub(crate) mode: &'static str,
+    /// The layer sent fp8 rows (`MoeLayerOptions::fp8_dispatch`).
+    pub(crate) fp8_dispatch: bool,
     /// One step at a time, each from a synchronised device (`time_ms`).
     pub(crate) step: StepTimes,
     /// Back to back (`time_b2b_ms`): the layer, its captured graph, and the compute parts
@@ -75,7 +77,14 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
         } else {
             ""
         },
-        if fp8_dispatch() { ", fp8 dispatch" } else { "" }
+        match (
+            rows.iter().all(|r| r.fp8_dispatch),
+            rows.iter().any(|r| r.fp8_dispatch)
+        ) {
+            (true, _) => ", fp8 dispatch",
+            (false, true) => ", fp8 dispatch for the fp8 experts",
+            _ => "",
+        }
     )?;
     if expert_groups() > 1 {
         writeln!(
@@ -162,7 +171,7 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
     for (r, ([laid, cached, worst], n)) in rows.iter().filter_map(|r| Some((r, r.dispatch_split?)))
     {
         // As DeepEP counts: every received row, fp8 rows with their per-128 f32 scales.
-        let row_bytes = if fp8_dispatch() {
+        let row_bytes = if r.fp8_dispatch {
             H + H / 128 * 4
         } else {
             2 * H
@@ -192,7 +201,7 @@ pub(crate) fn report(rows: &[Row], world: usize, iters: usize) -> Result<(), Box
                 "{{\"tokens\": {}, \"mode\": {:?}, \"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"dispatch_ms\": {:.4}, \"gemm_ms\": {:.4}, \"combine_ms\": {:.4}, \"shared_ms\": {:.4}, \"overlap_ms\": {}, \"dispatch_split_ms\": {}, \"recv_rows\": {}, \"floor_ms\": {:.4}, \"floor_gb\": {:.3}, \"dense_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}, \"b2b\": {}, \"ranks\": {world}, \"two_batch_overlap\": {}, \"fp8_dispatch\": {}, \"expert_groups\": {}, \"gemm_grid\": {:?}}}",
                 r.tokens, r.mode, r.step.layer_ms, r.step.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")),
                 r.step.router_ms, r.dispatch_ms, r.step.gemm_ms, r.combine_ms, r.step.shared_ms, r.overlap_ms.map_or("null".to_string(), |o| format!("[{:.4}, {:.4}, {:.4}]", o[0], o[1], o[2])), r.dispatch_split.map_or("null".to_string(), |(d, _)| format!("[{:.4}, {:.4}, {:.4}]", d[0], d[1], d[2])), r.dispatch_split.map_or(0, |(_, n)| n), r.floor_ms, r.floor_gb, r.dense_ms,
-                r.step.exposed_ms(), r.step.busiest_compute_ms, r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms(), b.busiest_compute_ms)), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), fp8_dispatch(),
+                r.step.exposed_ms(), r.step.busiest_compute_ms, r.b2b.map_or("null".to_string(), |b| format!("{{\"layer_ms\": {:.4}, \"graph_ms\": {}, \"router_ms\": {:.4}, \"gemm_ms\": {:.4}, \"shared_ms\": {:.4}, \"exposed_ms\": {:.4}, \"busiest_compute_ms\": {:.4}}}", b.layer_ms, b.graph_ms.map_or("null".to_string(), |g| format!("{g:.4}")), b.router_ms, b.gemm_ms, b.shared_ms, b.exposed_ms(), b.busiest_compute_ms)), std::env::var("EP_BENCH_TBO").as_deref() == Ok("1"), r.fp8_dispatch,
                 expert_groups(),
                 std::env::var("EP_BENCH_GEMM_GRID").unwrap_or_else(|_| "default".into())
             )?;

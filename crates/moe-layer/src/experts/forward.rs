@@ -428,6 +428,8 @@ impl Experts {
         counts: &Tensor,
         tiles: ep_kernels::gemm::GemmTiles,
     ) -> Result<Tensor> {
+        let x = ExpertInput::plain(x).float_rows()?.clone();
+        let x = &x;
         if self.is_fp8() {
             return self.forward_masked_input(&ExpertInput::plain(x), counts, tiles, DType::BF16);
         }

@@ -54,7 +54,10 @@ fn fp8_rows(input: &ExpertInput) -> Result<(Tensor, Tensor)> {
         }
         None => {
             let h = *input.x.dims().last().unwrap_or(&0);
-            let x = input.x.to_dtype(DType::BF16)?.reshape(((), h))?;
+            let x = input
+                .float_rows()?
+                .to_dtype(DType::BF16)?
+                .reshape(((), h))?;
             let (q, s) = per_token_cast_to_fp8(&x, false)?;
             let mut dims = input.x.dims().to_vec();
             let q = q.reshape(dims.clone())?;
@@ -398,7 +401,12 @@ pub(crate) fn forward_masked(
         Some(_) => fp8_rows(input)?,
         // Float rows: only the rows within the counts are quantized (a decode step's blocks
         // are mostly empty).
-        None => masked_rows(dev, &input.x.to_dtype(DType::BF16)?, &counts, (l, m, h))?,
+        None => masked_rows(
+            dev,
+            &input.float_rows()?.to_dtype(DType::BF16)?,
+            &counts,
+            (l, m, h),
+        )?,
     };
     let tiles = match tiles {
         // Shapes the tile-less fp8 GEMV does not take: the 64 x 128 tiles.

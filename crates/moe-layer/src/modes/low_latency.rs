@@ -10,17 +10,16 @@ use ep_runtime::{LowLatencyCombineArgs, LowLatencyDispatchArgs, Reduction};
 
 impl MoeLayer {
     /// The expert stage of a low-latency step alone, as [`MoeLayer::forward`] runs it: the
-    /// routed experts over received blocks `recv_x` `[L, M, H]` with device counts
-    /// `recv_count` `[L]`, and, when they run inside the grouped GEMMs
-    /// ([`MoeLayer::shared_in_grouped_gemm`]), the shared experts over this rank's tokens `x`
-    /// `[T, H]` (else `None`). For benchmarks and custom pipelines.
+    /// routed experts over the received blocks of `recv` (`recv_x` `[L, M, H]`, bf16 or fp8
+    /// with its scales, and the device counts `recv_count` `[L]`), and, when they run inside
+    /// the grouped GEMMs ([`MoeLayer::shared_in_grouped_gemm`]), the shared experts over this
+    /// rank's tokens `x` `[T, H]` (else `None`). For benchmarks and custom pipelines.
     pub fn low_latency_experts(
         &self,
-        recv_x: &Tensor,
-        recv_count: &Tensor,
+        recv: &ep_runtime::LowLatencyDispatchOutput,
         x: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        self.expert_blocks(&ExpertInput::plain(recv_x), recv_count, x, None)
+        self.expert_blocks(&Self::low_latency_rows(recv), &recv.recv_count, x, None)
     }
 
     /// Whether the shared experts run inside the low-latency grouped GEMMs of a step of
