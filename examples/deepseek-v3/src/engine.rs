@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::dist::Dist;
@@ -309,7 +309,7 @@ impl Engine {
     /// Picks each sequence's next token: greedy ones by an argmax on the device (only the ids
     /// come back), the others from their logits row on the host.
     fn sample(&mut self, inputs: &[SeqInput<'_>], logits: &Tensor) -> Result<Vec<(SeqId, u32)>> {
-        let greedy: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+        let greedy = crate::sampling::greedy_ids(logits)?;
         let mut out = Vec::with_capacity(inputs.len());
         for (i, input) in inputs.iter().enumerate() {
             let s = self

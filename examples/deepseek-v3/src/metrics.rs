@@ -54,6 +54,10 @@ pub struct Metrics {
     /// `deepseek_v3_decode_step_duration_seconds{batch}`: decode steps by the number of
     /// sequences in them, rounded up to a power of two (`1`, `2`, `4`, ...).
     pub decode_step: HistogramVec,
+    /// `deepseek_v3_decode_experts_read{batch}`: per MoE layer, the experts a decode step's
+    /// tokens chose (whose weights the step reads), by batch as `decode_step`; recorded when
+    /// the statistics are read after every compute step (`--expert-stats-interval 1`).
+    pub decode_experts_read: HistogramVec,
     /// `deepseek_v3_expert_load_imbalance{layer, over}`: `max / mean` of a MoE layer's expert
     /// loads over the last window of statistics, over its logical experts (`over="experts"`)
     /// and over the ranks under its current placement (`over="ranks"`).
@@ -158,6 +162,21 @@ impl Metrics {
         registry
             .register(Box::new(decode_step.clone()))
             .expect("unique name");
+        let decode_experts_read = HistogramVec::new(
+            HistogramOpts::new(
+                "deepseek_v3_decode_experts_read",
+                "Experts a decode step's tokens chose in one MoE layer (read with \
+                 --expert-stats-interval 1), by batch size rounded up to a power of two.",
+            )
+            .buckets(vec![
+                1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 192.0, 256.0, 384.0, 512.0,
+            ]),
+            &["batch"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(decode_experts_read.clone()))
+            .expect("unique name");
         let expert_imbalance = GaugeVec::new(
             Opts::new(
                 "deepseek_v3_expert_load_imbalance",
@@ -182,6 +201,7 @@ impl Metrics {
             ),
             lost: std::sync::Mutex::new(Vec::new()),
             decode_step,
+            decode_experts_read,
             expert_imbalance,
             eplb_layers: counter(
                 "deepseek_v3_eplb_layers_replaced_total",
@@ -246,6 +266,20 @@ impl Metrics {
             m.finished.with_label_values(&[reason]);
         }
         m
+    }
+
+    /// Records the experts each MoE layer read in a decode step of `batch` sequences, when
+    /// `report` is a read of that step alone.
+    pub fn record_decode_experts(&self, report: &EplbReport, batch: usize) {
+        if report.steps_read != 1 {
+            return;
+        }
+        let h = self
+            .decode_experts_read
+            .with_label_values(&[&batch_label(batch)]);
+        for l in &report.layers {
+            h.observe(l.experts_read as f64);
+        }
     }
 
     /// Records a read of the expert load statistics (and its re-placement, if any).
@@ -320,26 +354,40 @@ mod tests {
     fn a_load_balancing_report_sets_each_layers_imbalance() {
         use crate::eplb::{EplbReport, LayerBalance};
         let m = Metrics::new();
-        m.record_eplb(&EplbReport {
+        let report = EplbReport {
             layers: vec![
                 LayerBalance {
                     layer: 1,
                     experts: 3.5,
                     ranks: 1.25,
                     ranks_after: Some(1.0),
+                    experts_read: 7,
                 },
                 LayerBalance {
                     layer: 2,
                     experts: 2.0,
                     ranks: 1.5,
                     ranks_after: None,
+                    experts_read: 5,
                 },
             ],
+            steps_read: 1,
             replaced_layers: 1,
             moved_slots: 6,
             bytes_sent: 100,
             elapsed: std::time::Duration::from_millis(30),
-        });
+        };
+        m.record_eplb(&report);
+        // A read of one decode step of 40 sequences: each layer's experts read.
+        m.record_decode_experts(&report, 40);
+        // A read of several steps says nothing of one step.
+        m.record_decode_experts(
+            &EplbReport {
+                steps_read: 4,
+                ..report.clone()
+            },
+            40,
+        );
         let text = m.render();
         for needle in [
             "deepseek_v3_expert_load_imbalance{layer=\"1\",over=\"experts\"} 3.5",
@@ -348,6 +396,8 @@ mod tests {
             "deepseek_v3_eplb_layers_replaced_total 1",
             "deepseek_v3_eplb_moved_experts_total 6",
             "deepseek_v3_eplb_duration_seconds_count 1",
+            "deepseek_v3_decode_experts_read_sum{batch=\"64\"} 12",
+            "deepseek_v3_decode_experts_read_count{batch=\"64\"} 2",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
         }

@@ -383,6 +383,9 @@ pub fn run(
                 .decode_step
                 .with_label_values(&[&crate::metrics::batch_label(active.len())])
                 .observe(step_secs);
+            if let Some(r) = &eplb {
+                metrics.record_decode_experts(r, active.len());
+            }
         }
         for (id, token) in tokens {
             let Some(a) = active.get_mut(&id) else {

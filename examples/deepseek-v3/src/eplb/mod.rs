@@ -76,6 +76,9 @@ pub struct LayerBalance {
     pub ranks: f64,
     /// The same under the placement it has now, when it was re-placed.
     pub ranks_after: Option<f64>,
+    /// Logical experts given tokens in the steps this read covers (with one step a read,
+    /// the experts whose weights a step reads).
+    pub experts_read: usize,
 }
 
 /// What one read of the statistics (and maybe a re-placement) found and did on this rank.
@@ -83,6 +86,8 @@ pub struct LayerBalance {
 pub struct EplbReport {
     /// Every MoE layer's balance.
     pub layers: Vec<LayerBalance>,
+    /// Compute steps since the previous read (the statistics' interval), 0 without a read.
+    pub steps_read: usize,
     /// Layers whose slots and map were written at this step boundary.
     pub replaced_layers: usize,
     /// Their slots (all ranks) whose expert changed.
@@ -175,6 +180,10 @@ impl Eplb {
             local.push(load);
         }
         let summed = sum_over_ranks(&local, dist)?;
+        let read: Vec<usize> = summed
+            .iter()
+            .map(|l| l.iter().filter(|&&n| n > 0.0).count())
+            .collect();
         self.window.push_back(summed);
         while self.window.len() > self.opts.window {
             self.window.pop_front();
@@ -188,7 +197,8 @@ impl Eplb {
             && self.mover.idle();
         let ranks = self.opts.shape.num_gpus;
         let mut chosen = Vec::new();
-        for ((idx, layer), load) in model.moe_layers().zip(&loads) {
+        report.steps_read = self.opts.stats_interval;
+        for (((idx, layer), load), &experts_read) in model.moe_layers().zip(&loads).zip(&read) {
             let current = layer
                 .expert_map()
                 .map(|m| m.placement().clone())
@@ -199,6 +209,7 @@ impl Eplb {
                 experts: imbalance(load),
                 ranks: before,
                 ranks_after: None,
+                experts_read,
             };
             if replace {
                 let next = place(load, self.opts.shape)
