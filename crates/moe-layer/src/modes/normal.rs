@@ -32,7 +32,12 @@ impl MoeLayer {
         w: &Tensor,
         worst: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if self.buffer.topology().num_ranks == 1 && !self.options.fp8_dispatch {
+        // At one rank the fp8 wire format keeps the buffer's path (its rounding is the same at
+        // any rank count), unless the experts are fp8: their GEMMs quantize the rows as the
+        // wire does (1 x 128, the same cast), so the local path gives the same numbers.
+        if self.buffer.topology().num_ranks == 1
+            && (!self.options.fp8_dispatch || self.experts.is_fp8())
+        {
             return self.routed_local(x, idx, w);
         }
         if self.options.two_batch_overlap {
@@ -285,7 +290,8 @@ impl MoeLayer {
     /// Normal mode at one rank: every expert is local and there is nothing to send, so the
     /// routed experts run on this rank's tokens as they are: no layout, dispatch or combine,
     /// and no host synchronisation (the fp8 wire format keeps the buffer's path, so that its
-    /// rounding is the same at any rank count). The shared MLP runs first, on the same stream.
+    /// rounding is the same at any rank count, except with fp8 experts, which round their rows
+    /// the same way). The shared MLP runs first, on the same stream.
     fn routed_local(
         &self,
         x: &Tensor,
