@@ -428,11 +428,10 @@ impl Experts {
         counts: &Tensor,
         tiles: ep_kernels::gemm::GemmTiles,
     ) -> Result<Tensor> {
-        let x = ExpertInput::plain(x).float_rows()?.clone();
-        let x = &x;
         if self.is_fp8() {
             return self.forward_masked_input(&ExpertInput::plain(x), counts, tiles, DType::BF16);
         }
+        super::input::float_rows(x)?;
         let m = self.check_blocks(x, "x")?;
         let l = self.num_local();
         if counts.dims() != [l] || counts.dtype() != DType::I32 {

@@ -31,17 +31,22 @@ impl ExpertInput {
         })
     }
 
-    /// The rows of an input without scales, which must be in a float dtype: e4m3 rows mean
-    /// nothing without their scales.
+    /// The rows of an input without scales ([`float_rows`]).
     pub(crate) fn float_rows(&self) -> Result<&Tensor> {
-        match self.x.dtype() {
-            DType::BF16 | DType::F16 | DType::F32 | DType::F64 => Ok(&self.x),
-            other => Err(Error::invalid(
-                "x",
-                format!("{other:?} rows without scales"),
-                "rows without scales must be bf16, f16, f32 or f64 (e4m3 rows come with their \
-                 1 x 128 scales: `ExpertInput::scales`, as a fp8 dispatch delivers them)",
-            )),
-        }
+        float_rows(&self.x)
+    }
+}
+
+/// `x` as rows without scales, which must be in a float dtype: e4m3 rows mean nothing without
+/// their scales.
+pub(crate) fn float_rows(x: &Tensor) -> Result<&Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 | DType::F32 | DType::F64 => Ok(x),
+        other => Err(Error::invalid(
+            "x",
+            format!("{other:?} rows without scales"),
+            "rows without scales must be bf16, f16, f32 or f64 (e4m3 rows come with their \
+             1 x 128 scales: `ExpertInput::scales`, as a fp8 dispatch delivers them)",
+        )),
     }
 }

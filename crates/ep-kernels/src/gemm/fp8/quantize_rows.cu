@@ -23,8 +23,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / ep::kWarpSize;
 constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
-// Most groups of a masked layout (`MAX_MASK_GROUPS` in the launcher, which checks it).
-constexpr int kMaxGroups = 4096;
 
 }  // namespace
 
@@ -98,9 +96,10 @@ EP_DEVICE int64_t valid_row(const RowsParams& p, const int* first, int groups, i
 
 // Calls f(r, g) for every row r the layout makes valid and every 128-column group g of it,
 // one warp per (r, g), the items shared evenly by the grid's warps (see the file comment).
+// Dynamic shared memory: 4 * (groups + 1) bytes in a masked layout (the prefix), none otherwise.
 template <class F>
 EP_DEVICE void for_each_group(const RowsParams& p, F&& f) {
-    __shared__ int first[kMaxGroups + 1];
+    extern __shared__ int first[];
     __shared__ int warp_sums[kWarpsPerBlock];
     const int64_t groups_per_row = p.cols / ep::kFp8Group;
     const int masked_groups = p.counts == nullptr ? 0 : static_cast<int>(p.rows / p.m_max);

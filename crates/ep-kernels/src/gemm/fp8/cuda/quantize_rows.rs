@@ -39,7 +39,8 @@ crate::cuda::assert_params_layout!(
 // sides, offsets here).
 unsafe impl crate::cuda::KernelParams for RowsParams {}
 
-/// Most blocks of a masked layout the row kernels take (`kMaxGroups` in `quantize_rows.cu`).
+/// Most blocks of a masked layout the row kernels take (their prefix of the counts, 4 bytes a
+/// block, is in shared memory).
 pub const MAX_MASK_GROUPS: usize = 4096;
 
 /// The mask of a masked layout: the device counts (`[rows / m_max]` i32, at most
@@ -168,7 +169,8 @@ fn launch_rows(
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        // The masked layout's prefix of the counts (`for_each_group` in quantize_rows.cu).
+        shared_mem_bytes: mask.map_or(0, |(counts, _)| 4 * (counts.len() as u32 + 1)),
     };
     // SAFETY: `params` mirrors `RowsParams`; the input, `q` and `scales` hold the elements of
     // `rows` rows (checked here and by the caller) with the alignments the kernels' vector
