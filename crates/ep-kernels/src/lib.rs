@@ -18,13 +18,17 @@
 //! - [`expert_order`]: received rows to expert-major order for the grouped GEMM, and the
 //!   weighted sum back per token;
 //! - [`gemm`]: the experts' grouped GEMMs (contiguous and masked layouts, CUTLASS on sm_90a),
-//!   SwiGLU in the first one's epilogue.
+//!   SwiGLU in the first one's epilogue;
+//! - [`attention`]: the MLA attention kernels of the model around the layer (per-head maps,
+//!   the scores' softmax);
+//! - [`sampling`]: greedy sampling's argmax on the device.
 //!
 //! With the `cuda` feature, `notify` holds what the notify steps of the two normal modes
 //! share, and `memory` owns the device memory the kernels use (raw
 //! allocations, host-mapped words, CUDA IPC handles, peer access); launchers take pointers and
 //! sizes and own nothing.
 
+pub mod attention;
 pub mod error;
 pub mod expert_order;
 pub mod fp8;
@@ -34,6 +38,7 @@ pub mod intranode;
 pub mod layout;
 pub mod low_latency;
 pub mod routing;
+pub mod sampling;
 
 #[cfg(feature = "cuda")]
 pub mod cublas_sms;

@@ -7,6 +7,8 @@
 //! - [`fp8`]: block-scaled fp8 weights as DeepSeek ships them (kept as e4m3 by the experts on
 //!   CUDA, dequantized exactly elsewhere);
 //! - [`fp8_linear`]: dense layers on such weights (attention projections, dense MLPs);
+//! - [`mla`]: the MLA attention pieces of the model around the layer (per-head maps, the
+//!   scores' softmax);
 //! - [`MoeLayer`]: the expert-parallel layer over an [`ep_runtime::Buffer`];
 //! - [`placement`] and [`replacement`]: redundant experts placed by DeepSeek's EPLB from the
 //!   layer's load statistics, and re-placed while serving (weights moved between ranks);
@@ -48,6 +50,7 @@ pub mod fp8;
 pub mod fp8_linear;
 mod layer;
 mod lost_ranks;
+pub mod mla;
 mod modes;
 mod options;
 pub mod placement;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Linear, RmsNorm, VarBuilder};
 use moe_layer::fp8::Fp8Weight;
+use moe_layer::mla::{scores_softmax, HeadMaps};
 use moe_layer::Fp8Linear;
 
 use crate::batch::BatchPlan;
@@ -107,10 +108,12 @@ pub struct Attention {
     q: QProj,
     kv_a: Proj,
     kv_a_norm: RmsNorm,
-    /// `kv_b_proj`'s key rows per head, `[heads, nope, kv_rank]`.
-    w_uk: Tensor,
-    /// `kv_b_proj`'s value rows per head, transposed: `[heads, kv_rank, v_dim]`.
-    w_uv_t: Tensor,
+    /// `kv_b_proj`'s key rows per head, `[heads, nope, kv_rank]`: a query's nope part into
+    /// the latent space.
+    w_uk: HeadMaps,
+    /// `kv_b_proj`'s value rows per head, transposed, `[heads, kv_rank, v_dim]`: a latent
+    /// output to values.
+    w_uv_t: HeadMaps,
     o: Proj,
     heads: usize,
     nope: usize,
@@ -156,8 +159,8 @@ impl Attention {
                 "kv_a_proj_with_mqa",
             )?,
             kv_a_norm: candle_nn::rms_norm(kv_rank, cfg.rms_norm_eps, vb.pp("kv_a_layernorm"))?,
-            w_uk,
-            w_uv_t,
+            w_uk: HeadMaps::new(w_uk)?,
+            w_uv_t: HeadMaps::new(w_uv_t)?,
             o: projection(heads * cfg.v_head_dim, h, bias, &vb, "o_proj")?,
             heads,
             nope: cfg.qk_nope_head_dim,
@@ -179,8 +182,8 @@ impl Attention {
         };
         q + self.kv_a.weight_bytes()
             + bytes(self.kv_a_norm.clone().into_inner().weight())
-            + bytes(&self.w_uk)
-            + bytes(&self.w_uv_t)
+            + bytes(self.w_uk.weight())
+            + bytes(self.w_uv_t.weight())
             + self.o.weight_bytes()
     }
 
@@ -246,10 +249,9 @@ impl Attention {
             QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
         };
         let q = q.reshape((t, h, self.nope + rope))?;
-        // Each head's query in the latent space: [heads, total, nope] x [heads, nope, rank].
-        let q_nope = q.narrow(2, 0, self.nope)?.transpose(0, 1)?.contiguous()?;
-        let q_latent = q_nope.matmul(&self.w_uk)?.transpose(0, 1)?; // [total, heads, rank]
-                                                                    // [1, heads, total, rope]: every token rotated by its own position.
+        // Each head's query in the latent space, token-major: [total, heads, rank].
+        let q_latent = self.w_uk.forward(&q, 0)?;
+        // [1, heads, total, rope]: every token rotated by its own position.
         let q_pe = q
             .narrow(2, self.nope, rope)?
             .transpose(0, 1)?
@@ -257,6 +259,9 @@ impl Attention {
         let q_pe = rope_rows.apply(&q_pe)?.squeeze(0)?.transpose(0, 1)?;
 
         let ckv = self.kv_a.forward(x)?; // [total, rank + rope]
+                                         // On the strided rows candle's RMS norm takes Hugging Face's recipe (the normalised
+                                         // latent rounded to the dtype, then the weight); its fused kernel on contiguous rows
+                                         // rounds once, and that flips a top-k tie of the fp8 checkpoint test's model.
         let latent = self.kv_a_norm.forward(&ckv.narrow(1, 0, r)?)?;
         let k_pe = ckv.narrow(1, r, rope)?.reshape((1, 1, t, rope))?;
         let k_pe = rope_rows.apply(&k_pe)?.reshape((t, 1, rope))?;
@@ -271,18 +276,15 @@ impl Attention {
         // Queries of every head of a sequence as the rows of one matrix: [b, heads * t_max, *].
         let q_latent = plan.pad(&q_latent)?.reshape((b, h * t_max, r))?;
         let q_pe = plan.pad(&q_pe)?.reshape((b, h * t_max, rope))?;
-        let att = (q_latent.matmul(&c.t()?)? + q_pe.matmul(&pe.t()?)?)?;
-        let att = (att * self.scale)?.reshape((b, h, t_max, len))?;
-        let att = att.broadcast_add(plan.mask())?;
-        let att = candle_nn::ops::softmax_last_dim(&att)?.reshape((b, h * t_max, len))?;
+        let latent_scores = q_latent.matmul(&c.t()?)?.reshape((b, h, t_max, len))?;
+        let rope_scores = q_pe.matmul(&pe.t()?)?.reshape((b, h, t_max, len))?;
+        let att = scores_softmax(&latent_scores, &rope_scores, plan.mask(), self.scale)?
+            .reshape((b, h * t_max, len))?;
         let out = att.matmul(&c)?.reshape((b, h, t_max, r))?; // latent outputs
-                                                              // Back to values per head: [heads, total, rank] x [heads, rank, v_dim].
-        let out = plan
-            .unpad(&out)?
-            .reshape((t, h, r))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let out = out.matmul(&self.w_uv_t)?.transpose(0, 1)?.contiguous()?;
+                                                              // Back to values per head, token-major: [total, heads, rank] -> [total, heads, v_dim].
+        let out = self
+            .w_uv_t
+            .forward(&plan.unpad(&out)?.reshape((t, h, r))?, 0)?;
         self.o.forward(&out.reshape((t, h * self.v_dim))?)
     }
 }

@@ -2,7 +2,7 @@
 //! from a seeded generator, so a given seed always gives the same text.
 
 use anyhow::Result;
-use candle_core::{DType, Tensor, D};
+use candle_core::{Tensor, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -48,41 +48,42 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Runs a row of `vocab` logits is cut into for [`greedy_ids`]: the most, up to 256, that divide
-/// it (1: no split).
-fn argmax_runs(vocab: usize) -> usize {
-    (1..=256).rev().find(|r| vocab % r == 0).unwrap_or(1)
-}
-
-/// The index of a largest logit of each row of `logits` `[B, V]`, computed where the logits
-/// are; only the ids come back. On a GPU in two passes over `runs` runs of each row (the
-/// largest value and its place in every run, then the run holding the row's largest): candle's
-/// argmax gives each row one block, which a 129280-token vocabulary makes the longest kernel
-/// of a one-sequence decode step after the weight reads (docs/benchmarks.md, "Serving"). On
-/// the CPU candle's argmax, as before.
+/// The index of a largest logit of each row of `logits` `[B, V]` (the first on ties), computed
+/// where the logits are; only the ids come back. On a GPU, f32 logits go to one kernel
+/// (`ep_kernels::sampling`): candle's reductions index every element through its strides, and
+/// its argmax gives a 129280-token row one block, the longest kernels of a decode step after
+/// the weight reads (`docs/design.md`, "Greedy sampling"). Elsewhere candle's argmax.
 pub fn greedy_ids(logits: &Tensor) -> Result<Vec<u32>> {
-    let runs = argmax_runs(logits.dims2()?.1);
-    if !logits.device().is_cuda() || runs == 1 {
-        return Ok(logits.argmax(D::Minus1)?.to_vec1()?);
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = logits.device() {
+        if logits.dtype() == candle_core::DType::F32 {
+            return greedy_ids_cuda(dev, logits);
+        }
     }
-    argmax_in_runs(logits, runs)
+    Ok(logits.argmax(D::Minus1)?.to_vec1()?)
 }
 
-/// [`greedy_ids`] in two passes over `runs` runs of each row (`runs` divides the row).
-fn argmax_in_runs(logits: &Tensor, runs: usize) -> Result<Vec<u32>> {
-    let (b, v) = logits.dims2()?;
-    let len = v / runs;
-    let split = logits.reshape((b, runs, len))?;
-    // A run's largest value and where in the run it is (both passes compare alike, so the
-    // place holds the value).
-    let best = split.max(D::Minus1)?;
-    let place = split.argmax(D::Minus1)?;
-    let run = best.argmax_keepdim(D::Minus1)?;
-    let within = place.gather(&run, D::Minus1)?;
-    let both: Vec<Vec<u32>> = Tensor::cat(&[&run, &within], 1)?
-        .to_dtype(DType::U32)?
-        .to_vec2()?;
-    Ok(both.iter().map(|p| p[0] * len as u32 + p[1]).collect())
+/// [`greedy_ids`] on the argmax kernel, on candle's stream: one key a row comes back.
+#[cfg(feature = "cuda")]
+fn greedy_ids_cuda(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    logits: &Tensor,
+) -> Result<Vec<u32>> {
+    use moe_layer::ep_kernels::sampling;
+    use moe_layer::ep_runtime::device_tensor::{alloc, DeviceTensor};
+    let (rows, vocab) = logits.dims2()?;
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let logits = logits.contiguous()?;
+    let stream = dev.cuda_stream();
+    let mut keys = alloc::<u64>(&stream, rows)?;
+    {
+        let l = DeviceTensor::new("logits", &logits)?;
+        sampling::argmax_rows_f32_cuda(&stream, &l.view::<f32>()?, rows, vocab, &mut keys)?;
+    }
+    let keys = stream.clone_dtoh(&keys)?;
+    Ok(keys.into_iter().map(sampling::key_index).collect())
 }
 
 impl Sampler {
@@ -151,31 +152,6 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_two_pass_argmax_finds_every_rows_largest_logit() -> Result<()> {
-        use candle_core::Device;
-        assert_eq!(argmax_runs(129280), 256);
-        assert_eq!(argmax_runs(102400), 256);
-        assert_eq!(argmax_runs(251), 251);
-        assert_eq!(argmax_runs(257), 1);
-        let (b, v) = (5, 129280);
-        let logits = Tensor::randn(0f32, 1.0, (b, v), &Device::Cpu)?;
-        // The largest logit of some rows in the first and last places of the row and of a run.
-        let mut rows: Vec<Vec<f32>> = logits.to_vec2()?;
-        for (row, at) in rows.iter_mut().zip([0, v - 1, 504, 505, 77_777]) {
-            row[at] = 100.0;
-        }
-        let logits = Tensor::new(rows.clone(), &Device::Cpu)?;
-        let want: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
-        assert_eq!(want, [0, v as u32 - 1, 504, 505, 77_777]);
-        assert_eq!(argmax_in_runs(&logits, argmax_runs(v))?, want);
-        // Ties: an index holding the largest value.
-        let tied = Tensor::new(&[[1f32, 3.0, 3.0, 0.0, 3.0, 2.0]], &Device::Cpu)?;
-        let got = argmax_in_runs(&tied, 3)?[0];
-        assert!([1, 2, 4].contains(&got), "{got}");
-        Ok(())
-    }
 
     #[test]
     fn greedy_takes_argmax() {

@@ -1,0 +1,72 @@
+// Softmax of MLA's attention scores in one pass over the two score products: for row r of
+// query q of sequence s (rows = [seqs, heads, queries], a head's queries together),
+//   probs[r, j] = softmax_j((latent[r, j] + rope[r, j]) * scale + mask[s, q, j]),
+// latent = q_latent . c^T and rope = q_pe . k_pe^T as the batched GEMMs leave them, mask the
+// additive [seqs, queries, len] mask shared by every head. Sums, scale, mask and softmax in
+// f32, one rounding to bf16; a row masked everywhere to -inf gives zeros. Launcher and host
+// twin: src/attention/cuda/scores_softmax.rs, src/attention/softmax.rs (`scores_softmax`).
+//
+// One warp a row, in a grid-stride loop over rows: an online max and sum over the row, lanes
+// combined by shuffles, then the row again for the probabilities (from L2).
+
+#include "common.cuh"
+
+// Mirrors `ScoresSoftmaxParams` in src/attention/cuda/scores_softmax.rs.
+struct ScoresSoftmaxParams {
+    const __nv_bfloat16* latent;  // [seqs, heads * queries, len]
+    const __nv_bfloat16* rope;    // [seqs, heads * queries, len]
+    const __nv_bfloat16* mask;    // [seqs, queries, len]
+    __nv_bfloat16* probs;         // [seqs, heads * queries, len]
+    int64_t seqs;
+    int64_t heads;
+    int64_t queries;
+    int64_t len;
+    float scale;
+    int32_t pad_;
+};
+EP_CHECK_PARAMS_SIZE(ScoresSoftmaxParams, 72);
+
+namespace {
+
+__device__ __forceinline__ float score(const ScoresSoftmaxParams& p, const __nv_bfloat16* a,
+                                       const __nv_bfloat16* b, const __nv_bfloat16* m,
+                                       int64_t j) {
+    return (ep::bf16_to_f32(a[j]) + ep::bf16_to_f32(b[j])) * p.scale + ep::bf16_to_f32(m[j]);
+}
+
+}  // namespace
+
+EP_KERNEL void mla_scores_softmax_bf16(const __grid_constant__ ScoresSoftmaxParams p) {
+    const int64_t rows = p.seqs * p.heads * p.queries;
+    const int64_t warps_per_block = blockDim.x / ep::kWarpSize;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
+    const int lane = ep::lane_id();
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps_per_block + ep::warp_id();
+         row < rows; row += warps) {
+        const int64_t q = row % p.queries;
+        const int64_t seq = row / (p.heads * p.queries);
+        const __nv_bfloat16* a = p.latent + row * p.len;
+        const __nv_bfloat16* b = p.rope + row * p.len;
+        const __nv_bfloat16* m = p.mask + (seq * p.queries + q) * p.len;
+        float mx = -INFINITY;
+        float sum = 0.0f;
+        for (int64_t j = lane; j < p.len; j += ep::kWarpSize) {
+            const float x = score(p, a, b, m, j);
+            if (x == -INFINITY) {
+                continue;
+            }
+            const float nm = fmaxf(mx, x);
+            sum = sum * expf(mx - nm) + expf(x - nm);
+            mx = nm;
+        }
+        const float row_max = ep::warp_reduce_max(mx);
+        const float part = mx == -INFINITY ? 0.0f : sum * expf(mx - row_max);
+        const float row_sum = ep::warp_reduce_sum(part);
+        const float inv = row_max == -INFINITY ? 0.0f : 1.0f / row_sum;
+        __nv_bfloat16* out = p.probs + row * p.len;
+        for (int64_t j = lane; j < p.len; j += ep::kWarpSize) {
+            const float x = score(p, a, b, m, j);
+            out[j] = ep::f32_to_bf16(x == -INFINITY ? 0.0f : expf(x - row_max) * inv);
+        }
+    }
+}

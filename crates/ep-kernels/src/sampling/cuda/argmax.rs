@@ -1,0 +1,79 @@
+//! Launcher of `argmax.cu`. Host twin: [`crate::sampling::argmax_rows`].
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+
+use crate::cuda::{KernelParams, Kernels};
+use crate::error::Result;
+use crate::sampling::check_argmax;
+
+/// The cubin of `argmax.cu`.
+const FILE: &str = "sampling/argmax";
+const THREADS: u32 = 256;
+/// Fewest values a block's run holds (4 a thread).
+const MIN_RUN: usize = 4 * THREADS as usize;
+/// Blocks a launch aims at, per SM.
+const BLOCKS_PER_SM: usize = 2;
+
+/// Mirror of `struct ArgmaxParams` in `argmax.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ArgmaxParams {
+    logits: CUdeviceptr,
+    keys: CUdeviceptr,
+    rows: i64,
+    vocab: i64,
+    chunk: i64,
+}
+const _: () = assert!(std::mem::size_of::<ArgmaxParams>() == 40);
+
+// SAFETY: `repr(C)` plain data mirroring `ArgmaxParams` in argmax.cu (size asserted both sides).
+unsafe impl KernelParams for ArgmaxParams {}
+
+/// Each row's key of its largest logit on `stream` (`logits` `[rows, vocab]` f32, `keys`
+/// `[rows]`, zeroed here first); `crate::sampling::key_index` gives the index, the first
+/// largest. Checked before launch: the sizes, at most `MAX_ARGMAX_ROWS` rows, `vocab < 2^32 - 1`.
+pub fn argmax_rows_f32_cuda(
+    stream: &Arc<CudaStream>,
+    logits: &impl DevicePtr<f32>,
+    rows: usize,
+    vocab: usize,
+    keys: &mut impl DevicePtrMut<u64>,
+) -> Result<()> {
+    check_argmax(rows, vocab, logits.len())?;
+    crate::error::Error::check_len("keys", rows, keys.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernels = Kernels::for_stream(stream)?;
+    let kernel = kernels.kernel(FILE, "argmax_rows_f32")?;
+    stream.context().bind_to_thread()?;
+    stream.memset_zeros(keys)?;
+    let sms = kernels.props().sm_count.max(1) as usize;
+    let runs = (BLOCKS_PER_SM * sms)
+        .div_ceil(rows)
+        .clamp(1, vocab.div_ceil(MIN_RUN));
+    let chunk = vocab.div_ceil(runs);
+    let runs = vocab.div_ceil(chunk);
+    let (l_ptr, _gl) = logits.device_ptr(stream);
+    let (k_ptr, _gk) = keys.device_ptr_mut(stream);
+    let cfg = LaunchConfig {
+        grid_dim: (runs as u32, rows as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let params = ArgmaxParams {
+        logits: l_ptr,
+        keys: k_ptr,
+        rows: rows as i64,
+        vocab: vocab as i64,
+        chunk: chunk as i64,
+    };
+    // SAFETY: `params` matches `ArgmaxParams`; `logits` holds `rows * vocab` f32 and `keys`
+    // `rows` u64 (checked above; `rows` fits the grid), their guards live until the launch is
+    // queued; block (r, y) reads values `r * chunk ..` of row `y` below `vocab` and updates key
+    // `y` atomically, after the zeroing queued before it on the same stream.
+    unsafe { kernel.launch(stream, cfg, params) }
+}

@@ -1,0 +1,5 @@
+//! Launcher of greedy sampling's kernel (`argmax.cu`). Host twin: [`super::argmax_rows`].
+
+mod argmax;
+
+pub use argmax::argmax_rows_f32_cuda;
