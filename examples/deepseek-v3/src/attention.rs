@@ -273,15 +273,17 @@ impl Attention {
         let (c, pe) = cache.view(layer, plan)?; // [b, max_len, rank], [b, max_len, rope]
         let len = plan.max_len();
 
-        // Queries of every head of a sequence as the rows of one matrix: [b, heads * t_max, *].
-        let q_latent = plan.pad(&q_latent)?.reshape((b, h * t_max, r))?;
-        let q_pe = plan.pad(&q_pe)?.reshape((b, h * t_max, rope))?;
-        let latent_scores = q_latent.matmul(&c.t()?)?.reshape((b, h, t_max, len))?;
-        let rope_scores = q_pe.matmul(&pe.t()?)?.reshape((b, h, t_max, len))?;
+        // Queries of every head of a sequence as the rows of one matrix, token-major:
+        // [b, t_max * heads, *].
+        let q_latent = plan.pad(&q_latent)?.reshape((b, t_max * h, r))?;
+        let q_pe = plan.pad(&q_pe)?.reshape((b, t_max * h, rope))?;
+        let latent_scores = q_latent.matmul(&c.t()?)?.reshape((b, t_max, h, len))?;
+        let rope_scores = q_pe.matmul(&pe.t()?)?.reshape((b, t_max, h, len))?;
         let att = scores_softmax(&latent_scores, &rope_scores, plan.mask(), self.scale)?
-            .reshape((b, h * t_max, len))?;
-        let out = att.matmul(&c)?.reshape((b, h, t_max, r))?; // latent outputs
-                                                              // Back to values per head, token-major: [total, heads, rank] -> [total, heads, v_dim].
+            .reshape((b, t_max * h, len))?;
+        // Latent outputs [b, t_max, heads, rank]; back to values per head, token-major:
+        // [total, heads, rank] -> [total, heads, v_dim].
+        let out = att.matmul(&c)?.reshape((b, t_max, h, r))?;
         let out = self
             .w_uv_t
             .forward(&plan.unpad(&out)?.reshape((t, h, r))?, 0)?;

@@ -9,6 +9,11 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::kv_cache::{KvCache, SeqKey};
 use crate::rotary::{RopeRows, Rotary};
 
+/// Key positions a step's attention reads are a multiple of (where the cache holds them): rows of
+/// 16 bytes in bf16, which cuBLAS needs for its sm_90 kernels on the scores (an odd key count
+/// sent the prefill's batched GEMMs to sm_75 kernels; `docs/design.md`, "MLA attention").
+pub const KEY_ALIGN: usize = 8;
+
 /// One sequence of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeqSpan {
@@ -100,11 +105,15 @@ impl BatchPlan {
         }
         let b = seqs.len();
         let max_new = seqs.iter().map(|s| s.new_tokens).max().unwrap_or(0);
+        // Keys attention reads: the longest sequence's, rounded up to `KEY_ALIGN` within the
+        // cache (the mask hides the extra keys; the cache is zeroed, so they hold finite values).
         let max_len = seqs
             .iter()
             .map(|s| s.offset + s.new_tokens)
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .next_multiple_of(KEY_ALIGN)
+            .min(cache.capacity());
 
         let positions = Tensor::new(positions.as_slice(), device)?;
         let rope = rotary.rows(&positions)?;
@@ -118,7 +127,9 @@ impl BatchPlan {
                 Some(start)
             })
             .collect();
-        let (pad, unpad) = if max_new == 1 {
+        // Sequences of equal new tokens (every decode step, prefills of equal prompts) are laid
+        // out padded already.
+        let (pad, unpad) = if seqs.iter().all(|s| s.new_tokens == max_new) {
             (None, None)
         } else {
             let mut pad = Vec::with_capacity(b * max_new);
@@ -142,7 +153,7 @@ impl BatchPlan {
             .iter()
             .flat_map(|s| (0..max_new).map(move |t| (s.offset + t.min(s.new_tokens - 1)) as u32))
             .collect();
-        let limits = Tensor::from_vec(limits, (b, 1, max_new, 1), device)?;
+        let limits = Tensor::from_vec(limits, (b, max_new, 1, 1), device)?;
         let keys = Tensor::arange(0u32, max_len as u32, device)?.reshape((1, 1, 1, max_len))?;
         let allowed = keys.broadcast_le(&limits)?.to_dtype(DType::F32)?;
         // 0 where allowed, -1e9 elsewhere (computed in f32, -inf once in a 16-bit dtype).
@@ -253,7 +264,8 @@ impl BatchPlan {
         self.max_new
     }
 
-    /// Longest sequence after this step (keys attention reads).
+    /// Keys attention reads: the longest sequence after this step, rounded up to [`KEY_ALIGN`]
+    /// within the cache.
     pub fn max_len(&self) -> usize {
         self.max_len
     }
@@ -268,7 +280,7 @@ impl BatchPlan {
         &self.rope
     }
 
-    /// The additive attention mask `[b, 1, t_max, max_len]`.
+    /// The additive attention mask `[b, t_max, 1, max_len]` (shared by a query's heads).
     pub fn mask(&self) -> &Tensor {
         &self.mask
     }
@@ -281,24 +293,24 @@ impl BatchPlan {
         self.scatter_rope.as_ref()
     }
 
-    /// Concatenated per-token rows `[total, heads, d]` -> padded `[b, heads, t_max, d]`.
+    /// Concatenated per-token rows `[total, heads, d]` -> padded `[b, t_max, heads, d]`, still
+    /// token-major (a copy only when the sequences' new tokens differ).
     pub fn pad(&self, x: &Tensor) -> Result<Tensor> {
         let (total, heads, d) = x.dims3()?;
         let b = self.num_seqs();
-        let x = match &self.pad {
-            None => x.reshape((b, 1, heads, d))?,
+        match &self.pad {
+            None => x.reshape((b, self.max_new, heads, d)),
             Some(index) => x
                 .reshape((total, heads * d))?
                 .index_select(index, 0)?
-                .reshape((b, self.max_new, heads, d))?,
-        };
-        x.transpose(1, 2)?.contiguous()
+                .reshape((b, self.max_new, heads, d)),
+        }
     }
 
-    /// Padded `[b, heads, t_max, d]` -> concatenated rows `[total, heads * d]`.
+    /// Padded `[b, t_max, heads, d]` -> concatenated rows `[total, heads * d]`.
     pub fn unpad(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, heads, t, d) = x.dims4()?;
-        let rows = x.transpose(1, 2)?.reshape((b * t, heads * d))?;
+        let (b, t, heads, d) = x.dims4()?;
+        let rows = x.reshape((b * t, heads * d))?;
         match &self.unpad {
             None => Ok(rows),
             Some(index) => rows.index_select(index, 0),

@@ -1,5 +1,5 @@
 // Softmax of MLA's attention scores in one pass over the two score products: for row r of
-// query q of sequence s (rows = [seqs, heads, queries], a head's queries together),
+// query q of sequence s (rows = [seqs, queries, heads], token-major: mask row r / heads),
 //   probs[r, j] = softmax_j((latent[r, j] + rope[r, j]) * scale + mask[s, q, j]),
 // latent = q_latent . c^T and rope = q_pe . k_pe^T as the batched GEMMs leave them, mask the
 // additive [seqs, queries, len] mask shared by every head. Sums, scale, mask and softmax in
@@ -13,10 +13,10 @@
 
 // Mirrors `ScoresSoftmaxParams` in src/attention/cuda/scores_softmax.rs.
 struct ScoresSoftmaxParams {
-    const __nv_bfloat16* latent;  // [seqs, heads * queries, len]
-    const __nv_bfloat16* rope;    // [seqs, heads * queries, len]
+    const __nv_bfloat16* latent;  // [seqs, queries * heads, len]
+    const __nv_bfloat16* rope;    // [seqs, queries * heads, len]
     const __nv_bfloat16* mask;    // [seqs, queries, len]
-    __nv_bfloat16* probs;         // [seqs, heads * queries, len]
+    __nv_bfloat16* probs;         // [seqs, queries * heads, len]
     int64_t seqs;
     int64_t heads;
     int64_t queries;
@@ -43,11 +43,9 @@ EP_KERNEL void mla_scores_softmax_bf16(const __grid_constant__ ScoresSoftmaxPara
     const int lane = ep::lane_id();
     for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps_per_block + ep::warp_id();
          row < rows; row += warps) {
-        const int64_t q = row % p.queries;
-        const int64_t seq = row / (p.heads * p.queries);
         const __nv_bfloat16* a = p.latent + row * p.len;
         const __nv_bfloat16* b = p.rope + row * p.len;
-        const __nv_bfloat16* m = p.mask + (seq * p.queries + q) * p.len;
+        const __nv_bfloat16* m = p.mask + row / p.heads * p.len;
         float mx = -INFINITY;
         float sum = 0.0f;
         for (int64_t j = lane; j < p.len; j += ep::kWarpSize) {

@@ -1,28 +1,28 @@
 //! The softmax of MLA's attention scores over the two score products, with the scale and the
 //! additive mask, in one pass (`scores_softmax.cu`): where candle's ops make four passes over
-//! the `[seqs, heads * queries, len]` scores (their sum, the scale, the broadcast mask, the
+//! the `[seqs, queries * heads, len]` scores (their sum, the scale, the broadcast mask, the
 //! softmax), the broadcast mask alone the longest kernel of a batch-64 decode step
 //! (`docs/design.md`, "MLA attention"). Host twin: [`scores_softmax`]; on CUDA
 //! `scores_softmax_bf16_cuda`.
 
 use crate::error::{Error, Result};
 
-/// The sizes of the scores: `seqs` sequences of `heads` heads of `queries` queries (rows), each
-/// over `len` keys.
+/// The sizes of the scores: `seqs` sequences of `queries` queries of `heads` heads (rows laid
+/// out `[seqs, queries, heads]`, token-major), each over `len` keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScoresShape {
     /// Sequences (the mask's first dimension).
     pub seqs: usize,
-    /// Heads of a sequence, the mask shared by them.
+    /// Heads of a query, the mask row shared by them.
     pub heads: usize,
-    /// Queries of a head (new tokens of the sequence, padded).
+    /// Queries of a sequence (its new tokens, padded).
     pub queries: usize,
     /// Keys of a row.
     pub len: usize,
 }
 
 impl ScoresShape {
-    /// Rows of the scores: `seqs * heads * queries`.
+    /// Rows of the scores: `seqs * queries * heads`.
     pub fn rows(&self) -> usize {
         self.seqs * self.heads * self.queries
     }
@@ -76,7 +76,8 @@ impl ScoresShape {
 
 /// Host twin, in f32: `probs[r, j] = softmax_j((latent[r, j] + rope[r, j]) * scale +
 /// mask[s, q, j])` for row `r` of query `q` of sequence `s` (rows laid out
-/// `[seqs, heads, queries]`); a row whose every score is `-inf` gives zeros.
+/// `[seqs, queries, heads]`: the mask row is `r / heads`); a row whose every score is `-inf`
+/// gives zeros.
 pub fn scores_softmax(
     latent: &[f32],
     rope: &[f32],
@@ -86,15 +87,9 @@ pub fn scores_softmax(
     probs: &mut [f32],
 ) -> Result<()> {
     shape.check([latent.len(), rope.len()], mask.len(), probs.len(), scale)?;
-    let ScoresShape {
-        heads,
-        queries,
-        len,
-        ..
-    } = shape;
+    let ScoresShape { heads, len, .. } = shape;
     for row in 0..shape.rows() {
-        let (seq, q) = (row / (heads * queries), row % queries);
-        let m = &mask[(seq * queries + q) * len..][..len];
+        let m = &mask[row / heads * len..][..len];
         let out = &mut probs[row * len..][..len];
         for (j, o) in out.iter_mut().enumerate() {
             *o = (latent[row * len + j] + rope[row * len + j]) * scale + m[j];

@@ -5,17 +5,17 @@ use candle_core::Tensor;
 use crate::error::{Error, Result};
 
 /// `softmax((latent + rope) * scale + mask)` over the keys: `latent` and `rope` the scores
-/// `[seqs, heads, queries, len]` of the latent and rope parts of the queries, `mask` the
-/// additive `[seqs, 1, queries, len]` mask every head of a sequence shares. On CUDA in bf16
-/// one kernel computes it in f32 with one rounding
+/// `[seqs, queries, heads, len]` of the latent and rope parts of the queries (token-major),
+/// `mask` the additive `[seqs, queries, 1, len]` mask every head of a query shares. On CUDA in
+/// bf16 one kernel computes it in f32 with one rounding
 /// (`ep_kernels::attention::scores_softmax_bf16_cuda`); elsewhere candle's ops in the
-/// tensors' dtype. Returns `[seqs, heads, queries, len]`.
+/// tensors' dtype. Returns `[seqs, queries, heads, len]`.
 pub fn scores_softmax(latent: &Tensor, rope: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
-    let (seqs, _, queries, len) = latent.dims4().map_err(|_| {
+    let (seqs, queries, _, len) = latent.dims4().map_err(|_| {
         Error::invalid(
             "latent scores",
             format!("{:?}", latent.dims()),
-            "must be [seqs, heads, queries, len]",
+            "must be [seqs, queries, heads, len]",
         )
     })?;
     let dtype = latent.dtype();
@@ -29,11 +29,11 @@ pub fn scores_softmax(latent: &Tensor, rope: &Tensor, mask: &Tensor, scale: f64)
             ),
         ));
     }
-    if mask.dims() != [seqs, 1, queries, len] || mask.dtype() != dtype {
+    if mask.dims() != [seqs, queries, 1, len] || mask.dtype() != dtype {
         return Err(Error::invalid(
             "mask",
             format!("{:?} {:?}", mask.dtype(), mask.dims()),
-            format!("must be {dtype:?} [{seqs}, 1, {queries}, {len}]"),
+            format!("must be {dtype:?} [{seqs}, {queries}, 1, {len}]"),
         ));
     }
     #[cfg(feature = "cuda")]
@@ -41,7 +41,7 @@ pub fn scores_softmax(latent: &Tensor, rope: &Tensor, mask: &Tensor, scale: f64)
         if dtype == candle_core::DType::BF16 && seqs > 0 {
             let shape = ep_kernels::attention::ScoresShape {
                 seqs,
-                heads: latent.dim(1)?,
+                heads: latent.dim(2)?,
                 queries,
                 len,
             };
@@ -80,7 +80,7 @@ fn softmax_cuda(
             &mut probs.slice_mut(0..elems),
         )?;
     }
-    let dims = (shape.seqs, shape.heads, shape.queries, shape.len);
+    let dims = (shape.seqs, shape.queries, shape.heads, shape.len);
     Ok(wrap(probs, dims, dev))
 }
 
@@ -92,7 +92,7 @@ mod tests {
     #[test]
     fn refuses_a_mask_per_head() {
         let dev = Device::Cpu;
-        let s = Tensor::zeros((2, 3, 1, 4), DType::F32, &dev).unwrap();
+        let s = Tensor::zeros((2, 1, 3, 4), DType::F32, &dev).unwrap();
         let err = scores_softmax(&s, &s, &s, 1.0).unwrap_err().to_string();
         assert!(err.contains("must be F32 [2, 1, 1, 4]"), "{err}");
     }

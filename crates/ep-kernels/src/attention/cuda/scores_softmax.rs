@@ -37,8 +37,8 @@ const _: () = assert!(std::mem::size_of::<ScoresSoftmaxParams>() == 72);
 unsafe impl KernelParams for ScoresSoftmaxParams {}
 
 /// `probs = softmax((latent + rope) * scale + mask)` over the last dimension on `stream`
-/// (`latent`, `rope` and `probs` `[seqs, heads * queries, len]`, `mask` `[seqs, queries, len]`
-/// shared by the heads, all bf16), in f32 with one rounding. Checked before launch: the sizes
+/// (`latent`, `rope` and `probs` `[seqs, queries * heads, len]`, `mask` `[seqs, queries, len]`
+/// shared by a query's heads, all bf16), in f32 with one rounding. Checked before launch: the sizes
 /// and a finite `scale`.
 pub fn scores_softmax_bf16_cuda(
     stream: &Arc<CudaStream>,
