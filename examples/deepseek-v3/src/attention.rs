@@ -258,10 +258,11 @@ impl Attention {
             .unsqueeze(0)?;
         let q_pe = rope_rows.apply(&q_pe)?.squeeze(0)?.transpose(0, 1)?;
 
-        let ckv = self.kv_a.forward(x)?; // [total, rank + rope]
-                                         // On the strided rows candle's RMS norm takes Hugging Face's recipe (the normalised
-                                         // latent rounded to the dtype, then the weight); its fused kernel on contiguous rows
-                                         // rounds once, and that flips a top-k tie of the fp8 checkpoint test's model.
+        // [total, rank + rope]. On the strided latent rows candle's RMS norm follows Hugging
+        // Face's recipe (the normalised latent rounded to the dtype before the weight); they are
+        // not made contiguous on purpose: the fused kernel rounds once (docs/design.md, "MLA
+        // attention and greedy sampling").
+        let ckv = self.kv_a.forward(x)?;
         let latent = self.kv_a_norm.forward(&ckv.narrow(1, 0, r)?)?;
         let k_pe = ckv.narrow(1, r, rope)?.reshape((1, 1, t, rope))?;
         let k_pe = rope_rows.apply(&k_pe)?.reshape((t, 1, rope))?;
