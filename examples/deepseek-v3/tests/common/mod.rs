@@ -25,13 +25,29 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A TCP port that was free a moment ago.
+/// First and count of the ports [`free_port`] hands out: below Linux's ephemeral range
+/// (32768-60999). A port the kernel picked for a listener on port 0 comes from that range, which
+/// the ranks' own outgoing connections draw from too: one of them could take it before the
+/// launcher's store binds it (seen as "Address already in use" in a clean-clone run).
+const TEST_PORTS: (u16, u16) = (20000, 12000);
+
+/// A TCP port that was free a moment ago on every interface, outside the ephemeral range, and
+/// not handed out before by this test process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let (first, count) = TEST_PORTS;
+    // Each test binary starts at its own place, so that consecutive binaries reuse no port
+    // still in TIME_WAIT.
+    let start = (std::process::id() % u32::from(count)) as u16;
+    for _ in 0..count {
+        let i = NEXT.fetch_add(1, Ordering::Relaxed) % count;
+        let port = first + (start + i) % count;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {first}..{}", first + count);
 }
 
 /// A `serve` process (directly or under `launch`), killed when dropped; its stderr is kept.
