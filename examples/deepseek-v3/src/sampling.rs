@@ -70,14 +70,15 @@ fn greedy_ids_cuda(
     logits: &Tensor,
 ) -> Result<Vec<u32>> {
     use moe_layer::ep_kernels::sampling;
-    use moe_layer::ep_runtime::device_tensor::{alloc, DeviceTensor};
+    use moe_layer::ep_runtime::device_tensor::{alloc_uninit, DeviceTensor};
     let (rows, vocab) = logits.dims2()?;
     if rows == 0 {
         return Ok(Vec::new());
     }
     let logits = logits.contiguous()?;
     let stream = dev.cuda_stream();
-    let mut keys = alloc::<u64>(&stream, rows)?;
+    // Zeroed by the launcher, on the stream.
+    let mut keys = alloc_uninit::<u64>(&stream, rows)?;
     {
         let l = DeviceTensor::new("logits", &logits)?;
         sampling::argmax_rows_f32_cuda(&stream, &l.view::<f32>()?, rows, vocab, &mut keys)?;
