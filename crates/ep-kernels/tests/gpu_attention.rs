@@ -232,6 +232,25 @@ fn main() {
             Hidden::Large,
             None,
         ),
+        // Multiples of 8 keys: the kernel's 8-value loads (the others: its scalar loop).
+        (
+            "softmax/ds-v3/decode-64-keys-1024",
+            scores(64, 128, 1, 1024),
+            Hidden::Large,
+            None,
+        ),
+        (
+            "softmax/ds-v3/prefill-2x64-keys-128",
+            scores(2, 128, 64, 128),
+            Hidden::Infinite,
+            None,
+        ),
+        (
+            "softmax/odd/keys-8-masked-everywhere",
+            scores(3, 4, 2, 8),
+            Hidden::Infinite,
+            Some(2),
+        ),
         (
             "softmax/odd/infinite-mask",
             scores(5, 3, 2, 67),

@@ -28,7 +28,7 @@ struct ScoresSoftmaxParams {
     queries: i64,
     len: i64,
     scale: f32,
-    pad_: i32,
+    vec: i32,
 }
 const _: () = assert!(std::mem::size_of::<ScoresSoftmaxParams>() == 72);
 
@@ -38,7 +38,8 @@ unsafe impl KernelParams for ScoresSoftmaxParams {}
 
 /// `probs = softmax((latent + rope) * scale + mask)` over the last dimension on `stream`
 /// (`latent`, `rope` and `probs` `[seqs, queries * heads, len]`, `mask` `[seqs, queries, len]`
-/// shared by a query's heads, all bf16), in f32 with one rounding. Checked before launch: the sizes
+/// shared by a query's heads, all bf16), in f32 with one rounding; 8 values a load when `len`
+/// is a multiple of 8 and the tensors are 16-byte aligned. Checked before launch: the sizes
 /// and a finite `scale`.
 pub fn scores_softmax_bf16_cuda(
     stream: &Arc<CudaStream>,
@@ -81,7 +82,9 @@ pub fn scores_softmax_bf16_cuda(
         queries: shape.queries as i64,
         len: shape.len as i64,
         scale,
-        pad_: 0,
+        vec: i32::from(
+            shape.len % 8 == 0 && [l_ptr, r_ptr, m_ptr, p_ptr].iter().all(|p| p % 16 == 0),
+        ),
     };
     // SAFETY: `params` matches `ScoresSoftmaxParams`; `latent`, `rope` and `probs` hold
     // `seqs * heads * queries * len` and `mask` `seqs * queries * len` bf16 (checked by
