@@ -70,7 +70,7 @@ pub use fp8_linear::{Fp8BatchedLinear, Fp8Linear, Fp8Mlp};
 pub use layer::{MoeLayer, WeightBytes};
 #[cfg(feature = "cuda")]
 pub use modes::{DecodeGraph, StepGraph};
-pub use options::{MoeLayerOptions, SharedPlacement};
+pub use options::{MoeLayerOptions, SharedPlacement, SHARED_GROUPED_MAX_ROWS_ONE_RANK};
 pub use router::{Router, Routing};
 pub use step::{Mode, Step};
 pub use weight_plan::WeightTarget;

@@ -8,10 +8,10 @@ use ep_runtime::Reduction;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SharedPlacement {
     /// `Grouped` in the steps of at most [`ep_kernels::gemm::GEMV_ROWS_PER_PASS`] rows expected
-    /// per expert (a decode token or two per rank), where an extra group costs only its weight
-    /// bytes with the tile-less kernel (and ties with `Overlap` with the 64 x 128 tiles; see
-    /// `docs/benchmarks.md`, "The MoE layer (one GPU)") and, at one rank, there is no dispatch
-    /// to hide the shared MLP behind; `Overlap` in the others. The default.
+    /// per expert (a decode token or two per rank: the tile-less kernel), and at one rank, where
+    /// there is no dispatch to hide the shared MLP behind, in those of at most
+    /// [`SHARED_GROUPED_MAX_ROWS_ONE_RANK`] tokens (its extra groups then fill the tiles at the
+    /// cost of their weight bytes); `Overlap` in the others. The default.
     #[default]
     Auto,
     /// As their own MLP on the compute stream while the dispatch travels. With the tiled
@@ -25,6 +25,11 @@ pub enum SharedPlacement {
     /// blocks when the shared MLP is wider than one routed expert), also under `Auto`.
     Grouped,
 }
+
+/// Most tokens of a one-rank low-latency step whose shared experts `SharedPlacement::Auto`
+/// places in the grouped GEMMs: at 16, 32 and 64 tokens that measured faster than beside them,
+/// fp8 and bf16 (`docs/benchmarks.md`, "The MoE layer (one GPU)"); at 128 not.
+pub const SHARED_GROUPED_MAX_ROWS_ONE_RANK: usize = 64;
 
 /// How a [`crate::MoeLayer`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -80,12 +80,12 @@ fn pair(
         return Err("the GPU layer does not use the grouped GEMMs".into());
     }
     // `Grouped` places the shared experts in the grouped GEMMs (their inner width is a
-    // multiple of the routed experts' in every setup here); `Auto` only in steps of the
-    // tile-less GEMMs (<= 2 rows expected per expert: here, one rank, 1 or 2 tokens).
-    for tokens in [1, 2, 3, 64] {
+    // multiple of the routed experts' in every setup here); `Auto` at one rank (every setup
+    // here) in steps of up to 64 tokens.
+    for tokens in [1, 2, 3, 64, 65] {
         let grouped = match shared_placement {
             SharedPlacement::Grouped => true,
-            SharedPlacement::Auto => tokens <= 2,
+            SharedPlacement::Auto => tokens <= moe_layer::SHARED_GROUPED_MAX_ROWS_ONE_RANK,
             SharedPlacement::Overlap => false,
         };
         if gpu.shared_in_grouped_gemm(tokens) != grouped {

@@ -32,7 +32,10 @@ impl MoeLayer {
                 && match self.options.shared_placement {
                     crate::SharedPlacement::Grouped => true,
                     crate::SharedPlacement::Auto => {
-                        self.expected_rows(tokens) <= ep_kernels::gemm::GEMV_ROWS_PER_PASS
+                        let rows = self.expected_rows(tokens);
+                        rows <= ep_kernels::gemm::GEMV_ROWS_PER_PASS
+                            || (self.buffer.topology().num_ranks == 1
+                                && rows <= crate::options::SHARED_GROUPED_MAX_ROWS_ONE_RANK)
                     }
                     crate::SharedPlacement::Overlap => false,
                 }
