@@ -582,9 +582,12 @@ fn main() {
     runner.case("gate/f32/3x7168-to-256", |rng| {
         gate_case(&stream, rng, 3, 256, 7168, 0, |v| v, kernel)
     });
-    // The tensor-core GEMM the router uses past `GATE_KERNEL_MAX_TOKENS` bf16 tokens.
+    // The tensor-core GEMM the router uses past `GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM` bf16
+    // tokens (and 9 to 64 of them).
     let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("cuBLAS handle: {e}"));
     for (t, e, h) in [
+        (9, 256, 7168),
+        (64, 256, 7168),
         (65, 256, 7168),
         (2048, 256, 7168),
         (77, 72, 136),

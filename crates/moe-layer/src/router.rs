@@ -4,10 +4,12 @@
 //! [`Router::forward`] computes the gate logits `x W^T` in f32, then `ep_kernels::routing`
 //! scores them (sigmoid or softmax) and selects, with ties broken towards the lower expert
 //! (and group) id so that every rank and every backend agrees. On CUDA that is two kernels
-//! and nothing read back to the host: the gate kernel (`x` read in its own dtype) for up to
-//! `routing::GATE_KERNEL_MAX_TOKENS` tokens; past that a bf16 cuBLAS GEMM with f32 output on
-//! the tensor cores when `x` is bf16 and the gate weight is exactly bf16 (DeepSeek-V3's
-//! checkpoints), else a cuBLAS f32 matmul; then the routing kernel in its logits mode. On the CPU: a candle matmul, then the routing host twin.
+//! and nothing read back to the host: a bf16 cuBLAS GEMM with f32 output on the tensor cores
+//! when `x` is bf16 and the gate weight is exactly bf16 (DeepSeek-V3's checkpoints) past
+//! `routing::GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM` tokens, the gate kernel (`x` read in its own
+//! dtype) below that, or up to `routing::GATE_KERNEL_MAX_TOKENS` tokens without the GEMM, else
+//! a cuBLAS f32 matmul; then the routing kernel in its logits mode. On the CPU: a candle
+//! matmul, then the routing host twin.
 //! [`Router::scores`] returns the scores themselves, computed with candle ops.
 
 use candle_core::{DType, Device, Tensor};
@@ -235,16 +237,16 @@ impl Router {
         let input = TopkInput::Logits(self.scoring_fn());
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = x.device() {
-            let logits =
-                if t > 0 && routing::gate_uses_kernel(t) {
-                    self.gate_cuda(cuda, x, t)?
-                } else if let Some(w) = self.weight_bf16.as_ref().filter(|w| {
-                    t > 0 && x.dtype() == DType::BF16 && w.device().same_device(x.device())
-                }) {
-                    self.gate_gemm_cuda(cuda, x, w, t)?
-                } else {
-                    self.matmul_logits(x, t)?
-                };
+            let gemm = self.weight_bf16.as_ref().filter(|w| {
+                t > 0 && x.dtype() == DType::BF16 && w.device().same_device(x.device())
+            });
+            let logits = if t > 0 && routing::gate_uses_kernel(t, gemm.is_some()) {
+                self.gate_cuda(cuda, x, t)?
+            } else if let Some(w) = gemm {
+                self.gate_gemm_cuda(cuda, x, w, t)?
+            } else {
+                self.matmul_logits(x, t)?
+            };
             return self.select_cuda(cuda, &logits, input, t);
         }
         let logits = self.matmul_logits(x, t)?;

@@ -3,9 +3,8 @@
 //! launcher `gate_logits_cuda`, host twin [`gate_logits`].
 //!
 //! For decode batches the product is a matrix-vector product bounded by reading `W` once; the
-//! kernel streams `W` with 16-byte loads and reuses each load for a chunk of tokens. Past
-//! [`GATE_KERNEL_MAX_TOKENS`] tokens the product becomes compute-bound and a GEMM library does
-//! better: [`gate_uses_kernel`] is the one place that decides.
+//! kernel streams `W` with 16-byte loads and reuses each load for a chunk of tokens. Past a
+//! few tokens a GEMM library does better: [`gate_uses_kernel`] is the one place that decides.
 
 use half::{bf16, f16};
 
@@ -13,7 +12,7 @@ use super::MAX_EXPERTS;
 use crate::error::{Error, Result};
 
 /// Most tokens for which the router computes its logits with the gate kernel rather than a
-/// GEMM.
+/// GEMM when the tensor-core GEMM cannot run (an f32 `x` or gate weight).
 ///
 /// The kernel reads `W` once per chunk of 8 tokens and `x` once per block of up to 4 experts,
 /// so at DeepSeek-V3 shapes (`E = 256`, `H = 7168`) and `T = 64` it moves about 8 x 7.3 MB of
@@ -22,9 +21,20 @@ use crate::error::{Error, Result};
 /// idle and it needs a conversion kernel for bf16 `x` first.
 pub const GATE_KERNEL_MAX_TOKENS: usize = 64;
 
-/// Whether the router computes the logits of `tokens` tokens with the gate kernel.
-pub fn gate_uses_kernel(tokens: usize) -> bool {
-    tokens <= GATE_KERNEL_MAX_TOKENS
+/// Most tokens for which the router takes the gate kernel when the tensor-core GEMM
+/// (`gate_gemm`, a bf16 `x` and a gate weight that is exactly bf16) can run instead: at 16 to
+/// 64 tokens the kernel's reads of `W` per chunk of 8 tokens measured slower than the GEMM
+/// (`docs/benchmarks.md`, "The MoE layer (one GPU)").
+pub const GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM: usize = 8;
+
+/// Whether the router computes the logits of `tokens` tokens with the gate kernel, when the
+/// tensor-core GEMM `gemm_available` to it or not.
+pub fn gate_uses_kernel(tokens: usize, gemm_available: bool) -> bool {
+    if gemm_available {
+        tokens <= GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM
+    } else {
+        tokens <= GATE_KERNEL_MAX_TOKENS
+    }
 }
 
 /// Element type of the gate's input `x`: converted to f32 (exactly) as it is read.
@@ -211,7 +221,12 @@ mod tests {
         assert_eq!(gate_tile(8, 256, 132), (8, 1));
         assert_eq!(gate_tile(16, 256, 132), (8, 2));
         assert_eq!(gate_tile(64, 256, 132), (8, 4));
-        assert!(gate_uses_kernel(GATE_KERNEL_MAX_TOKENS));
-        assert!(!gate_uses_kernel(GATE_KERNEL_MAX_TOKENS + 1));
+        assert!(gate_uses_kernel(GATE_KERNEL_MAX_TOKENS, false));
+        assert!(!gate_uses_kernel(GATE_KERNEL_MAX_TOKENS + 1, false));
+        assert!(gate_uses_kernel(GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM, true));
+        assert!(!gate_uses_kernel(
+            GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM + 1,
+            true
+        ));
     }
 }

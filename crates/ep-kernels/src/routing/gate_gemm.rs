@@ -7,8 +7,8 @@
 //! would otherwise run on `x` converted to f32, up to the summation order, which no two GEMM
 //! libraries share anyway; it skips the `[T, H]` f32 copy of `x` and runs on the tensor cores
 //! instead of the f32 pipes, which measured faster for prefill batches (`docs/benchmarks.md`,
-//! "The MoE layer (one GPU)"). Past [`super::GATE_KERNEL_MAX_TOKENS`] tokens the router uses
-//! it whenever `x` is bf16 and its weight is exactly bf16.
+//! "The MoE layer (one GPU)"). Past [`super::GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM`] tokens the
+//! router uses it whenever `x` is bf16 and its weight is exactly bf16.
 
 use std::sync::Arc;
 

@@ -34,7 +34,10 @@ mod gate_gemm;
 #[cfg(feature = "cuda")]
 pub use gate_gemm::gate_logits_gemm_cuda;
 
-pub use gate::{gate_logits, gate_uses_kernel, GateInput, GateShape, GATE_KERNEL_MAX_TOKENS};
+pub use gate::{
+    gate_logits, gate_uses_kernel, GateInput, GateShape, GATE_KERNEL_MAX_TOKENS,
+    GATE_KERNEL_MAX_TOKENS_BESIDE_GEMM,
+};
 pub use host::route_topk;
 
 use crate::error::{Error, Result};
