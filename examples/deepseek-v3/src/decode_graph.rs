@@ -9,10 +9,11 @@
 //!
 //! A captured step runs over slots `0..B` of the cache (`B` the batch rounded up to a power of
 //! two, capped at the cache's slots) and reads keys `0..L` (`L` the longest sequence rounded
-//! up to a power of two, at least 256, capped at the context). Padding rows read token 0 at the
-//! last position of their (unused) slots: a decode batch is every live sequence, so the slots
-//! past it are free, and the last position is masked for every sequence shorter than the
-//! context. The graph is reused for every step with the same `(B, L)`; positions, the mask
+//! up to an eighth of its next power of two, in multiples of 128, at least 256, capped at the
+//! context: [`crate::batch::captured_keys`]; powers of two left attention reading up to twice
+//! the keys). Padding rows read token 0 at the last position of their (unused) slots: a
+//! decode batch is every live sequence, so the slots past it are free, and the last position
+//! is masked for every sequence shorter than the context. The graph is reused for every step with the same `(B, L)`; positions, the mask
 //! and the cache writes are computed inside it from the inputs.
 //!
 //! With several ranks each rank captures the shapes of its own batches, whenever they first
@@ -29,9 +30,6 @@ use moe_layer::ep_runtime::graph::{capture, warm_up, CapturedGraph};
 use crate::batch::BatchPlan;
 use crate::kv_cache::KvCache;
 use crate::model::{DeepSeekV3, Ffn};
-
-/// Shortest key length a captured step reads (smaller steps share its graph).
-const MIN_KEYS: usize = 256;
 
 /// One captured step: its inputs, its output, the graph.
 struct CapturedStep {
@@ -80,6 +78,17 @@ impl DecodeGraphs {
         cache: &mut KvCache,
         tokens: &[u32],
     ) -> Result<Tensor> {
+        self.step_logits(model, cache, tokens)?.to_dtype(DType::F32)
+    }
+
+    /// [`DecodeGraphs::step`] with the logits in the model's dtype, as the step leaves them
+    /// (greedy sampling reads them so: no cast of every sequence's vocabulary row).
+    pub fn step_logits(
+        &mut self,
+        model: &DeepSeekV3,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<Tensor> {
         let n = tokens.len();
         if n == 0 || n != cache.num_seqs() {
             candle_core::bail!(
@@ -95,7 +104,7 @@ impl DecodeGraphs {
             );
         }
         let b = n.next_power_of_two().min(cache.max_seqs());
-        let len = longest.next_power_of_two().max(MIN_KEYS).min(capacity);
+        let len = crate::batch::captured_keys(longest, capacity);
         let mut ids = vec![0u32; b];
         ids[..n].copy_from_slice(tokens);
         let mut positions = vec![(capacity - 1) as u32; b];
@@ -127,7 +136,7 @@ impl DecodeGraphs {
                 eager
             }
         };
-        let logits = logits.narrow(0, 0, n)?.to_dtype(DType::F32)?;
+        let logits = logits.narrow(0, 0, n)?;
         cache.advance_all(n);
         Ok(logits)
     }

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::dist::Dist;
@@ -277,7 +277,7 @@ impl Engine {
                 if let Some(graphs) = self.decode_graphs.as_mut().filter(|_| !ids.is_empty()) {
                     let tokens: Vec<u32> = last.iter().map(|t| t[0]).collect();
                     let logits = graphs
-                        .step(&self.model, &mut self.cache, &tokens)
+                        .step_logits(&self.model, &mut self.cache, &tokens)
                         .with_context(|| {
                             format!("rank {}: captured decode step failed", self.rank)
                         })?;
@@ -306,8 +306,9 @@ impl Engine {
             .with_context(|| format!("rank {}: sampling failed", self.rank))
     }
 
-    /// Picks each sequence's next token: greedy ones by an argmax on the device (only the ids
-    /// come back), the others from their logits row on the host.
+    /// Picks each sequence's next token from `logits` (`[n, vocab]`, f32 or the model's dtype):
+    /// greedy ones by an argmax on the device (only the ids come back), the others from their
+    /// logits row on the host, in f32.
     fn sample(&mut self, inputs: &[SeqInput<'_>], logits: &Tensor) -> Result<Vec<(SeqId, u32)>> {
         let greedy = crate::sampling::greedy_ids(logits)?;
         let mut out = Vec::with_capacity(inputs.len());
@@ -319,7 +320,8 @@ impl Engine {
             s.last = if s.sampler.is_greedy() {
                 greedy[i]
             } else {
-                s.sampler.sample(&logits.get(i)?.to_vec1::<f32>()?)
+                s.sampler
+                    .sample(&logits.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
             };
             out.push((input.seq, s.last));
         }

@@ -49,14 +49,18 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// The index of a largest logit of each row of `logits` `[B, V]` (the first on ties), computed
-/// where the logits are; only the ids come back. On a GPU, f32 logits go to one kernel
-/// (`ep_kernels::sampling`): candle's reductions index every element through its strides, and
-/// its argmax gives a 129280-token row one block, the longest kernels of a decode step after
-/// the weight reads (`docs/design.md`, "Greedy sampling"). Elsewhere candle's argmax.
+/// where the logits are; only the ids come back. On a GPU, f32 or bf16 logits go to one kernel
+/// (`ep_kernels::sampling`; bf16 as the model leaves them, without a cast): candle's reductions
+/// index every element through its strides, and its argmax gives a 129280-token row one
+/// block, the longest kernels of a decode step after the weight reads (`docs/design.md`,
+/// "Greedy sampling"). Elsewhere candle's argmax.
 pub fn greedy_ids(logits: &Tensor) -> Result<Vec<u32>> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = logits.device() {
-        if logits.dtype() == candle_core::DType::F32 {
+        if matches!(
+            logits.dtype(),
+            candle_core::DType::F32 | candle_core::DType::BF16
+        ) {
             return greedy_ids_cuda(dev, logits);
         }
     }
@@ -81,7 +85,12 @@ fn greedy_ids_cuda(
     let mut keys = alloc_uninit::<u64>(&stream, rows)?;
     {
         let l = DeviceTensor::new("logits", &logits)?;
-        sampling::argmax_rows_f32_cuda(&stream, &l.view::<f32>()?, rows, vocab, &mut keys)?;
+        if logits.dtype() == candle_core::DType::BF16 {
+            let v = l.view::<half::bf16>()?;
+            sampling::argmax_rows_bf16_cuda(&stream, &v, rows, vocab, &mut keys)?;
+        } else {
+            sampling::argmax_rows_f32_cuda(&stream, &l.view::<f32>()?, rows, vocab, &mut keys)?;
+        }
     }
     let keys = stream.clone_dtoh(&keys)?;
     Ok(keys.into_iter().map(sampling::key_index).collect())

@@ -2,14 +2,15 @@
 // reading the logits back. Each row is cut into `chunks` runs, one block a run; a block reduces
 // its run to (value, index) by shuffles and shared memory and folds it into the row's 64-bit
 // key with one atomicMax: the value in order-preserving bits above, the complement of the index
-// below (so the smaller index wins a tie). Keys start at 0 (below every value's key). Launcher
-// and host twin: src/sampling/cuda/argmax.rs, src/sampling/mod.rs (`argmax_rows`).
+// below (so the smaller index wins a tie). Keys start at 0 (below every value's key). f32 or
+// bf16 logits (read as they lie, compared in f32: a model's bf16 logits need no cast first).
+// Launcher and host twin: src/sampling/cuda/argmax.rs, src/sampling/mod.rs (`argmax_rows`).
 
 #include "common.cuh"
 
 // Mirrors `ArgmaxParams` in src/sampling/cuda/argmax.rs.
 struct ArgmaxParams {
-    const float* logits;  // [rows, vocab]
+    const void* logits;   // [rows, vocab], f32 or bf16 (the entry point's)
     unsigned long long* keys;  // [rows], zeroed
     int64_t rows;
     int64_t vocab;
@@ -24,19 +25,21 @@ __device__ __forceinline__ bool better(float v, int64_t i, float bv, int64_t bi)
     return v > bv || (v == bv && i < bi);
 }
 
-}  // namespace
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return ep::bf16_to_f32(v); }
 
-EP_KERNEL void argmax_rows_f32(const __grid_constant__ ArgmaxParams p) {
+template <typename T>
+__device__ __forceinline__ void argmax_rows(const ArgmaxParams& p) {
     __shared__ float s_val[32];
     __shared__ int64_t s_idx[32];
     const int64_t row = blockIdx.y;
     const int64_t begin = static_cast<int64_t>(blockIdx.x) * p.chunk;
     const int64_t end = begin + p.chunk < p.vocab ? begin + p.chunk : p.vocab;
-    const float* x = p.logits + row * p.vocab;
+    const T* x = static_cast<const T*>(p.logits) + row * p.vocab;
     float bv = -INFINITY;
     int64_t bi = begin + threadIdx.x < end ? begin + threadIdx.x : begin;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        const float v = x[i];
+        const float v = to_f32(x[i]);
         if (v > bv) {
             bv = v;
             bi = i;
@@ -72,4 +75,12 @@ EP_KERNEL void argmax_rows_f32(const __grid_constant__ ArgmaxParams p) {
                                        (0xffffffffull - static_cast<unsigned long long>(bi));
         atomicMax(p.keys + row, key);
     }
+}
+
+}  // namespace
+
+EP_KERNEL void argmax_rows_f32(const __grid_constant__ ArgmaxParams p) { argmax_rows<float>(p); }
+
+EP_KERNEL void argmax_rows_bf16(const __grid_constant__ ArgmaxParams p) {
+    argmax_rows<__nv_bfloat16>(p);
 }

@@ -1,7 +1,8 @@
 //! Greedy sampling on the device: the index of each row's largest logit (the first on ties),
 //! so that a decode step reads back one id a sequence instead of its logits
 //! (`docs/design.md`, "Greedy sampling"). Host twin: [`argmax_rows`]; on CUDA
-//! `argmax_rows_f32_cuda` (`argmax.cu`), whose per-row keys [`key_index`] turns into ids.
+//! `argmax_rows_f32_cuda` and `argmax_rows_bf16_cuda` (`argmax.cu`), whose per-row keys
+//! [`key_index`] turns into ids.
 
 #[cfg(feature = "cuda")]
 mod cuda;

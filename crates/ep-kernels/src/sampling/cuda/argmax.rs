@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use half::bf16;
 
 use crate::cuda::{KernelParams, Kernels};
 use crate::error::Result;
@@ -42,13 +43,37 @@ pub fn argmax_rows_f32_cuda(
     vocab: usize,
     keys: &mut impl DevicePtrMut<u64>,
 ) -> Result<()> {
+    launch(stream, "argmax_rows_f32", logits, rows, vocab, keys)
+}
+
+/// [`argmax_rows_f32_cuda`] on bf16 logits (a model's own dtype: no cast to f32 first; the
+/// values compare as their f32 conversions, exactly).
+pub fn argmax_rows_bf16_cuda(
+    stream: &Arc<CudaStream>,
+    logits: &impl DevicePtr<bf16>,
+    rows: usize,
+    vocab: usize,
+    keys: &mut impl DevicePtrMut<u64>,
+) -> Result<()> {
+    launch(stream, "argmax_rows_bf16", logits, rows, vocab, keys)
+}
+
+/// The checks and launch of entry point `name` of `argmax.cu` over logits of its dtype `T`.
+fn launch<T>(
+    stream: &Arc<CudaStream>,
+    name: &str,
+    logits: &impl DevicePtr<T>,
+    rows: usize,
+    vocab: usize,
+    keys: &mut impl DevicePtrMut<u64>,
+) -> Result<()> {
     check_argmax(rows, vocab, logits.len())?;
     crate::error::Error::check_len("keys", rows, keys.len())?;
     if rows == 0 {
         return Ok(());
     }
     let kernels = Kernels::for_stream(stream)?;
-    let kernel = kernels.kernel(FILE, "argmax_rows_f32")?;
+    let kernel = kernels.kernel(FILE, name)?;
     stream.context().bind_to_thread()?;
     stream.memset_zeros(keys)?;
     let sms = kernels.props().sm_count.max(1) as usize;
@@ -71,7 +96,8 @@ pub fn argmax_rows_f32_cuda(
         vocab: vocab as i64,
         chunk: chunk as i64,
     };
-    // SAFETY: `params` matches `ArgmaxParams`; `logits` holds `rows * vocab` f32 and `keys`
+    // SAFETY: `params` matches `ArgmaxParams`; `logits` holds `rows * vocab` values of the
+    // entry point's dtype `T` (f32 or bf16, paired by the two public launchers) and `keys`
     // `rows` u64 (checked above; `rows` fits the grid), their guards live until the launch is
     // queued; block (r, y) reads values `r * chunk ..` of row `y` below `vocab` and updates key
     // `y` atomically, after the zeroing queued before it on the same stream.

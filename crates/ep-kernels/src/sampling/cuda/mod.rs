@@ -2,4 +2,4 @@
 
 mod argmax;
 
-pub use argmax::argmax_rows_f32_cuda;
+pub use argmax::{argmax_rows_bf16_cuda, argmax_rows_f32_cuda};
