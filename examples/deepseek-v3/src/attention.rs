@@ -251,12 +251,8 @@ impl Attention {
         let q = q.reshape((t, h, self.nope + rope))?;
         // Each head's query in the latent space, token-major: [total, heads, rank].
         let q_latent = self.w_uk.forward(&q, 0)?;
-        // [1, heads, total, rope]: every token rotated by its own position.
-        let q_pe = q
-            .narrow(2, self.nope, rope)?
-            .transpose(0, 1)?
-            .unsqueeze(0)?;
-        let q_pe = rope_rows.apply(&q_pe)?.squeeze(0)?.transpose(0, 1)?;
+        // [total, heads, rope]: every token rotated by its own position, token-major.
+        let q_pe = rope_rows.apply_token_major(&q.narrow(2, self.nope, rope)?)?;
 
         // [total, rank + rope]. On the strided latent rows candle's RMS norm follows Hugging
         // Face's recipe (the normalised latent rounded to the dtype before the weight); they are

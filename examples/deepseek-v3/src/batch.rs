@@ -14,6 +14,23 @@ use crate::rotary::{RopeRows, Rotary};
 /// sent the prefill's batched GEMMs to sm_75 kernels; `docs/design.md`, "MLA attention").
 pub const KEY_ALIGN: usize = 8;
 
+/// Shortest key length a captured decode step reads (`decode_graph`; smaller steps share its
+/// graph).
+const MIN_KEYS: usize = 256;
+
+/// Finest step between the key lengths of captured decode steps.
+const KEY_STEP: usize = 128;
+
+/// Keys a captured decode step (`decode_graph`) reads when its longest sequence (with the new
+/// token) has `longest` tokens, in a cache of `capacity` positions: `longest` rounded up to a
+/// multiple of an eighth of its next power of two (at least [`KEY_STEP`]), at least
+/// [`MIN_KEYS`], at most `capacity`. Eight shapes an octave: attention reads at most an eighth more keys than the
+/// longest sequence has, and the number of graphs grows with the log of the context.
+pub fn captured_keys(longest: usize, capacity: usize) -> usize {
+    let step = (longest.next_power_of_two() / 8).max(KEY_STEP);
+    longest.next_multiple_of(step).max(MIN_KEYS).min(capacity)
+}
+
 /// One sequence of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeqSpan {
@@ -320,5 +337,33 @@ impl BatchPlan {
     /// The rows of each sequence's last token, `[b, hidden]` in the caller's order.
     pub fn last_rows(&self, x: &Tensor) -> Result<Tensor> {
         x.index_select(&self.last, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::captured_keys;
+
+    #[test]
+    fn key_buckets_round_up_to_an_eighth_of_an_octave() {
+        // (longest, capacity) -> keys read
+        for ((longest, capacity), want) in [
+            ((1, 4096), 256),
+            ((256, 4096), 256),
+            ((257, 4096), 384),
+            ((513, 4096), 640),
+            ((640, 4096), 640),
+            ((641, 4096), 768),
+            ((1025, 4096), 1280),
+            ((3000, 4096), 3072),
+            ((600, 600), 600),
+            ((100, 200), 200),
+        ] {
+            assert_eq!(
+                captured_keys(longest, capacity),
+                want,
+                "{longest} in {capacity}"
+            );
+        }
     }
 }

@@ -95,6 +95,22 @@ impl RopeRows {
             candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)
         }
     }
+
+    /// Rotates `x` of shape `[t, heads, rope_dim]` (token `i` by the angle of its own position)
+    /// where it lies, token-major: each token is a batch of one position whose cos and sin
+    /// rows are its own, so no transposing copy goes in or out (the same values as
+    /// [`RopeRows::apply`] on the transposed rows).
+    pub fn apply_token_major(&self, x: &Tensor) -> Result<Tensor> {
+        let (t, heads, d) = x.dims3()?;
+        let x = x.contiguous()?.reshape((t, heads, 1, d))?;
+        let (cos, sin) = (self.cos.unsqueeze(1)?, self.sin.unsqueeze(1)?);
+        let y = if self.interleave {
+            candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?
+        } else {
+            candle_nn::rotary_emb::rope(&x, &cos, &sin)?
+        };
+        y.reshape((t, heads, d))
+    }
 }
 
 /// YaRN: frequencies blended between interpolated and original by a linear ramp over the
@@ -152,6 +168,41 @@ mod tests {
         });
         let m = 0.1 * 40f64.ln() + 1.0;
         assert!((softmax_scale(&cfg) - plain * m * m).abs() < 1e-12);
+    }
+
+    /// `RopeRows::apply_token_major` on `[t, heads, d]` equals `RopeRows::apply` on the same
+    /// rows transposed to `[1, heads, t, d]`, bit for bit, for both pairings; a strided input
+    /// (the query's rope columns) is read where it lies.
+    #[test]
+    fn token_major_rotation_equals_the_head_major_one() {
+        let dev = Device::Cpu;
+        for interleave in [true, false] {
+            let mut cfg = DeepSeekV3Config::tiny();
+            cfg.rope_interleave = interleave;
+            let d = cfg.qk_rope_head_dim;
+            let rotary = Rotary::new(&cfg, 32, DType::F32, &dev).unwrap();
+            let positions = [5u32, 0, 17, 31];
+            let (t, heads, nope) = (positions.len(), 3, 4);
+            let q = Tensor::randn(0f32, 1.0, (t, heads, nope + d), &dev).unwrap();
+            let x = q.narrow(2, nope, d).unwrap();
+            let rows = rotary
+                .rows(&Tensor::new(&positions[..], &dev).unwrap())
+                .unwrap();
+            let got = rows.apply_token_major(&x).unwrap();
+            let want = rows
+                .apply(&x.transpose(0, 1).unwrap().unsqueeze(0).unwrap())
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap();
+            assert_eq!(got.dims(), [t, heads, d]);
+            let (g, w): (Vec<f32>, Vec<f32>) = (
+                got.flatten_all().unwrap().to_vec1().unwrap(),
+                want.flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            assert_eq!(g, w, "interleave {interleave}");
+        }
     }
 
     /// `Rotary::apply` against the rotation written out pair by pair, for both pairings.
