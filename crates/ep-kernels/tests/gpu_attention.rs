@@ -8,6 +8,10 @@
 //!   rounding; f32 `expf` differs from Rust's `exp` by an ulp or two), over random scores,
 //!   masks that hide a random tail of each sequence's keys (-1e9, as the model's plan writes
 //!   them in bf16, and -inf), and a sequence masked everywhere (zeros).
+//! - The rope columns' rotation: each value within `2^-7 (|x_a c| + |x_b s|)` of the twin's
+//!   (the twin rounds both products to bf16, the kernel may fuse one into the sum as candle's
+//!   does: one product's rounding, and the result's, apart), read where they lie in
+//!   DeepSeek-V3's query and key rows, both pairings; every output written.
 
 mod common;
 
@@ -16,7 +20,7 @@ use std::sync::Arc;
 use common::{device, poisoned, CaseResult, Poison, Runner};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaStream;
-use ep_kernels::attention::{self, PerHeadShape, ScoresShape};
+use ep_kernels::attention::{self, PerHeadShape, RopeShape, ScoresShape};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -160,6 +164,76 @@ fn softmax_case(
     Ok(())
 }
 
+fn rope_case(stream: &Arc<CudaStream>, rng: &mut StdRng, shape: RopeShape) -> CaseResult {
+    let RopeShape {
+        tokens,
+        heads,
+        x_width,
+        dim,
+        ..
+    } = shape;
+    let x = random_bf16(rng, tokens * heads * x_width, 4.0);
+    // cos and sin of random angles, rounded to bf16 as the model's tables are.
+    let angles: Vec<f32> = (0..tokens * dim / 2)
+        .map(|_| rng.random_range(-3.2f32..3.2))
+        .collect();
+    let cos: Vec<bf16> = angles.iter().map(|a| bf16::from_f32(a.cos())).collect();
+    let sin: Vec<bf16> = angles.iter().map(|a| bf16::from_f32(a.sin())).collect();
+    let n = tokens * heads * dim;
+    let mut o_dev = poisoned::<bf16>(stream, n + 1)?;
+    let (x_dev, c_dev, s_dev) = (
+        stream.clone_htod(&x)?,
+        stream.clone_htod(&cos)?,
+        stream.clone_htod(&sin)?,
+    );
+    attention::rope_bf16_cuda(
+        stream,
+        &x_dev,
+        &c_dev,
+        &s_dev,
+        shape,
+        &mut o_dev.slice_mut(0..n),
+    )?;
+    let got = stream.clone_dtoh(&o_dev)?;
+    let poison = bf16::poison().to_bits();
+    if got[n].to_bits() != poison {
+        return Err("the element past out was written".into());
+    }
+    let mut want = vec![bf16::ZERO; n];
+    attention::rope_rows(&x, &cos, &sin, shape, &mut want)?;
+    for (i, (g, w)) in got[..n].iter().zip(&want).enumerate() {
+        if g.to_bits() == poison {
+            return Err(format!("out[{i}] not written (poison)").into());
+        }
+        // The terms of output i: its pair's two products.
+        let (t, rest) = (i / (heads * dim), i % (heads * dim));
+        let (h, col) = (rest / dim, rest % dim);
+        let pair = (0..dim / 2)
+            .find(|&p| {
+                let (a, b) = shape.pair(p);
+                a == col || b == col
+            })
+            .ok_or("column outside every pair")?;
+        let (a, b) = shape.pair(pair);
+        let xrow = &x[(t * heads + h) * x_width + shape.first..];
+        let (c, sn) = (
+            cos[t * dim / 2 + pair].to_f32(),
+            sin[t * dim / 2 + pair].to_f32(),
+        );
+        let (xa, xb) = (xrow[a].to_f32(), xrow[b].to_f32());
+        let terms = if col == a {
+            (xa * c).abs() + (xb * sn).abs()
+        } else {
+            (xa * sn).abs() + (xb * c).abs()
+        };
+        let (gf, wf) = (g.to_f32(), w.to_f32());
+        if (gf - wf).abs() > terms / 128.0 {
+            return Err(format!("out[{i}] = {gf}, twin {wf} (terms {terms})").into());
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let mut runner = Runner::from_env("gpu_attention");
     let (_ctx, stream) = match device() {
@@ -273,6 +347,39 @@ fn main() {
     for (name, s, hidden, masked) in softmax_cases {
         runner.case(name, |rng| softmax_case(&stream, rng, s, hidden, masked));
     }
+    let rope = |tokens, heads, x_width, first, interleave| RopeShape {
+        tokens,
+        heads,
+        x_width,
+        first,
+        dim: 64,
+        interleave,
+    };
+    let rope_cases = [
+        // DeepSeek-V3: the query's rope columns (128 heads of 192), the key's (one block of 576).
+        ("rope/ds-v3/query-64-tokens", rope(64, 128, 192, 128, true)),
+        ("rope/ds-v3/key-300-tokens", rope(300, 1, 576, 512, true)),
+        (
+            "rope/ds-v3/query-non-interleaved",
+            rope(7, 128, 192, 128, false),
+        ),
+        ("rope/odd/one-token-mid-block", rope(1, 3, 100, 17, true)),
+    ];
+    for (name, s) in rope_cases {
+        runner.case(name, |rng| rope_case(&stream, rng, s));
+    }
+    runner.case("rope/bad-input/errors-before-launch", |_| {
+        let v = stream.alloc_zeros::<bf16>(64)?;
+        let mut o = stream.alloc_zeros::<bf16>(64)?;
+        let s = rope(1, 1, 64, 8, true);
+        let err = attention::rope_bf16_cuda(&stream, &v, &v, &v, s, &mut o)
+            .err()
+            .ok_or("64 columns from 8 of a 64-value block accepted")?;
+        if !err.to_string().contains("rope shape") {
+            return Err(format!("unexpected message: {err}").into());
+        }
+        Ok(())
+    });
     runner.case("softmax/bad-input/errors-before-launch", |_| {
         let v = stream.alloc_zeros::<bf16>(2 * 3 * 4)?;
         let mut p = stream.alloc_zeros::<bf16>(2 * 3 * 4)?;

@@ -252,7 +252,7 @@ impl Attention {
         // Each head's query in the latent space, token-major: [total, heads, rank].
         let q_latent = self.w_uk.forward(&q, 0)?;
         // [total, heads, rope]: every token rotated by its own position, token-major.
-        let q_pe = rope_rows.apply_token_major(&q.narrow(2, self.nope, rope)?)?;
+        let q_pe = rope_rows.apply_columns(&q, self.nope, rope)?;
 
         // [total, rank + rope]. On the strided latent rows candle's RMS norm follows Hugging
         // Face's recipe (the normalised latent rounded to the dtype before the weight); they are
@@ -260,8 +260,7 @@ impl Attention {
         // attention and greedy sampling").
         let ckv = self.kv_a.forward(x)?;
         let latent = self.kv_a_norm.forward(&ckv.narrow(1, 0, r)?)?;
-        let k_pe = ckv.narrow(1, r, rope)?.reshape((1, 1, t, rope))?;
-        let k_pe = rope_rows.apply(&k_pe)?.reshape((t, 1, rope))?;
+        let k_pe = rope_rows.apply_columns(&ckv.reshape((t, 1, r + rope))?, r, rope)?;
         let latent = plan
             .pad(&latent.reshape((t, 1, r))?)?
             .reshape((b, t_max, r))?;

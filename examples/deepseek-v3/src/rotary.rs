@@ -96,6 +96,68 @@ impl RopeRows {
         }
     }
 
+    /// The `dim` rope columns from `first` of each head's block of `x` (`[t, heads, width]`,
+    /// token `i` by the angle of its own position), rotated: `[t, heads, dim]`. On CUDA in
+    /// bf16 one kernel reads them where they lie (`ep_kernels::attention::rope_rows`: candle's
+    /// strided copy of the columns took longer than the rotation, `docs/design.md`, "MLA
+    /// attention"); elsewhere [`RopeRows::apply_token_major`] on the columns. The kernel spells
+    /// the rotation in bf16 operations as candle's CUDA rope kernels do, and gave the model the
+    /// same logits.
+    pub fn apply_columns(&self, x: &Tensor, first: usize, dim: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = x.device() {
+            if x.dtype() == DType::BF16 && self.cos.dtype() == DType::BF16 && x.dim(0)? > 0 {
+                return self.apply_columns_cuda(dev, x, first, dim);
+            }
+        }
+        self.apply_token_major(&x.narrow(2, first, dim)?)
+    }
+
+    /// [`RopeRows::apply_columns`] on the rope kernel.
+    #[cfg(feature = "cuda")]
+    fn apply_columns_cuda(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        x: &Tensor,
+        first: usize,
+        dim: usize,
+    ) -> Result<Tensor> {
+        use candle_core::Error as E;
+        use half::bf16;
+        use moe_layer::ep_kernels::attention::{rope_bf16_cuda, RopeShape};
+        use moe_layer::ep_runtime::device_tensor::{alloc_uninit, wrap, DeviceTensor};
+        let (t, heads, width) = x.dims3()?;
+        let shape = RopeShape {
+            tokens: t,
+            heads,
+            x_width: width,
+            first,
+            dim,
+            interleave: self.interleave,
+        };
+        let stream = dev.cuda_stream();
+        let (x, cos, sin) = (
+            x.contiguous()?,
+            self.cos.contiguous()?,
+            self.sin.contiguous()?,
+        );
+        let mut out = alloc_uninit::<bf16>(&stream, t * heads * dim).map_err(E::wrap)?;
+        {
+            let (x_d, cos_d, sin_d) = (
+                DeviceTensor::new("x", &x).map_err(E::wrap)?,
+                DeviceTensor::new("cos", &cos).map_err(E::wrap)?,
+                DeviceTensor::new("sin", &sin).map_err(E::wrap)?,
+            );
+            let (x_v, cos_v, sin_v) = (
+                x_d.view::<bf16>().map_err(E::wrap)?,
+                cos_d.view::<bf16>().map_err(E::wrap)?,
+                sin_d.view::<bf16>().map_err(E::wrap)?,
+            );
+            rope_bf16_cuda(&stream, &x_v, &cos_v, &sin_v, shape, &mut out).map_err(E::wrap)?;
+        }
+        Ok(wrap(out, (t, heads, dim), dev))
+    }
+
     /// Rotates `x` of shape `[t, heads, rope_dim]` (token `i` by the angle of its own position)
     /// where it lies, token-major: each token is a batch of one position whose cos and sin
     /// rows are its own, so no transposing copy goes in or out (the same values as

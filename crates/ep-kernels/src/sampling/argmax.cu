@@ -14,9 +14,11 @@ struct ArgmaxParams {
     unsigned long long* keys;  // [rows], zeroed
     int64_t rows;
     int64_t vocab;
-    int64_t chunk;  // values of a run (the last run may be shorter)
+    int64_t chunk;  // values of a run (the last run may be shorter); a multiple of 8 with `vec`
+    int32_t vec;    // bf16 only: 8 values a load (vocab % 8 == 0, logits 16-byte aligned)
+    int32_t pad_;
 };
-EP_CHECK_PARAMS_SIZE(ArgmaxParams, 40);
+EP_CHECK_PARAMS_SIZE(ArgmaxParams, 48);
 
 namespace {
 
@@ -38,11 +40,37 @@ __device__ __forceinline__ void argmax_rows(const ArgmaxParams& p) {
     const T* x = static_cast<const T*>(p.logits) + row * p.vocab;
     float bv = -INFINITY;
     int64_t bi = begin + threadIdx.x < end ? begin + threadIdx.x : begin;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        const float v = to_f32(x[i]);
-        if (v > bv) {
-            bv = v;
-            bi = i;
+    if constexpr (sizeof(T) == 2) {
+        if (p.vec != 0) {
+            // 8 values a load, in index order within the load (the first largest wins).
+            for (int64_t i = begin + 8 * static_cast<int64_t>(threadIdx.x); i < end;
+                 i += 8 * static_cast<int64_t>(blockDim.x)) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(x + i);
+                const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+                    const float lo = __low2float(pair);
+                    const float hi = __high2float(pair);
+                    if (lo > bv) {
+                        bv = lo;
+                        bi = i + 2 * w;
+                    }
+                    if (hi > bv) {
+                        bv = hi;
+                        bi = i + 2 * w + 1;
+                    }
+                }
+            }
+        }
+    }
+    if (p.vec == 0) {
+        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            const float v = to_f32(x[i]);
+            if (v > bv) {
+                bv = v;
+                bi = i;
+            }
         }
     }
 #pragma unroll

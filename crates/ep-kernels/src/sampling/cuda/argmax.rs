@@ -27,8 +27,10 @@ struct ArgmaxParams {
     rows: i64,
     vocab: i64,
     chunk: i64,
+    vec: i32,
+    pad_: i32,
 }
-const _: () = assert!(std::mem::size_of::<ArgmaxParams>() == 40);
+const _: () = assert!(std::mem::size_of::<ArgmaxParams>() == 48);
 
 // SAFETY: `repr(C)` plain data mirroring `ArgmaxParams` in argmax.cu (size asserted both sides).
 unsafe impl KernelParams for ArgmaxParams {}
@@ -80,9 +82,16 @@ fn launch<T>(
     let runs = (BLOCKS_PER_SM * sms)
         .div_ceil(rows)
         .clamp(1, vocab.div_ceil(MIN_RUN));
-    let chunk = vocab.div_ceil(runs);
-    let runs = vocab.div_ceil(chunk);
     let (l_ptr, _gl) = logits.device_ptr(stream);
+    // bf16 rows of whole 16-byte loads: runs of a multiple of 8 values, 8 a load.
+    let vec = std::mem::size_of::<T>() == 2 && vocab % 8 == 0 && l_ptr % 16 == 0;
+    let chunk = vocab.div_ceil(runs);
+    let chunk = if vec {
+        chunk.next_multiple_of(8)
+    } else {
+        chunk
+    };
+    let runs = vocab.div_ceil(chunk);
     let (k_ptr, _gk) = keys.device_ptr_mut(stream);
     let cfg = LaunchConfig {
         grid_dim: (runs as u32, rows as u32, 1),
@@ -95,11 +104,15 @@ fn launch<T>(
         rows: rows as i64,
         vocab: vocab as i64,
         chunk: chunk as i64,
+        vec: i32::from(vec),
+        pad_: 0,
     };
     // SAFETY: `params` matches `ArgmaxParams`; `logits` holds `rows * vocab` values of the
     // entry point's dtype `T` (f32 or bf16, paired by the two public launchers) and `keys`
     // `rows` u64 (checked above; `rows` fits the grid), their guards live until the launch is
     // queued; block (r, y) reads values `r * chunk ..` of row `y` below `vocab` and updates key
-    // `y` atomically, after the zeroing queued before it on the same stream.
+    // `y` atomically, after the zeroing queued before it on the same stream; with `vec` each
+    // 16-byte load starts at a multiple of 8 values of a row of a multiple of 8 (aligned, and
+    // inside the row: runs start at multiples of 8 and `end` is one too).
     unsafe { kernel.launch(stream, cfg, params) }
 }
