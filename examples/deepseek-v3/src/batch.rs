@@ -24,8 +24,9 @@ const KEY_STEP: usize = 128;
 /// Keys a captured decode step (`decode_graph`) reads when its longest sequence (with the new
 /// token) has `longest` tokens, in a cache of `capacity` positions: `longest` rounded up to a
 /// multiple of an eighth of its next power of two (at least [`KEY_STEP`]), at least
-/// [`MIN_KEYS`], at most `capacity`. Eight shapes an octave: attention reads at most an eighth more keys than the
-/// longest sequence has, and the number of graphs grows with the log of the context.
+/// [`MIN_KEYS`], at most `capacity`. Eight shapes an octave: attention reads less than a
+/// quarter more keys than the longest sequence has (up to twice as many with powers of two),
+/// and the number of graphs grows with the log of the context.
 pub fn captured_keys(longest: usize, capacity: usize) -> usize {
     let step = (longest.next_power_of_two() / 8).max(KEY_STEP);
     longest.next_multiple_of(step).max(MIN_KEYS).min(capacity)

@@ -9,12 +9,13 @@
 //!
 //! A captured step runs over slots `0..B` of the cache (`B` the batch rounded up to a power of
 //! two, capped at the cache's slots) and reads keys `0..L` (`L` the longest sequence rounded
-//! up to an eighth of its next power of two, in multiples of 128, at least 256, capped at the
+//! up to a multiple of `max(128, next power of two / 8)`, at least 256, capped at the
 //! context: [`crate::batch::captured_keys`]; powers of two left attention reading up to twice
 //! the keys). Padding rows read token 0 at the last position of their (unused) slots: a
 //! decode batch is every live sequence, so the slots past it are free, and the last position
-//! is masked for every sequence shorter than the context. The graph is reused for every step with the same `(B, L)`; positions, the mask
-//! and the cache writes are computed inside it from the inputs.
+//! is masked for every sequence shorter than the context. The graph is reused for every step
+//! with the same `(B, L)`; positions, the mask and the cache writes are computed inside it from
+//! the inputs.
 //!
 //! With several ranks each rank captures the shapes of its own batches, whenever they first
 //! occur: what must stay in step across ranks is the number of MoE collectives each rank runs

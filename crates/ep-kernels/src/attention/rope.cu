@@ -3,7 +3,8 @@
 //   out[t, h, a] = x_a * c - x_b * s,   out[t, h, b] = x_a * s + x_b * c,
 // c = cos[t, i], s = sin[t, i], (a, b) = (2i, 2i + 1) interleaved or (i, i + dim / 2), in bf16
 // operations as candle's rope kernels (the host twin rounds each product, then the sum; here
-// ptxas may fuse one product into the sum). One thread a pair, grid-stride. Launcher and host twin: src/attention/cuda/rope.rs, src/attention/rope.rs.
+// ptxas may fuse one product into the sum). One thread a pair, grid-stride. Launcher and host
+// twin: src/attention/cuda/rope.rs, src/attention/rope.rs.
 
 #include "common.cuh"
 

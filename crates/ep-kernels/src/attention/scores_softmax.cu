@@ -111,7 +111,8 @@ __device__ __forceinline__ void softmax_row_vec(const ScoresSoftmaxParams& p,
             const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
             words[i] = *reinterpret_cast<const uint32_t*>(&pair);
         }
-        *reinterpret_cast<uint4*>(out + c * kVec) = make_uint4(words[0], words[1], words[2], words[3]);
+        *reinterpret_cast<uint4*>(out + c * kVec) =
+            make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
 
