@@ -93,4 +93,21 @@ impl Error {
             Err(Self::Length { arg, expected, got })
         }
     }
+
+    /// Checks every `(arg, expected, got)` length of the tensors of one shape; the first that
+    /// differs is an [`Error::InvalidArgument`] saying what it must hold for `shape` (the
+    /// shape in words).
+    pub fn check_lens(
+        lens: &[(&'static str, usize, usize)],
+        shape: impl std::fmt::Display,
+    ) -> Result<()> {
+        match lens.iter().find(|(_, want, got)| want != got) {
+            None => Ok(()),
+            Some(&(arg, want, got)) => Err(Self::invalid(
+                arg,
+                format!("{got} values"),
+                format!("must hold {want} for {shape}"),
+            )),
+        }
+    }
 }

@@ -25,7 +25,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use moe_layer::ep_runtime::graph::{capture, warm_up, CapturedGraph};
 
 use crate::batch::BatchPlan;
@@ -70,21 +70,11 @@ impl DecodeGraphs {
     }
 
     /// A decode step of every live sequence of `cache` (slot order), `tokens[i]` the new token
-    /// of slot `i`: returns the logits `[n, vocab]` in f32 and advances the cache. On the first
-    /// step of a shape the step runs eagerly (that is this step) and is then captured for the
-    /// next ones.
+    /// of slot `i`: returns the logits `[n, vocab]` in the model's dtype, as the step leaves
+    /// them (greedy sampling reads them so: no cast of every sequence's vocabulary row), and
+    /// advances the cache. On the first step of a shape the step runs eagerly (that is this
+    /// step) and is then captured for the next ones.
     pub fn step(
-        &mut self,
-        model: &DeepSeekV3,
-        cache: &mut KvCache,
-        tokens: &[u32],
-    ) -> Result<Tensor> {
-        self.step_logits(model, cache, tokens)?.to_dtype(DType::F32)
-    }
-
-    /// [`DecodeGraphs::step`] with the logits in the model's dtype, as the step leaves them
-    /// (greedy sampling reads them so: no cast of every sequence's vocabulary row).
-    pub fn step_logits(
         &mut self,
         model: &DeepSeekV3,
         cache: &mut KvCache,

@@ -277,7 +277,7 @@ impl Engine {
                 if let Some(graphs) = self.decode_graphs.as_mut().filter(|_| !ids.is_empty()) {
                     let tokens: Vec<u32> = last.iter().map(|t| t[0]).collect();
                     let logits = graphs
-                        .step_logits(&self.model, &mut self.cache, &tokens)
+                        .step(&self.model, &mut self.cache, &tokens)
                         .with_context(|| {
                             format!("rank {}: captured decode step failed", self.rank)
                         })?;

@@ -195,7 +195,9 @@ fn graphs_match_eager_with(fp8: bool, re_placed: bool) -> R<()> {
             .map(|(&seq, t)| SeqInput { seq, tokens: t })
             .collect();
         let want = m.forward(&mut eager, &inputs, StepKind::Decode)?;
-        let got = graphs.step(&m, &mut captured, &tokens)?;
+        let got = graphs
+            .step(&m, &mut captured, &tokens)?
+            .to_dtype(DType::F32)?;
         if got.dims() != want.dims() {
             return Err(format!("step {step}: {:?} vs {:?}", got.dims(), want.dims()).into());
         }

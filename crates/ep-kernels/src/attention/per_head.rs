@@ -53,21 +53,14 @@ impl PerHeadShape {
                 "tokens, a row of x or y and one map must fit in an i32",
             ));
         }
-        let want = [
-            ("x", s.tokens * s.heads * s.x_width, x_len),
-            ("w", s.heads * s.k * s.n, w_len),
-            ("y", s.tokens * s.heads * s.n, y_len),
-        ];
-        for (arg, want, got) in want {
-            if want != got {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{got} values"),
-                    format!("must hold {want} for {s}"),
-                ));
-            }
-        }
-        Ok(())
+        Error::check_lens(
+            &[
+                ("x", s.tokens * s.heads * s.x_width, x_len),
+                ("w", s.heads * s.k * s.n, w_len),
+                ("y", s.tokens * s.heads * s.n, y_len),
+            ],
+            s,
+        )
     }
 }
 

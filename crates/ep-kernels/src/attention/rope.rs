@@ -32,7 +32,8 @@ impl RopeShape {
     /// error names what is wrong.
     pub fn check(&self, x: usize, cos: usize, sin: usize, out: usize) -> Result<()> {
         let s = self;
-        if s.dim == 0 || s.dim % 2 != 0 || s.first + s.dim > s.x_width {
+        if s.dim == 0 || s.dim % 2 != 0 || s.first.checked_add(s.dim).is_none_or(|e| e > s.x_width)
+        {
             return Err(Error::invalid(
                 "rope shape",
                 format!("{} columns from {} of {}", s.dim, s.first, s.x_width),
@@ -47,25 +48,18 @@ impl RopeShape {
                 "the rows' size must fit in a usize",
             ));
         };
-        let want = [
-            ("x", x_len, x),
-            ("cos", s.tokens * s.dim / 2, cos),
-            ("sin", s.tokens * s.dim / 2, sin),
-            ("out", s.tokens * s.heads * s.dim, out),
-        ];
-        for (arg, want, got) in want {
-            if want != got {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{got} values"),
-                    format!(
-                        "must hold {want} for {} tokens x {} heads of {} rope columns in blocks of {}",
-                        s.tokens, s.heads, s.dim, s.x_width
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        Error::check_lens(
+            &[
+                ("x", x_len, x),
+                ("cos", s.tokens * s.dim / 2, cos),
+                ("sin", s.tokens * s.dim / 2, sin),
+                ("out", s.tokens * s.heads * s.dim, out),
+            ],
+            format_args!(
+                "{} tokens x {} heads of {} rope columns in blocks of {}",
+                s.tokens, s.heads, s.dim, s.x_width
+            ),
+        )
     }
 
     /// The two columns of pair `i` within a head's rope columns.

@@ -52,25 +52,18 @@ impl ScoresShape {
         if !scale.is_finite() {
             return Err(Error::invalid("scale", scale, "must be finite"));
         }
-        let want = [
-            ("latent scores", elems, scores[0]),
-            ("rope scores", elems, scores[1]),
-            ("mask", s.seqs * s.queries * s.len, mask),
-            ("probs", elems, probs),
-        ];
-        for (arg, want, got) in want {
-            if want != got {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{got} values"),
-                    format!(
-                        "must hold {want} for {} sequences x {} heads x {} queries x {} keys",
-                        s.seqs, s.heads, s.queries, s.len
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        Error::check_lens(
+            &[
+                ("latent scores", elems, scores[0]),
+                ("rope scores", elems, scores[1]),
+                ("mask", s.seqs * s.queries * s.len, mask),
+                ("probs", elems, probs),
+            ],
+            format_args!(
+                "{} sequences x {} heads x {} queries x {} keys",
+                s.seqs, s.heads, s.queries, s.len
+            ),
+        )
     }
 }
 
