@@ -1,5 +1,7 @@
 //! GPU tests: the block-scaled fp8 grouped GEMMs (both layouts, both tile configurations and
-//! the tile-less GEMV of masked blocks, with extra groups), the experts' SwiGLU + fp8 quantization and the weight dequantization against
+//! the tile-less GEMV of masked blocks, with extra groups), the gate_up GEMM with SwiGLU and
+//! the act quantization in its epilogue, the experts' SwiGLU + fp8 quantization pass and the
+//! weight dequantization against
 //! their host twins, on fresh random operands quantized as DeepSeek's weights and the fp8
 //! dispatch's activations are, written into poisoned outputs.
 //!
@@ -305,15 +307,7 @@ fn run_case(
         } else {
             (&b, g)
         };
-        let picked: Vec<usize> = match c.sample {
-            Some(m) if cnt > m => {
-                let mut v = vec![0, cnt - 1];
-                v.extend((2..m).map(|_| rng.random_range(0..cnt)));
-                v
-            }
-            _ => (0..cnt).collect(),
-        };
-        for m in picked {
+        for m in checked_rows(rng, cnt, c.sample) {
             let r = s + m;
             let (src, row) = if g >= first_extra { (&xa, m) } else { (&a, r) };
             let a_row = fp8::dequantize_rows(
@@ -331,6 +325,19 @@ fn run_case(
         }
     }
     acc.finish()
+}
+
+/// The rows of a group of `cnt` rows that a case checks: all of them, or with `sample = Some(m)`
+/// the first, the last and `m - 2` random ones.
+fn checked_rows(rng: &mut StdRng, cnt: usize, sample: Option<usize>) -> Vec<usize> {
+    match sample {
+        Some(m) if cnt > m => {
+            let mut v = vec![0, cnt - 1];
+            v.extend((2..m).map(|_| rng.random_range(0..cnt)));
+            v
+        }
+        _ => (0..cnt).collect(),
+    }
 }
 
 /// `groups` counts summing to `total`, some zero.
@@ -383,7 +390,7 @@ fn swiglu_quantize_case(
     stream: &Arc<CudaStream>,
     rng: &mut StdRng,
     rows: usize,
-    inter: usize,
+    (inter, block): (usize, usize),
     m_max: Option<usize>,
     hot: bool,
 ) -> CaseResult {
@@ -395,14 +402,14 @@ fn swiglu_quantize_case(
     let mut q_want = vec![F8E4M3::poison(); rows * inter];
     let mut s_want = vec![f32::poison(); rows * groups];
     let mask = m_max.map(|m| (counts.as_slice(), m));
-    fp8::swiglu_quantize(&h, rows, inter, mask, &mut q_want, &mut s_want)?;
+    fp8::swiglu_quantize(&h, rows, inter, block, mask, &mut q_want, &mut s_want)?;
     let h_dev = stream.clone_htod(&h)?;
     let c_dev = stream.clone_htod(&counts.iter().copied().chain([0]).collect::<Vec<_>>())?;
     let c_view = c_dev.slice(0..counts.len());
     let mut q = poisoned::<F8E4M3>(stream, rows * inter)?;
     let mut s = poisoned::<f32>(stream, rows * groups)?;
     let dmask = m_max.map(|m| (&c_view as &dyn cudarc::driver::DevicePtr<i32>, m));
-    fp8::swiglu_quantize_fp8_cuda(stream, &h_dev, rows, inter, dmask, &mut q, &mut s)?;
+    fp8::swiglu_quantize_fp8_cuda(stream, &h_dev, rows, inter, block, dmask, &mut q, &mut s)?;
     let (q, s) = (stream.clone_dtoh(&q)?, stream.clone_dtoh(&s)?);
     for r in 0..rows {
         for g in 0..groups {
@@ -420,6 +427,123 @@ fn swiglu_quantize_case(
                 let (a, b) = (q[r * inter + c].to_f32(), q_want[r * inter + c].to_f32());
                 if (a - b).abs() > b.abs() / 8.0 + 1e-3 {
                     return Err(format!("row {r} column {c}: got {a}, want {b}").into());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The gate_up GEMM with SwiGLU and the act quantization in its epilogue against the host
+/// twin's row function on the f32 products (`b`'s rows taken as 128-row gate and up blocks in
+/// turn), per valid (or sampled) row: every scale within 2e-3 relative, and every dequantized
+/// act value within one e4m3 step (1/8 of it) plus 4e-3 of its block's amax. The products
+/// differ from the f32 reference as the plain GEMM's do (the tensor cores' partial sums), which
+/// moves an amax by a few 1e-4 and a small value by more than its own e4m3 step. Rows outside
+/// the groups' counts keep their poison in both outputs.
+fn swiglu_gemm_case(
+    stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
+    rng: &mut StdRng,
+    counts: &[i32],
+    layout: GroupLayout,
+    (n, k): (usize, usize),
+    sample: Option<usize>,
+) -> CaseResult {
+    let groups = counts.len();
+    let rows = match layout {
+        GroupLayout::Masked { m_max } => groups * m_max,
+        GroupLayout::Contiguous { alignment } => counts
+            .iter()
+            .map(|&x| (x as usize).div_ceil(alignment) * alignment)
+            .sum::<usize>(),
+    };
+    let shape = GroupedGemmShape {
+        groups,
+        rows,
+        n,
+        k,
+        layout,
+    };
+    let inter = n / 2;
+    let sg = inter / fp8::FP8_BLOCK;
+    let a = random_rows(rng, rows, k);
+    let b = random_weights(rng, groups, n, k, fp8::FP8_BLOCK);
+    let (a_q, a_s) = (stream.clone_htod(&a.q)?, stream.clone_htod(&a.scales)?);
+    let (b_q, b_s) = (stream.clone_htod(&b.q)?, stream.clone_htod(&b.scales)?);
+    let counts_dev = stream.clone_htod(counts)?;
+    let mut q = poisoned::<F8E4M3>(stream, rows * inter)?;
+    let mut s = poisoned::<f32>(stream, rows * sg)?;
+    fp8::grouped_gemm_swiglu_fp8_cuda(
+        stream,
+        &DeviceFp8 {
+            q: &a_q,
+            scales: &a_s,
+        },
+        &DeviceFp8 {
+            q: &b_q,
+            scales: &b_s,
+        },
+        &counts_dev,
+        &shape,
+        &mut q,
+        &mut s,
+        ws,
+    )?;
+    let (q, s) = (stream.clone_dtoh(&q)?, stream.clone_dtoh(&s)?);
+    let starts = gemm::group_starts(counts, layout, rows)?;
+    let mut valid = vec![false; rows];
+    for (&st, &c) in starts.iter().zip(counts) {
+        valid[st..st + c as usize]
+            .iter_mut()
+            .for_each(|v| *v = true);
+    }
+    for r in (0..rows).filter(|&r| !valid[r]) {
+        let q_row = &q[r * inter..(r + 1) * inter];
+        let s_row = &s[r * sg..(r + 1) * sg];
+        if q_row
+            .iter()
+            .any(|v| v.to_bits() != F8E4M3::poison().to_bits())
+            || s_row.iter().any(|v| v.to_bits() != f32::poison().to_bits())
+        {
+            return Err(format!("row {r} is outside every group but was written").into());
+        }
+    }
+    let ks = fp8::row_scale_cols(k);
+    for (g, (&st, &cnt)) in starts.iter().zip(counts).enumerate() {
+        let cnt = cnt as usize;
+        for m in checked_rows(rng, cnt, sample) {
+            let r = st + m;
+            let a_row = fp8::dequantize_rows(
+                &a.q[r * k..(r + 1) * k],
+                &a.scales[r * ks..(r + 1) * ks],
+                1,
+                k,
+            )?;
+            let products = products(&a_row, &b, g, n, fp8::FP8_BLOCK);
+            let mut q_want = vec![F8E4M3::ZERO; inter];
+            let mut s_want = vec![0f32; sg];
+            fp8::host::swiglu_quantize_row(
+                &products,
+                fp8::FP8_GATE_UP_BLOCK,
+                &mut q_want,
+                &mut s_want,
+            );
+            for blk in 0..sg {
+                let (got, want) = (s[r * sg + blk], s_want[blk]);
+                if (got - want).abs() > want * 2e-3 {
+                    return Err(
+                        format!("group {g} row {m} block {blk}: scale {got}, want {want}").into(),
+                    );
+                }
+            }
+            for c in 0..inter {
+                let blk = c / fp8::FP8_BLOCK;
+                let x = q[r * inter + c].to_f32() * s[r * sg + blk];
+                let y = q_want[c].to_f32() * s_want[blk];
+                let amax = s_want[blk] * 448.0;
+                if (x - y).abs() > y.abs() / 8.0 + 4e-3 * amax {
+                    return Err(format!("group {g} row {m} column {c}: act {x}, want {y}").into());
                 }
             }
         }
@@ -780,14 +904,71 @@ fn main() {
     }
     // Masked: random counts; one hot block among nearly empty ones; more blocks than a block of
     // threads lays out at once (the kernels' prefix of the counts runs in chunks).
-    for (name, rows, inter, m_max, hot) in [
-        ("contiguous/300x2048", 300, 2048, None, false),
-        ("masked/8x16x1408", 128, 1408, Some(16), false),
-        ("masked-hot/33x64x1024", 33 * 64, 1024, Some(64), true),
-        ("masked/300x4x256", 1200, 256, Some(4), false),
+    // The gate_up GEMM with SwiGLU in its epilogue: small odd groups, one group with all the
+    // rows, empty groups, a masked layout, and DeepSeek-V3's shapes (sampled rows).
+    for (name, counts, layout, n, k, sample) in [
+        (
+            "contiguous/small-odd",
+            vec![5, 0, 1, 70, 33],
+            contiguous,
+            512,
+            384,
+            None,
+        ),
+        (
+            "contiguous/one-group-holds-all",
+            vec![0, 300, 0],
+            contiguous,
+            256,
+            256,
+            None,
+        ),
+        (
+            "contiguous/all-empty",
+            vec![0, 0, 0],
+            contiguous,
+            256,
+            128,
+            None,
+        ),
+        (
+            "masked/small-odd",
+            vec![0, 20, 7, 1],
+            masked(20),
+            768,
+            256,
+            None,
+        ),
+        (
+            "deepseek-v3/contiguous-8",
+            vec![900, 0, 17, 1024, 3, 512, 250, 1],
+            contiguous,
+            4096,
+            7168,
+            Some(3),
+        ),
+    ] {
+        runner.case(&format!("swiglu-gemm/{name}"), |rng| {
+            swiglu_gemm_case(&stream, &mut ws, rng, &counts, layout, (n, k), sample)
+        });
+    }
+    // Gate and up columns in 128-column blocks in turn (the experts' layout) or stacked.
+    for (name, rows, inter, block, m_max, hot) in [
+        ("contiguous/300x2048/blocks", 300, 2048, 128, None, false),
+        ("masked/8x16x1408/stacked", 128, 1408, 1408, Some(16), false),
+        ("masked/8x16x1408/blocks", 128, 1408, 128, Some(16), false),
+        (
+            "masked-hot/33x64x1024/blocks",
+            33 * 64,
+            1024,
+            128,
+            Some(64),
+            true,
+        ),
+        ("masked/300x4x256/stacked", 1200, 256, 256, Some(4), false),
     ] {
         runner.case(&format!("swiglu-quantize/{name}"), |rng| {
-            swiglu_quantize_case(&stream, rng, rows, inter, m_max, hot)
+            swiglu_quantize_case(&stream, rng, rows, (inter, block), m_max, hot)
         });
     }
     for (name, rows, cols, m_max, hot) in [

@@ -23,9 +23,12 @@
 //! cases (run it in the same device command).
 //!
 //! The fp8 rows run the block-scaled fp8 experts (`ep_kernels::gemm::fp8`: e4m3 rows with
-//! 1 x 128 scales, e4m3 weights with 128 x 128 scales, DeepSeek-V3's recipe): gate_up GEMM ->
-//! SwiGLU + fp8 cast in one pass -> down GEMM ("fp8"), and the two GEMMs alone ("fp8 GEMMs
-//! only"); their weight bytes count one byte per weight.
+//! 1 x 128 scales, e4m3 weights with 128 x 128 scales, DeepSeek-V3's recipe) as the layer
+//! runs them ("fp8": gate_up GEMM with SwiGLU and the act cast in its epilogue -> down GEMM
+//! where `gemm_fp8::swiglu_in_epilogue` says so, else gate_up GEMM -> SwiGLU + cast in one pass
+//! -> down GEMM), always in the epilogue on the contiguous layout ("SwiGLU epilogue"), always
+//! with the pass ("SwiGLU pass"), and the two GEMMs alone ("fp8 GEMMs only"); their weight
+//! bytes count one byte per weight.
 //! `scripts/gpu/anchors/fp8_grouped_mm.py` runs PyTorch's `torch._scaled_grouped_mm` and
 //! DeepGEMM on the same cases.
 
@@ -198,6 +201,19 @@ fn randn_bf16(dev: &Device, shape: &[usize], std: f64) -> Result<Tensor, BoxErro
 }
 
 /// `silu(gate) * up` of a `[rows, 2I]` tensor (candle ops).
+/// Where an fp8 method runs SwiGLU and the act cast.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Swiglu {
+    /// As the layer (`gemm_fp8::swiglu_in_epilogue`).
+    AsTheLayer,
+    /// In the gate_up GEMM's epilogue (contiguous layout).
+    Epilogue,
+    /// A pass after the gate_up GEMM.
+    Pass,
+    /// Not at all (the two GEMMs alone).
+    None,
+}
+
 fn candle_swiglu(h: &Tensor) -> Result<Tensor, BoxError> {
     let gate = h.narrow(D::Minus1, 0, INTER)?;
     let up = h.narrow(D::Minus1, INTER, INTER)?;
@@ -474,7 +490,7 @@ fn main() -> Result<(), BoxError> {
                 Ok(())
             }
         };
-        let ours_fp8 = |tiles: GemmTiles, swiglu: bool| {
+        let ours_fp8 = |tiles: GemmTiles, swiglu: Swiglu| {
             let (bufs, fp8_bufs, ws_cell, stream, counts_dev) =
                 (&bufs, &fp8_bufs, &ws_cell, &stream, &counts_dev);
             let (aq, a_sc, q1e, s1e, q2e, s2e) = (&aq, &a_sc, &q1e, &s1e, &q2e, &s2e);
@@ -484,24 +500,27 @@ fn main() -> Result<(), BoxError> {
                 let mut f = fp8_bufs.borrow_mut();
                 let (h, act_q, act_s) = &mut *f;
                 let mut ws = ws_cell.borrow_mut();
-                gemm_fp8::grouped_gemm_fp8_cuda(
-                    stream,
-                    &DeviceFp8 {
+                let (a_dev, w1_dev) = (
+                    DeviceFp8 {
                         q: aq,
                         scales: a_sc,
                     },
-                    &DeviceFp8 {
+                    DeviceFp8 {
                         q: q1e,
                         scales: s1e,
                     },
-                    counts_dev,
-                    &up,
-                    None,
-                    tiles,
-                    h,
-                    &mut ws,
-                )?;
-                if swiglu {
+                );
+                let fused = gemm_fp8::swiglu_in_epilogue(up.layout, rows, e);
+                if swiglu == Swiglu::Epilogue || (swiglu == Swiglu::AsTheLayer && fused) {
+                    gemm_fp8::grouped_gemm_swiglu_fp8_cuda(
+                        stream, &a_dev, &w1_dev, counts_dev, &up, act_q, act_s, &mut ws,
+                    )?;
+                } else {
+                    gemm_fp8::grouped_gemm_fp8_cuda(
+                        stream, &a_dev, &w1_dev, counts_dev, &up, None, tiles, h, &mut ws,
+                    )?;
+                }
+                if swiglu == Swiglu::Pass || (swiglu == Swiglu::AsTheLayer && !fused) {
                     let mask = match up.layout {
                         GroupLayout::Masked { m_max } => Some((
                             counts_dev
@@ -511,7 +530,14 @@ fn main() -> Result<(), BoxError> {
                         GroupLayout::Contiguous { .. } => None,
                     };
                     gemm_fp8::swiglu_quantize_fp8_cuda(
-                        stream, &*h, rows, INTER, mask, act_q, act_s,
+                        stream,
+                        &*h,
+                        rows,
+                        INTER,
+                        gemm_fp8::FP8_GATE_UP_BLOCK,
+                        mask,
+                        act_q,
+                        act_s,
                     )?;
                 }
                 gemm_fp8::grouped_gemm_fp8_cuda(
@@ -589,22 +615,27 @@ fn main() -> Result<(), BoxError> {
             (
                 "ours fp8 (auto tiles)",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Auto, true)),
+                Box::new(ours_fp8(GemmTiles::Auto, Swiglu::AsTheLayer)),
             ),
             (
-                "ours fp8 wide 128x128 1x2",
+                "ours fp8 wide 128x128 1x2, SwiGLU epilogue",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Wide, true)),
+                Box::new(ours_fp8(GemmTiles::Wide, Swiglu::Epilogue)),
             ),
             (
-                "ours fp8 narrow 64x128",
+                "ours fp8 wide 128x128 1x2, SwiGLU pass",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Narrow, true)),
+                Box::new(ours_fp8(GemmTiles::Wide, Swiglu::Pass)),
+            ),
+            (
+                "ours fp8 narrow 64x128, SwiGLU pass",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Narrow, Swiglu::Pass)),
             ),
             (
                 "ours fp8 GEMMs only (auto)",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Auto, false)),
+                Box::new(ours_fp8(GemmTiles::Auto, Swiglu::None)),
             ),
         ];
         if matches!(case.layout, GroupLayout::Masked { .. }) {
@@ -619,12 +650,12 @@ fn main() -> Result<(), BoxError> {
             methods.push((
                 "ours fp8 gemv (no tiles)",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Gemv, true)),
+                Box::new(ours_fp8(GemmTiles::Gemv, Swiglu::Pass)),
             ));
             methods.push((
                 "ours fp8 gemv GEMMs only",
                 iters,
-                Box::new(ours_fp8(GemmTiles::Gemv, false)),
+                Box::new(ours_fp8(GemmTiles::Gemv, Swiglu::None)),
             ));
         }
         // Rounds over the methods, so that clock and power drift spread over all of them; each

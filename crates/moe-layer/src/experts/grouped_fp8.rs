@@ -4,12 +4,16 @@
 //!
 //! - routed rows (normal mode): the e4m3 rows (an fp8 dispatch's, or the bf16 rows quantized
 //!   once on the device) to expert-major order with their scales
-//!   (`ep_kernels::expert_order::{permute_cuda, scatter_cuda}`) -> contiguous gate_up GEMM ->
-//!   SwiGLU and its 1 x 128 quantization in one pass -> down GEMM -> weighted un-permute;
-//! - blocks with device counts (low-latency mode): the same over the masked layout (the SwiGLU
-//!   pass skips the rows past the counts).
+//!   (`ep_kernels::expert_order::{permute_cuda, scatter_cuda}`) -> contiguous gate_up GEMM
+//!   with SwiGLU and its 1 x 128 quantization in the epilogue (below 512 rows per expert on
+//!   average; `gemm_fp8::swiglu_in_epilogue`), else the GEMM and SwiGLU with its quantization
+//!   in one pass -> down GEMM -> weighted un-permute;
+//! - blocks with device counts (low-latency mode), and the shared experts' own GEMMs: gate_up
+//!   GEMM over the masked layout -> SwiGLU and its quantization in one pass (skipping the rows
+//!   past the counts) -> down GEMM.
 //!
-//! The gate_up weights are each expert's gate_proj rows, then its up_proj rows.
+//! The gate_up weights are in [`crate::GateUpLayout::ScaleBlocks`]: 128 gate_proj rows and the
+//! same 128 up_proj rows in turn.
 
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
@@ -167,86 +171,111 @@ fn mlp_rows(
         k: i,
         layout,
     };
-    let mut hu = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
-    {
+    let sg = i / ep_kernels::FP8_GROUP;
+    let mut act_q = alloc_uninit::<F8E4M3>(&stream, rows * i)?;
+    let mut act_s = alloc_uninit::<f32>(&stream, rows * sg)?;
+    if groups.shared.is_none() && gemm_fp8::swiglu_in_epilogue(layout, rows, g) {
+        // SwiGLU and the act quantization in the gate_up GEMM's epilogue.
         let a_d = DeviceTensor::new("a", a)?;
         let as_d = DeviceTensor::new("a scales", a_scales)?;
         let c_d = DeviceTensor::new("counts", counts)?;
         let w1 = DeviceTensor::new("gate_up", w1)?;
         let s1 = DeviceTensor::new("gate_up scales", s1)?;
-        let (a_v, as_v, w1_v, s1_v) = (
-            a_d.view::<F8E4M3>()?,
-            as_d.view::<f32>()?,
-            w1.view::<F8E4M3>()?,
-            s1.view::<f32>()?,
-        );
-        let shared_d = match groups.shared {
-            Some((sh, tq, ts)) => Some((
-                DeviceTensor::new("shared gate_up", &sh.gate_up)?,
-                DeviceTensor::new("shared gate_up scales", &sh.gate_up_scale)?,
-                DeviceTensor::new("tokens", tq)?,
-                DeviceTensor::new("token scales", ts)?,
-            )),
-            None => None,
-        };
-        let shared_v = match &shared_d {
-            Some((w, ws_, t, ts)) => Some((
-                w.view::<F8E4M3>()?,
-                ws_.view::<f32>()?,
-                t.view::<F8E4M3>()?,
-                ts.view::<f32>()?,
-            )),
-            None => None,
-        };
-        let extra = shared_v.as_ref().map(|(w, sw, t, ts)| ExtraGroupsFp8 {
-            first: l,
-            b: DeviceFp8 { q: w, scales: sw },
-            a: Some(DeviceFp8 { q: t, scales: ts }),
-        });
-        gemm_fp8::grouped_gemm_fp8_cuda(
+        gemm_fp8::grouped_gemm_swiglu_fp8_cuda(
             &stream,
             &DeviceFp8 {
-                q: &a_v,
-                scales: &as_v,
+                q: &a_d.view::<F8E4M3>()?,
+                scales: &as_d.view::<f32>()?,
             },
             &DeviceFp8 {
-                q: &w1_v,
-                scales: &s1_v,
+                q: &w1.view::<F8E4M3>()?,
+                scales: &s1.view::<f32>()?,
             },
             &c_d.view::<i32>()?,
             &up,
-            extra.as_ref(),
-            tiles,
-            &mut hu.slice_mut(0..rows * 2 * i),
-            ws,
-        )?;
-    }
-    // The down GEMM's rows: act = silu(gate) * up quantized 1 x 128, in one pass (rows past
-    // the counts of a masked layout are skipped; in a contiguous one they are never read).
-    let sg = i / ep_kernels::FP8_GROUP;
-    let mut act_q = alloc_uninit::<F8E4M3>(&stream, rows * i)?;
-    let mut act_s = alloc_uninit::<f32>(&stream, rows * sg)?;
-    {
-        let c_d = DeviceTensor::new("counts", counts)?;
-        let c_v = c_d.view::<i32>()?;
-        let mask = match layout {
-            GroupLayout::Masked { m_max } => Some((
-                &c_v as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<i32>,
-                m_max,
-            )),
-            GroupLayout::Contiguous { .. } => None,
-        };
-        gemm_fp8::swiglu_quantize_fp8_cuda(
-            &stream,
-            &hu.slice(0..rows * 2 * i),
-            rows,
-            i,
-            mask,
             &mut act_q.slice_mut(0..rows * i),
             &mut act_s.slice_mut(0..rows * sg),
+            ws,
         )?;
+    } else {
+        let mut hu = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
+        {
+            let a_d = DeviceTensor::new("a", a)?;
+            let as_d = DeviceTensor::new("a scales", a_scales)?;
+            let c_d = DeviceTensor::new("counts", counts)?;
+            let w1 = DeviceTensor::new("gate_up", w1)?;
+            let s1 = DeviceTensor::new("gate_up scales", s1)?;
+            let (a_v, as_v, w1_v, s1_v) = (
+                a_d.view::<F8E4M3>()?,
+                as_d.view::<f32>()?,
+                w1.view::<F8E4M3>()?,
+                s1.view::<f32>()?,
+            );
+            let shared_d = match groups.shared {
+                Some((sh, tq, ts)) => Some((
+                    DeviceTensor::new("shared gate_up", &sh.gate_up)?,
+                    DeviceTensor::new("shared gate_up scales", &sh.gate_up_scale)?,
+                    DeviceTensor::new("tokens", tq)?,
+                    DeviceTensor::new("token scales", ts)?,
+                )),
+                None => None,
+            };
+            let shared_v = match &shared_d {
+                Some((w, ws_, t, ts)) => Some((
+                    w.view::<F8E4M3>()?,
+                    ws_.view::<f32>()?,
+                    t.view::<F8E4M3>()?,
+                    ts.view::<f32>()?,
+                )),
+                None => None,
+            };
+            let extra = shared_v.as_ref().map(|(w, sw, t, ts)| ExtraGroupsFp8 {
+                first: l,
+                b: DeviceFp8 { q: w, scales: sw },
+                a: Some(DeviceFp8 { q: t, scales: ts }),
+            });
+            gemm_fp8::grouped_gemm_fp8_cuda(
+                &stream,
+                &DeviceFp8 {
+                    q: &a_v,
+                    scales: &as_v,
+                },
+                &DeviceFp8 {
+                    q: &w1_v,
+                    scales: &s1_v,
+                },
+                &c_d.view::<i32>()?,
+                &up,
+                extra.as_ref(),
+                tiles,
+                &mut hu.slice_mut(0..rows * 2 * i),
+                ws,
+            )?;
+        }
+        // The down GEMM's rows: act = silu(gate) * up quantized 1 x 128, in one pass (rows past
+        // the counts of a masked layout are skipped).
+        {
+            let c_d = DeviceTensor::new("counts", counts)?;
+            let c_v = c_d.view::<i32>()?;
+            let mask = match layout {
+                GroupLayout::Masked { m_max } => Some((
+                    &c_v as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<i32>,
+                    m_max,
+                )),
+                GroupLayout::Contiguous { .. } => None,
+            };
+            gemm_fp8::swiglu_quantize_fp8_cuda(
+                &stream,
+                &hu.slice(0..rows * 2 * i),
+                rows,
+                i,
+                gemm_fp8::FP8_GATE_UP_BLOCK,
+                mask,
+                &mut act_q.slice_mut(0..rows * i),
+                &mut act_s.slice_mut(0..rows * sg),
+            )?;
+        }
     }
-    drop(hu);
     let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
     {
         let c_d = DeviceTensor::new("counts", counts)?;

@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::error::Error;
+use ep_kernels::gemm::fp8::FP8_GATE_UP_BLOCK;
 use ep_kernels::gemm::GATE_UP_BLOCK;
 
 /// How an [`Mlp`]'s stacked `gate_up` weight `[2I, H]` holds the `gate_proj` and `up_proj`
@@ -18,6 +19,22 @@ pub enum GateUpLayout {
     /// same indices (`I` a multiple of [`GATE_UP_BLOCK`]): the layout the device grouped GEMMs'
     /// SwiGLU epilogue reads (`ep_kernels::gemm::gate_up_rows`).
     Blocked,
+    /// Blocks of [`FP8_GATE_UP_BLOCK`] (128) `gate_proj` rows, each followed by the matching
+    /// `up_proj` rows: one weight scale block each, the layout of fp8 expert shards, whose
+    /// gate_up GEMM pairs a gate block's and its up block's tiles
+    /// (`ep_kernels::gemm::fp8::grouped_gemm_swiglu_fp8`).
+    ScaleBlocks,
+}
+
+impl GateUpLayout {
+    /// Rows of `gate_proj`, then of `up_proj`, in turn; `None` for [`GateUpLayout::Stacked`].
+    pub fn block(self) -> Option<usize> {
+        match self {
+            GateUpLayout::Stacked => None,
+            GateUpLayout::Blocked => Some(GATE_UP_BLOCK),
+            GateUpLayout::ScaleBlocks => Some(FP8_GATE_UP_BLOCK),
+        }
+    }
 }
 
 /// A bias-free SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
@@ -54,8 +71,8 @@ impl Mlp {
     }
 
     /// Builds an MLP from `gate_up` `[2I, H]` in `layout` and `down_proj` `[H, I]` without
-    /// copying them. Errors as [`Mlp::new`], and for [`GateUpLayout::Blocked`] when `I` is not
-    /// a multiple of [`GATE_UP_BLOCK`].
+    /// copying them. Errors as [`Mlp::new`], and for a blocked layout when `I` is not a
+    /// multiple of its block ([`GateUpLayout::block`]).
     pub fn from_parts(gate_up: Tensor, layout: GateUpLayout, down_proj: Tensor) -> Result<Self> {
         let (two_i, h) = gate_up.dims2().map_err(|_| {
             Error::invalid(
@@ -73,11 +90,13 @@ impl Mlp {
             .into());
         }
         let i = two_i / 2;
-        if layout == GateUpLayout::Blocked && i % GATE_UP_BLOCK != 0 {
+        if let Some(b) = layout.block().filter(|b| i % b != 0) {
             return Err(Error::invalid(
                 "gate_up",
                 format!("shape {:?}", gate_up.dims()),
-                format!("the blocked layout needs an intermediate size that is a multiple of {GATE_UP_BLOCK}"),
+                format!(
+                    "the {layout:?} layout needs an intermediate size that is a multiple of {b}"
+                ),
             )
             .into());
         }
@@ -212,16 +231,14 @@ impl Mlp {
     /// Gate (`which` 0) or up (1) rows of `gate_up`.
     fn half(&self, which: usize) -> Result<Tensor> {
         let (i, h) = (self.intermediate_size(), self.hidden_size());
-        match self.layout {
-            GateUpLayout::Stacked => self.gate_up.narrow(0, which * i, i),
-            GateUpLayout::Blocked => {
-                let b = GATE_UP_BLOCK;
-                self.gate_up
-                    .reshape((i / b, 2, b, h))?
-                    .narrow(1, which, 1)?
-                    .contiguous()?
-                    .reshape((i, h))
-            }
+        match self.layout.block() {
+            None => self.gate_up.narrow(0, which * i, i),
+            Some(b) => self
+                .gate_up
+                .reshape((i / b, 2, b, h))?
+                .narrow(1, which, 1)?
+                .contiguous()?
+                .reshape((i, h)),
         }
     }
 
@@ -250,25 +267,27 @@ impl Mlp {
         }
         let xs = x.reshape((rows, h))?.to_dtype(self.dtype())?;
         let i = self.intermediate_size();
-        let act = match self.layout {
+        let act = match self.layout.block() {
             // Every operand contiguous (the weights are contiguous row blocks of `gate_up`).
-            GateUpLayout::Stacked => {
+            None => {
                 let gate = xs.matmul(&self.gate_up.narrow(0, 0, i)?.t()?)?.silu()?;
                 let up = xs.matmul(&self.gate_up.narrow(0, i, i)?.t()?)?;
                 (gate * up)?
             }
             // One GEMM over [2I, H], then SwiGLU of each block's gate and up columns: one
             // kernel on CUDA (bf16), strided views elsewhere.
-            GateUpLayout::Blocked => {
+            Some(b) => {
                 let hu = xs.matmul(&self.gate_up.t()?)?;
                 #[cfg(feature = "cuda")]
-                if hu.device().is_cuda() && hu.dtype() == DType::BF16 {
+                if self.layout == GateUpLayout::Blocked
+                    && hu.device().is_cuda()
+                    && hu.dtype() == DType::BF16
+                {
                     return swiglu_rows_cuda(&hu)?
                         .matmul(&self.down_proj.t()?)?
                         .to_dtype(x.dtype())?
                         .reshape(dims);
                 }
-                let b = GATE_UP_BLOCK;
                 let hu = hu.reshape((rows, i / b, 2, b))?;
                 let gate = hu.narrow(2, 0, 1)?.silu()?;
                 (gate * hu.narrow(2, 1, 1)?)?.reshape((rows, i))?
@@ -280,8 +299,8 @@ impl Mlp {
 }
 
 /// A `[2I, H]` gate_up weight in layout `from`, re-laid (copied) into layout `to` (the same
-/// tensor when they agree). Errors when either is [`GateUpLayout::Blocked`] and `I` is not a
-/// multiple of [`GATE_UP_BLOCK`].
+/// tensor when they agree). Errors when either is blocked and `I` is not a multiple of its
+/// block.
 pub(crate) fn relaid_gate_up(
     gate_up: &Tensor,
     from: GateUpLayout,
@@ -291,25 +310,35 @@ pub(crate) fn relaid_gate_up(
         return Ok(gate_up.clone());
     }
     let (two_i, h) = gate_up.dims2()?;
-    let (i, b) = (two_i / 2, GATE_UP_BLOCK);
-    if two_i % 2 != 0 || i % b != 0 {
-        return Err(Error::invalid(
-            "layout",
-            format!("{to:?}"),
-            format!("needs an intermediate size that is a multiple of {b}, not {i}"),
-        )
-        .into());
+    let i = two_i / 2;
+    for b in [from.block(), to.block()].into_iter().flatten() {
+        if two_i % 2 != 0 || i % b != 0 {
+            return Err(Error::invalid(
+                "layout",
+                format!("{to:?}"),
+                format!("needs an intermediate size that is a multiple of {b}, not {i}"),
+            )
+            .into());
+        }
     }
-    // Stacked [2, I/B, B, H] and blocked [I/B, 2, B, H] differ by a swap of the first two dims.
-    let dims = match from {
-        GateUpLayout::Stacked => (2, i / b, b, h),
-        GateUpLayout::Blocked => (i / b, 2, b, h),
+    // Stacked is [2, I/B, B, H] and blocked [I/B, 2, B, H] for any B: a swap of the first two
+    // dims goes between them.
+    let stacked = match from.block() {
+        None => gate_up.clone(),
+        Some(b) => gate_up
+            .reshape((i / b, 2, b, h))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((two_i, h))?,
     };
-    gate_up
-        .reshape(dims)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((two_i, h))
+    match to.block() {
+        None => Ok(stacked),
+        Some(b) => stacked
+            .reshape((2, i / b, b, h))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((two_i, h)),
+    }
 }
 
 /// SwiGLU of `h` (`[rows, 2I]` bf16 on CUDA, contiguous, columns in the blocked gate_up order)
@@ -397,6 +426,28 @@ mod tests {
         let (ys, yb) = (stacked.forward(&x)?, blocked.forward(&x)?);
         assert_eq!(yb.dims(), [3, 5, h]);
         assert!(max_abs_diff(&ys, &yb) < 1e-4);
+        Ok(())
+    }
+
+    #[test]
+    fn scale_blocks_alternate_128_gate_rows_and_128_up_rows() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h, i) = (3, 256);
+        let gate = Tensor::randn(0f32, 1.0, (i, h), &dev)?;
+        let up = Tensor::randn(0f32, 1.0, (i, h), &dev)?;
+        let down = Tensor::randn(0f32, 1.0, (h, i), &dev)?;
+        let blocked =
+            Mlp::new(gate.clone(), up.clone(), down)?.with_layout(GateUpLayout::Blocked)?;
+        let scaled = blocked.with_layout(GateUpLayout::ScaleBlocks)?;
+        let rows = scaled.gate_up().to_vec2::<f32>()?;
+        let (g, u) = (gate.to_vec2::<f32>()?, up.to_vec2::<f32>()?);
+        for j in 0..i {
+            assert_eq!(rows[j / 128 * 256 + j % 128], g[j], "gate row {j}");
+            assert_eq!(rows[j / 128 * 256 + 128 + j % 128], u[j], "up row {j}");
+        }
+        assert_eq!(max_abs_diff(&scaled.up_proj()?, &up), 0.0);
+        let x = Tensor::randn(0f32, 1.0, (4, h), &dev)?;
+        assert!(max_abs_diff(&blocked.forward(&x)?, &scaled.forward(&x)?) < 1e-4);
         Ok(())
     }
 

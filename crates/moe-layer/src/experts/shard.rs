@@ -189,7 +189,8 @@ impl Experts {
     /// Builds the shard from block-scaled fp8 experts, local expert `l` being global expert
     /// `first_expert + l`. Where fp8 grouped GEMMs run (CUDA on sm_90, `H` a multiple of 128,
     /// `I` of 128, at most 1024 local experts) the shard keeps the e4m3 weights and their scales
-    /// (gate_up stacked: the gate rows, then the up rows, so that no scale block mixes them);
+    /// (gate_up in [`GateUpLayout::ScaleBlocks`]: 128 gate rows and the same 128 up rows in
+    /// turn, one scale block each);
     /// elsewhere every expert is dequantized to `dtype` ([`Fp8Expert::dequantize`]) and the
     /// shard is a plain one.
     pub fn from_fp8(first_expert: usize, experts: Vec<Fp8Expert>, dtype: DType) -> Result<Self> {
@@ -245,14 +246,12 @@ impl Experts {
         let down = Tensor::zeros((l, h, i), DType::F8E4M3, &device)?;
         let (mut gate_up_scales, mut down_scales) = (Vec::new(), Vec::new());
         let mut put = |e: usize, x: Fp8Expert| -> Result<()> {
-            let slot = gate_up.narrow(0, e, 1)?;
-            slot.slice_set(&x.gate.q().unsqueeze(0)?, 1, 0)?;
-            slot.slice_set(&x.up.q().unsqueeze(0)?, 1, i)?;
+            let (gu, gu_scales) = x.gate_up_blocks()?;
+            gate_up.slice_set(&gu.unsqueeze(0)?, 0, e)?;
             down.slice_set(&x.down.q().unsqueeze(0)?, 0, e)?;
-            let host = |w: &crate::fp8::Fp8Weight| w.scale().flatten_all()?.to_vec1::<f32>();
-            gate_up_scales.extend(host(&x.gate)?);
-            gate_up_scales.extend(host(&x.up)?);
-            down_scales.extend(host(&x.down)?);
+            let host = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            gate_up_scales.extend(host(&gu_scales)?);
+            down_scales.extend(host(x.down.scale())?);
             Ok(())
         };
         put(0, first)?;
@@ -275,7 +274,7 @@ impl Experts {
         Ok(Self {
             first_expert,
             gate_up,
-            layout: GateUpLayout::Stacked,
+            layout: GateUpLayout::ScaleBlocks,
             down,
             fp8: Some(Fp8Scales {
                 gate_up: Tensor::from_vec(gate_up_scales, (l, 2 * gs.0, gs.1), &device)?,

@@ -8,16 +8,19 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::fp8_expert::Fp8Expert;
+use ep_kernels::gemm::fp8::{FP8_BLOCK, FP8_GATE_UP_BLOCK};
+
+use super::fp8_expert::{scale_blocks, Fp8Expert};
 use super::shard::Experts;
 use crate::error::{Error, Result};
 
 /// A shared MLP's fp8 weights as blocks of the routed experts' width.
 #[derive(Debug)]
 pub(crate) struct SharedFp8 {
-    /// `[X, 2I, H]` e4m3: block `j`'s gate rows `jI..(j+1)I`, then its up rows.
+    /// `[X, 2I, H]` e4m3: block `j`'s gate rows `jI..(j+1)I` and its up rows in
+    /// [`super::GateUpLayout::ScaleBlocks`] (as the routed experts').
     pub(crate) gate_up: Tensor,
-    /// `[X, 2I / 128, ceil(H / 128)]`.
+    /// `[X, 2I / 128, ceil(H / 128)]`, in the weights' block order.
     pub(crate) gate_up_scale: Tensor,
     /// `[X, H, I]` e4m3: block `j`'s columns `jI..(j+1)I` of `down_proj`.
     pub(crate) down: Tensor,
@@ -53,13 +56,15 @@ impl SharedFp8 {
         let sb = i / 128;
         let mut blocks = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for j in 0..x {
-            blocks.0.push(Tensor::cat(
-                &[gate.narrow(0, j * i, i)?, up.narrow(0, j * i, i)?],
-                0,
+            blocks.0.push(scale_blocks(
+                &gate.narrow(0, j * i, i)?,
+                &up.narrow(0, j * i, i)?,
+                FP8_GATE_UP_BLOCK,
             )?);
-            blocks.1.push(Tensor::cat(
-                &[gs.narrow(0, j * sb, sb)?, us.narrow(0, j * sb, sb)?],
-                0,
+            blocks.1.push(scale_blocks(
+                &gs.narrow(0, j * sb, sb)?,
+                &us.narrow(0, j * sb, sb)?,
+                FP8_GATE_UP_BLOCK / FP8_BLOCK,
             )?);
             blocks.2.push(down.narrow(1, j * i, i)?.contiguous()?);
             blocks.3.push(ds.narrow(1, j * sb, sb)?.contiguous()?);

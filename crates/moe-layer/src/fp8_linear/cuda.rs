@@ -92,6 +92,7 @@ pub(super) fn swiglu_quantize(dev: &CudaDevice, gu: &Tensor, i: usize) -> Result
             &gu_d.view::<bf16>()?,
             rows,
             i,
+            i,
             None,
             &mut q.slice_mut(0..rows * i),
             &mut s.slice_mut(0..rows * sg),

@@ -43,7 +43,7 @@ pub(super) fn swiglu_quantize(gu: &Tensor, i: usize) -> Result<(Tensor, Tensor)>
     let sg = i / gemm_fp8::FP8_BLOCK;
     let mut q = vec![F8E4M3::ZERO; rows * i];
     let mut s = vec![0f32; rows * sg];
-    gemm_fp8::swiglu_quantize(&h, rows, i, None, &mut q, &mut s)?;
+    gemm_fp8::swiglu_quantize(&h, rows, i, i, None, &mut q, &mut s)?;
     let dev = gu.device();
     Ok((
         Tensor::from_vec(q, (rows, i), dev)?,

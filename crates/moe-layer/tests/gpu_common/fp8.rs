@@ -89,7 +89,7 @@ pub fn reference(gpu: &MoeLayer, cpu: &MoeLayer, x: &Tensor) -> R<Tensor> {
             .to_vec1()?;
         let mut aq = vec![float8::F8E4M3::ZERO; n * width];
         let mut asc = vec![0f32; n * width / 128];
-        swiglu_quantize(&hu, n, width, None, &mut aq, &mut asc)?;
+        swiglu_quantize(&hu, n, width, width, None, &mut aq, &mut asc)?;
         let act = per_token_cast_back(
             &Tensor::from_vec(aq, (n, width), &Device::Cpu)?,
             &Tensor::from_vec(asc, (n, width / 128), &Device::Cpu)?,

@@ -7,4 +7,4 @@
 
 EP_GROUPED_GEMM_FP8(narrow, 64, 128, 128, 1, 2,
                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
-                    cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, false)
+                    cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, false, false)

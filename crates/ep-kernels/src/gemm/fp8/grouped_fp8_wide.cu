@@ -8,4 +8,4 @@
 
 EP_GROUPED_GEMM_FP8(wide, 128, 128, 128, 1, 2,
                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
-                    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, true)
+                    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, true, false)

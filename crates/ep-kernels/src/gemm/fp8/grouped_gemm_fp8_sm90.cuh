@@ -19,8 +19,11 @@
 // Both scale tensors are K-major, row for row with their operand: SFA is what the fp8 dispatch
 // sends with each token, SFB a checkpoint's `weight_scale_inv` (DeepSeek's [ceil(N / 128),
 // ceil(K / 128)] per weight). The experts' gate_up weight is the gate_proj rows then the up_proj
-// rows (I a multiple of 128, so that no scale block mixes them); SwiGLU and the quantization of
-// its output for the down GEMM follow in one pass (quantize_rows.cu).
+// rows (I a multiple of 128, so that no scale block mixes them) in the order the caller chose;
+// SwiGLU and the quantization of its output for the down GEMM follow in one pass
+// (quantize_rows.cu), or, with the `SwigluQuant` configuration, run in the GEMM's epilogue
+// (swiglu_quantize_epilogue_sm90.cuh: the weight in 128-row gate / up blocks in turn, D then
+// the e4m3 act [rows, n / 2] and `d_scales` its f32 scales [rows, n / 256]).
 //
 // One translation unit per configuration instantiates `EP_GROUPED_GEMM_FP8(name, ...)`:
 //   uint64_t ep_grouped_gemm_fp8_<name>_workspace(int32_t groups, int32_t sm_count);
@@ -48,6 +51,7 @@
 
 #include "../grouped_gemm_sm90.cuh"
 #include "overlapped_promotion_sm90.cuh"
+#include "swiglu_quantize_epilogue_sm90.cuh"
 
 namespace ep::gemm {
 
@@ -60,7 +64,7 @@ struct GroupedGemmFp8Args {
     const float* sfa;        // f32 [rows, ceil(k / 128)]
     const void* b;           // e4m3 [groups, n, k]
     const float* sfb;        // f32 [groups, ceil(n / 128), ceil(k / 128)]
-    void* d;                 // bf16 [rows, n]
+    void* d;                 // bf16 [rows, n]; SwigluQuant: e4m3 act [rows, n / 2]
     const int32_t* counts;   // [groups] valid rows per group, on the device
     void* workspace;
     uint64_t workspace_bytes;
@@ -79,13 +83,16 @@ struct GroupedGemmFp8Args {
     const void* extra_b;     // e4m3 [groups - first_extra, n, k] or null
     const float* extra_sfb;  // f32 [groups - first_extra, ceil(n / 128), ceil(k / 128)]
     int64_t extra_a_rows;
+    float* d_scales;         // SwigluQuant: f32 [rows, n / 256]; else null
 };
-static_assert(sizeof(GroupedGemmFp8Args) == 144, "GroupedGemmFp8Args must match its Rust mirror");
+static_assert(sizeof(GroupedGemmFp8Args) == 152, "GroupedGemmFp8Args must match its Rust mirror");
 
 // `kOverlapPromotion`: the math warpgroups overlap each k-tile's promotion with the next
 // k-tile's WGMMAs (overlapped_promotion_sm90.cuh); otherwise CUTLASS's own loop.
+// `SwigluQuant`: SwiGLU and the act quantization in the epilogue (EpilogueSchedule then only
+// shapes the unused plain epilogue).
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          bool kOverlapPromotion>
+          bool kOverlapPromotion, bool SwigluQuant>
 struct GroupedGemmFp8 {
     using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
     using Shape3 = typename ProblemShape::UnderlyingProblemShape;
@@ -102,13 +109,20 @@ struct GroupedGemmFp8 {
     using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
     using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    static constexpr bool kSwigluQuant = SwigluQuant;
+    static_assert(!SwigluQuant || cute::size<1>(ClusterShape{}) == 2,
+                  "the SwiGLU epilogue pairs the two CTAs of a cluster along N");
+
+    using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
         cutlass::epilogue::collective::EpilogueTileAuto, float, float,
         void, LayoutD*, kAlignD,
         ElementD, LayoutD*, kAlignD,
         EpilogueSchedule,
         cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+    using CollectiveEpilogue =
+        cute::conditional_t<SwigluQuant, SwigluQuantEpilogue<typename PlainEpilogue::StrideD>,
+                            PlainEpilogue>;
 
     using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -141,12 +155,14 @@ struct GroupedGemmFp8 {
         StrideD* stride_d;
         LayoutSFA* layout_sfa;
         LayoutSFB* layout_sfb;
+        uint8_t** ptr_q;  // SwigluQuant: act per group
+        float** ptr_s;    // SwigluQuant: act scales per group
         uint8_t* cutlass_workspace;
     };
 
     static uint64_t table_bytes(int groups) {
         const uint64_t g = static_cast<uint64_t>(groups);
-        return section_bytes(g * sizeof(Shape3)) + 5 * section_bytes(g * sizeof(void*)) +
+        return section_bytes(g * sizeof(Shape3)) + 7 * section_bytes(g * sizeof(void*)) +
                section_bytes(g * sizeof(StrideA)) + section_bytes(g * sizeof(StrideB)) +
                section_bytes(g * sizeof(StrideD)) + section_bytes(g * sizeof(LayoutSFA)) +
                section_bytes(g * sizeof(LayoutSFB));
@@ -172,6 +188,8 @@ struct GroupedGemmFp8 {
         t.stride_d = reinterpret_cast<StrideD*>(take(g * sizeof(StrideD)));
         t.layout_sfa = reinterpret_cast<LayoutSFA*>(take(g * sizeof(LayoutSFA)));
         t.layout_sfb = reinterpret_cast<LayoutSFB*>(take(g * sizeof(LayoutSFB)));
+        t.ptr_q = reinterpret_cast<uint8_t**>(take(g * sizeof(void*)));
+        t.ptr_s = reinterpret_cast<float**>(take(g * sizeof(void*)));
         t.cutlass_workspace = p;
         return t;
     }
@@ -186,9 +204,15 @@ struct GroupedGemmFp8 {
         args.mainloop = {t.ptr_a,   t.stride_a,   t.ptr_b,   t.stride_b,
                          t.ptr_sfa, t.layout_sfa, t.ptr_sfb, t.layout_sfb};
         args.hw_info = hw;
-        args.epilogue = {{}, nullptr, t.stride_d, t.ptr_d, t.stride_d};
-        args.epilogue.thread.alpha = 1.0f;
-        args.epilogue.thread.beta = 0.0f;
+        if constexpr (SwigluQuant) {
+            args.epilogue.ptr_q = t.ptr_q;
+            args.epilogue.ptr_s = t.ptr_s;
+            args.epilogue.dD = t.stride_d;
+        } else {
+            args.epilogue = {{}, nullptr, t.stride_d, t.ptr_d, t.stride_d};
+            args.epilogue.thread.alpha = 1.0f;
+            args.epilogue.thread.beta = 0.0f;
+        }
         return args;
     }
 
@@ -266,6 +290,11 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups_fp8(const GroupedG
         t.ptr_sfb[g] = extra ? args.extra_sfb + xg * n_blocks * k_blocks
                              : args.sfb + static_cast<int64_t>(g) * n_blocks * k_blocks;
         t.ptr_d[g] = static_cast<D*>(args.d) + start[i] * d_cols;
+        if constexpr (G::kSwigluQuant) {
+            // act: n / 2 e4m3 columns a row, one scale per 128 of them.
+            t.ptr_q[g] = static_cast<uint8_t*>(args.d) + start[i] * (n / 2);
+            t.ptr_s[g] = args.d_scales + start[i] * (n / 256);
+        }
         t.stride_a[g] =
             cutlass::make_cute_packed_stride(typename G::StrideA{}, {count[i], args.k, 1});
         t.stride_b[g] =
@@ -288,6 +317,11 @@ int32_t run_grouped_gemm_fp8(const GroupedGemmFp8Args* args, cudaStream_t stream
     }
     if (args->workspace_bytes < G::workspace_bytes(args->groups, args->sm_count)) {
         return fail(message, message_len, 2, "workspace", "smaller than the configuration needs");
+    }
+    if (G::kSwigluQuant &&
+        (args->n % 256 != 0 || args->d_scales == nullptr || args->first_extra != args->groups)) {
+        return fail(message, message_len, 7, "SwiGLU epilogue",
+                    "needs n a multiple of 256, act scales and no extra groups");
     }
     const typename G::Tables t = G::carve(args->workspace, args->groups);
     setup_groups_fp8<G><<<1, kSetupThreads, 0, stream>>>(*args, t);
@@ -318,11 +352,11 @@ int32_t run_grouped_gemm_fp8(const GroupedGemmFp8Args* args, cudaStream_t stream
 
 // Defines the two C entry points of one fp8 configuration.
 #define EP_GROUPED_GEMM_FP8(name, TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, KERNEL, EPILOGUE, \
-                            OVERLAP)                                                            \
+                            OVERLAP, SWIGLU_QUANT)                                              \
     using EpGroupedGemmFp8_##name = ep::gemm::GroupedGemmFp8<                                   \
         cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::Int<TILE_K>>,                   \
         cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>, KERNEL, EPILOGUE,     \
-        OVERLAP>;                                                                               \
+        OVERLAP, SWIGLU_QUANT>;                                                                 \
     extern "C" uint64_t ep_grouped_gemm_fp8_##name##_workspace(int32_t groups, int32_t sm_count) { \
         return EpGroupedGemmFp8_##name::workspace_bytes(groups, sm_count);                      \
     }                                                                                           \

@@ -280,20 +280,72 @@ fn row_valid(r: usize, rows: usize, mask: Option<(&[i32], usize)>) -> Result<boo
     Ok(((r % m_max) as i64) < i64::from(counts[r / m_max]))
 }
 
-/// Host twin of `swiglu_quantize_fp8_cuda`: for every row of `h` (`[rows, 2 * inter]` bf16:
-/// the gate_up GEMM's gate columns, then its up columns) and every 128-column group of
-/// `act = silu(gate) * up` (f32), `scale = max(amax, 1e-4) / 448` and `q = e4m3(act / scale)`,
-/// as the per-token fp8 cast, into `q` (`[rows, inter]`) and `scales` (`[rows, inter / 128]`).
-/// `mask`: `(counts, m_max)` of a masked layout, whose rows past their block's count are
-/// skipped (their `q` and scales stay as they are).
+/// Host twin of `swiglu_quantize_fp8_cuda`: for every row of `h` (`[rows, 2 * inter]` bf16,
+/// `block` gate columns then `block` up columns in turn: `block = inter` for gate then up) and
+/// every 128 columns of `act = silu(gate) * up`, the e4m3 values `q` (`[rows, inter]`) and
+/// scales `scales` (`[rows, inter / 128]`) of the per-token cast; with `mask` only the rows
+/// within each block's count.
+#[allow(clippy::too_many_arguments)]
 pub fn swiglu_quantize(
     h: &[bf16],
     rows: usize,
     inter: usize,
+    block: usize,
     mask: Option<(&[i32], usize)>,
     q: &mut [F8E4M3],
     scales: &mut [f32],
 ) -> Result<()> {
+    check_gate_up_block(inter, block)?;
+    Error::check_len("h", rows * 2 * inter, h.len())?;
+    Error::check_len("q", rows * inter, q.len())?;
+    Error::check_len("scales", rows * inter / FP8_BLOCK, scales.len())?;
+    let mut row = vec![0f32; 2 * inter];
+    for r in 0..rows {
+        if !row_valid(r, rows, mask)? {
+            continue;
+        }
+        for (o, v) in row.iter_mut().zip(&h[r * 2 * inter..(r + 1) * 2 * inter]) {
+            *o = v.to_f32();
+        }
+        swiglu_quantize_row(
+            &row,
+            block,
+            &mut q[r * inter..(r + 1) * inter],
+            scales_of(scales, r, inter),
+        );
+    }
+    Ok(())
+}
+
+/// Host twin of `grouped_gemm_swiglu_fp8_cuda`: the gate_up GEMM of [`grouped_gemm_fp8`]
+/// (`b` in 128-row gate and up blocks in turn, [`super::FP8_GATE_UP_BLOCK`]) with SwiGLU and
+/// the 1 x 128 quantization of [`swiglu_quantize`] applied to its f32 products (no bf16
+/// rounding in between): `q` `[rows, n / 2]` e4m3, `scales` `[rows, n / 256]`; rows outside
+/// every group's count keep their values.
+pub fn grouped_gemm_swiglu_fp8(
+    a: HostFp8<'_>,
+    b: HostFp8<'_>,
+    counts: &[i32],
+    shape: &GroupedGemmShape,
+    q: &mut [F8E4M3],
+    scales: &mut [f32],
+) -> Result<()> {
+    let inter = shape.n / 2;
+    check_gate_up_block(inter, super::FP8_GATE_UP_BLOCK)?;
+    Error::check_len("q", shape.rows * inter, q.len())?;
+    Error::check_len("scales", shape.rows * inter / FP8_BLOCK, scales.len())?;
+    run(a, b, counts, shape, None, |r, acc| {
+        swiglu_quantize_row(
+            acc,
+            super::FP8_GATE_UP_BLOCK,
+            &mut q[r * inter..(r + 1) * inter],
+            scales_of(scales, r, inter),
+        );
+    })
+}
+
+/// `inter` a positive multiple of 128 made of whole `block`s, `block` a multiple of 128.
+fn check_gate_up_block(inter: usize, block: usize) -> Result<()> {
     if inter == 0 || inter % FP8_BLOCK != 0 {
         return Err(Error::invalid(
             "inter",
@@ -301,33 +353,41 @@ pub fn swiglu_quantize(
             format!("must be a positive multiple of {FP8_BLOCK}"),
         ));
     }
-    Error::check_len("h", rows * 2 * inter, h.len())?;
-    Error::check_len("q", rows * inter, q.len())?;
-    Error::check_len("scales", rows * inter / FP8_BLOCK, scales.len())?;
-    let groups = inter / FP8_BLOCK;
-    for r in 0..rows {
-        if !row_valid(r, rows, mask)? {
-            continue;
-        }
-        let row = &h[r * 2 * inter..(r + 1) * 2 * inter];
-        for g in 0..groups {
-            let cols = g * FP8_BLOCK..(g + 1) * FP8_BLOCK;
-            let act: Vec<f32> = cols
-                .clone()
-                .map(|c| silu(row[c].to_f32()) * row[inter + c].to_f32())
-                .collect();
-            let amax = act.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = crate::fp8::host::group_scale(amax, crate::fp8::ScaleFormat::Float);
-            scales[r * groups + g] = scale;
-            for (o, a) in q[r * inter + cols.start..r * inter + cols.end]
-                .iter_mut()
-                .zip(&act)
-            {
-                *o = F8E4M3::from_f32(a / scale);
-            }
-        }
+    if block == 0 || block % FP8_BLOCK != 0 || inter % block != 0 {
+        return Err(Error::invalid(
+            "block",
+            block,
+            format!("must be a multiple of {FP8_BLOCK} dividing inter = {inter}"),
+        ));
     }
     Ok(())
+}
+
+fn scales_of(scales: &mut [f32], r: usize, inter: usize) -> &mut [f32] {
+    let g = inter / FP8_BLOCK;
+    &mut scales[r * g..(r + 1) * g]
+}
+
+/// One row of [`swiglu_quantize`] and [`grouped_gemm_swiglu_fp8`]: `row` holds `block` gate
+/// products then `block` up products in turn (`[2 * inter]` f32); writes the row's e4m3 act
+/// `q` (`[inter]`) and its scales (`[inter / 128]`).
+pub fn swiglu_quantize_row(row: &[f32], block: usize, q: &mut [F8E4M3], scales: &mut [f32]) {
+    for (g, scale_out) in scales.iter_mut().enumerate() {
+        let cols = g * FP8_BLOCK..(g + 1) * FP8_BLOCK;
+        let act: Vec<f32> = cols
+            .clone()
+            .map(|c| {
+                let gate = c / block * 2 * block + c % block;
+                silu(row[gate]) * row[gate + block]
+            })
+            .collect();
+        let amax = act.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = crate::fp8::host::group_scale(amax, crate::fp8::ScaleFormat::Float);
+        *scale_out = scale;
+        for (o, a) in q[cols].iter_mut().zip(&act) {
+            *o = F8E4M3::from_f32(a / scale);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -424,7 +484,7 @@ mod tests {
             .collect();
         let mut q = vec![F8E4M3::ZERO; rows * inter];
         let mut s = vec![-1f32; rows * 2];
-        swiglu_quantize(&h, rows, inter, Some((&[1, 0], 1)), &mut q, &mut s).unwrap();
+        swiglu_quantize(&h, rows, inter, inter, Some((&[1, 0], 1)), &mut q, &mut s).unwrap();
         assert_eq!(&s[2..], &[-1.0, -1.0], "row 1 is past its block's count");
         for c in 0..inter {
             let act = silu(h[c].to_f32()) * h[inter + c].to_f32();
@@ -434,6 +494,72 @@ mod tests {
                 "{back} vs {act}"
             );
         }
-        assert!(swiglu_quantize(&h, rows, 100, None, &mut q, &mut s).is_err());
+        assert!(swiglu_quantize(&h, rows, 100, 100, None, &mut q, &mut s).is_err());
+        assert!(swiglu_quantize(&h, rows, inter, 64, None, &mut q, &mut s).is_err());
+    }
+
+    #[test]
+    fn swiglu_quantize_pairs_gate_and_up_blocks_in_turn() {
+        // inter 256 in 128-column blocks: h = [gate 0..128 | up 0..128 | gate 128.. | up 128..]
+        // is the stacked row [gate | up] with its middle blocks swapped.
+        let (rows, inter) = (3, 256);
+        let stacked: Vec<bf16> = (0..rows * 2 * inter)
+            .map(|i| bf16::from_f32(((i * 7 % 23) as f32 - 11.0) / 5.0))
+            .collect();
+        let mut blocked = stacked.clone();
+        for r in 0..rows {
+            let row = &mut blocked[r * 2 * inter..(r + 1) * 2 * inter];
+            let (a, b) = row.split_at_mut(256);
+            a[128..].swap_with_slice(&mut b[..128]);
+        }
+        let (mut q1, mut s1) = (vec![F8E4M3::ZERO; rows * inter], vec![0f32; rows * 2]);
+        let (mut q2, mut s2) = (q1.clone(), s1.clone());
+        swiglu_quantize(&stacked, rows, inter, inter, None, &mut q1, &mut s1).unwrap();
+        swiglu_quantize(&blocked, rows, inter, 128, None, &mut q2, &mut s2).unwrap();
+        assert_eq!(s1, s2);
+        assert!(q1.iter().zip(&q2).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+
+    #[test]
+    fn the_fused_gate_up_twin_quantizes_the_unrounded_products() {
+        // One group of 2 rows, inter 128 (n 256), k 128: every product is exact in f32.
+        let (rows, n, k) = (2, 256, 128);
+        let shape = GroupedGemmShape {
+            groups: 1,
+            rows,
+            n,
+            k,
+            layout: GroupLayout::Contiguous { alignment: 1 },
+        };
+        let aq: Vec<F8E4M3> = (0..rows * k)
+            .map(|i| F8E4M3::from_f32(((i % 5) as f32 - 2.0) / 4.0))
+            .collect();
+        let asc = vec![0.5f32; rows];
+        let bq: Vec<F8E4M3> = (0..n * k)
+            .map(|i| F8E4M3::from_f32(((i % 7) as f32 - 3.0) / 8.0))
+            .collect();
+        let bsc = vec![0.25f32, 2.0];
+        let (host_a, host_b) = (
+            HostFp8 {
+                q: &aq,
+                scales: &asc,
+            },
+            HostFp8 {
+                q: &bq,
+                scales: &bsc,
+            },
+        );
+        let (mut q, mut s) = (vec![F8E4M3::ZERO; rows * n / 2], vec![0f32; rows]);
+        grouped_gemm_swiglu_fp8(host_a, host_b, &[2], &shape, &mut q, &mut s).unwrap();
+        let a = dequantize_rows(&aq, &asc, rows, k).unwrap();
+        let b = dequantize_weight(&bq, &bsc, n, k, 128).unwrap();
+        let dot = |r: usize, j: usize| -> f32 { (0..k).map(|c| a[r * k + c] * b[j * k + c]).sum() };
+        for r in 0..rows {
+            let row: Vec<f32> = (0..n).map(|j| dot(r, j)).collect();
+            let (mut want_q, mut want_s) = (vec![F8E4M3::ZERO; n / 2], vec![0f32; 1]);
+            swiglu_quantize_row(&row, 128, &mut want_q, &mut want_s);
+            assert_eq!(s[r], want_s[0]);
+            assert_eq!(q[r * 128..(r + 1) * 128], want_q[..]);
+        }
     }
 }

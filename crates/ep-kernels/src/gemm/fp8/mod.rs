@@ -10,12 +10,15 @@
 //! - `b` `[groups, n, k]` e4m3 with `sfb` `[groups, ceil(n / 128), ceil(k / 128)]` f32;
 //! - `d` `[rows, n]` bf16.
 //!
-//! The experts run the gate_up GEMM over their `gate_proj` rows then their `up_proj` rows
-//! (`[2I, H]`, `I` a multiple of 128 so that no weight scale block mixes the two), then
-//! [`swiglu_quantize`]: `act = silu(gate) * up` quantized 1 x 128 in one pass, the down GEMM's
-//! rows. (A SwiGLU epilogue as the bf16 GEMMs have would need the gate and up columns of one
-//! 128-column act group in one thread block; the blockwise-scaling mainloop holds two or three
-//! copies of its accumulators, which leaves no registers for tiles that wide.)
+//! The experts' gate_up weight holds their `gate_proj` and `up_proj` rows in
+//! [`FP8_GATE_UP_BLOCK`]-row blocks in turn (`[2I, H]`, `I` a multiple of 128: every weight
+//! scale block is all gate or all up). On the contiguous layout with fewer than
+//! [`SWIGLU_EPILOGUE_MAX_ROWS_PER_GROUP`] rows per expert on average the gate_up GEMM runs
+//! SwiGLU and the down GEMM's 1 x 128 quantization in its epilogue
+//! ([`grouped_gemm_swiglu_fp8`]: the two CTAs of a cluster compute a gate block's and its up
+//! block's tiles of the same rows and swap halves through distributed shared memory);
+//! elsewhere the GEMM writes the bf16 products and [`swiglu_quantize`] follows in one pass
+//! ([`swiglu_in_epilogue`] says which).
 //!
 //! On CUDA (`cuda/`) the GEMMs are CUTLASS 3's ptr-array blockwise-scaling kernels for sm_90a,
 //! the cooperative tiles with our own math loop that overlaps each k-tile's promotion with the
@@ -32,8 +35,8 @@ mod cuda;
 pub use cuda::*;
 
 pub use host::{
-    dequantize_rows, dequantize_weight, grouped_gemm_fp8, quantize_rows, quantize_weight,
-    swiglu_quantize, HostExtraGroupsFp8, HostFp8,
+    dequantize_rows, dequantize_weight, grouped_gemm_fp8, grouped_gemm_swiglu_fp8, quantize_rows,
+    quantize_weight, swiglu_quantize, HostExtraGroupsFp8, HostFp8,
 };
 
 use crate::error::{Error, Result};
@@ -41,6 +44,24 @@ use crate::error::{Error, Result};
 /// Channels of K sharing one scale, in activations and weights, and rows of a weight sharing
 /// one scale.
 pub const FP8_BLOCK: usize = 128;
+
+/// Rows of `gate_proj`, then of `up_proj`, in turn in the fp8 experts' gate_up weight (one
+/// weight scale block each): the layout the fused gate_up GEMM pairs its clusters' tiles by.
+pub const FP8_GATE_UP_BLOCK: usize = FP8_BLOCK;
+
+/// Average rows per expert from which the contiguous gate_up GEMM writes its products for the
+/// one-pass SwiGLU instead of running SwiGLU in its epilogue: the swap between the two CTAs of
+/// a cluster idles the tensor cores for a while every tile, which the pass's memory traffic
+/// outweighs only at fewer rows (docs/benchmarks.md, "Block-scaled FP8 experts").
+pub const SWIGLU_EPILOGUE_MAX_ROWS_PER_GROUP: usize = 512;
+
+/// Whether the experts' gate_up GEMM over `rows` rows of `groups` groups in `layout` runs
+/// SwiGLU and the act quantization in its epilogue ([`grouped_gemm_swiglu_fp8`]); otherwise
+/// the plain GEMM and [`swiglu_quantize`] run.
+pub fn swiglu_in_epilogue(layout: super::GroupLayout, rows: usize, groups: usize) -> bool {
+    matches!(layout, super::GroupLayout::Contiguous { .. })
+        && rows < SWIGLU_EPILOGUE_MAX_ROWS_PER_GROUP * groups.max(1)
+}
 
 /// `(rows, cols)` of the scales of a `[n, k]` weight whose scale blocks are `scale_rows x 128`.
 pub fn weight_scale_dims(n: usize, k: usize, scale_rows: usize) -> (usize, usize) {
@@ -116,6 +137,20 @@ pub fn check_shape(shape: &super::GroupedGemmShape) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn swiglu_runs_in_the_epilogue_on_contiguous_groups_below_512_rows() {
+        use super::super::GroupLayout;
+        let contiguous = GroupLayout::Contiguous { alignment: 1 };
+        assert!(swiglu_in_epilogue(contiguous, 256 * 128, 256));
+        assert!(swiglu_in_epilogue(contiguous, 511 * 8, 8));
+        assert!(!swiglu_in_epilogue(contiguous, 512 * 8, 8));
+        assert!(!swiglu_in_epilogue(
+            GroupLayout::Masked { m_max: 4 },
+            1024,
+            256
+        ));
+    }
 
     #[test]
     fn scale_shapes_round_partial_blocks_up() {

@@ -6,7 +6,8 @@
 //
 // swiglu_quantize_fp8: SwiGLU of the gate_up products and its quantization for the down
 // GEMM, in one pass: for every row r and 128-column group of act,
-//   act[c] = silu(gate[c]) * up[c]          (f32, from the bf16 products h = [gate | up])
+//   act[c] = silu(gate[c]) * up[c]          (f32, from the bf16 products h: `block` gate
+//                                            columns, then `block` up columns, in turn)
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
 // In a masked layout (both kernels) only the first counts[group] rows of each group are
 // visited, and the grid's warps share the valid rows of all groups evenly: every block lays the
@@ -29,15 +30,16 @@ constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
 // Mirrors `RowsParams` in src/gemm/fp8/cuda/quantize_rows.rs (both kernels).
 struct RowsParams {
     const __nv_bfloat16* in; // [rows, cols] (quantize_rows) or [rows, 2 * cols] (swiglu: gate
-                             // columns, then up columns); 8-byte aligned
+                             // and up columns in blocks of `block`); 8-byte aligned
     uint8_t* q;              // [rows, cols] e4m3, 4-byte aligned
     float* scales;           // [rows, cols / 128]
     const int32_t* counts;   // masked layout: [rows / m_max] valid rows per block; else null
     int64_t rows;
     int32_t cols;            // a multiple of 128
     int32_t m_max;           // masked layout: rows per block; else 0
+    int32_t block;           // swiglu: gate / up columns in turn, a multiple of 128 dividing cols
 };
-EP_CHECK_PARAMS_SIZE(RowsParams, 48);
+EP_CHECK_PARAMS_SIZE(RowsParams, 56);
 
 // The valid rows of a masked layout laid out one group after another: first[g] is the number of
 // valid rows of the groups before g (each count clamped to [0, m_max]), first[groups] all of
@@ -166,10 +168,12 @@ EP_KERNEL void __launch_bounds__(kThreads)
     for_each_group(p, [&](int64_t r, int64_t g) {
         const int64_t col = g * ep::kFp8Group + lane * kPerLane;
         const __nv_bfloat16* row = p.in + r * 2 * static_cast<int64_t>(p.cols);
+        // A 128-column group lies in one block (block a multiple of 128).
+        const int64_t at = col / p.block * 2 * p.block + col % p.block;
         float gate[kPerLane];
         float up[kPerLane];
-        bf16x4(row + col, gate);
-        bf16x4(row + p.cols + col, up);
+        bf16x4(row + at, gate);
+        bf16x4(row + at + p.block, up);
         float act[kPerLane];
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {

@@ -4,8 +4,8 @@
 //! (`dequantize.cu`). Host twins: [`super::host`].
 //!
 //! One module per kernel source: the C entry points of each CUTLASS configuration
-//! (`grouped_fp8_wide.cu`, `grouped_fp8_narrow.cu`) in the module of the same name, launched
-//! by [`grouped_gemm_fp8_cuda`] here; `grouped_gemv_fp8` (`grouped_gemv_fp8.cu`, the
+//! (`grouped_fp8_wide.cu`, `grouped_fp8_narrow.cu`, `swiglu_fp8_wide.cu`) in the module of the
+//! same name, launched by [`grouped_gemm_fp8_cuda`] and [`grouped_gemm_swiglu_fp8_cuda`] here; `grouped_gemv_fp8` (`grouped_gemv_fp8.cu`, the
 //! tile-less GEMV); `dequantize` (`dequantize.cu`); `quantize_rows` (`quantize_rows.cu`).
 
 mod dequantize;
@@ -13,6 +13,7 @@ mod grouped_fp8_narrow;
 mod grouped_fp8_wide;
 mod grouped_gemv_fp8;
 mod quantize_rows;
+mod swiglu_fp8_wide;
 
 pub use dequantize::dequantize_weight_cuda;
 pub use quantize_rows::{quantize_rows_fp8_cuda, swiglu_quantize_fp8_cuda, RowsMask};
@@ -25,7 +26,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use float8::F8E4M3;
 use half::bf16;
 
-use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK};
+use super::{check_shape, row_scale_cols, weight_scale_dims, FP8_BLOCK, FP8_GATE_UP_BLOCK};
 use crate::cuda::check_align;
 use crate::error::{Error, Result};
 use crate::gemm::cuda::check_workspace;
@@ -33,6 +34,9 @@ use crate::gemm::{GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace
 use grouped_fp8_narrow::{ep_grouped_gemm_fp8_narrow_run, ep_grouped_gemm_fp8_narrow_workspace};
 use grouped_fp8_wide::{ep_grouped_gemm_fp8_wide_run, ep_grouped_gemm_fp8_wide_workspace};
 use grouped_gemv_fp8::{check_gemv, launch_gemv, GemvFp8Params};
+use swiglu_fp8_wide::{
+    ep_grouped_gemm_fp8_swiglu_wide_run, ep_grouped_gemm_fp8_swiglu_wide_workspace,
+};
 
 /// Mirror of `ep::gemm::GroupedGemmFp8Args` in `fp8/grouped_gemm_fp8_sm90.cuh`.
 #[repr(C)]
@@ -60,12 +64,14 @@ struct GroupedGemmFp8Args {
     extra_b: CUdeviceptr,
     extra_sfb: CUdeviceptr,
     extra_a_rows: i64,
+    d_scales: CUdeviceptr,
 }
-const _: () = assert!(std::mem::size_of::<GroupedGemmFp8Args>() == 144);
+const _: () = assert!(std::mem::size_of::<GroupedGemmFp8Args>() == 152);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, rows) == 64);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, first_extra) == 100);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, extra_a) == 104);
 const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, extra_a_rows) == 136);
+const _: () = assert!(std::mem::offset_of!(GroupedGemmFp8Args, d_scales) == 144);
 
 type RunFn = unsafe extern "C" fn(*const GroupedGemmFp8Args, CUstream, *mut c_char, u64) -> i32;
 type WorkspaceFn = unsafe extern "C" fn(i32, i32) -> u64;
@@ -77,6 +83,8 @@ enum Fp8Tiles {
     Wide,
     /// 64 x 128 ping-pong tiles, clusters of 2 along N.
     Narrow,
+    /// The wide tiles with SwiGLU and the act quantization in the epilogue.
+    SwigluWide,
 }
 
 impl Fp8Tiles {
@@ -95,7 +103,7 @@ impl Fp8Tiles {
 
     fn shape(self) -> ((usize, usize), (usize, usize)) {
         match self {
-            Fp8Tiles::Wide => ((128, 128), (1, 2)),
+            Fp8Tiles::Wide | Fp8Tiles::SwigluWide => ((128, 128), (1, 2)),
             Fp8Tiles::Narrow => ((64, 128), (1, 2)),
         }
     }
@@ -119,6 +127,11 @@ impl Fp8Tiles {
                 ep_grouped_gemm_fp8_narrow_workspace,
                 ep_grouped_gemm_fp8_narrow_run,
             ),
+            Fp8Tiles::SwigluWide => (
+                "grouped_gemm_fp8_swiglu_wide",
+                ep_grouped_gemm_fp8_swiglu_wide_workspace,
+                ep_grouped_gemm_fp8_swiglu_wide_run,
+            ),
         }
     }
 }
@@ -139,7 +152,7 @@ fn opt_ptr<'a, T>(
 /// Bytes every fp8 configuration needs for `max_groups` groups on `ctas` CTAs (part of
 /// [`GroupedGemmWorkspace`]'s size).
 pub(crate) fn workspace_bytes(max_groups: usize, ctas: u32) -> u64 {
-    [Fp8Tiles::Wide, Fp8Tiles::Narrow]
+    [Fp8Tiles::Wide, Fp8Tiles::Narrow, Fp8Tiles::SwigluWide]
         .into_iter()
         .map(|t| t.entry_points().1)
         // SAFETY: pure host computation on two integers (no device access).
@@ -204,7 +217,73 @@ pub fn grouped_gemm_fp8_cuda(
     d: &mut impl DevicePtrMut<bf16>,
     workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
-    run(stream, a, b, counts, shape, extra, tiles, d, workspace)
+    run(
+        stream,
+        a,
+        b,
+        counts,
+        shape,
+        extra,
+        tiles,
+        Output::Products(d),
+        workspace,
+    )
+}
+
+/// The experts' gate_up GEMM with SwiGLU and the down GEMM's row quantization in its epilogue,
+/// on `stream`: `b` the gate_up weights `[groups, n, k]` in [`FP8_GATE_UP_BLOCK`]-row gate and
+/// up blocks in turn (`n = 2I`, a multiple of 256), and for every valid row `r` the products'
+/// `act = silu(gate) * up` written as `act` (`[rows, n / 2]` e4m3) and `act_scales`
+/// (`[rows, n / 256]` f32), 1 x 128 as the per-token cast computes them from the f32 products.
+/// Contiguous or masked layout, no extra groups; the wide tiles (the kernel pairs the two CTAs
+/// of a cluster, `swiglu_quantize_epilogue_sm90.cuh`). Host twin: [`super::grouped_gemm_swiglu_fp8`].
+///
+/// Checked before launch: as [`grouped_gemm_fp8_cuda`], and `n`.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_swiglu_fp8_cuda(
+    stream: &Arc<CudaStream>,
+    a: &DeviceFp8<'_>,
+    b: &DeviceFp8<'_>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    act: &mut impl DevicePtrMut<F8E4M3>,
+    act_scales: &mut impl DevicePtrMut<f32>,
+    workspace: &mut GroupedGemmWorkspace,
+) -> Result<()> {
+    let pair = 2 * FP8_GATE_UP_BLOCK;
+    if shape.n == 0 || shape.n % pair != 0 {
+        return Err(Error::invalid(
+            "shape.n",
+            shape.n,
+            format!("must be a positive multiple of {pair} (gate and up blocks of {FP8_GATE_UP_BLOCK} rows)"),
+        ));
+    }
+    let output: Output<'_, cudarc::driver::CudaSlice<bf16>> = Output::Act {
+        q: act,
+        scales: act_scales,
+    };
+    run(
+        stream,
+        a,
+        b,
+        counts,
+        shape,
+        None,
+        GemmTiles::Wide,
+        output,
+        workspace,
+    )
+}
+
+/// What a CUTLASS fp8 GEMM writes.
+enum Output<'a, D> {
+    /// The bf16 products `[rows, n]`.
+    Products(&'a mut D),
+    /// SwiGLU's act `[rows, n / 2]` e4m3 and its scales `[rows, n / 256]`.
+    Act {
+        q: &'a mut dyn DevicePtrMut<F8E4M3>,
+        scales: &'a mut dyn DevicePtrMut<f32>,
+    },
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -216,7 +295,7 @@ fn run(
     shape: &GroupedGemmShape,
     extra: Option<&ExtraGroupsFp8<'_>>,
     tiles: GemmTiles,
-    d: &mut impl DevicePtrMut<bf16>,
+    output: Output<'_, impl DevicePtrMut<bf16>>,
     workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
     check_shape(shape)?;
@@ -275,12 +354,19 @@ fn run(
     Error::check_len("b", first_extra * n * k, b.q.len())?;
     Error::check_len("b scales", first_extra * sr * sc, b.scales.len())?;
     Error::check_len("counts", groups, counts.len())?;
-    Error::check_len("d", rows * n, d.len())?;
+    let fused = matches!(output, Output::Act { .. });
+    match &output {
+        Output::Products(d) => Error::check_len("d", rows * n, d.len())?,
+        Output::Act { q, scales } => {
+            Error::check_len("act", rows * n / 2, q.len())?;
+            Error::check_len("act scales", rows * n / 2 / FP8_BLOCK, scales.len())?;
+        }
+    }
     check_workspace(workspace, stream, groups)?;
     if rows == 0 {
         return Ok(());
     }
-    let gemv = tiles.resolve(layout, rows, groups) == GemmTiles::Gemv;
+    let gemv = !fused && tiles.resolve(layout, rows, groups) == GemmTiles::Gemv;
     if gemv {
         check_gemv(layout, k)?;
     }
@@ -291,8 +377,21 @@ fn run(
     let (b_ptr, _gb) = b.q.device_ptr(stream);
     let (sfb_ptr, _gsb) = b.scales.device_ptr(stream);
     let (c_ptr, _gc) = counts.device_ptr(stream);
-    let (d_ptr, _gd) = d.device_ptr_mut(stream);
     let mut guards = Vec::new();
+    let (d_ptr, ds_ptr) = match output {
+        Output::Products(d) => {
+            let (p, g) = d.device_ptr_mut(stream);
+            guards.push(g);
+            (p, 0)
+        }
+        Output::Act { q, scales } => {
+            let (p, g) = q.device_ptr_mut(stream);
+            guards.push(g);
+            let (ps, gs) = scales.device_ptr_mut(stream);
+            guards.push(gs);
+            (p, ps)
+        }
+    };
     let xb_ptr = opt_ptr(extra.map(|x| x.b.q), stream, &mut guards);
     let xsb_ptr = opt_ptr(extra.map(|x| x.b.scales), stream, &mut guards);
     let extra_a = extra.and_then(|x| x.a.as_ref());
@@ -310,6 +409,7 @@ fn run(
     for (arg, p) in [
         ("a scales", sfa_ptr),
         ("b scales", sfb_ptr),
+        ("act scales", ds_ptr),
         ("extra.a scales", xsa_ptr),
         ("extra.b scales", xsb_ptr),
     ] {
@@ -341,7 +441,11 @@ fn run(
         drop(guards);
         return launched;
     }
-    let tiles = Fp8Tiles::from(tiles, layout, rows, groups)?;
+    let tiles = if fused {
+        Fp8Tiles::SwigluWide
+    } else {
+        Fp8Tiles::from(tiles, layout, rows, groups)?
+    };
     let (kernel, _, run) = tiles.entry_points();
     let ((_, _), (cm, cn)) = tiles.shape();
     let ctas = workspace.ctas_for_tiles(stream, (cm * cn) as u32, Some(tiles.max_tiles(shape)))?;
@@ -372,6 +476,7 @@ fn run(
         extra_b: xb_ptr,
         extra_sfb: xsb_ptr,
         extra_a_rows: xa_rows,
+        d_scales: ds_ptr,
     };
     let mut message = [0 as c_char; 256];
     // SAFETY: `args` mirrors `GroupedGemmFp8Args` (size and offsets asserted); every operand

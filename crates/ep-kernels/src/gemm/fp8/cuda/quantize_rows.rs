@@ -28,11 +28,12 @@ struct RowsParams {
     rows: i64,
     cols: i32,
     m_max: i32,
+    block: i32,
 }
 crate::cuda::assert_params_layout!(
     RowsParams,
-    48;
-    input = 0, q = 8, scales = 16, counts = 24, rows = 32, cols = 40, m_max = 44,
+    56;
+    input = 0, q = 8, scales = 16, counts = 24, rows = 32, cols = 40, m_max = 44, block = 48,
 );
 
 // SAFETY: `repr(C)` plain data mirroring `RowsParams` in quantize_rows.cu (size asserted both
@@ -62,30 +63,51 @@ pub fn quantize_rows_fp8_cuda(
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     Error::check_len("x", rows * cols, x.len())?;
-    launch_rows(stream, "quantize_rows_fp8", x, rows, cols, mask, q, scales)
+    launch_rows(
+        stream,
+        "quantize_rows_fp8",
+        x,
+        rows,
+        cols,
+        cols,
+        mask,
+        q,
+        scales,
+    )
 }
 
 /// The fp8 experts' SwiGLU and its quantization for the down GEMM on `stream`: for every row of
-/// `h` (`[rows, 2 * inter]` bf16, gate columns then up columns) and every 128 columns of
+/// `h` (`[rows, 2 * inter]` bf16, `block` gate columns then `block` up columns in turn:
+/// `block = inter` for all gate columns then all up columns) and every 128 columns of
 /// `act = silu(gate) * up`, writes `q` (`[rows, inter]` e4m3) and `scales`
 /// (`[rows, inter / 128]` f32) as the per-token fp8 cast would; with `mask` only the rows
 /// within each block's count. Host twin: [`crate::gemm::fp8::swiglu_quantize`].
+#[allow(clippy::too_many_arguments)]
 pub fn swiglu_quantize_fp8_cuda(
     stream: &Arc<CudaStream>,
     h: &impl DevicePtr<bf16>,
     rows: usize,
     inter: usize,
+    block: usize,
     mask: Option<RowsMask<'_>>,
     q: &mut impl DevicePtrMut<F8E4M3>,
     scales: &mut impl DevicePtrMut<f32>,
 ) -> Result<()> {
     Error::check_len("h", rows * 2 * inter, h.len())?;
+    if block == 0 || block % FP8_BLOCK != 0 || inter % block.max(1) != 0 {
+        return Err(Error::invalid(
+            "block",
+            block,
+            format!("must be a multiple of {FP8_BLOCK} dividing inter = {inter}"),
+        ));
+    }
     launch_rows(
         stream,
         "swiglu_quantize_fp8",
         h,
         rows,
         inter,
+        block,
         mask,
         q,
         scales,
@@ -93,7 +115,7 @@ pub fn swiglu_quantize_fp8_cuda(
 }
 
 /// The checks and launch of a row kernel of `quantize_rows.cu` over `rows` rows of `cols`
-/// outputs (its input's length checked by the caller).
+/// outputs (its input's length and `block` checked by the caller).
 #[allow(clippy::too_many_arguments)]
 fn launch_rows(
     stream: &Arc<CudaStream>,
@@ -101,6 +123,7 @@ fn launch_rows(
     input: &impl DevicePtr<bf16>,
     rows: usize,
     cols: usize,
+    block: usize,
     mask: Option<RowsMask<'_>>,
     q: &mut impl DevicePtrMut<F8E4M3>,
     scales: &mut impl DevicePtrMut<f32>,
@@ -156,6 +179,8 @@ fn launch_rows(
         rows: rows as i64,
         cols: cols as i32,
         m_max,
+        // At most cols.
+        block: block as i32,
     };
     // One warp per (row, 128 columns), a grid sized for every row (masked: every block full);
     // the kernels share the valid rows over it.
