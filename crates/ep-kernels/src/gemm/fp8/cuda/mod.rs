@@ -480,7 +480,9 @@ fn run(
     };
     let mut message = [0 as c_char; 256];
     // SAFETY: `args` mirrors `GroupedGemmFp8Args` (size and offsets asserted); every operand
-    // and scale tensor holds the elements the shape implies (checked above) and stays borrowed,
+    // and scale tensor, and the output (`d`, or the act values and their scales with the
+    // SwiGLU epilogue, whose entry point also checks `n` and the scales' pointer), holds the
+    // elements the shape implies (checked above) and stays borrowed,
     // with cudarc's guards keeping stream order, until the launches are queued; the kernels
     // only touch rows the device counts make valid, which the setup kernel checks against
     // `rows` and the rows of `extra.a`; the workspace is this context's and holds `ws_bytes`,
