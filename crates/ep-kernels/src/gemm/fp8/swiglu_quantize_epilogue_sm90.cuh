@@ -2,13 +2,14 @@
 // epilogue: from the f32 accumulators straight to act = silu(gate) * up in e4m3 with one f32
 // scale per row per 128 columns of act, so that the [rows, 2I] gate_up product is never
 // written, read back nor rounded to bf16, and no separate pass runs (quantize_rows.cu's
-// `swiglu_quantize_fp8` stays for the masked and GEMV paths).
+// `swiglu_quantize_fp8` stays for the masked and GEMV paths, and from 512 rows per expert:
+// `gemm::fp8::swiglu_in_epilogue` in Rust says why).
 //
-// The pairing. The gate_up weight is in the scale-block layout (`GATE_UP_SCALE_BLOCKS` in
-// Rust): per expert, 128-row blocks of gate_proj and up_proj rows in turn, so that rows
-// 256p .. 256p + 127 are gate rows 128p .. and the next 128 the matching up rows, each block
-// with its own 128 x 128 weight scales. With 128 x 128 tiles and clusters of two CTAs along N,
-// the two CTAs of a cluster compute the same rows' tiles n = 2p (gate) and 2p + 1 (up): thread
+// The pairing. The gate_up weight is in the scale-block layout (`GateUpLayout::ScaleBlocks`,
+// `gemm::fp8::FP8_GATE_UP_BLOCK` in Rust): per expert, 128-row blocks of gate_proj and up_proj
+// rows in turn, so that rows 256p .. 256p + 127 are gate rows 128p .. and the next 128 the
+// matching up rows, each block with its own 128 x 128 weight scales. With 128 x 128 tiles and
+// clusters of two CTAs along N, the two CTAs of a cluster compute the same rows' tiles n = 2p (gate) and 2p + 1 (up): thread
 // t of one holds, for the same rows and columns, the gate values whose up values thread t of
 // the other holds (one tiled MMA, one partition). The pair swaps halves through distributed
 // shared memory: every thread holds two rows (r and r + 8 of its warp's 16); the gate CTA
@@ -23,8 +24,8 @@
 // partner warp's 32 remote arrivals (release at cluster scope) once it has read its slot. A
 // warp waits on its `empty` before it overwrites the peer's slot and, in `store_tail`, before
 // its CTA may exit, and on its `full` before it reads, so neither CTA leaves while the other
-// still touches its shared memory. The barriers are initialised in the constructor, which the kernel runs before its
-// cluster-wide barrier.
+// still touches its shared memory. The barriers are initialised in the constructor, which the
+// kernel runs before its cluster-wide barrier.
 //
 // The quantization is the per-token cast's (quantize_rows.cu, `swiglu_quantize_fp8`):
 // act = silu(g) * u with the hardware exponential and reciprocal, scale = max(amax, 1e-4) /
