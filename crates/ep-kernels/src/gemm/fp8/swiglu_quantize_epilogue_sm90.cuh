@@ -6,17 +6,17 @@
 // `gemm::fp8::swiglu_in_epilogue` in Rust says why).
 //
 // The pairing. The gate_up weight is in the scale-block layout (`GateUpLayout::ScaleBlocks`,
-// `gemm::fp8::FP8_GATE_UP_BLOCK` in Rust): per expert, 128-row blocks of gate_proj and up_proj
-// rows in turn, so that rows 256p .. 256p + 127 are gate rows 128p .. and the next 128 the
-// matching up rows, each block with its own 128 x 128 weight scales. With 128 x 128 tiles and
-// clusters of two CTAs along N, the two CTAs of a cluster compute the same rows' tiles n = 2p (gate) and 2p + 1 (up): thread
-// t of one holds, for the same rows and columns, the gate values whose up values thread t of
-// the other holds (one tiled MMA, one partition). The pair swaps halves through distributed
-// shared memory: every thread holds two rows (r and r + 8 of its warp's 16); the gate CTA
-// finishes rows r, the up CTA rows r + 8. Each thread stores the 32 values of the row it does
-// not finish into its partner thread's slot in the peer CTA and reads the partner's 32 values
-// of its own row from its slot, so every warp of both CTAs does the same share of the SwiGLU
-// work, and a row's 128 act columns stay in one quad of lanes (its amax needs no second swap).
+// `gemm::fp8::FP8_GATE_UP_BLOCK` in Rust): per expert, 128-row blocks of gate_proj and up_proj rows
+// in turn, so that rows 256p .. 256p + 127 are gate rows 128p .. and the next 128 the matching up
+// rows, each block with its own 128 x 128 weight scales. With 128 x 128 tiles and clusters of two
+// CTAs along N, the two CTAs of a cluster compute the same rows' tiles n = 2p (gate) and 2p + 1
+// (up): thread t of one holds, for the same rows and columns, the gate values whose up values
+// thread t of the other holds (one tiled MMA, one partition). The pair swaps halves through
+// distributed shared memory: every thread holds two rows (r and r + 8 of its warp's 16); the gate
+// CTA finishes rows r, the up CTA rows r + 8. Each thread stores the 32 values of the row it does
+// not finish into its partner thread's slot in the peer CTA and reads the partner's 32 values of
+// its own row from its slot, so every warp of both CTAs does the same share of the SwiGLU work, and
+// a row's 128 act columns stay in one quad of lanes (its amax needs no second swap).
 //
 // Hand-off, per warp: the stores are `st.async` into the peer's slot, each counting its bytes
 // off the transaction count of the peer warp's `full` mbarrier, on which the receiving warp
