@@ -11,8 +11,8 @@
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
 // In a masked layout (both kernels) only the first counts[group] rows of each group are
 // visited, and the grid's warps share the valid rows of all groups evenly: every block lays the
-// counts out as a prefix in shared memory and a warp's item (valid row, 128-column group) finds
-// its group by a binary search, so one hot group (all of a decode step's tokens on one expert)
+// counts out as a prefix in shared memory and a half-warp's item (valid row, 128-column group)
+// finds its group by a binary search, so one hot group (all of a decode step's tokens on one expert)
 // is spread over the grid instead of over the few blocks a per-group grid gives it. Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware
 // exponential and reciprocal, a few ulp from the host's, so results agree to one e4m3 step and
 // scales to 1e-5); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
@@ -23,15 +23,16 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / ep::kWarpSize;
-constexpr int kPerLane = ep::kFp8Group / ep::kWarpSize;  // 4
+constexpr int kHalfWarp = ep::kWarpSize / 2;
+constexpr int kPerLane = ep::kFp8Group / kHalfWarp;  // 8 columns a lane, 16 bytes of bf16
 
 }  // namespace
 
 // Mirrors `RowsParams` in src/gemm/fp8/cuda/quantize_rows.rs (both kernels).
 struct RowsParams {
     const __nv_bfloat16* in; // [rows, cols] (quantize_rows) or [rows, 2 * cols] (swiglu: gate
-                             // and up columns in blocks of `block`); 8-byte aligned
-    uint8_t* q;              // [rows, cols] e4m3, 4-byte aligned
+                             // and up columns in blocks of `block`); 16-byte aligned
+    uint8_t* q;              // [rows, cols] e4m3, 8-byte aligned
     float* scales;           // [rows, cols / 128]
     const int32_t* counts;   // masked layout: [rows / m_max] valid rows per block; else null
     int64_t rows;
@@ -96,9 +97,12 @@ EP_DEVICE int64_t valid_row(const RowsParams& p, const int* first, int groups, i
     return static_cast<int64_t>(lo) * p.m_max + (v - first[lo]);
 }
 
-// Calls f(r, g) for every row r the layout makes valid and every 128-column group g of it,
-// one warp per (r, g), the items shared evenly by the grid's warps (see the file comment).
-// Dynamic shared memory: 4 * (groups + 1) bytes in a masked layout (the prefix), none otherwise.
+// Calls f(r, g, valid) for every row r the layout makes valid and every 128-column group g of
+// it, one half-warp per (r, g) (8 columns a lane, 16-byte loads), the items shared evenly by
+// the grid's half-warps (see the file comment). Both halves of a warp always call f together
+// (its shuffles span the warp); a half without an item (the last of an odd count) gets
+// `valid` false and must not store. Dynamic shared memory: 4 * (groups + 1) bytes in a masked
+// layout (the prefix), none otherwise.
 template <class F>
 EP_DEVICE void for_each_group(const RowsParams& p, F&& f) {
     extern __shared__ int first[];
@@ -108,72 +112,91 @@ EP_DEVICE void for_each_group(const RowsParams& p, F&& f) {
     const int64_t rows =
         p.counts == nullptr ? p.rows : valid_rows_prefix(p, masked_groups, first, warp_sums);
     const int64_t items = rows * groups_per_row;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id();
-         item < items; item += warps) {
-        const int64_t v = item / groups_per_row;
+    const int64_t halves = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * 2;
+    const int half = ep::lane_id() / kHalfWarp;
+    for (int64_t pair = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + ep::warp_id()) * 2;
+         pair < items; pair += halves) {
+        const int64_t item = pair + half;
+        const bool valid = item < items;
+        const int64_t v = valid ? item / groups_per_row : 0;
         const int64_t r =
             p.counts == nullptr ? v : valid_row(p, first, masked_groups, static_cast<int>(v));
-        f(r, item % groups_per_row);
+        f(r, valid ? item % groups_per_row : 0, valid);
     }
 }
 
-// One warp per (row, 128-column group): 4 values per lane, the group's amax by a warp
-// reduction, then scale and e4m3 values as the per-token cast computes them.
-EP_DEVICE void quantize_group(const float (&v)[kPerLane], uint8_t* q, float* scale, int lane) {
+// One half-warp per (row, 128-column group): 8 values per lane, the group's amax by a
+// half-warp reduction, then scale and e4m3 values as the per-token cast computes them.
+EP_DEVICE void quantize_group(const float (&v)[kPerLane], uint8_t* q, float* scale, int sublane,
+                              bool valid) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
         amax = fmaxf(amax, fabsf(v[i]));
     }
-    amax = ep::warp_reduce_max(amax);
+#pragma unroll
+    for (int d = kHalfWarp / 2; d > 0; d >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    }
     const float s = __fdiv_rn(fmaxf(amax, ep::kAmaxMin), ep::kE4m3Max);
-    uint32_t packed = 0;
+    uint2 packed = make_uint2(0, 0);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-        packed |= static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v[i], s))) << (8 * i);
+        const uint32_t byte = ep::f32_to_e4m3(__fdiv_rn(v[i], s));
+        if (i < 4) {
+            packed.x |= byte << (8 * i);
+        } else {
+            packed.y |= byte << (8 * (i - 4));
+        }
     }
-    *reinterpret_cast<uint32_t*>(q + lane * kPerLane) = packed;
-    if (lane == 0) {
-        *scale = s;
+    if (valid) {
+        *reinterpret_cast<uint2*>(q + sublane * kPerLane) = packed;
+        if (sublane == 0) {
+            *scale = s;
+        }
     }
 }
 
-EP_DEVICE void bf16x4(const __nv_bfloat16* p, float (&v)[kPerLane]) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-    v[0] = __low2float(lo);
-    v[1] = __high2float(lo);
-    v[2] = __low2float(hi);
-    v[3] = __high2float(hi);
+EP_DEVICE void bf16x8(const __nv_bfloat16* p, float (&v)[kPerLane]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
+        v[2 * i] = __low2float(pair);
+        v[2 * i + 1] = __high2float(pair);
+    }
 }
 
 EP_KERNEL void __launch_bounds__(kThreads)
     quantize_rows_fp8(const __grid_constant__ RowsParams p) {
-    const int lane = ep::lane_id();
+    const int sublane = ep::lane_id() % kHalfWarp;
     const int64_t groups_per_row = p.cols / ep::kFp8Group;
-    for_each_group(p, [&](int64_t r, int64_t g) {
+    for_each_group(p, [&](int64_t r, int64_t g, bool valid) {
         const int64_t at = r * p.cols + g * ep::kFp8Group;
-        float v[kPerLane];
-        bf16x4(p.in + at + lane * kPerLane, v);
-        quantize_group(v, p.q + at, p.scales + r * groups_per_row + g, lane);
+        float v[kPerLane] = {};
+        if (valid) {
+            bf16x8(p.in + at + sublane * kPerLane, v);
+        }
+        quantize_group(v, p.q + at, p.scales + r * groups_per_row + g, sublane, valid);
     });
 }
 
 EP_KERNEL void __launch_bounds__(kThreads)
     swiglu_quantize_fp8(const __grid_constant__ RowsParams p) {
-    const int lane = ep::lane_id();
+    const int sublane = ep::lane_id() % kHalfWarp;
     const int64_t groups_per_row = p.cols / ep::kFp8Group;
-    for_each_group(p, [&](int64_t r, int64_t g) {
-        const int64_t col = g * ep::kFp8Group + lane * kPerLane;
+    for_each_group(p, [&](int64_t r, int64_t g, bool valid) {
+        const int64_t col = g * ep::kFp8Group + sublane * kPerLane;
         const __nv_bfloat16* row = p.in + r * 2 * static_cast<int64_t>(p.cols);
         // A 128-column group lies in one block (block a multiple of 128).
         const int64_t at = col / p.block * 2 * p.block + col % p.block;
-        float gate[kPerLane];
-        float up[kPerLane];
-        bf16x4(row + at, gate);
-        bf16x4(row + at + p.block, up);
+        float gate[kPerLane] = {};
+        float up[kPerLane] = {};
+        if (valid) {
+            bf16x8(row + at, gate);
+            bf16x8(row + at + p.block, up);
+        }
         float act[kPerLane];
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
@@ -184,6 +207,6 @@ EP_KERNEL void __launch_bounds__(kThreads)
             act[i] = __fmul_rn(silu, up[i]);
         }
         quantize_group(act, p.q + r * p.cols + g * ep::kFp8Group,
-                       p.scales + r * groups_per_row + g, lane);
+                       p.scales + r * groups_per_row + g, sublane, valid);
     });
 }

@@ -168,8 +168,8 @@ fn launch_rows(
     let (i_ptr, _gi) = input.device_ptr(stream);
     let (q_ptr, _gq) = q.device_ptr_mut(stream);
     let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_align("input", i_ptr, 8)?;
-    check_align("q", q_ptr, 4)?;
+    check_align("input", i_ptr, 16)?;
+    check_align("q", q_ptr, 8)?;
     check_align("scales", s_ptr, 4)?;
     let params = RowsParams {
         input: i_ptr,
@@ -182,11 +182,11 @@ fn launch_rows(
         // At most cols.
         block: block as i32,
     };
-    // One warp per (row, 128 columns), a grid sized for every row (masked: every block full);
-    // the kernels share the valid rows over it.
+    // One half-warp per (row, 128 columns), a grid sized for every row (masked: every block
+    // full); the kernels share the valid rows over it.
     let warps_per_block = 256 / 32;
     let blocks = crate::cuda::grid_for(
-        (rows * cols / FP8_BLOCK) as u64,
+        (rows * cols / FP8_BLOCK).div_ceil(2) as u64,
         warps_per_block,
         kernels.props(),
         8,
