@@ -10,12 +10,14 @@
 //                                            columns, then `block` up columns, in turn)
 //   scale  = max(max |act|, 1e-4) / 448,    q[c] = e4m3_satfinite_rn(act[c] / scale)
 // In a masked layout (both kernels) only the first counts[group] rows of each group are
-// visited, and the grid's warps share the valid rows of all groups evenly: every block lays the
-// counts out as a prefix in shared memory and a half-warp's item (valid row, 128-column group)
-// finds its group by a binary search, so one hot group (all of a decode step's tokens on one expert)
-// is spread over the grid instead of over the few blocks a per-group grid gives it. Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware
-// exponential and reciprocal, a few ulp from the host's, so results agree to one e4m3 step and
-// scales to 1e-5); launcher: src/gemm/fp8/cuda/quantize_rows.rs.
+// visited, and the grid's half-warps share the valid rows of all groups evenly: every block
+// lays the counts out as a prefix in shared memory and a half-warp's item (valid row, 128-column
+// group) finds its group by a binary search, so one hot group (all of a decode step's tokens on
+// one expert) is spread over the grid instead of over the few blocks a per-group grid gives it.
+// Each item takes 8 columns a lane (16-byte loads), twice the bytes in flight of a warp an item.
+// Host twin: `gemm::fp8::swiglu_quantize` (SiLU here takes the hardware exponential and
+// reciprocal, a few ulp from the host's, so results agree to one e4m3 step and scales to 1e-5);
+// launcher: src/gemm/fp8/cuda/quantize_rows.rs.
 
 #include "common.cuh"
 
