@@ -13,7 +13,7 @@ command: the experts' gate_up GEMM -> SwiGLU -> down GEMM at DeepSeek-V3 shapes 
   both GEMMs alone ("GEMMs only") and with the same torch SwiGLU + cast between them.
 
 PyTorch has no masked layout: its masked cases run on the valid rows only. Times are medians of
-event-timed runs after warm-up. Prints a table and one JSON line per row (prefix `JSON `).
+event-timed runs after at least 200 ms of warm-up (sustained clocks). Prints a table and one JSON line per row (prefix `JSON `).
 
 Usage: python3 scripts/gpu/anchors/fp8_grouped_mm.py [--iters N] [--only torch|deepgemm]
 (run DeepGEMM in its own process: a crash there then leaves the torch rows standing).
@@ -30,6 +30,7 @@ the system's GCC 13 headers; that extension segfaults in libstdc++ (`std::regex`
 import argparse
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -48,9 +49,14 @@ def balanced_counts(tokens, experts):
 
 
 def median_ms(fn, iters):
-    for _ in range(3):
+    # Warm up for at least 200 ms, as bench_grouped_gemm does, so that every method is timed at
+    # the clocks and power a sustained load gets: after a short warm-up an H200 still runs at
+    # its boost clock (1980 MHz) where a sustained fp8 GEMM load holds it near 1450 MHz at the
+    # 700 W limit.
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.2:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         s = torch.cuda.Event(enable_timing=True)
