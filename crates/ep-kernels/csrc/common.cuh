@@ -63,6 +63,18 @@ EP_DEVICE float bf16_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 // Round to nearest even, as `half::bf16::from_f32`.
 EP_DEVICE __nv_bfloat16 f32_to_bf16(float v) { return __float2bfloat16_rn(v); }
 
+// 8 bf16 values from 16 aligned bytes, as f32.
+EP_DEVICE void load_bf16x8(const __nv_bfloat16* at, float (&v)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(at);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
+        v[2 * i] = __low2float(pair);
+        v[2 * i + 1] = __high2float(pair);
+    }
+}
+
 // f32 -> e4m3 byte: round to nearest even, saturate finite values to +-448
 // (`float8::F8E4M3::from_f32` does the same for every finite input).
 EP_DEVICE uint8_t f32_to_e4m3(float v) {

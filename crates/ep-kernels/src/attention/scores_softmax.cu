@@ -38,18 +38,6 @@ __device__ __forceinline__ float score(const ScoresSoftmaxParams& p, const __nv_
 
 constexpr int kVec = 8;
 
-// 8 bf16 values from 16 aligned bytes.
-__device__ __forceinline__ void load8(const __nv_bfloat16* at, float (&v)[kVec]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(at);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
-        v[2 * i] = __low2float(pair);
-        v[2 * i + 1] = __high2float(pair);
-    }
-}
-
 // The 8 scores of keys j0..j0 + 8 (as `score`).
 __device__ __forceinline__ void scores8(const ScoresSoftmaxParams& p, const __nv_bfloat16* a,
                                         const __nv_bfloat16* b, const __nv_bfloat16* m,
@@ -57,9 +45,9 @@ __device__ __forceinline__ void scores8(const ScoresSoftmaxParams& p, const __nv
     float va[kVec];
     float vb[kVec];
     float vm[kVec];
-    load8(a + j0, va);
-    load8(b + j0, vb);
-    load8(m + j0, vm);
+    ep::load_bf16x8(a + j0, va);
+    ep::load_bf16x8(b + j0, vb);
+    ep::load_bf16x8(m + j0, vm);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
         x[i] = (va[i] + vb[i]) * p.scale + vm[i];

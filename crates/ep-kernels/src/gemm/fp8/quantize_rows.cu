@@ -159,17 +159,6 @@ EP_DEVICE void quantize_group(const float (&v)[kPerLane], uint8_t* q, float* sca
     }
 }
 
-EP_DEVICE void bf16x8(const __nv_bfloat16* p, float (&v)[kPerLane]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[i]);
-        v[2 * i] = __low2float(pair);
-        v[2 * i + 1] = __high2float(pair);
-    }
-}
-
 EP_KERNEL void __launch_bounds__(kThreads)
     quantize_rows_fp8(const __grid_constant__ RowsParams p) {
     const int sublane = ep::lane_id() % kHalfWarp;
@@ -178,7 +167,7 @@ EP_KERNEL void __launch_bounds__(kThreads)
         const int64_t at = r * p.cols + g * ep::kFp8Group;
         float v[kPerLane] = {};
         if (valid) {
-            bf16x8(p.in + at + sublane * kPerLane, v);
+            ep::load_bf16x8(p.in + at + sublane * kPerLane, v);
         }
         quantize_group(v, p.q + at, p.scales + r * groups_per_row + g, sublane, valid);
     });
@@ -196,8 +185,8 @@ EP_KERNEL void __launch_bounds__(kThreads)
         float gate[kPerLane] = {};
         float up[kPerLane] = {};
         if (valid) {
-            bf16x8(row + at, gate);
-            bf16x8(row + at + p.block, up);
+            ep::load_bf16x8(row + at, gate);
+            ep::load_bf16x8(row + at + p.block, up);
         }
         float act[kPerLane];
 #pragma unroll
