@@ -15,10 +15,13 @@
 //! Each method's time is the median over `EP_BENCH_ROUNDS` rounds (default 3; every round
 //! runs every method, so clock and power drift spread over all of them, and starts one method
 //! later than the round before, so that no method is always timed first) of the median of
-//! `EP_BENCH_ITERS` (default 10) event-timed runs after at least 200 ms of warm-up (sustained
-//! clocks: a method timed right after an idle spell runs up to 15% faster on H200).
+//! `EP_BENCH_ITERS` (default 10) event-timed runs after `EP_BENCH_WARMUP_MS` (default 200) ms of
+//! warm-up (sustained clocks: a method timed right after an idle spell runs up to 15% faster on
+//! H200); `EP_BENCH_IDLE_MS` (default 0) leaves the GPU idle that long before each method's
+//! warm-up, to time every method at the clocks of a burst after a rest, as a peer measured
+//! from Python may be.
 //! Prints a table; writes JSON lines to `$EP_BENCH_OUT` if set. `EP_BENCH_CASES` keeps the
-//! cases whose names contain one of its comma-separated parts.
+//! cases whose names contain one of its comma-separated parts, `EP_BENCH_METHODS` the methods.
 //! `scripts/gpu/anchors/torch_grouped_mm.py` runs PyTorch's `torch._grouped_mm` on the same
 //! cases (run it in the same device command).
 //!
@@ -159,16 +162,42 @@ fn view<'a, T: candle_core::cuda_backend::CudaDType>(
     Ok(full.slice(start..end))
 }
 
-/// Median milliseconds of `f` on `stream` over `iters` event-timed runs (after one warm-up).
+/// How long each method rests and warms up before it is timed (see the file comment).
+#[derive(Clone, Copy)]
+struct Warmup {
+    idle: std::time::Duration,
+    busy: std::time::Duration,
+}
+
+impl Warmup {
+    fn from_env() -> Self {
+        let ms = |name: &str, default: u64| {
+            std::time::Duration::from_millis(
+                std::env::var(name)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(default),
+            )
+        };
+        Self {
+            idle: ms("EP_BENCH_IDLE_MS", 0),
+            busy: ms("EP_BENCH_WARMUP_MS", 200),
+        }
+    }
+}
+
+/// Median milliseconds of `f` on `stream` over `iters` event-timed runs, after `warmup`.
 fn time_ms(
     stream: &Arc<CudaStream>,
     iters: usize,
+    warmup: Warmup,
     f: &mut dyn FnMut() -> Result<(), BoxError>,
 ) -> Result<f64, BoxError> {
-    // Warm up for at least 200 ms, so that every method is timed at the clocks and power a
+    std::thread::sleep(warmup.idle);
+    // Warm up (200 ms by default), so that every method is timed at the clocks and power a
     // sustained load gets (the first method after an idle spell would otherwise run boosted).
     let start = std::time::Instant::now();
-    while start.elapsed() < std::time::Duration::from_millis(200) {
+    while start.elapsed() < warmup.busy {
         f()?;
         stream.synchronize()?;
     }
@@ -281,6 +310,7 @@ fn main() -> Result<(), BoxError> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    let warmup = Warmup::from_env();
     let dev = Device::new_cuda(0)?;
     let Device::Cuda(cuda) = &dev else {
         unreachable!()
@@ -292,7 +322,7 @@ fn main() -> Result<(), BoxError> {
     let copy_bytes = 2usize << 30;
     let src = stream.alloc_zeros::<u8>(copy_bytes)?;
     let mut dst = stream.alloc_zeros::<u8>(copy_bytes)?;
-    let copy_ms = time_ms(&stream, iters, &mut || {
+    let copy_ms = time_ms(&stream, iters, warmup, &mut || {
         stream.memcpy_dtod(&src, &mut dst)?;
         Ok(())
     })?;
@@ -658,6 +688,9 @@ fn main() -> Result<(), BoxError> {
                 Box::new(ours_fp8(GemmTiles::Gemv, Swiglu::None)),
             ));
         }
+        if let Ok(want) = std::env::var("EP_BENCH_METHODS") {
+            methods.retain(|(what, _, _)| want.split(',').any(|w| what.contains(w)));
+        }
         // Rounds over the methods, so that clock and power drift spread over all of them; each
         // round starts one method later, so that no method is always timed first (the first
         // in a round measured up to 2-4 % faster than the same kernel later in it).
@@ -666,8 +699,13 @@ fn main() -> Result<(), BoxError> {
         for round in 0..rounds {
             for j in 0..count {
                 let i = (round + j) % count;
-                let (_, n, f) = &mut methods[i];
-                times[i].push(time_ms(&stream, *n, f)?);
+                let (what, n, f) = &mut methods[i];
+                // Progress (with the time, to line it up with clocks sampled beside the run).
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                eprintln!("{now:.2} {}: {what}", case.name);
+                times[i].push(time_ms(&stream, *n, warmup, f)?);
             }
         }
         for ((what, _, _), mut t) in methods.iter().zip(times) {

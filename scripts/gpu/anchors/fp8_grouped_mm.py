@@ -16,6 +16,7 @@ PyTorch has no masked layout: its masked cases run on the valid rows only. Times
 event-timed runs after at least 200 ms of warm-up (sustained clocks). Prints a table and one JSON line per row (prefix `JSON `).
 
 Usage: python3 scripts/gpu/anchors/fp8_grouped_mm.py [--iters N] [--only torch|deepgemm]
+    [--warmup-ms MS] [--idle-ms MS]
 (run DeepGEMM in its own process: a crash there then leaves the torch rows standing).
 `EP_ANCHOR_CASES=a,b` keeps the cases whose name contains one of the words (as
 bench_grouped_gemm's `EP_BENCH_CASES`).
@@ -48,13 +49,18 @@ def balanced_counts(tokens, experts):
     return counts
 
 
-def median_ms(fn, iters):
-    # Warm up for at least 200 ms, as bench_grouped_gemm does, so that every method is timed at
-    # the clocks and power a sustained load gets: after a short warm-up an H200 still runs at
-    # its boost clock (1980 MHz) where a sustained fp8 GEMM load holds it near 1450 MHz at the
-    # 700 W limit.
+def median_ms(fn, iters, warmup_s=0.2, idle_s=0.0):
+    # Warm up for `warmup_s` (200 ms by default, as bench_grouped_gemm), so that every method is
+    # timed at the clocks and power a sustained load gets: after a short warm-up an H200 still
+    # runs at its boost clock (1980 MHz) where a sustained fp8 GEMM load holds it near 1450 MHz
+    # at the 700 W limit. The first call (DeepGEMM's JIT compiles or loads its kernel there)
+    # runs before the warm-up's clock starts, so that the warm-up is GPU work. `idle_s` rests
+    # the GPU before it (bench_grouped_gemm's `EP_BENCH_IDLE_MS`).
+    time.sleep(idle_s)
+    fn()
+    torch.cuda.synchronize()
     start = time.perf_counter()
-    while time.perf_counter() - start < 0.2:
+    while time.perf_counter() - start < warmup_s:
         fn()
         torch.cuda.synchronize()
     times = []
@@ -92,6 +98,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--only", choices=("torch", "deepgemm", "all"), default="all")
+    p.add_argument("--warmup-ms", type=float, default=200.0,
+                   help="GPU work before each method is timed (EP_BENCH_WARMUP_MS)")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="rest before each method's warm-up (EP_BENCH_IDLE_MS)")
     args = p.parse_args()
     dev = torch.device("cuda")
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
@@ -162,9 +172,9 @@ def main():
         if have_dg:
             methods += deepgemm_methods(dev, e, counts, m_max, x)
         for what, fn in methods:
-            print(f"{name}: {what}", flush=True)
+            print(f"{time.time():.2f} {name}: {what}", flush=True)
             try:
-                ms = median_ms(fn, args.iters)
+                ms = median_ms(fn, args.iters, args.warmup_ms / 1e3, args.idle_ms / 1e3)
             except Exception:
                 print(f"{name}: {what} failed:\n{traceback.format_exc()}")
                 continue
@@ -180,15 +190,27 @@ def main():
         print("JSON " + json.dumps(r))
 
 
+def block_quantized(dev, e, n, k):
+    """e random [n, k] weights quantized as checkpoints are (e4m3 with one f32 scale per 128 x
+    128 block, the block's amax at 448), as bench_grouped_gemm's weights: the tensor cores' power,
+    and so the clocks a sustained load holds, depend on the bits they multiply."""
+    q = torch.empty(e, n, k, device=dev, dtype=FP8)
+    s = torch.empty(e, n // 128, k // 128, device=dev)
+    for g in range(e):
+        w = torch.randn(n // 128, 128, k // 128, 128, device=dev)
+        amax = w.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-4)
+        q[g] = (w * (FP8_MAX / amax)).to(FP8).view(n, k)
+        s[g] = (amax / FP8_MAX).view(n // 128, k // 128) * 0.02
+    return q, s
+
+
 def deepgemm_methods(dev, e, counts, m_max, x):
     """DeepGEMM's grouped fp8 GEMMs on the case (1 x 128 and 128 x 128 scales)."""
     import deep_gemm
     from deep_gemm.utils import get_mk_alignment_for_contiguous_layout
     align = get_mk_alignment_for_contiguous_layout()
-    w1 = (torch.empty(e, 2 * I, H, device=dev, dtype=torch.bfloat16).normal_(0, 0.02)).to(FP8)
-    w2 = (torch.empty(e, H, I, device=dev, dtype=torch.bfloat16).normal_(0, 0.02)).to(FP8)
-    s1 = torch.full((e, 2 * I // 128, H // 128), 1e-4, device=dev)
-    s2 = torch.full((e, H // 128, I // 128), 1e-4, device=dev)
+    w1, s1 = block_quantized(dev, e, 2 * I, H)
+    w2, s2 = block_quantized(dev, e, H, I)
     if m_max is None:
         # Contiguous: each group's rows padded to the alignment, -1 rows skipped.
         padded = [(c + align - 1) // align * align for c in counts]
