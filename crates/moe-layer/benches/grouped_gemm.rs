@@ -171,19 +171,20 @@ struct Warmup {
 
 impl Warmup {
     fn from_env() -> Self {
-        let ms = |name: &str, default: u64| {
-            std::time::Duration::from_millis(
-                std::env::var(name)
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(default),
-            )
-        };
+        let ms = |name: &str, default: u64| std::time::Duration::from_millis(env_or(name, default));
         Self {
             idle: ms("EP_BENCH_IDLE_MS", 0),
             busy: ms("EP_BENCH_WARMUP_MS", 200),
         }
     }
+}
+
+/// Environment variable `name` parsed, or `default` when it is unset or does not parse.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Median milliseconds of `f` on `stream` over `iters` event-timed runs, after `warmup`.
@@ -302,14 +303,8 @@ struct Row {
 }
 
 fn main() -> Result<(), BoxError> {
-    let iters: usize = std::env::var("EP_BENCH_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
-    let rounds: usize = std::env::var("EP_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let iters: usize = env_or("EP_BENCH_ITERS", 10);
+    let rounds: usize = env_or("EP_BENCH_ROUNDS", 3);
     let warmup = Warmup::from_env();
     let dev = Device::new_cuda(0)?;
     let Device::Cuda(cuda) = &dev else {

@@ -13,7 +13,7 @@ command: the experts' gate_up GEMM -> SwiGLU -> down GEMM at DeepSeek-V3 shapes 
   both GEMMs alone ("GEMMs only") and with the same torch SwiGLU + cast between them.
 
 PyTorch has no masked layout: its masked cases run on the valid rows only. Times are medians of
-event-timed runs after at least 200 ms of warm-up (sustained clocks). Prints a table and one JSON line per row (prefix `JSON `).
+event-timed runs after `--warmup-ms` (default 200) of warm-up (sustained clocks). Prints a table and one JSON line per row (prefix `JSON `).
 
 Usage: python3 scripts/gpu/anchors/fp8_grouped_mm.py [--iters N] [--only torch|deepgemm]
     [--warmup-ms MS] [--idle-ms MS]
