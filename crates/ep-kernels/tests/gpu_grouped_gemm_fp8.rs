@@ -434,13 +434,16 @@ fn swiglu_quantize_case(
     Ok(())
 }
 
-/// The gate_up GEMM with SwiGLU and the act quantization in its epilogue against the host
-/// twin's row function on the f32 products (`b`'s rows taken as 128-row gate and up blocks in
-/// turn), per valid (or sampled) row: every scale within 2e-3 relative, and every dequantized
-/// act value within one e4m3 step (1/8 of it) plus 4e-3 of its block's amax. The products
-/// differ from the f32 reference as the plain GEMM's do (the tensor cores' partial sums), which
-/// moves an amax by a few 1e-4 and a small value by more than its own e4m3 step. Rows outside
-/// the groups' counts keep their poison in both outputs.
+/// The gate_up GEMM with SwiGLU and the act quantization in its epilogue (`gemv: None`: the
+/// CUTLASS tiles; `Some(extra)`: the tile-less GEMV, masked, its last `extra` groups extra ones
+/// with their own weights and rows) against the host twin's row function on the f32 products
+/// (`b`'s rows taken as 128-row gate and up blocks in turn), per valid (or sampled) row: every
+/// scale within 2e-3 relative, and every dequantized act value within one e4m3 step (1/8 of it)
+/// plus 4e-3 of its block's amax. The products differ from the f32 reference as the plain
+/// GEMM's do (the tensor cores' partial sums), which moves an amax by a few 1e-4 and a small
+/// value by more than its own e4m3 step. Rows outside the groups' counts keep their poison in
+/// both outputs. The GEMV runs twice (its arrival counters must be left at zero).
+#[allow(clippy::too_many_arguments)]
 fn swiglu_gemm_case(
     stream: &Arc<CudaStream>,
     ws: &mut GroupedGemmWorkspace,
@@ -449,6 +452,7 @@ fn swiglu_gemm_case(
     layout: GroupLayout,
     (n, k): (usize, usize),
     sample: Option<usize>,
+    gemv: Option<usize>,
 ) -> CaseResult {
     let groups = counts.len();
     let rows = match layout {
@@ -467,29 +471,76 @@ fn swiglu_gemm_case(
     };
     let inter = n / 2;
     let sg = inter / fp8::FP8_BLOCK;
-    let a = random_rows(rng, rows, k);
-    let b = random_weights(rng, groups, n, k, fp8::FP8_BLOCK);
+    let n_extra = gemv.unwrap_or(0);
+    let first_extra = groups - n_extra;
+    let own_rows = counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
+    let a = random_rows(
+        rng,
+        if n_extra > 0 {
+            rows / groups * first_extra
+        } else {
+            rows
+        },
+        k,
+    );
+    let b = random_weights(rng, first_extra, n, k, fp8::FP8_BLOCK);
+    let xb = random_weights(rng, n_extra, n, k, fp8::FP8_BLOCK);
+    let xa = random_rows(rng, own_rows, k);
     let (a_q, a_s) = (stream.clone_htod(&a.q)?, stream.clone_htod(&a.scales)?);
     let (b_q, b_s) = (stream.clone_htod(&b.q)?, stream.clone_htod(&b.scales)?);
+    let (xb_q, xb_s) = (stream.clone_htod(&xb.q)?, stream.clone_htod(&xb.scales)?);
+    let (xa_q, xa_s) = (stream.clone_htod(&xa.q)?, stream.clone_htod(&xa.scales)?);
     let counts_dev = stream.clone_htod(counts)?;
     let mut q = poisoned::<F8E4M3>(stream, rows * inter)?;
     let mut s = poisoned::<f32>(stream, rows * sg)?;
-    fp8::grouped_gemm_swiglu_fp8_cuda(
-        stream,
-        &DeviceFp8 {
-            q: &a_q,
-            scales: &a_s,
-        },
-        &DeviceFp8 {
-            q: &b_q,
-            scales: &b_s,
-        },
-        &counts_dev,
-        &shape,
-        &mut q,
-        &mut s,
-        ws,
-    )?;
+    let a_dev = DeviceFp8 {
+        q: &a_q,
+        scales: &a_s,
+    };
+    let b_dev = DeviceFp8 {
+        q: &b_q,
+        scales: &b_s,
+    };
+    match gemv {
+        None => fp8::grouped_gemm_swiglu_fp8_cuda(
+            stream,
+            &a_dev,
+            &b_dev,
+            &counts_dev,
+            &shape,
+            &mut q,
+            &mut s,
+            ws,
+        )?,
+        Some(_) => {
+            let extra = (n_extra > 0).then_some(ExtraGroupsFp8 {
+                first: first_extra,
+                b: DeviceFp8 {
+                    q: &xb_q,
+                    scales: &xb_s,
+                },
+                a: Some(DeviceFp8 {
+                    q: &xa_q,
+                    scales: &xa_s,
+                }),
+            });
+            let mut products = poisoned::<f32>(stream, rows * inter)?;
+            for _ in 0..2 {
+                fp8::grouped_gemv_swiglu_fp8_cuda(
+                    stream,
+                    &a_dev,
+                    &b_dev,
+                    &counts_dev,
+                    &shape,
+                    extra.as_ref(),
+                    &mut q,
+                    &mut s,
+                    &mut products,
+                    ws,
+                )?;
+            }
+        }
+    }
     let (q, s) = (stream.clone_dtoh(&q)?, stream.clone_dtoh(&s)?);
     let starts = gemm::group_starts(counts, layout, rows)?;
     let mut valid = vec![false; rows];
@@ -512,15 +563,21 @@ fn swiglu_gemm_case(
     let ks = fp8::row_scale_cols(k);
     for (g, (&st, &cnt)) in starts.iter().zip(counts).enumerate() {
         let cnt = cnt as usize;
+        let (w, j) = if g >= first_extra {
+            (&xb, g - first_extra)
+        } else {
+            (&b, g)
+        };
         for m in checked_rows(rng, cnt, sample) {
             let r = st + m;
+            let (src, row) = if g >= first_extra { (&xa, m) } else { (&a, r) };
             let a_row = fp8::dequantize_rows(
-                &a.q[r * k..(r + 1) * k],
-                &a.scales[r * ks..(r + 1) * ks],
+                &src.q[row * k..(row + 1) * k],
+                &src.scales[row * ks..(row + 1) * ks],
                 1,
                 k,
             )?;
-            let products = products(&a_row, &b, g, n, fp8::FP8_BLOCK);
+            let products = products(&a_row, w, j, n, fp8::FP8_BLOCK);
             let mut q_want = vec![F8E4M3::ZERO; inter];
             let mut s_want = vec![0f32; sg];
             fp8::host::swiglu_quantize_row(
@@ -544,6 +601,41 @@ fn swiglu_gemm_case(
                 let amax = s_want[blk] * 448.0;
                 if (x - y).abs() > y.abs() / 8.0 + 4e-3 * amax {
                     return Err(format!("group {g} row {m} column {c}: act {x}, want {y}").into());
+                }
+            }
+        }
+    }
+    // The host twin on the whole problem leaves the same rows untouched and agrees with the
+    // row function (checked above) where it is small enough to run.
+    if sample.is_none() && rows * n * k <= 1 << 24 {
+        let mut q_twin = vec![F8E4M3::poison(); rows * inter];
+        let mut s_twin = vec![f32::poison(); rows * sg];
+        let host_extra = (n_extra > 0).then_some(HostExtraGroupsFp8 {
+            first: first_extra,
+            b: xb.host(),
+            a: Some(xa.host()),
+        });
+        fp8::grouped_gemm_swiglu_fp8(
+            a.host(),
+            b.host(),
+            counts,
+            &shape,
+            host_extra.as_ref(),
+            &mut q_twin,
+            &mut s_twin,
+        )?;
+        for r in 0..rows {
+            let twin_written = s_twin[r * sg].to_bits() != f32::poison().to_bits();
+            if twin_written != valid[r] {
+                return Err(format!("host twin: row {r} written {twin_written}").into());
+            }
+            for blk in (0..sg).filter(|_| valid[r]) {
+                let (got, want) = (s[r * sg + blk], s_twin[r * sg + blk]);
+                if (got - want).abs() > want * 2e-3 {
+                    return Err(format!(
+                        "host twin: row {r} block {blk}: scale {got}, want {want}"
+                    )
+                    .into());
                 }
             }
         }
@@ -693,6 +785,23 @@ fn bad_input_case(stream: &Arc<CudaStream>, ws: &mut GroupedGemmWorkspace) -> Ca
         ws,
     );
     expect("gemv with k = 112", r, "`k`")?;
+    // The fused SwiGLU GEMV: n = 128 is not a gate block and its up block.
+    let mut act = stream.alloc_zeros::<F8E4M3>(4 * 64)?;
+    let mut act_s = stream.alloc_zeros::<f32>(4)?;
+    let mut products = stream.alloc_zeros::<f32>(4 * 64)?;
+    let r = fp8::grouped_gemv_swiglu_fp8_cuda(
+        stream,
+        &a_dev,
+        &DeviceFp8 { q: &b, scales: &sb },
+        &counts,
+        &ok,
+        None,
+        &mut act,
+        &mut act_s,
+        &mut products,
+        ws,
+    );
+    expect("gemv swiglu with n = 128", r, "`shape.n`")?;
     Ok(())
 }
 
@@ -949,7 +1058,33 @@ fn main() {
         ),
     ] {
         runner.case(&format!("swiglu-gemm/{name}"), |rng| {
-            swiglu_gemm_case(&stream, &mut ws, rng, &counts, layout, (n, k), sample)
+            swiglu_gemm_case(&stream, &mut ws, rng, &counts, layout, (n, k), sample, None)
+        });
+    }
+    // The tile-less GEMV with SwiGLU fused (masked): one row, passes of up to 8 rows, a hot
+    // group, extra groups (the shared expert, its own rows), K with a partial last scale block,
+    // and DeepSeek-V3's decode token (its 8 experts and the shared one: 9 x 256 units, a round,
+    // then teams sharing K).
+    for (name, counts, m_max, n, k, extra) in [
+        ("one-row", vec![1, 0, 0, 1, 1], 4, 256, 384, 0),
+        ("small-odd-passes", vec![0, 20, 7, 1], 20, 512, 384, 0),
+        ("extra-groups", vec![4, 0, 3, 5, 5], 8, 256, 256, 2),
+        ("partial-k", vec![2, 8, 0, 9], 9, 768, 320, 1),
+        ("hot-group", vec![0, 64, 1, 0, 1, 1], 64, 256, 512, 0),
+        ("all-empty", vec![0, 0, 0], 4, 256, 128, 0),
+        ("deepseek-v3/one-token-8+1", vec![1; 9], 1, 4096, 7168, 1),
+    ] {
+        runner.case(&format!("gemv-swiglu/masked/{name}"), |rng| {
+            swiglu_gemm_case(
+                &stream,
+                &mut ws,
+                rng,
+                &counts,
+                masked(m_max),
+                (n, k),
+                None,
+                Some(extra),
+            )
         });
     }
     // Gate and up columns in 128-column blocks in turn (the experts' layout) or stacked.

@@ -30,8 +30,10 @@
 //! runs them ("fp8": gate_up GEMM with SwiGLU and the act cast in its epilogue -> down GEMM
 //! where `gemm_fp8::swiglu_in_epilogue` says so, else gate_up GEMM -> SwiGLU + cast in one pass
 //! -> down GEMM), always in the epilogue on the contiguous layout ("SwiGLU epilogue"), always
-//! with the pass ("SwiGLU pass"), and the two GEMMs alone ("fp8 GEMMs only"); their weight
-//! bytes count one byte per weight.
+//! with the pass ("SwiGLU pass"), and the two GEMMs alone ("fp8 GEMMs only"); on masked cases
+//! also the tile-less GEMV as the layer runs it ("fp8 gemv": SwiGLU and the cast fused into the
+//! gate_up GEMV), with the pass ("fp8 gemv, SwiGLU pass") and alone ("fp8 gemv GEMMs only");
+//! their weight bytes count one byte per weight.
 //! `scripts/gpu/anchors/fp8_grouped_mm.py` runs PyTorch's `torch._scaled_grouped_mm` and
 //! DeepGEMM on the same cases.
 
@@ -469,10 +471,13 @@ fn main() -> Result<(), BoxError> {
         // scales.
         let aq = random_fp8(&stream, &mut rng, rows * HIDDEN, 1 << 22)?;
         let a_sc = scales(&stream, &mut rng, rows * HIDDEN / 128, 0.01)?;
+        let masked = matches!(case.layout, GroupLayout::Masked { .. });
         let fp8_bufs = RefCell::new((
             alloc_uninit::<bf16>(&stream, rows * 2 * INTER)?,
             random_fp8(&stream, &mut rng, rows * INTER, 1 << 22)?,
             scales(&stream, &mut rng, rows * INTER / 128, 0.01)?,
+            // The fused SwiGLU GEMV's f32 act values (masked layouts only).
+            alloc_uninit::<f32>(&stream, if masked { rows * INTER } else { 4 })?,
         ));
         let (q1e, s1e) = (
             q1.slice(0..e * 2 * INTER * HIDDEN),
@@ -523,7 +528,7 @@ fn main() -> Result<(), BoxError> {
                 let mut b = bufs.borrow_mut();
                 let (_, y) = &mut *b;
                 let mut f = fp8_bufs.borrow_mut();
-                let (h, act_q, act_s) = &mut *f;
+                let (h, act_q, act_s, products) = &mut *f;
                 let mut ws = ws_cell.borrow_mut();
                 let (a_dev, w1_dev) = (
                     DeviceFp8 {
@@ -535,8 +540,16 @@ fn main() -> Result<(), BoxError> {
                         scales: s1e,
                     },
                 );
-                let fused = gemm_fp8::swiglu_in_epilogue(up.layout, rows, e);
-                if swiglu == Swiglu::Epilogue || (swiglu == Swiglu::AsTheLayer && fused) {
+                // As the layer: the GEMV with SwiGLU fused, else the CUTLASS epilogue where
+                // `swiglu_in_epilogue` says so, else the pass.
+                let gemv_fused = tiles == GemmTiles::Gemv && swiglu == Swiglu::AsTheLayer;
+                let fused = !gemv_fused && gemm_fp8::swiglu_in_epilogue(up.layout, rows, e);
+                if gemv_fused {
+                    gemm_fp8::grouped_gemv_swiglu_fp8_cuda(
+                        stream, &a_dev, &w1_dev, counts_dev, &up, None, act_q, act_s, products,
+                        &mut ws,
+                    )?;
+                } else if swiglu == Swiglu::Epilogue || (swiglu == Swiglu::AsTheLayer && fused) {
                     gemm_fp8::grouped_gemm_swiglu_fp8_cuda(
                         stream, &a_dev, &w1_dev, counts_dev, &up, act_q, act_s, &mut ws,
                     )?;
@@ -545,7 +558,8 @@ fn main() -> Result<(), BoxError> {
                         stream, &a_dev, &w1_dev, counts_dev, &up, None, tiles, h, &mut ws,
                     )?;
                 }
-                if swiglu == Swiglu::Pass || (swiglu == Swiglu::AsTheLayer && !fused) {
+                if swiglu == Swiglu::Pass || (swiglu == Swiglu::AsTheLayer && !fused && !gemv_fused)
+                {
                     let mask = match up.layout {
                         GroupLayout::Masked { m_max } => Some((
                             counts_dev
@@ -674,6 +688,11 @@ fn main() -> Result<(), BoxError> {
             );
             methods.push((
                 "ours fp8 gemv (no tiles)",
+                iters,
+                Box::new(ours_fp8(GemmTiles::Gemv, Swiglu::AsTheLayer)),
+            ));
+            methods.push((
+                "ours fp8 gemv, SwiGLU pass",
                 iters,
                 Box::new(ours_fp8(GemmTiles::Gemv, Swiglu::Pass)),
             ));

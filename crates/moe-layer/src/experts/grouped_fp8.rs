@@ -10,7 +10,9 @@
 //!   in one pass -> down GEMM -> weighted un-permute;
 //! - blocks with device counts (low-latency mode), and the shared experts' own GEMMs: gate_up
 //!   GEMM over the masked layout -> SwiGLU and its quantization in one pass (skipping the rows
-//!   past the counts) -> down GEMM.
+//!   past the counts) -> down GEMM; blocks of a few rows (the tile-less GEMV,
+//!   `GemmTiles::Gemv`) run SwiGLU and the quantization inside the gate_up GEMV
+//!   (`gemm_fp8::grouped_gemv_swiglu_fp8_cuda`), with no pass between the GEMVs.
 //!
 //! The gate_up weights are in [`crate::GateUpLayout::ScaleBlocks`]: 128 gate_proj rows and the
 //! same 128 up_proj rows in turn.
@@ -198,65 +200,80 @@ fn mlp_rows(
             ws,
         )?;
     } else {
-        let mut hu = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
-        {
-            let a_d = DeviceTensor::new("a", a)?;
-            let as_d = DeviceTensor::new("a scales", a_scales)?;
-            let c_d = DeviceTensor::new("counts", counts)?;
-            let w1 = DeviceTensor::new("gate_up", w1)?;
-            let s1 = DeviceTensor::new("gate_up scales", s1)?;
-            let (a_v, as_v, w1_v, s1_v) = (
-                a_d.view::<F8E4M3>()?,
-                as_d.view::<f32>()?,
-                w1.view::<F8E4M3>()?,
-                s1.view::<f32>()?,
-            );
-            let shared_d = match groups.shared {
-                Some((sh, tq, ts)) => Some((
-                    DeviceTensor::new("shared gate_up", &sh.gate_up)?,
-                    DeviceTensor::new("shared gate_up scales", &sh.gate_up_scale)?,
-                    DeviceTensor::new("tokens", tq)?,
-                    DeviceTensor::new("token scales", ts)?,
-                )),
-                None => None,
-            };
-            let shared_v = match &shared_d {
-                Some((w, ws_, t, ts)) => Some((
-                    w.view::<F8E4M3>()?,
-                    ws_.view::<f32>()?,
-                    t.view::<F8E4M3>()?,
-                    ts.view::<f32>()?,
-                )),
-                None => None,
-            };
-            let extra = shared_v.as_ref().map(|(w, sw, t, ts)| ExtraGroupsFp8 {
-                first: l,
-                b: DeviceFp8 { q: w, scales: sw },
-                a: Some(DeviceFp8 { q: t, scales: ts }),
-            });
+        let a_d = DeviceTensor::new("a", a)?;
+        let as_d = DeviceTensor::new("a scales", a_scales)?;
+        let c_d = DeviceTensor::new("counts", counts)?;
+        let w1 = DeviceTensor::new("gate_up", w1)?;
+        let s1 = DeviceTensor::new("gate_up scales", s1)?;
+        let (a_v, as_v, c_v, w1_v, s1_v) = (
+            a_d.view::<F8E4M3>()?,
+            as_d.view::<f32>()?,
+            c_d.view::<i32>()?,
+            w1.view::<F8E4M3>()?,
+            s1.view::<f32>()?,
+        );
+        let shared_d = match groups.shared {
+            Some((sh, tq, ts)) => Some((
+                DeviceTensor::new("shared gate_up", &sh.gate_up)?,
+                DeviceTensor::new("shared gate_up scales", &sh.gate_up_scale)?,
+                DeviceTensor::new("tokens", tq)?,
+                DeviceTensor::new("token scales", ts)?,
+            )),
+            None => None,
+        };
+        let shared_v = match &shared_d {
+            Some((w, ws_, t, ts)) => Some((
+                w.view::<F8E4M3>()?,
+                ws_.view::<f32>()?,
+                t.view::<F8E4M3>()?,
+                ts.view::<f32>()?,
+            )),
+            None => None,
+        };
+        let extra = shared_v.as_ref().map(|(w, sw, t, ts)| ExtraGroupsFp8 {
+            first: l,
+            b: DeviceFp8 { q: w, scales: sw },
+            a: Some(DeviceFp8 { q: t, scales: ts }),
+        });
+        let a_fp8 = DeviceFp8 {
+            q: &a_v,
+            scales: &as_v,
+        };
+        let w1_fp8 = DeviceFp8 {
+            q: &w1_v,
+            scales: &s1_v,
+        };
+        if tiles.resolve(layout, rows, g) == GemmTiles::Gemv && gemm_fp8::gemv_swiglu_takes(2 * i) {
+            // Blocks of a few rows: the tile-less GEMV with SwiGLU and the act quantization
+            // fused (its f32 act values staged in `products`).
+            let mut products = alloc_uninit::<f32>(&stream, rows * i)?;
+            gemm_fp8::grouped_gemv_swiglu_fp8_cuda(
+                &stream,
+                &a_fp8,
+                &w1_fp8,
+                &c_v,
+                &up,
+                extra.as_ref(),
+                &mut act_q.slice_mut(0..rows * i),
+                &mut act_s.slice_mut(0..rows * sg),
+                &mut products.slice_mut(0..rows * i),
+                ws,
+            )?;
+        } else {
+            let mut hu = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
             gemm_fp8::grouped_gemm_fp8_cuda(
                 &stream,
-                &DeviceFp8 {
-                    q: &a_v,
-                    scales: &as_v,
-                },
-                &DeviceFp8 {
-                    q: &w1_v,
-                    scales: &s1_v,
-                },
-                &c_d.view::<i32>()?,
+                &a_fp8,
+                &w1_fp8,
+                &c_v,
                 &up,
                 extra.as_ref(),
                 tiles,
                 &mut hu.slice_mut(0..rows * 2 * i),
                 ws,
             )?;
-        }
-        // The down GEMM's rows: act = silu(gate) * up quantized 1 x 128, in one pass (rows past
-        // the counts of a masked layout are skipped).
-        {
-            let c_d = DeviceTensor::new("counts", counts)?;
-            let c_v = c_d.view::<i32>()?;
+            // The down GEMM's rows: act = silu(gate) * up quantized 1 x 128, in one pass (rows
+            // past the counts of a masked layout are skipped).
             let mask = match layout {
                 GroupLayout::Masked { m_max } => Some((
                     &c_v as &dyn candle_core::cuda_backend::cudarc::driver::DevicePtr<i32>,

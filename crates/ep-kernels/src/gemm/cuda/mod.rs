@@ -159,6 +159,9 @@ pub struct GroupedGemmWorkspace {
     /// CTAs whose descriptors `buf` has room for.
     max_ctas: u32,
     grid: GemmGrid,
+    /// The fused SwiGLU GEMV's arrival counters, [`crate::gemm::fp8::GEMV_SWIGLU_MAX_ACT_BLOCKS`]
+    /// a group, zero between launches (`grouped_gemv_fp8.cu`).
+    pub(crate) arrivals: CudaSlice<u32>,
 }
 
 impl GroupedGemmWorkspace {
@@ -194,6 +197,8 @@ impl GroupedGemmWorkspace {
         // The experts' intermediates are allocated stream-ordered on every forward.
         crate::cuda::retain_pool_memory(stream.context())?;
         let buf = stream.alloc_zeros::<u8>(Self::bytes(max_groups, sm_count) as usize)?;
+        let arrivals =
+            stream.alloc_zeros::<u32>(max_groups * crate::gemm::fp8::GEMV_SWIGLU_MAX_ACT_BLOCKS)?;
         Ok(Self {
             buf,
             max_groups,
@@ -201,6 +206,7 @@ impl GroupedGemmWorkspace {
             device_sms: props.sm_count,
             max_ctas: sm_count,
             grid: GemmGrid::Persistent,
+            arrivals,
         })
     }
 

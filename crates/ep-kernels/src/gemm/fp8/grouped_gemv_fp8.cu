@@ -34,8 +34,19 @@
 // Counts are checked as there: a negative count, one above m_max, or an extra group's count
 // above the rows of extra_a prints the entry and traps.
 //
-// Shapes (checked by the launcher): n a multiple of 16, k a multiple of 64 (a partial last scale
-// block of 64 channels is allowed).
+// grouped_gemv_swiglu_fp8 is the experts' gate_up GEMV with SwiGLU and the down GEMM's 1 x 128
+// quantization fused (no pass between the GEMVs; host twin `gemm::fp8::grouped_gemm_swiglu_fp8`).
+// The weight holds 128 gate rows and their 128 up rows in turn (`FP8_GATE_UP_BLOCK`), and a unit
+// takes 8 act columns j0 .. j0 + 7: their gate rows as the MMA's rows g and their up rows as
+// rows g + 8, so that each lane holds gate and up of the same (row, column) and computes
+// act = silu(gate) * up from the f32 sums. The act values go to the f32 scratch `act`; the 16
+// units of a 128-column block count their arrivals in `arrivals` (device-scope fence, then one
+// atomic), and the warp that arrives last reads the block's act values back from L2 and writes
+// their e4m3 values and scale as the per-token cast computes them, then zeroes the counter for
+// the next launch.
+//
+// Shapes (checked by the launcher): n a multiple of 16 (swiglu: of 256), k a multiple of 64 (a
+// partial last scale block of 64 channels is allowed).
 
 #include "common.cuh"
 
@@ -50,6 +61,8 @@ constexpr int kBlock = 128;                           // channels per scale
 constexpr int kBlocksInFlight = 2;                    // scale blocks loaded ahead per lane
 constexpr int kMaxGroups = 1024;
 constexpr int kBlocksPerSm = 2;  // 128 registers a thread at most
+constexpr int kActPerUnit = kRowsPerWarp / 2;         // swiglu: act columns of a unit
+constexpr int kUnitsPerActBlock = kBlock / kActPerUnit;  // swiglu: units of a scale block
 
 }  // namespace
 
@@ -71,8 +84,13 @@ struct GemvFp8Params {
     int32_t k;  // a multiple of 64
     int32_t m_max;
     int32_t first_extra;  // == groups without extra groups
+    // grouped_gemv_swiglu_fp8 only (null otherwise; `d` is null there):
+    float* act;           // [groups * m_max, n / 2] f32 scratch: silu(gate) * up
+    uint8_t* q;           // [groups * m_max, n / 2] e4m3 act
+    float* q_scales;      // [groups * m_max, n / 256]
+    uint32_t* arrivals;   // [groups, n / 256] zero before a launch, zero after it
 };
-EP_CHECK_PARAMS_SIZE(GemvFp8Params, 112);  // 108 bytes of fields, 8-byte aligned
+EP_CHECK_PARAMS_SIZE(GemvFp8Params, 144);  // 140 bytes of fields, 8-byte aligned
 
 namespace {
 
@@ -157,7 +175,57 @@ EP_DEVICE int tail_split(int64_t units, int k_blocks, int64_t warps) {
 // warp being its `sub`-th (see the file comment). A template, so that the one-warp units of the
 // whole rounds carry no split-K code. Uniform in a team: its warps take the same unit, counts
 // and passes.
-template <int kSplit>
+// silu(gate) * up as the one-pass SwiGLU (quantize_rows.cu) computes it.
+EP_DEVICE float swiglu(float gate, float up) {
+    return __fmul_rn(__fdividef(gate, 1.0f + __expf(-gate)), up);
+}
+
+// After a unit's act columns of group g are in `act`: counts the unit's arrival at its 128-column
+// block `blk`, and the last of the block's units quantizes the block's `count` rows (see the file
+// comment). Called by a whole warp. Not inlined: inlined into the units' loops it made ptxas
+// spill there.
+__device__ __noinline__ void arrive_and_quantize(const GemvFp8Params& p, int g, int blk, int count) {
+    const int lane = ep::lane_id();
+    const int64_t half = p.n / 2;
+    const int act_blocks = p.n / (2 * kBlock);
+    uint32_t* arrival = p.arrivals + static_cast<int64_t>(g) * act_blocks + blk;
+    __threadfence();  // this warp's act stores, before its arrival is seen
+    __syncwarp();
+    uint32_t before = 0;
+    if (lane == 0) {
+        before = atomicAdd(arrival, 1u);
+    }
+    before = __shfl_sync(0xffffffffu, before, 0);
+    if (before != kUnitsPerActBlock - 1) {
+        return;
+    }
+    if (lane == 0) {
+        *arrival = 0;  // every unit of the block has arrived: ready for the next launch
+    }
+    __threadfence();  // the other units' act stores, before the loads below
+    for (int r = 0; r < count; ++r) {
+        const int64_t row = static_cast<int64_t>(g) * p.m_max + r;
+        const int64_t at = row * half + blk * kBlock;
+        // L2 loads (.cg): the other units' stores are not in this SM's L1.
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.act + at) + lane);
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int d = ep::kWarpSize / 2; d > 0; d >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+        }
+        const float s = __fdiv_rn(fmaxf(amax, ep::kAmaxMin), ep::kE4m3Max);
+        const uint32_t packed = static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v.x, s))) |
+                                static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v.y, s))) << 8 |
+                                static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v.z, s))) << 16 |
+                                static_cast<uint32_t>(ep::f32_to_e4m3(__fdiv_rn(v.w, s))) << 24;
+        reinterpret_cast<uint32_t*>(p.q + at)[lane] = packed;
+        if (lane == 0) {
+            p.q_scales[row * act_blocks + blk] = s;
+        }
+    }
+}
+
+template <int kSplit, bool kSwiglu>
 EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit, int64_t stripes,
                          int team, int sub, float (*partial)[4][ep::kWarpSize]) {
     const int lane = ep::lane_id();
@@ -167,7 +235,12 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
     const int k_blocks = (p.k + kBlock - 1) / kBlock;
     const int n_blocks = (p.n + kBlock - 1) / kBlock;
     const int g = active[unit / stripes];
-    const int row0 = static_cast<int>(unit % stripes) * kRowsPerWarp;
+    const int stripe = static_cast<int>(unit % stripes);
+    // The unit's weight rows: 16 from row0 (MMA rows g: row0 + g, g + 8: row0 + 8 + g), or with
+    // SwiGLU the gate rows of act columns j0 .. j0 + 7 and their up rows 128 further.
+    const int j0 = stripe * kActPerUnit;
+    const int row0 = kSwiglu ? j0 / kBlock * 2 * kBlock + j0 % kBlock : stripe * kRowsPerWarp;
+    const int hi_offset = kSwiglu ? kBlock : kRowsPerWarp / 2;
     const int count = p.counts[g];
     const bool extra = g >= p.first_extra;
     const int64_t wg = extra ? g - p.first_extra : g;
@@ -179,8 +252,8 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
     const float* sx_base = own_rows ? p.sfa + static_cast<int64_t>(g) * p.m_max * k_blocks
                                     : p.extra_sfa;
     const int4* w_lo = reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid) * p.k);
-    const int4* w_hi =
-        reinterpret_cast<const int4*>(w_base + static_cast<int64_t>(row0 + gid + 8) * p.k);
+    const int4* w_hi = reinterpret_cast<const int4*>(
+        w_base + static_cast<int64_t>(row0 + gid + hi_offset) * p.k);
     for (int r0 = 0; r0 < count; r0 += kTokensPerPass) {
         const int rows = min(kTokensPerPass, count - r0);
         // This lane's activation row (B column gid); rows past `rows` read zeros.
@@ -218,12 +291,21 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
                 mma_chunk(part, wl[u][0], wh[u][0], xv[u][0]);
                 mma_chunk(part, wl[u][1], wh[u][1], xv[u][1]);
                 const float sw = __ldg(sw_base + kb);
-                const float sa = sw * __ldg(sxa + kb);
-                const float sb = sw * __ldg(sxb + kb);
-                sum[0] = fmaf(part[0], sa, sum[0]);  // weight row gid, pass row ra
-                sum[1] = fmaf(part[1], sb, sum[1]);  // weight row gid, pass row rb
-                sum[2] = fmaf(part[2], sa, sum[2]);  // weight row gid + 8, pass row ra
-                sum[3] = fmaf(part[3], sb, sum[3]);  // weight row gid + 8, pass row rb
+                const float xa = __ldg(sxa + kb);
+                const float xb = __ldg(sxb + kb);
+                const float sa = sw * xa;
+                const float sb = sw * xb;
+                float sa_hi = sa;
+                float sb_hi = sb;
+                if constexpr (kSwiglu) {
+                    const float sw_hi = __ldg(sw_base + k_blocks + kb);  // the up rows' block
+                    sa_hi = sw_hi * xa;
+                    sb_hi = sw_hi * xb;
+                }
+                sum[0] = fmaf(part[0], sa, sum[0]);     // MMA row gid, pass row ra
+                sum[1] = fmaf(part[1], sb, sum[1]);     // MMA row gid, pass row rb
+                sum[2] = fmaf(part[2], sa_hi, sum[2]);  // MMA row gid + 8, pass row ra
+                sum[3] = fmaf(part[3], sb_hi, sum[3]);  // MMA row gid + 8, pass row rb
             }
         }
         if constexpr (kSplit > 1) {
@@ -249,6 +331,16 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
             }
         }
         const int64_t out0 = static_cast<int64_t>(g) * p.m_max + r0;
+        if constexpr (kSwiglu) {
+            const int64_t half = p.n / 2;
+            if (ra < rows) {
+                p.act[(out0 + ra) * half + j0 + gid] = swiglu(sum[0], sum[2]);
+            }
+            if (rb < rows) {
+                p.act[(out0 + rb) * half + j0 + gid] = swiglu(sum[1], sum[3]);
+            }
+            continue;
+        }
         if (ra < rows) {
             p.d[(out0 + ra) * p.n + row0 + gid] = ep::f32_to_bf16(sum[0]);
             p.d[(out0 + ra) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[2]);
@@ -258,10 +350,15 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
             p.d[(out0 + rb) * p.n + row0 + gid + 8] = ep::f32_to_bf16(sum[3]);
         }
     }
+    if constexpr (kSwiglu) {
+        if (sub == 0) {
+            arrive_and_quantize(p, g, j0 / kBlock, count);
+        }
+    }
 }
 
 // The units left after the whole rounds, `first .. first + count`, by teams of kSplit warps.
-template <int kSplit>
+template <int kSplit, bool kSwiglu>
 EP_DEVICE void gemv_tail(const GemvFp8Params& p, const int* active, int64_t first, int64_t count,
                          int64_t stripes, float (*partial)[4][ep::kWarpSize]) {
     constexpr int teams = kWarps / kSplit;
@@ -269,7 +366,41 @@ EP_DEVICE void gemv_tail(const GemvFp8Params& p, const int* active, int64_t firs
     const int sub = ep::warp_id() % kSplit;
     const int64_t all_teams = static_cast<int64_t>(gridDim.x) * teams;
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * teams + team; t < count; t += all_teams) {
-        gemv_unit<kSplit>(p, active, first + t, stripes, team, sub, partial);
+        gemv_unit<kSplit, kSwiglu>(p, active, first + t, stripes, team, sub, partial);
+    }
+}
+
+// The kernels' body; `kSwiglu`: grouped_gemv_swiglu_fp8 (see the file comment).
+template <bool kSwiglu>
+EP_DEVICE void gemv(const GemvFp8Params& p) {
+    __shared__ int active[kMaxGroups];
+    __shared__ int warp_totals[kWarps];
+    __shared__ float partial[kWarps][4][ep::kWarpSize];  // split-K sums of a team's warps
+    const int num_active = active_groups(p, active, warp_totals);
+    const int64_t stripes = p.n / kRowsPerWarp;  // with SwiGLU: (n / 2) / kActPerUnit
+    const int64_t units = static_cast<int64_t>(num_active) * stripes;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+    // Whole rounds: one warp a unit.
+    const int64_t whole = units / warps * warps;
+    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarps + ep::warp_id(); unit < whole;
+         unit += warps) {
+        gemv_unit<1, kSwiglu>(p, active, unit, stripes, 0, 0, nullptr);
+    }
+    // The rest: teams sharing K.
+    const int64_t rest = units - whole;
+    switch (tail_split(rest, (p.k + kBlock - 1) / kBlock, warps)) {
+        case 1:
+            gemv_tail<1, kSwiglu>(p, active, whole, rest, stripes, partial);
+            break;
+        case 2:
+            gemv_tail<2, kSwiglu>(p, active, whole, rest, stripes, partial);
+            break;
+        case 4:
+            gemv_tail<4, kSwiglu>(p, active, whole, rest, stripes, partial);
+            break;
+        default:
+            gemv_tail<8, kSwiglu>(p, active, whole, rest, stripes, partial);
+            break;
     }
 }
 
@@ -277,33 +408,10 @@ EP_DEVICE void gemv_tail(const GemvFp8Params& p, const int* active, int64_t firs
 
 EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
     grouped_gemv_fp8(const __grid_constant__ GemvFp8Params p) {
-    __shared__ int active[kMaxGroups];
-    __shared__ int warp_totals[kWarps];
-    __shared__ float partial[kWarps][4][ep::kWarpSize];  // split-K sums of a team's warps
-    const int num_active = active_groups(p, active, warp_totals);
-    const int64_t stripes = p.n / kRowsPerWarp;
-    const int64_t units = static_cast<int64_t>(num_active) * stripes;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-    // Whole rounds: one warp a unit.
-    const int64_t whole = units / warps * warps;
-    for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarps + ep::warp_id(); unit < whole;
-         unit += warps) {
-        gemv_unit<1>(p, active, unit, stripes, 0, 0, nullptr);
-    }
-    // The rest: teams sharing K.
-    const int64_t rest = units - whole;
-    switch (tail_split(rest, (p.k + kBlock - 1) / kBlock, warps)) {
-        case 1:
-            gemv_tail<1>(p, active, whole, rest, stripes, partial);
-            break;
-        case 2:
-            gemv_tail<2>(p, active, whole, rest, stripes, partial);
-            break;
-        case 4:
-            gemv_tail<4>(p, active, whole, rest, stripes, partial);
-            break;
-        default:
-            gemv_tail<8>(p, active, whole, rest, stripes, partial);
-            break;
-    }
+    gemv<false>(p);
+}
+
+EP_KERNEL void __launch_bounds__(kThreads, kBlocksPerSm)
+    grouped_gemv_swiglu_fp8(const __grid_constant__ GemvFp8Params p) {
+    gemv<true>(p);
 }

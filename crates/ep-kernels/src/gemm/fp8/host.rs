@@ -317,16 +317,18 @@ pub fn swiglu_quantize(
     Ok(())
 }
 
-/// Host twin of `grouped_gemm_swiglu_fp8_cuda`: the gate_up GEMM of [`grouped_gemm_fp8`]
-/// (`b` in 128-row gate and up blocks in turn, [`super::FP8_GATE_UP_BLOCK`]) with SwiGLU and
-/// the 1 x 128 quantization of [`swiglu_quantize`] applied to its f32 products (no bf16
-/// rounding in between): `q` `[rows, n / 2]` e4m3, `scales` `[rows, n / 256]`; rows outside
-/// every group's count keep their values.
+/// Host twin of `grouped_gemm_swiglu_fp8_cuda` and `grouped_gemv_swiglu_fp8_cuda`: the gate_up
+/// GEMM of [`grouped_gemm_fp8`] (`b` in 128-row gate and up blocks in turn,
+/// [`super::FP8_GATE_UP_BLOCK`]; `extra` groups as there) with SwiGLU and the 1 x 128
+/// quantization of [`swiglu_quantize`] applied to its f32 products (no bf16 rounding in
+/// between): `q` `[rows, n / 2]` e4m3, `scales` `[rows, n / 256]`; rows outside every group's
+/// count keep their values.
 pub fn grouped_gemm_swiglu_fp8(
     a: HostFp8<'_>,
     b: HostFp8<'_>,
     counts: &[i32],
     shape: &GroupedGemmShape,
+    extra: Option<&HostExtraGroupsFp8<'_>>,
     q: &mut [F8E4M3],
     scales: &mut [f32],
 ) -> Result<()> {
@@ -334,7 +336,7 @@ pub fn grouped_gemm_swiglu_fp8(
     check_gate_up_block(inter, super::FP8_GATE_UP_BLOCK)?;
     Error::check_len("q", shape.rows * inter, q.len())?;
     Error::check_len("scales", shape.rows * inter / FP8_BLOCK, scales.len())?;
-    run(a, b, counts, shape, None, |r, acc| {
+    run(a, b, counts, shape, extra, |r, acc| {
         swiglu_quantize_row(
             acc,
             super::FP8_GATE_UP_BLOCK,
@@ -550,7 +552,7 @@ mod tests {
             },
         );
         let (mut q, mut s) = (vec![F8E4M3::ZERO; rows * n / 2], vec![0f32; rows]);
-        grouped_gemm_swiglu_fp8(host_a, host_b, &[2], &shape, &mut q, &mut s).unwrap();
+        grouped_gemm_swiglu_fp8(host_a, host_b, &[2], &shape, None, &mut q, &mut s).unwrap();
         let a = dequantize_rows(&aq, &asc, rows, k).unwrap();
         let b = dequantize_weight(&bq, &bsc, n, k, 128).unwrap();
         let dot = |r: usize, j: usize| -> f32 { (0..k).map(|c| a[r * k + c] * b[j * k + c]).sum() };

@@ -81,6 +81,12 @@ pub const GEMV_K_MULTIPLE: usize = 64;
 /// columns of its tensor-core MMA; more rows take more passes).
 pub const GEMV_ROWS_PER_PASS: usize = 8;
 
+/// Most 128-column blocks of act (`n / 256` of a gate_up weight `[n, k]`, so `I` up to 16384)
+/// the tile-less GEMV with SwiGLU fused ([`super::GemmTiles::Gemv`] in
+/// `grouped_gemv_swiglu_fp8_cuda`) takes: its workspace holds that many arrival counters a
+/// group.
+pub const GEMV_SWIGLU_MAX_ACT_BLOCKS: usize = 128;
+
 /// Warps of a block of the tile-less fp8 GEMV (`kThreads / 32` in `grouped_gemv_fp8.cu`): the
 /// most that can share one unit's K.
 pub const GEMV_WARPS_PER_BLOCK: u64 = 8;
@@ -97,6 +103,14 @@ pub fn gemv_tail_split(units: u64, k_blocks: u64, warps: u64) -> u32 {
         split *= 2;
     }
     split as u32
+}
+
+/// Whether the tile-less fp8 GEMV with SwiGLU fused (`grouped_gemv_swiglu_fp8_cuda`) takes a
+/// gate_up weight of `n = 2I` rows: gate and up blocks of [`FP8_GATE_UP_BLOCK`] rows in turn, at
+/// most [`GEMV_SWIGLU_MAX_ACT_BLOCKS`] of act.
+pub fn gemv_swiglu_takes(n: usize) -> bool {
+    let pair = 2 * FP8_GATE_UP_BLOCK;
+    n > 0 && n % pair == 0 && n / pair <= GEMV_SWIGLU_MAX_ACT_BLOCKS
 }
 
 /// Whether the tile-less fp8 GEMV takes GEMMs of reduction lengths `ks`.
@@ -178,6 +192,17 @@ mod tests {
         // A short K bounds it: every warp keeps two pairs of scale blocks.
         assert_eq!(gemv_tail_split(36, 8, warps), 2);
         assert_eq!(gemv_tail_split(36, 2, warps), 1);
+    }
+
+    #[test]
+    fn the_fused_swiglu_gemv_takes_whole_gate_and_up_blocks() {
+        assert!(gemv_swiglu_takes(4096));
+        assert!(gemv_swiglu_takes(256));
+        assert!(!gemv_swiglu_takes(128));
+        assert!(!gemv_swiglu_takes(5760)); // gpt-oss: I = 2880
+        assert!(gemv_swiglu_takes(GEMV_SWIGLU_MAX_ACT_BLOCKS * 256));
+        assert!(!gemv_swiglu_takes((GEMV_SWIGLU_MAX_ACT_BLOCKS + 1) * 256));
+        assert!(!gemv_swiglu_takes(0));
     }
 
     #[test]

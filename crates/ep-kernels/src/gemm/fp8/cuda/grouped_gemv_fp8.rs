@@ -58,30 +58,45 @@ pub(super) struct GemvFp8Params {
     pub(super) k: i32,
     pub(super) m_max: i32,
     pub(super) first_extra: i32,
+    /// `grouped_gemv_swiglu_fp8` only (0 otherwise, and `d` is 0 there): the f32 act scratch,
+    /// the e4m3 act, its scales and the per-block arrival counters (zero).
+    pub(super) act: CUdeviceptr,
+    pub(super) q: CUdeviceptr,
+    pub(super) q_scales: CUdeviceptr,
+    pub(super) arrivals: CUdeviceptr,
 }
 crate::cuda::assert_params_layout!(
     GemvFp8Params,
-    112;
+    144;
     a = 0, sfa = 8, b = 16, sfb = 24, d = 32, counts = 40, extra_a = 48, extra_sfa = 56,
     extra_b = 64, extra_sfb = 72, extra_a_rows = 80, groups = 88, n = 92, k = 96, m_max = 100,
-    first_extra = 104,
+    first_extra = 104, act = 112, q = 120, q_scales = 128, arrivals = 136,
 );
 
 // SAFETY: `repr(C)` plain data mirroring `GemvFp8Params` in grouped_gemv_fp8.cu (size asserted
 // both sides, offsets here).
 unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
 
-/// Launches `grouped_gemv_fp8` with `params` filled and checked by `run` ([`super`]): one grid
-/// sized to the device (and to a team of every warp of a block per unit when there are few
-/// units), whose warps take (active group, 16 weight rows) units in whole rounds, then share K
-/// over the units left ([`crate::gemm::fp8::gemv_tail_split`], chosen on the device from the
-/// counts).
-pub(super) fn launch_gemv(stream: &Arc<CudaStream>, params: GemvFp8Params) -> Result<()> {
+/// Launches `grouped_gemv_fp8` (or with `swiglu` `grouped_gemv_swiglu_fp8`) with `params` filled
+/// and checked by `run` ([`super`]): one grid sized to the device (and to a team of every warp
+/// of a block per unit when there are few units), whose warps take (active group, 16 weight
+/// rows) units in whole rounds, then share K over the units left
+/// ([`crate::gemm::fp8::gemv_tail_split`], chosen on the device from the counts).
+pub(super) fn launch_gemv(
+    stream: &Arc<CudaStream>,
+    params: GemvFp8Params,
+    swiglu: bool,
+) -> Result<()> {
     let kernels = crate::cuda::Kernels::for_stream(stream)?;
     // An upper bound (every group active): a block a unit at most, so that up to a block's
     // warps can share each unit's K.
     let units = params.groups as u64 * (params.n as u64 / 16);
-    let kernel = kernels.kernel(GEMV_FILE, "grouped_gemv_fp8")?;
+    let name = if swiglu {
+        "grouped_gemv_swiglu_fp8"
+    } else {
+        "grouped_gemv_fp8"
+    };
+    let kernel = kernels.kernel(GEMV_FILE, name)?;
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (
             crate::cuda::grid_for(units, 1, kernels.props(), GEMV_BLOCKS_PER_SM),
@@ -97,6 +112,9 @@ pub(super) fn launch_gemv(stream: &Arc<CudaStream>, params: GemvFp8Params) -> Re
     // its rows), the 16-byte alignment of the e4m3 operands and `d` and the 4-byte alignment of
     // the scales, the masked layout and `k % 64 == 0`, and holds their guards until the launch
     // is queued; the kernel reads only rows below each group's count, which it checks against
-    // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`.
+    // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`
+    // (with `swiglu`: of `act`, `q` and `q_scales`, each checked against `[groups * m_max,
+    // n / 2]` and its scales, `n` a multiple of 256, and the `groups * n / 256` counters of
+    // `arrivals`, which the workspace holds zeroed and every launch leaves zero).
     unsafe { kernel.launch(stream, cfg, params) }
 }

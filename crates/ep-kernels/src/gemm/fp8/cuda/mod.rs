@@ -275,14 +275,69 @@ pub fn grouped_gemm_swiglu_fp8_cuda(
     )
 }
 
-/// What a CUTLASS fp8 GEMM writes.
+/// The experts' gate_up GEMM with SwiGLU and the down GEMM's row quantization fused, by the
+/// tile-less GEMV ([`GemmTiles::Gemv`]: masked layout, blocks of a few rows; no pass between the
+/// GEMVs of a decode step), on `stream`: the function of [`grouped_gemm_swiglu_fp8_cuda`] (`b`
+/// in [`FP8_GATE_UP_BLOCK`]-row gate and up blocks in turn, `n = 2I` a multiple of 256 up to
+/// [`super::GEMV_SWIGLU_MAX_ACT_BLOCKS`] x 256), with extra groups as
+/// [`grouped_gemm_fp8_cuda`] takes them. `products` (`[rows, n / 2]` f32) is its scratch: the
+/// act values before their quantization. Host twin: [`super::grouped_gemm_swiglu_fp8`].
+///
+/// Checked before launch: as [`grouped_gemm_fp8_cuda`] with `GemmTiles::Gemv`, and `n`.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemv_swiglu_fp8_cuda(
+    stream: &Arc<CudaStream>,
+    a: &DeviceFp8<'_>,
+    b: &DeviceFp8<'_>,
+    counts: &impl DevicePtr<i32>,
+    shape: &GroupedGemmShape,
+    extra: Option<&ExtraGroupsFp8<'_>>,
+    act: &mut impl DevicePtrMut<F8E4M3>,
+    act_scales: &mut impl DevicePtrMut<f32>,
+    products: &mut impl DevicePtrMut<f32>,
+    workspace: &mut GroupedGemmWorkspace,
+) -> Result<()> {
+    let pair = 2 * FP8_GATE_UP_BLOCK;
+    let most = super::GEMV_SWIGLU_MAX_ACT_BLOCKS * pair;
+    if shape.n == 0 || shape.n % pair != 0 || shape.n > most {
+        return Err(Error::invalid(
+            "shape.n",
+            shape.n,
+            format!("must be a positive multiple of {pair} (gate and up blocks of {FP8_GATE_UP_BLOCK} rows) up to {most}"),
+        ));
+    }
+    let output: Output<'_, cudarc::driver::CudaSlice<bf16>> = Output::GemvAct {
+        q: act,
+        scales: act_scales,
+        products,
+    };
+    run(
+        stream,
+        a,
+        b,
+        counts,
+        shape,
+        extra,
+        GemmTiles::Gemv,
+        output,
+        workspace,
+    )
+}
+
+/// What an fp8 GEMM writes.
 enum Output<'a, D> {
     /// The bf16 products `[rows, n]`.
     Products(&'a mut D),
-    /// SwiGLU's act `[rows, n / 2]` e4m3 and its scales `[rows, n / 256]`.
+    /// SwiGLU's act `[rows, n / 2]` e4m3 and its scales `[rows, n / 256]` (CUTLASS epilogue).
     Act {
         q: &'a mut dyn DevicePtrMut<F8E4M3>,
         scales: &'a mut dyn DevicePtrMut<f32>,
+    },
+    /// The same by the tile-less GEMV, through its f32 scratch `products` `[rows, n / 2]`.
+    GemvAct {
+        q: &'a mut dyn DevicePtrMut<F8E4M3>,
+        scales: &'a mut dyn DevicePtrMut<f32>,
+        products: &'a mut dyn DevicePtrMut<f32>,
     },
 }
 
@@ -355,18 +410,28 @@ fn run(
     Error::check_len("b scales", first_extra * sr * sc, b.scales.len())?;
     Error::check_len("counts", groups, counts.len())?;
     let fused = matches!(output, Output::Act { .. });
+    let gemv_fused = matches!(output, Output::GemvAct { .. });
     match &output {
         Output::Products(d) => Error::check_len("d", rows * n, d.len())?,
         Output::Act { q, scales } => {
             Error::check_len("act", rows * n / 2, q.len())?;
             Error::check_len("act scales", rows * n / 2 / FP8_BLOCK, scales.len())?;
         }
+        Output::GemvAct {
+            q,
+            scales,
+            products,
+        } => {
+            Error::check_len("act", rows * n / 2, q.len())?;
+            Error::check_len("act scales", rows * n / 2 / FP8_BLOCK, scales.len())?;
+            Error::check_len("products", rows * n / 2, products.len())?;
+        }
     }
     check_workspace(workspace, stream, groups)?;
     if rows == 0 {
         return Ok(());
     }
-    let gemv = !fused && tiles.resolve(layout, rows, groups) == GemmTiles::Gemv;
+    let gemv = gemv_fused || (!fused && tiles.resolve(layout, rows, groups) == GemmTiles::Gemv);
     if gemv {
         check_gemv(layout, k)?;
     }
@@ -378,18 +443,33 @@ fn run(
     let (sfb_ptr, _gsb) = b.scales.device_ptr(stream);
     let (c_ptr, _gc) = counts.device_ptr(stream);
     let mut guards = Vec::new();
-    let (d_ptr, ds_ptr) = match output {
+    // (d or act, act scales, f32 products)
+    let (d_ptr, ds_ptr, p_ptr) = match output {
         Output::Products(d) => {
             let (p, g) = d.device_ptr_mut(stream);
             guards.push(g);
-            (p, 0)
+            (p, 0, 0)
         }
         Output::Act { q, scales } => {
             let (p, g) = q.device_ptr_mut(stream);
             guards.push(g);
             let (ps, gs) = scales.device_ptr_mut(stream);
             guards.push(gs);
-            (p, ps)
+            (p, ps, 0)
+        }
+        Output::GemvAct {
+            q,
+            scales,
+            products,
+        } => {
+            let (p, g) = q.device_ptr_mut(stream);
+            guards.push(g);
+            let (ps, gs) = scales.device_ptr_mut(stream);
+            guards.push(gs);
+            let (pp, gp) = products.device_ptr_mut(stream);
+            guards.push(gp);
+            check_align("products", pp, 16)?;
+            (p, ps, pp)
         }
     };
     let xb_ptr = opt_ptr(extra.map(|x| x.b.q), stream, &mut guards);
@@ -418,12 +498,13 @@ fn run(
         }
     }
     if gemv {
+        let (arrivals, _garr) = workspace.arrivals.device_ptr_mut(stream);
         let params = GemvFp8Params {
             a: a_ptr,
             sfa: sfa_ptr,
             b: b_ptr,
             sfb: sfb_ptr,
-            d: d_ptr,
+            d: if gemv_fused { 0 } else { d_ptr },
             counts: c_ptr,
             extra_a: xa_ptr,
             extra_sfa: xsa_ptr,
@@ -436,8 +517,12 @@ fn run(
             k: k as i32,
             m_max,
             first_extra: first_extra as i32,
+            act: p_ptr,
+            q: if gemv_fused { d_ptr } else { 0 },
+            q_scales: ds_ptr,
+            arrivals: if gemv_fused { arrivals } else { 0 },
         };
-        let launched = launch_gemv(stream, params);
+        let launched = launch_gemv(stream, params, gemv_fused);
         drop(guards);
         return launched;
     }
