@@ -171,10 +171,6 @@ EP_DEVICE int tail_split(int64_t units, int k_blocks, int64_t warps) {
     return split;
 }
 
-// Unit `unit` (of the active groups' units, `stripes` a group) by a team of kSplit warps, this
-// warp being its `sub`-th (see the file comment). A template, so that the one-warp units of the
-// whole rounds carry no split-K code. Uniform in a team: its warps take the same unit, counts
-// and passes.
 // silu(gate) * up as the one-pass SwiGLU (quantize_rows.cu) computes it.
 EP_DEVICE float swiglu(float gate, float up) {
     return __fmul_rn(__fdividef(gate, 1.0f + __expf(-gate)), up);
@@ -184,7 +180,8 @@ EP_DEVICE float swiglu(float gate, float up) {
 // block `blk`, and the last of the block's units quantizes the block's `count` rows (see the file
 // comment). Called by a whole warp. Not inlined: inlined into the units' loops it made ptxas
 // spill there.
-__device__ __noinline__ void arrive_and_quantize(const GemvFp8Params& p, int g, int blk, int count) {
+__device__ __noinline__ void arrive_and_quantize(const GemvFp8Params& p, int g, int blk,
+                                                 int count) {
     const int lane = ep::lane_id();
     const int64_t half = p.n / 2;
     const int act_blocks = p.n / (2 * kBlock);
@@ -225,6 +222,10 @@ __device__ __noinline__ void arrive_and_quantize(const GemvFp8Params& p, int g, 
     }
 }
 
+// Unit `unit` (of the active groups' units, `stripes` a group) by a team of kSplit warps, this
+// warp being its `sub`-th (see the file comment). A template, so that the one-warp units of the
+// whole rounds carry no split-K code. Uniform in a team: its warps take the same unit, counts
+// and passes. With SwiGLU (kSwiglu) it writes act columns and counts its arrival.
 template <int kSplit, bool kSwiglu>
 EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit, int64_t stripes,
                          int team, int sub, float (*partial)[4][ep::kWarpSize]) {
