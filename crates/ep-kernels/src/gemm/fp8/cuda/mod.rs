@@ -297,9 +297,9 @@ pub fn grouped_gemv_swiglu_fp8_cuda(
     products: &mut impl DevicePtrMut<f32>,
     workspace: &mut GroupedGemmWorkspace,
 ) -> Result<()> {
-    let pair = 2 * FP8_GATE_UP_BLOCK;
-    let most = super::GEMV_SWIGLU_MAX_ACT_BLOCKS * pair;
-    if shape.n == 0 || shape.n % pair != 0 || shape.n > most {
+    if !super::gemv_swiglu_takes(shape.n) {
+        let pair = 2 * FP8_GATE_UP_BLOCK;
+        let most = super::GEMV_SWIGLU_MAX_ACT_BLOCKS * pair;
         return Err(Error::invalid(
             "shape.n",
             shape.n,
