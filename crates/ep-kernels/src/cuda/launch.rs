@@ -3,7 +3,10 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUdeviceptr, CUfunctionLoadingState, CUfunction_attribute};
+use cudarc::driver::sys::{
+    CUdeviceptr, CUfunctionLoadingState, CUfunction_attribute, CUlaunchAttribute,
+    CUlaunchAttributeID, CUlaunchConfig,
+};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -194,6 +197,67 @@ impl Kernel {
         // SAFETY: the caller guarantees that `params` matches the kernel's parameter and that
         // its pointers are valid for the launch; `arg` outlives the call, which copies it.
         unsafe { builder.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Like [`Kernel::launch`], with programmatic dependent launch
+    /// (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`): the kernel's blocks may start
+    /// before the kernel before it on `stream` has finished, once that kernel's blocks have all
+    /// run `griddepcontrol.launch_dependents` (or exited). On a device below compute capability
+    /// 9.0 it is a plain launch.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Kernel::launch`], and the kernel must run `griddepcontrol.wait` (which returns
+    /// once the kernel before it has finished and its writes are visible) before it reads
+    /// memory that kernel may write, or writes memory that kernel may read or write; before the
+    /// wait it may read only what no kernel of the stream writes.
+    pub unsafe fn launch_dependent<P: KernelParams>(
+        &self,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        params: P,
+    ) -> Result<()> {
+        if self.props.compute_capability.0 < 9 {
+            // SAFETY: the caller's guarantees cover a plain launch.
+            return unsafe { self.launch(stream, cfg, params) };
+        }
+        self.check(stream, &cfg)?;
+        self.ctx.bind_to_thread()?;
+        let mut arg = ByValue(params);
+        let mut args = [(&mut arg as *mut ByValue<P>).cast::<std::ffi::c_void>()];
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: an all-zero union is a valid value of each of its plain-data members.
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and its one attribute outlive the call, which copies them; `args`
+        // holds the address of the by-value params struct, which the caller guarantees matches
+        // the kernel's one parameter (the driver copies it at the call); the function belongs
+        // to this context, bound above.
+        unsafe {
+            cudarc::driver::sys::cuLaunchKernelEx(
+                &config,
+                self.function.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
         Ok(())
     }
 

@@ -11,7 +11,9 @@
 //! - [`Kernels::kernel`]`(file, name)` returns a [`Kernel`] (cached);
 //! - [`Kernel::launch`] launches it with ONE `#[repr(C)]` parameter struct passed by value
 //!   (see [`KernelParams`]), checking the launch shape and raising the dynamic shared-memory
-//!   limit when a launch needs more than the default 48 KiB.
+//!   limit when a launch needs more than the default 48 KiB; [`Kernel::launch_dependent`] the
+//!   same as a programmatic dependent launch (the kernel waits for the one before it on the
+//!   device, `griddepcontrol.wait`), [`Kernel::launch_cooperative`] as a cooperative one.
 //!
 //! The typed, safe launchers of each mode (`layout::get_dispatch_layout_cuda`, ...) are built
 //! on these: they check sizes, take device pointers from cudarc slices with
