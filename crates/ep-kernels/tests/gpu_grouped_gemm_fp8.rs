@@ -1,5 +1,6 @@
 //! GPU tests: the block-scaled fp8 grouped GEMMs (both layouts, both tile configurations and
-//! the tile-less GEMV of masked blocks, with extra groups), the gate_up GEMM with SwiGLU and
+//! the tile-less GEMV of masked blocks, with extra groups; a decode step's two GEMVs back to
+//! back, the down GEMV a dependent launch), the gate_up GEMM with SwiGLU and
 //! the act quantization in its epilogue, the experts' SwiGLU + fp8 quantization pass and the
 //! weight dequantization against
 //! their host twins, on fresh random operands quantized as DeepSeek's weights and the fp8
@@ -19,7 +20,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{device, poisoned, CaseResult, Poison, Runner};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream};
 use ep_kernels::gemm::fp8::{self, DeviceFp8, ExtraGroupsFp8, HostExtraGroupsFp8, HostFp8};
 use ep_kernels::gemm::{self, GemmTiles, GroupLayout, GroupedGemmShape, GroupedGemmWorkspace};
 use float8::F8E4M3;
@@ -643,6 +644,148 @@ fn swiglu_gemm_case(
     Ok(())
 }
 
+/// A quantized operand on the device: values and scales.
+type DeviceQuantized = (CudaSlice<F8E4M3>, CudaSlice<f32>);
+
+fn fp8_of(v: &DeviceQuantized) -> DeviceFp8<'_> {
+    DeviceFp8 {
+        q: &v.0,
+        scales: &v.1,
+    }
+}
+
+/// A decode step's two GEMVs back to back, as the layer runs them: the fused gate_up GEMV
+/// (SwiGLU, act quantized) and the down GEMV on its act, a dependent launch that starts while
+/// the gate_up grid runs. The act and the products are poisoned before every step, so a down
+/// GEMV that read its act before the gate_up grid finished writing it differs from the f32
+/// reference on the act the step wrote. `(h, inter)`: the hidden and intermediate sizes;
+/// the last `extra` groups are extra groups with rows of their own for gate_up.
+fn gemv_chain_case(
+    stream: &Arc<CudaStream>,
+    ws: &mut GroupedGemmWorkspace,
+    rng: &mut StdRng,
+    counts: &[i32],
+    m_max: usize,
+    (h, inter): (usize, usize),
+    extra: usize,
+) -> CaseResult {
+    let groups = counts.len();
+    let rows = groups * m_max;
+    let layout = GroupLayout::Masked { m_max };
+    let up_shape = GroupedGemmShape {
+        groups,
+        rows,
+        n: 2 * inter,
+        k: h,
+        layout,
+    };
+    let down_shape = GroupedGemmShape {
+        groups,
+        rows,
+        n: h,
+        k: inter,
+        layout,
+    };
+    let first_extra = groups - extra;
+    let own_rows = counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
+    let x = random_rows(rng, m_max * first_extra, h);
+    let xa = random_rows(rng, own_rows, h);
+    let w1 = random_weights(rng, first_extra, 2 * inter, h, fp8::FP8_BLOCK);
+    let xw1 = random_weights(rng, extra, 2 * inter, h, fp8::FP8_BLOCK);
+    let w2 = random_weights(rng, first_extra, h, inter, fp8::FP8_BLOCK);
+    let xw2 = random_weights(rng, extra, h, inter, fp8::FP8_BLOCK);
+    let dev = |v: &Quantized| -> Result<DeviceQuantized, Box<dyn std::error::Error>> {
+        Ok((stream.clone_htod(&v.q)?, stream.clone_htod(&v.scales)?))
+    };
+    let (x_d, xa_d, w1_d, xw1_d, w2_d, xw2_d) = (
+        dev(&x)?,
+        dev(&xa)?,
+        dev(&w1)?,
+        dev(&xw1)?,
+        dev(&w2)?,
+        dev(&xw2)?,
+    );
+    let counts_dev = stream.clone_htod(counts)?;
+    let sg = inter / fp8::FP8_BLOCK;
+    for step in 0..3 {
+        let mut act = poisoned::<F8E4M3>(stream, rows * inter)?;
+        let mut act_s = poisoned::<f32>(stream, rows * sg)?;
+        let mut scratch = poisoned::<f32>(stream, rows * inter)?;
+        let mut d = poisoned::<bf16>(stream, rows * h)?;
+        let up_extra = (extra > 0).then_some(ExtraGroupsFp8 {
+            first: first_extra,
+            b: fp8_of(&xw1_d),
+            a: Some(fp8_of(&xa_d)),
+        });
+        fp8::grouped_gemv_swiglu_fp8_cuda(
+            stream,
+            &fp8_of(&x_d),
+            &fp8_of(&w1_d),
+            &counts_dev,
+            &up_shape,
+            up_extra.as_ref(),
+            &mut act,
+            &mut act_s,
+            &mut scratch,
+            ws,
+        )?;
+        let down_extra = (extra > 0).then_some(ExtraGroupsFp8 {
+            first: first_extra,
+            b: fp8_of(&xw2_d),
+            a: None,
+        });
+        fp8::grouped_gemm_fp8_cuda(
+            stream,
+            &DeviceFp8 {
+                q: &act,
+                scales: &act_s,
+            },
+            &fp8_of(&w2_d),
+            &counts_dev,
+            &down_shape,
+            down_extra.as_ref(),
+            GemmTiles::Gemv,
+            &mut d,
+            ws,
+        )?;
+        let (act, act_s, d) = (
+            stream.clone_dtoh(&act)?,
+            stream.clone_dtoh(&act_s)?,
+            stream.clone_dtoh(&d)?,
+        );
+        let starts = gemm::group_starts(counts, layout, rows)?;
+        check_untouched(&d, h, counts, &starts)?;
+        let mut acc = Accuracy::default();
+        for (g, (&st, &cnt)) in starts.iter().zip(counts).enumerate() {
+            let (w, j) = if g >= first_extra {
+                (&xw2, g - first_extra)
+            } else {
+                (&w2, g)
+            };
+            for r in st..st + cnt as usize {
+                let scales = &act_s[r * sg..(r + 1) * sg];
+                if let Some(blk) = scales.iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+                    return Err(format!(
+                        "step {step}: group {g} row {r}: act scale {blk} is {}",
+                        scales[blk]
+                    )
+                    .into());
+                }
+                let act_row =
+                    fp8::dequantize_rows(&act[r * inter..(r + 1) * inter], scales, 1, inter)?;
+                let want = products(&act_row, w, j, h, fp8::FP8_BLOCK);
+                acc.row(
+                    &format!("step {step}: group {g} row {r}"),
+                    &d[r * h..(r + 1) * h],
+                    &want,
+                )?;
+            }
+        }
+        acc.finish()?;
+    }
+    Ok(())
+}
+
 /// Counts of `blocks` masked blocks of `m` rows: random in `0..=m`, or with `hot` one full
 /// block (a decode step's tokens all on one expert) among blocks of 0 or 1 rows.
 fn mask_counts(rng: &mut StdRng, blocks: usize, m: usize, hot: bool) -> Vec<i32> {
@@ -1085,6 +1228,16 @@ fn main() {
                 None,
                 Some(extra),
             )
+        });
+    }
+    // The two GEMVs of a decode step, the down GEMV a dependent launch on the gate_up's act.
+    for (name, counts, m_max, h, inter, extra) in [
+        ("one-row", vec![1, 0, 0, 1, 1], 4, 384, 256, 1),
+        ("passes", vec![0, 20, 7, 1], 20, 512, 256, 0),
+        ("deepseek-v3/one-token-8+1", vec![1; 9], 1, 7168, 2048, 1),
+    ] {
+        runner.case(&format!("gemv-chain/masked/{name}"), |rng| {
+            gemv_chain_case(&stream, &mut ws, rng, &counts, m_max, (h, inter), extra)
         });
     }
     // Gate and up columns in 128-column blocks in turn (the experts' layout) or stacked.

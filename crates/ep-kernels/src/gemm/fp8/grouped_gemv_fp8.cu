@@ -45,6 +45,13 @@
 // their e4m3 values and scale as the per-token cast computes them, then zeroes the counter for
 // the next launch.
 //
+// A decode step's two GEMVs overlap at the kernel boundary (programmatic dependent launch): the
+// plain GEMV is launched as a dependent and grouped_gemv_swiglu_fp8 lets its dependents start at
+// once, so the down GEMV's blocks start on the SMs the gate_up's blocks leave (at 128 registers
+// a thread the two do not share an SM) while its last units and act quantizations run. They
+// wait (griddepcontrol.wait, before any load) for the gate_up grid and its writes. Launched
+// plainly, the wait returns at once; after another kernel, the blocks start as its blocks exit.
+//
 // Shapes (checked by the launcher): n a multiple of 16 (swiglu: of 256), k a multiple of 64 (a
 // partial last scale block of 64 channels is allowed).
 
@@ -377,6 +384,14 @@ EP_DEVICE void gemv(const GemvFp8Params& p) {
     __shared__ int active[kMaxGroups];
     __shared__ int warp_totals[kWarps];
     __shared__ float partial[kWarps][4][ep::kWarpSize];  // split-K sums of a team's warps
+    if constexpr (kSwiglu) {
+        // The down GEMV (a dependent launch) may start its blocks as this grid's blocks leave.
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    } else {
+        // Before any load: returns once the kernel before this one (when this one is a
+        // dependent launch) has finished and its writes are visible; at once otherwise.
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
     const int num_active = active_groups(p, active, warp_totals);
     const int64_t stripes = p.n / kRowsPerWarp;  // with SwiGLU: (n / 2) / kActPerUnit
     const int64_t units = static_cast<int64_t>(num_active) * stripes;

@@ -81,7 +81,10 @@ unsafe impl crate::cuda::KernelParams for GemvFp8Params {}
 /// and checked by `run` ([`super`]): one grid sized to the device (and to a team of every warp
 /// of a block per unit when there are few units), whose warps take (active group, 16 weight
 /// rows) units in whole rounds, then share K over the units left
-/// ([`crate::gemm::fp8::gemv_tail_split`], chosen on the device from the counts).
+/// ([`crate::gemm::fp8::gemv_tail_split`], chosen on the device from the counts). The plain
+/// GEMV is a dependent launch ([`crate::cuda::Kernel::launch_dependent`]): after the fused
+/// gate_up GEMV of a decode step its blocks start as that kernel's blocks leave, and wait there
+/// for its act (the kernel's file comment).
 pub(super) fn launch_gemv(
     stream: &Arc<CudaStream>,
     params: GemvFp8Params,
@@ -115,6 +118,13 @@ pub(super) fn launch_gemv(
     // `m_max` and the rows of `extra_a` (trapping otherwise), and writes only those rows of `d`
     // (with `swiglu`: of `act`, `q` and `q_scales`, each checked against `[groups * m_max,
     // n / 2]` and its scales, `n` a multiple of 256, and the `groups * n / 256` counters of
-    // `arrivals`, which the workspace holds zeroed and every launch leaves zero).
-    unsafe { kernel.launch(stream, cfg, params) }
+    // `arrivals`, which the workspace holds zeroed and every launch leaves zero). The plain
+    // GEMV, a dependent launch, runs `griddepcontrol.wait` before any load or store.
+    unsafe {
+        if swiglu {
+            kernel.launch(stream, cfg, params)
+        } else {
+            kernel.launch_dependent(stream, cfg, params)
+        }
+    }
 }
