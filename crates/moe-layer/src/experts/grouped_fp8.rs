@@ -176,6 +176,11 @@ fn mlp_rows(
     let sg = i / ep_kernels::FP8_GROUP;
     let mut act_q = alloc_uninit::<F8E4M3>(&stream, rows * i)?;
     let mut act_s = alloc_uninit::<f32>(&stream, rows * sg)?;
+    // Every buffer of the step allocated (and freed, when dropped) outside the GEMMs, so that no
+    // stream-ordered allocation sits between the gate_up GEMV and the down GEMV, which starts
+    // as the gate_up's blocks leave (a dependent launch; `docs/design.md`).
+    let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
+    let (mut products, mut hu) = (None, None);
     if groups.shared.is_none() && gemm_fp8::swiglu_in_epilogue(layout, rows, g) {
         // SwiGLU and the act quantization in the gate_up GEMM's epilogue.
         let a_d = DeviceTensor::new("a", a)?;
@@ -246,7 +251,7 @@ fn mlp_rows(
         if tiles.resolve(layout, rows, g) == GemmTiles::Gemv && gemm_fp8::gemv_swiglu_takes(2 * i) {
             // Blocks of a few rows: the tile-less GEMV with SwiGLU and the act quantization
             // fused (its f32 act values staged in `products`).
-            let mut products = alloc_uninit::<f32>(&stream, rows * i)?;
+            let products = products.insert(alloc_uninit::<f32>(&stream, rows * i)?);
             gemm_fp8::grouped_gemv_swiglu_fp8_cuda(
                 &stream,
                 &a_fp8,
@@ -260,7 +265,7 @@ fn mlp_rows(
                 ws,
             )?;
         } else {
-            let mut hu = alloc_uninit::<bf16>(&stream, rows * 2 * i)?;
+            let hu = hu.insert(alloc_uninit::<bf16>(&stream, rows * 2 * i)?);
             gemm_fp8::grouped_gemm_fp8_cuda(
                 &stream,
                 &a_fp8,
@@ -293,7 +298,6 @@ fn mlp_rows(
             )?;
         }
     }
-    let mut y = alloc_uninit::<bf16>(&stream, rows * h)?;
     {
         let c_d = DeviceTensor::new("counts", counts)?;
         let w2 = DeviceTensor::new("down", w2)?;
