@@ -354,9 +354,20 @@ fn dense_cases(run: &mut RunCase<'_>) {
                     let x = Tensor::randn(0f32, 1.0, (rows, h), &Device::Cpu)?;
                     let want = cpu.forward(&x)?;
                     let got = gpu.forward(&x.to_device(&dev)?.to_dtype(DType::BF16)?)?;
-                    // The layer's bound (`gpu_common::fp8::TOLERANCE`): a SwiGLU output next
-                    // to an e4m3 rounding boundary may round the other way.
-                    println!("       {}", close(&got, &want, TOLERANCE.0 as f32)?);
+                    // The layer's bounds (`gpu_common::fp8::TOLERANCE`), over the batch and
+                    // per row, and no element bound: a SwiGLU output next to an e4m3 rounding
+                    // boundary may round the other way and move its column of the down GEMM's
+                    // products by 1/8 of itself (one such flip put an element 2.1 % of the
+                    // largest output off, where the one-GEMM cases hold 2 %).
+                    let (all, worst) = rel(&got, &want)?;
+                    if !within(rows, all, worst) {
+                        return Err(format!(
+                            "relative error {all:.2e} over the batch, {worst:.2e} worst row, \
+                             above {TOLERANCE:?}"
+                        )
+                        .into());
+                    }
+                    println!("       rel {all:.1e}, worst row {worst:.1e}");
                     Ok(())
                 });
             }
