@@ -121,6 +121,150 @@ fn products(a_row: &[f32], w: &Quantized, j: usize, n: usize, scale_rows: usize)
         .collect()
 }
 
+/// A quantized operand on the device: values and scales.
+type DeviceQuantized = (CudaSlice<F8E4M3>, CudaSlice<f32>);
+
+fn fp8_of(v: &DeviceQuantized) -> DeviceFp8<'_> {
+    DeviceFp8 {
+        q: &v.0,
+        scales: &v.1,
+    }
+}
+
+fn to_device(
+    stream: &Arc<CudaStream>,
+    v: &Quantized,
+) -> Result<DeviceQuantized, Box<dyn std::error::Error>> {
+    Ok((stream.clone_htod(&v.q)?, stream.clone_htod(&v.scales)?))
+}
+
+/// The rows of `layout` for `counts`: `groups x m_max` masked, the aligned counts contiguous.
+fn layout_rows(counts: &[i32], layout: GroupLayout) -> usize {
+    match layout {
+        GroupLayout::Masked { m_max } => counts.len() * m_max,
+        GroupLayout::Contiguous { alignment } => counts
+            .iter()
+            .map(|&x| (x as usize).div_ceil(alignment) * alignment)
+            .sum(),
+    }
+}
+
+/// A case's random operands of `[n, k]` GEMMs over `counts.len()` groups whose last `extra`
+/// are extra groups (masked layout): the other groups' rows `a` (`rows` of the layout, or
+/// their blocks with extra groups) and weights `b`, the extra groups' weights `xb` and the rows
+/// `xa` they all read.
+struct Operands {
+    a: Quantized,
+    b: Quantized,
+    xb: Quantized,
+    xa: Quantized,
+    first_extra: usize,
+    extra: usize,
+    k: usize,
+}
+
+impl Operands {
+    fn random(
+        rng: &mut StdRng,
+        counts: &[i32],
+        rows: usize,
+        (n, k): (usize, usize),
+        extra: usize,
+    ) -> Self {
+        let groups = counts.len();
+        let first_extra = groups - extra;
+        let own_rows = counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
+        let a_rows = if extra > 0 {
+            rows / groups * first_extra
+        } else {
+            rows
+        };
+        Operands {
+            a: random_rows(rng, a_rows, k),
+            b: random_weights(rng, first_extra, n, k, fp8::FP8_BLOCK),
+            xb: random_weights(rng, extra, n, k, fp8::FP8_BLOCK),
+            xa: random_rows(rng, own_rows, k),
+            first_extra,
+            extra,
+            k,
+        }
+    }
+
+    /// Group `g`'s weights and its index among them.
+    fn weights(&self, g: usize) -> (&Quantized, usize) {
+        if g >= self.first_extra {
+            (&self.xb, g - self.first_extra)
+        } else {
+            (&self.b, g)
+        }
+    }
+
+    /// The dequantized input of group `g`'s valid row `m`, row `r` of the layout.
+    fn input_row(
+        &self,
+        g: usize,
+        m: usize,
+        r: usize,
+    ) -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+        let (src, row) = if g >= self.first_extra {
+            (&self.xa, m)
+        } else {
+            (&self.a, r)
+        };
+        let (k, ks) = (self.k, fp8::row_scale_cols(self.k));
+        Ok(fp8::dequantize_rows(
+            &src.q[row * k..(row + 1) * k],
+            &src.scales[row * ks..(row + 1) * ks],
+            1,
+            k,
+        )?)
+    }
+
+    /// The extra groups for the host twins.
+    fn host_extra(&self) -> Option<HostExtraGroupsFp8<'_>> {
+        (self.extra > 0).then(|| HostExtraGroupsFp8 {
+            first: self.first_extra,
+            b: self.xb.host(),
+            a: Some(self.xa.host()),
+        })
+    }
+
+    fn to_device(
+        &self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceOperands, Box<dyn std::error::Error>> {
+        Ok(DeviceOperands {
+            a: to_device(stream, &self.a)?,
+            b: to_device(stream, &self.b)?,
+            xb: to_device(stream, &self.xb)?,
+            xa: to_device(stream, &self.xa)?,
+            first_extra: self.first_extra,
+            has_extra: self.extra > 0,
+        })
+    }
+}
+
+/// [`Operands`] on the device.
+struct DeviceOperands {
+    a: DeviceQuantized,
+    b: DeviceQuantized,
+    xb: DeviceQuantized,
+    xa: DeviceQuantized,
+    first_extra: usize,
+    has_extra: bool,
+}
+
+impl DeviceOperands {
+    /// The extra groups, reading their own rows.
+    fn extra(&self) -> Option<ExtraGroupsFp8<'_>> {
+        self.has_extra.then(|| ExtraGroupsFp8 {
+            first: self.first_extra,
+            b: fp8_of(&self.xb),
+            a: Some(fp8_of(&self.xa)),
+        })
+    }
+}
+
 /// Accumulates DeepGEMM's measure over rows and checks each row.
 #[derive(Default)]
 struct Accuracy {
@@ -203,14 +347,7 @@ fn run_case(
 ) -> CaseResult {
     let groups = c.counts.len();
     let (n, k) = (c.n, c.k);
-    let rows = match c.layout {
-        GroupLayout::Masked { m_max } => groups * m_max,
-        GroupLayout::Contiguous { alignment } => c
-            .counts
-            .iter()
-            .map(|&x| (x as usize).div_ceil(alignment) * alignment)
-            .sum::<usize>(),
-    };
+    let rows = layout_rows(c.counts, c.layout);
     let shape = GroupedGemmShape {
         groups,
         rows,
@@ -218,111 +355,47 @@ fn run_case(
         k,
         layout: c.layout,
     };
-    let scale_rows = fp8::FP8_BLOCK;
-    let first_extra = groups - c.extra;
-    let own_rows = c.counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
-    let a = random_rows(
-        rng,
-        if c.extra > 0 {
-            rows / groups * first_extra
-        } else {
-            rows
-        },
-        k,
-    );
-    let b = random_weights(rng, first_extra, n, k, scale_rows);
-    let xb = random_weights(rng, c.extra, n, k, scale_rows);
-    let xa = random_rows(rng, own_rows, k);
-    let out_cols = n;
-
-    let a_q = stream.clone_htod(&a.q)?;
-    let a_s = stream.clone_htod(&a.scales)?;
-    let b_q = stream.clone_htod(&b.q)?;
-    let b_s = stream.clone_htod(&b.scales)?;
-    let xb_q = stream.clone_htod(&xb.q)?;
-    let xb_s = stream.clone_htod(&xb.scales)?;
-    let xa_q = stream.clone_htod(&xa.q)?;
-    let xa_s = stream.clone_htod(&xa.scales)?;
+    let ops = Operands::random(rng, c.counts, rows, (n, k), c.extra);
+    let dev = ops.to_device(stream)?;
     let counts = stream.clone_htod(c.counts)?;
-    let mut d = poisoned::<bf16>(stream, rows * out_cols)?;
-    let a_dev = DeviceFp8 {
-        q: &a_q,
-        scales: &a_s,
-    };
-    let b_dev = DeviceFp8 {
-        q: &b_q,
-        scales: &b_s,
-    };
-    let extra = (c.extra > 0).then_some(ExtraGroupsFp8 {
-        first: first_extra,
-        b: DeviceFp8 {
-            q: &xb_q,
-            scales: &xb_s,
-        },
-        a: Some(DeviceFp8 {
-            q: &xa_q,
-            scales: &xa_s,
-        }),
-    });
+    let mut d = poisoned::<bf16>(stream, rows * n)?;
     fp8::grouped_gemm_fp8_cuda(
         stream,
-        &a_dev,
-        &b_dev,
+        &fp8_of(&dev.a),
+        &fp8_of(&dev.b),
         &counts,
         &shape,
-        extra.as_ref(),
+        dev.extra().as_ref(),
         c.tiles,
         &mut d,
         ws,
     )?;
     let d = stream.clone_dtoh(&d)?;
     let starts = gemm::group_starts(c.counts, c.layout, rows)?;
-    check_untouched(&d, out_cols, c.counts, &starts)?;
+    check_untouched(&d, n, c.counts, &starts)?;
 
     // The host twin on the whole problem must agree with the f32 reference to bf16 rounding
     // (checked on the same rows below).
     if c.sample.is_none() && rows * n * k <= 1 << 24 {
-        let mut twin = vec![bf16::poison(); rows * out_cols];
-        let host_extra = (c.extra > 0).then_some(HostExtraGroupsFp8 {
-            first: first_extra,
-            b: xb.host(),
-            a: Some(xa.host()),
-        });
+        let mut twin = vec![bf16::poison(); rows * n];
         fp8::grouped_gemm_fp8(
-            a.host(),
-            b.host(),
+            ops.a.host(),
+            ops.b.host(),
             c.counts,
             &shape,
-            host_extra.as_ref(),
+            ops.host_extra().as_ref(),
             &mut twin,
         )?;
-        check_untouched(&twin, out_cols, c.counts, &starts)?;
+        check_untouched(&twin, n, c.counts, &starts)?;
     }
 
-    let ks = fp8::row_scale_cols(k);
     let mut acc = Accuracy::default();
     for (g, (&s, &cnt)) in starts.iter().zip(c.counts).enumerate() {
-        let cnt = cnt as usize;
-        let (w, j) = if g >= first_extra {
-            (&xb, g - first_extra)
-        } else {
-            (&b, g)
-        };
-        for m in checked_rows(rng, cnt, c.sample) {
+        let (w, j) = ops.weights(g);
+        for m in checked_rows(rng, cnt as usize, c.sample) {
             let r = s + m;
-            let (src, row) = if g >= first_extra { (&xa, m) } else { (&a, r) };
-            let a_row = fp8::dequantize_rows(
-                &src.q[row * k..(row + 1) * k],
-                &src.scales[row * ks..(row + 1) * ks],
-                1,
-                k,
-            )?;
-            let want = products(&a_row, w, j, n, scale_rows);
-            acc.row(
-                &format!("group {g} row {m}"),
-                &d[r * out_cols..(r + 1) * out_cols],
-                &want,
-            )?;
+            let want = products(&ops.input_row(g, m, r)?, w, j, n, fp8::FP8_BLOCK);
+            acc.row(&format!("group {g} row {m}"), &d[r * n..(r + 1) * n], &want)?;
         }
     }
     acc.finish()
@@ -456,13 +529,7 @@ fn swiglu_gemm_case(
     gemv: Option<usize>,
 ) -> CaseResult {
     let groups = counts.len();
-    let rows = match layout {
-        GroupLayout::Masked { m_max } => groups * m_max,
-        GroupLayout::Contiguous { alignment } => counts
-            .iter()
-            .map(|&x| (x as usize).div_ceil(alignment) * alignment)
-            .sum::<usize>(),
-    };
+    let rows = layout_rows(counts, layout);
     let shape = GroupedGemmShape {
         groups,
         rows,
@@ -472,41 +539,16 @@ fn swiglu_gemm_case(
     };
     let inter = n / 2;
     let sg = inter / fp8::FP8_BLOCK;
-    let n_extra = gemv.unwrap_or(0);
-    let first_extra = groups - n_extra;
-    let own_rows = counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
-    let a = random_rows(
-        rng,
-        if n_extra > 0 {
-            rows / groups * first_extra
-        } else {
-            rows
-        },
-        k,
-    );
-    let b = random_weights(rng, first_extra, n, k, fp8::FP8_BLOCK);
-    let xb = random_weights(rng, n_extra, n, k, fp8::FP8_BLOCK);
-    let xa = random_rows(rng, own_rows, k);
-    let (a_q, a_s) = (stream.clone_htod(&a.q)?, stream.clone_htod(&a.scales)?);
-    let (b_q, b_s) = (stream.clone_htod(&b.q)?, stream.clone_htod(&b.scales)?);
-    let (xb_q, xb_s) = (stream.clone_htod(&xb.q)?, stream.clone_htod(&xb.scales)?);
-    let (xa_q, xa_s) = (stream.clone_htod(&xa.q)?, stream.clone_htod(&xa.scales)?);
+    let ops = Operands::random(rng, counts, rows, (n, k), gemv.unwrap_or(0));
+    let dev = ops.to_device(stream)?;
     let counts_dev = stream.clone_htod(counts)?;
     let mut q = poisoned::<F8E4M3>(stream, rows * inter)?;
     let mut s = poisoned::<f32>(stream, rows * sg)?;
-    let a_dev = DeviceFp8 {
-        q: &a_q,
-        scales: &a_s,
-    };
-    let b_dev = DeviceFp8 {
-        q: &b_q,
-        scales: &b_s,
-    };
     match gemv {
         None => fp8::grouped_gemm_swiglu_fp8_cuda(
             stream,
-            &a_dev,
-            &b_dev,
+            &fp8_of(&dev.a),
+            &fp8_of(&dev.b),
             &counts_dev,
             &shape,
             &mut q,
@@ -514,26 +556,15 @@ fn swiglu_gemm_case(
             ws,
         )?,
         Some(_) => {
-            let extra = (n_extra > 0).then_some(ExtraGroupsFp8 {
-                first: first_extra,
-                b: DeviceFp8 {
-                    q: &xb_q,
-                    scales: &xb_s,
-                },
-                a: Some(DeviceFp8 {
-                    q: &xa_q,
-                    scales: &xa_s,
-                }),
-            });
             let mut products = poisoned::<f32>(stream, rows * inter)?;
             for _ in 0..2 {
                 fp8::grouped_gemv_swiglu_fp8_cuda(
                     stream,
-                    &a_dev,
-                    &b_dev,
+                    &fp8_of(&dev.a),
+                    &fp8_of(&dev.b),
                     &counts_dev,
                     &shape,
-                    extra.as_ref(),
+                    dev.extra().as_ref(),
                     &mut q,
                     &mut s,
                     &mut products,
@@ -561,24 +592,11 @@ fn swiglu_gemm_case(
             return Err(format!("row {r} is outside every group but was written").into());
         }
     }
-    let ks = fp8::row_scale_cols(k);
     for (g, (&st, &cnt)) in starts.iter().zip(counts).enumerate() {
-        let cnt = cnt as usize;
-        let (w, j) = if g >= first_extra {
-            (&xb, g - first_extra)
-        } else {
-            (&b, g)
-        };
-        for m in checked_rows(rng, cnt, sample) {
+        let (w, j) = ops.weights(g);
+        for m in checked_rows(rng, cnt as usize, sample) {
             let r = st + m;
-            let (src, row) = if g >= first_extra { (&xa, m) } else { (&a, r) };
-            let a_row = fp8::dequantize_rows(
-                &src.q[row * k..(row + 1) * k],
-                &src.scales[row * ks..(row + 1) * ks],
-                1,
-                k,
-            )?;
-            let products = products(&a_row, w, j, n, fp8::FP8_BLOCK);
+            let products = products(&ops.input_row(g, m, r)?, w, j, n, fp8::FP8_BLOCK);
             let mut q_want = vec![F8E4M3::ZERO; inter];
             let mut s_want = vec![0f32; sg];
             fp8::host::swiglu_quantize_row(
@@ -611,17 +629,12 @@ fn swiglu_gemm_case(
     if sample.is_none() && rows * n * k <= 1 << 24 {
         let mut q_twin = vec![F8E4M3::poison(); rows * inter];
         let mut s_twin = vec![f32::poison(); rows * sg];
-        let host_extra = (n_extra > 0).then_some(HostExtraGroupsFp8 {
-            first: first_extra,
-            b: xb.host(),
-            a: Some(xa.host()),
-        });
         fp8::grouped_gemm_swiglu_fp8(
-            a.host(),
-            b.host(),
+            ops.a.host(),
+            ops.b.host(),
             counts,
             &shape,
-            host_extra.as_ref(),
+            ops.host_extra().as_ref(),
             &mut q_twin,
             &mut s_twin,
         )?;
@@ -642,16 +655,6 @@ fn swiglu_gemm_case(
         }
     }
     Ok(())
-}
-
-/// A quantized operand on the device: values and scales.
-type DeviceQuantized = (CudaSlice<F8E4M3>, CudaSlice<f32>);
-
-fn fp8_of(v: &DeviceQuantized) -> DeviceFp8<'_> {
-    DeviceFp8 {
-        q: &v.0,
-        scales: &v.1,
-    }
 }
 
 /// A decode step's two GEMVs back to back, as the layer runs them: the fused gate_up GEMV
@@ -686,54 +689,38 @@ fn gemv_chain_case(
         k: inter,
         layout,
     };
-    let first_extra = groups - extra;
-    let own_rows = counts[first_extra..].iter().copied().max().unwrap_or(0) as usize;
-    let x = random_rows(rng, m_max * first_extra, h);
-    let xa = random_rows(rng, own_rows, h);
-    let w1 = random_weights(rng, first_extra, 2 * inter, h, fp8::FP8_BLOCK);
-    let xw1 = random_weights(rng, extra, 2 * inter, h, fp8::FP8_BLOCK);
+    // The gate_up operands; the down GEMM's weights (its rows are the act).
+    let up = Operands::random(rng, counts, rows, (2 * inter, h), extra);
+    let up_dev = up.to_device(stream)?;
+    let first_extra = up.first_extra;
     let w2 = random_weights(rng, first_extra, h, inter, fp8::FP8_BLOCK);
     let xw2 = random_weights(rng, extra, h, inter, fp8::FP8_BLOCK);
-    let dev = |v: &Quantized| -> Result<DeviceQuantized, Box<dyn std::error::Error>> {
-        Ok((stream.clone_htod(&v.q)?, stream.clone_htod(&v.scales)?))
-    };
-    let (x_d, xa_d, w1_d, xw1_d, w2_d, xw2_d) = (
-        dev(&x)?,
-        dev(&xa)?,
-        dev(&w1)?,
-        dev(&xw1)?,
-        dev(&w2)?,
-        dev(&xw2)?,
-    );
+    let (w2_d, xw2_d) = (to_device(stream, &w2)?, to_device(stream, &xw2)?);
+    let down_extra = (extra > 0).then_some(ExtraGroupsFp8 {
+        first: first_extra,
+        b: fp8_of(&xw2_d),
+        a: None,
+    });
     let counts_dev = stream.clone_htod(counts)?;
+    let starts = gemm::group_starts(counts, layout, rows)?;
     let sg = inter / fp8::FP8_BLOCK;
     for step in 0..3 {
         let mut act = poisoned::<F8E4M3>(stream, rows * inter)?;
         let mut act_s = poisoned::<f32>(stream, rows * sg)?;
         let mut scratch = poisoned::<f32>(stream, rows * inter)?;
         let mut d = poisoned::<bf16>(stream, rows * h)?;
-        let up_extra = (extra > 0).then_some(ExtraGroupsFp8 {
-            first: first_extra,
-            b: fp8_of(&xw1_d),
-            a: Some(fp8_of(&xa_d)),
-        });
         fp8::grouped_gemv_swiglu_fp8_cuda(
             stream,
-            &fp8_of(&x_d),
-            &fp8_of(&w1_d),
+            &fp8_of(&up_dev.a),
+            &fp8_of(&up_dev.b),
             &counts_dev,
             &up_shape,
-            up_extra.as_ref(),
+            up_dev.extra().as_ref(),
             &mut act,
             &mut act_s,
             &mut scratch,
             ws,
         )?;
-        let down_extra = (extra > 0).then_some(ExtraGroupsFp8 {
-            first: first_extra,
-            b: fp8_of(&xw2_d),
-            a: None,
-        });
         fp8::grouped_gemm_fp8_cuda(
             stream,
             &DeviceFp8 {
@@ -753,7 +740,6 @@ fn gemv_chain_case(
             stream.clone_dtoh(&act_s)?,
             stream.clone_dtoh(&d)?,
         );
-        let starts = gemm::group_starts(counts, layout, rows)?;
         check_untouched(&d, h, counts, &starts)?;
         let mut acc = Accuracy::default();
         for (g, (&st, &cnt)) in starts.iter().zip(counts).enumerate() {
@@ -1235,6 +1221,15 @@ fn main() {
         ("one-row", vec![1, 0, 0, 1, 1], 4, 384, 256, 1),
         ("passes", vec![0, 20, 7, 1], 20, 512, 256, 0),
         ("deepseek-v3/one-token-8+1", vec![1; 9], 1, 7168, 2048, 1),
+        // Empty, one-row and three-row groups over several rounds of the grid's warps.
+        (
+            "many-groups",
+            (0..250).map(|g| [0, 1, 3][g % 3]).collect(),
+            3,
+            256,
+            512,
+            2,
+        ),
     ] {
         runner.case(&format!("gemv-chain/masked/{name}"), |rng| {
             gemv_chain_case(&stream, &mut ws, rng, &counts, m_max, (h, inter), extra)
