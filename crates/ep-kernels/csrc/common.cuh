@@ -205,6 +205,16 @@ EP_DEVICE int4 ld_nc_no_alloc(const int4* ptr) {
     return v;
 }
 
+// The same for weights streamed by the GEMVs (a lane quad reading a row's consecutive 16-byte
+// vectors): the L2 fetches the whole 128-byte line with the first request (docs/design.md).
+EP_DEVICE int4 ld_nc_no_alloc_l2_128(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr));
+    return v;
+}
+
 // Non-allocating weak load of data another GPU wrote (ordered by a prior acquire + barrier).
 EP_DEVICE int4 ld_peer_no_alloc(const int4* ptr) {
     int4 v;

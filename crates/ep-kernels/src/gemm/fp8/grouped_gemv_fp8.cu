@@ -6,7 +6,8 @@
 // `grouped_gemm_fp8_cuda` (src/gemm/fp8/cuda/mod.rs) with `GemmTiles::Gemv`.
 //
 // No tile and no shared memory for the operands: a warp owns 16 weight rows (output columns) and
-// streams them from global memory in 16-byte vectors, four lanes covering 64 channels of a row;
+// streams them from global memory in 16-byte vectors, four lanes covering 64 channels of a row
+// (half a 128-byte line: the loads ask the L2 to fetch the whole line at the first request);
 // the group's valid rows are the 8 columns of the B operand of an e4m3 tensor-core MMA
 // (mma.sync m16n8k32, f32 accumulation), so up to 8 rows cost one pass over the weights. The
 // MMA's K order is a permutation of the channels: lane (g, t) hands it bytes t*16 .. t*16+15 of
@@ -284,8 +285,8 @@ EP_DEVICE void gemv_unit(const GemvFp8Params& p, const int* active, int64_t unit
                     const bool in = chunk * kChunk < p.k;
                     const int v = chunk * (kChunk / 16) + tid;
                     const int4 zero = make_int4(0, 0, 0, 0);
-                    wl[u][c] = in ? ep::ld_nc_no_alloc(w_lo + v) : zero;
-                    wh[u][c] = in ? ep::ld_nc_no_alloc(w_hi + v) : zero;
+                    wl[u][c] = in ? ep::ld_nc_no_alloc_l2_128(w_lo + v) : zero;
+                    wh[u][c] = in ? ep::ld_nc_no_alloc_l2_128(w_hi + v) : zero;
                     xv[u][c] = (in && has_x) ? __ldg(x + v) : zero;
                 }
             }
